@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create (once) and print the path of the virtual environment NAME, built from
+# requirements/NAME.txt, with this checkout installed into it (editable, no deps).
+# Venvs live in $ADPKV_VENV_ROOT (default ~/.cache/adpkv/venvs) and are rebuilt
+# only when their requirements file changes.
+set -euo pipefail
+name="$1"
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+req="$repo/requirements/$name.txt"
+root="${ADPKV_VENV_ROOT:-$HOME/.cache/adpkv/venvs}"
+venv="$root/$name"
+stamp="$(sha256sum "$req" | cut -c1-16)"
+if [[ ! -f "$venv/.adpkv-stamp" || "$(cat "$venv/.adpkv-stamp")" != "$stamp" ]]; then
+  echo "[venv] building $venv from requirements/$name.txt (once; reused afterwards)" >&2
+  rm -rf "$venv"
+  mkdir -p "$root"
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip >&2
+  # torch CPU wheels lie on local disk on these machines; pip finds them there.
+  PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}" "$venv/bin/python" -m pip install -q -r "$req" >&2
+  if [[ -f "$repo/requirements/$name.post.sh" ]]; then
+    VENV="$venv" bash "$repo/requirements/$name.post.sh" >&2
+  fi
+  echo "$stamp" > "$venv/.adpkv-stamp"
+fi
+"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo" >&2 2>/dev/null \
+  || "$venv/bin/python" -m pip install -q --no-deps -e "$repo" >&2
+echo "$venv"
