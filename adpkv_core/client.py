@@ -1,0 +1,369 @@
+"""The client SDK every adapter uses to reach its gateway.
+
+One ``GatewayClient`` per engine rank. Calls are non-blocking and return
+``concurrent.futures.Future`` objects; a background I/O thread owns the ZeroMQ
+socket, runs the copy callbacks of data requests and watches deadlines. When
+the gateway stops answering, the client turns the external cache off on this
+rank (logged once) and every later call resolves at once as a miss / no-op:
+the engine keeps serving from its own memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Optional, Sequence
+
+import zmq
+
+from . import protocol as P
+from .ring import Ring
+from .settings import ClientConfig
+
+logger = logging.getLogger("adpkv.client")
+
+TURNED_OFF_MESSAGE = "External KV cache turned off on this rank"
+
+
+class RingBatch:
+    """Objects ``first .. first+count-1`` of a data request, placed in the ring.
+
+    Object ``i`` of the batch starts at ``offset + i*stride``; this rank's part of
+    it is ``slice_bytes`` at ``slice_offset`` within the object. For a GET,
+    ``hits[i]`` says whether object ``first+i`` was found.
+    """
+
+    __slots__ = ("first", "count", "offset", "stride", "object_bytes", "slice_offset",
+                 "slice_bytes", "hits")
+
+    def __init__(self, first, count, offset, stride, object_bytes, slice_offset, slice_bytes, hits):
+        self.first = first
+        self.count = count
+        self.offset = offset
+        self.stride = stride
+        self.object_bytes = object_bytes
+        self.slice_offset = slice_offset
+        self.slice_bytes = slice_bytes
+        self.hits = hits
+
+    def __repr__(self):
+        return (f"RingBatch(first={self.first}, count={self.count}, offset={self.offset}, "
+                f"stride={self.stride}, object_bytes={self.object_bytes})")
+
+
+BatchCallback = Callable[[RingBatch], Optional[bool]]
+
+
+class _Pending:
+    __slots__ = ("future", "op", "n", "on_batch", "deadline", "ok", "slice")
+
+    def __init__(self, future, op, n, on_batch, deadline, slice_):
+        self.future = future
+        self.op = op
+        self.n = n
+        self.on_batch = on_batch
+        self.deadline = deadline
+        self.ok = bytearray(n) if on_batch is not None else None  # copy success per object
+        self.slice = slice_
+
+
+def _done(value) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class GatewayClient:
+    """A connection of one engine rank to its gateway (see docs/internals.md)."""
+
+    def __init__(self, config: ClientConfig, engine_id: str, rank: int = 0, world_size: int = 1,
+                 layout: Optional[dict] = None):
+        self.config = config
+        self.engine_id = engine_id
+        self.rank = rank
+        self.world_size = world_size
+        self.ring: Optional[memoryview] = None
+        self.attach_info: dict = {}
+        self.attach_error: Optional[str] = None
+        self._ring: Optional[Ring] = None
+        self._enabled = True
+        self._closed = False
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._outbox: collections.deque = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._ctx = zmq.Context.instance()
+        self._last_recv = time.monotonic()
+        self._last_ping = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"adpkv-client-rank{rank}", daemon=True)
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(f"tcp://{config.host}:{config.port}")
+        self._thread.start()
+        self._attach(layout or {})
+
+    # ---------------------------------------------------------------- public API
+    @property
+    def enabled(self) -> bool:
+        """False once the external cache was turned off on this rank."""
+        return self._enabled
+
+    def exist(self, keys: Sequence[bytes], marks: Optional[Sequence[int]] = None,
+              lock: bool = False) -> "Future[list[bool]]":
+        """Which keys are stored (one round trip). ``lock`` pins the hits against eviction."""
+        msg = {"op": "EXIST", "keys": list(keys), "lock": bool(lock)}
+        if marks is not None:
+            msg["marks"] = list(marks)
+        return self._call(msg, len(keys), lambda r: P.unpack_flags(r["hits"]))
+
+    def unlock(self, keys: Sequence[bytes]) -> "Future[None]":
+        """Release pins taken by ``exist(lock=True)``."""
+        return self._call({"op": "UNLOCK", "keys": list(keys)}, None, lambda r: None)
+
+    def get(self, keys: Sequence[bytes], object_bytes: int, on_batch: BatchCallback,
+            marks: Optional[Sequence[int]] = None, tag: Optional[str] = None,
+            slice: Optional[tuple[int, int]] = None) -> "Future[list[bool]]":
+        """Read objects into the ring; ``on_batch`` copies each batch out. Resolves with hits."""
+        return self._data("GET", keys, object_bytes, on_batch, marks, tag, slice)
+
+    def put(self, keys: Sequence[bytes], object_bytes: int, on_batch: BatchCallback,
+            marks: Optional[Sequence[int]] = None, tag: Optional[str] = None,
+            slice: Optional[tuple[int, int]] = None) -> "Future[list[bool]]":
+        """``on_batch`` fills ring slots, the gateway stores them. Resolves with stored flags."""
+        return self._data("PUT", keys, object_bytes, on_batch, marks, tag, slice)
+
+    def delete(self, keys: Sequence[bytes]) -> "Future[int]":
+        return self._call({"op": "DELETE", "keys": list(keys)}, None, lambda r: r.get("deleted", 0), 0)
+
+    def clean(self) -> "Future[dict]":
+        """Ask the gateway to delete everything (refused on shared storage)."""
+        return self._call({"op": "CLEAN"}, None, lambda r: r, {"op": "ERROR", "code": "OFF"}, raw_errors=True)
+
+    def stats(self) -> "Future[dict]":
+        return self._call({"op": "STATS"}, None, lambda r: r.get("stats", {}), {})
+
+    def close(self) -> None:
+        """Detach from the gateway and stop the I/O thread."""
+        if self._closed:
+            return
+        if self._enabled:
+            try:
+                self._call({"op": "BYE"}, None, lambda r: None).result(timeout=1.0)
+            except Exception:
+                pass
+        self._closed = True
+        self._wake()
+        self._thread.join(timeout=2.0)
+        if self._ring is not None:
+            self.ring = None
+            self._ring.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ---------------------------------------------------------------- internals
+    def _attach(self, layout: dict) -> None:
+        hello = {"op": "HELLO", "engine": self.engine_id, "rank": self.rank, "world": self.world_size,
+                 "namespace": self.config.namespace, "layout": layout}
+        fut = self._call(hello, None, lambda r: r, None, raw_errors=True)
+        try:
+            reply = fut.result(timeout=self.config.connect_timeout_s)
+        except Exception:
+            reply = None
+        if reply is None:
+            self._turn_off(f"no gateway answered on {self.config.host}:{self.config.port}")
+            return
+        if reply.get("op") == "ERROR":
+            self.attach_error = f"{reply.get('code')}: {reply.get('msg')}"
+            logger.error("Gateway on port %d refused this engine: %s", self.config.port, self.attach_error)
+            self._turn_off(self.attach_error)
+            return
+        self.attach_info = reply
+        self._ring = Ring.attach(reply["ring_path"], reply["ring_size"])
+        self.ring = self._ring.buf
+        logger.info("Attached to the adpkv gateway on port %d as rank %d/%d (ring %s, %d bytes)",
+                    self.config.port, self.rank, self.world_size, reply["ring_path"], reply["ring_size"])
+
+    def _data(self, op, keys, object_bytes, on_batch, marks, tag, slice_):
+        n = len(keys)
+        if n == 0:
+            return _done([])
+        if not self._enabled:
+            return _done([False] * n)
+        msg = {"op": op, "keys": list(keys), "obj": int(object_bytes)}
+        if marks is not None:
+            msg["marks"] = list(marks)
+        if tag is not None:
+            msg["tag"] = str(tag)
+        return self._submit(msg, _Pending(Future(), op, n, on_batch, 0.0,
+                                          slice_ or (0, int(object_bytes))))
+
+    def _call(self, msg, n, convert, off_value: Any = ..., raw_errors: bool = False):
+        if not self._enabled:
+            return _done([False] * n if n is not None else (None if off_value is ... else off_value))
+        fut: Future = Future()
+        outer: Future = Future()
+
+        def finish(f: Future):
+            reply = f.result()
+            if reply is None:
+                outer.set_result([False] * n if n is not None else (None if off_value is ... else off_value))
+            elif reply.get("op") == "ERROR" and not raw_errors:
+                logger.warning("Gateway error on %s: %s %s", msg["op"], reply.get("code"), reply.get("msg"))
+                outer.set_result([False] * n if n is not None else (None if off_value is ... else off_value))
+            else:
+                try:
+                    outer.set_result(convert(reply))
+                except Exception as exc:  # a malformed reply is a miss, never a crash
+                    logger.warning("Bad gateway reply to %s: %s", msg["op"], exc)
+                    outer.set_result([False] * n if n is not None else (None if off_value is ... else off_value))
+
+        fut.add_done_callback(finish)
+        return self._submit(msg, _Pending(fut, msg["op"], n or 0, None, 0.0, None), outer)
+
+    def _submit(self, msg, pending: _Pending, returned: Optional[Future] = None) -> Future:
+        req_id = next(self._ids)
+        msg["id"] = req_id
+        pending.deadline = time.monotonic() + self.config.timeout_s
+        self._outbox.append((req_id, pending, msg))
+        self._wake()
+        return returned if returned is not None else pending.future
+
+    def _wake(self):
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _send(self, msg: dict) -> None:
+        self._sock.send(P.encode(msg), zmq.NOBLOCK)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._closed:
+                poller.poll(100)
+                self._drain_wake()
+                while self._outbox:
+                    req_id, pending, msg = self._outbox.popleft()
+                    if not self._enabled:
+                        self._fail(pending)
+                        continue
+                    self._pending[req_id] = pending
+                    try:
+                        self._send(msg)
+                    except zmq.ZMQError as exc:
+                        self._turn_off(f"send failed: {exc}")
+                while self._enabled:
+                    try:
+                        frame = self._sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._last_recv = time.monotonic()
+                    self._handle(frame)
+                if self._enabled:
+                    self._check_time()
+        finally:
+            self._sock.close(0)
+            for pending in list(self._pending.values()):
+                self._fail(pending)
+            self._pending.clear()
+
+    def _drain_wake(self):
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _check_time(self):
+        now = time.monotonic()
+        for pending in self._pending.values():
+            if now > pending.deadline:
+                self._turn_off(f"{pending.op} got no answer within {self.config.timeout_s:.1f} s")
+                return
+        if self.attach_info and now - self._last_recv > self.config.heartbeat_s \
+                and now - self._last_ping > self.config.heartbeat_s:
+            self._last_ping = now
+            ping_id = next(self._ids)
+            self._pending[ping_id] = _Pending(Future(), "PING", 0, None, now + self.config.timeout_s, None)
+            try:
+                self._send({"op": "PING", "id": ping_id})
+            except zmq.ZMQError as exc:
+                self._turn_off(f"send failed: {exc}")
+
+    def _handle(self, frame: bytes) -> None:
+        try:
+            msg = P.decode(frame)
+        except P.ProtocolError as exc:
+            logger.warning("Ignoring a bad message from the gateway: %s", exc)
+            return
+        pending = self._pending.get(msg.get("id"))
+        if pending is None:
+            return
+        pending.deadline = time.monotonic() + self.config.timeout_s
+        op = msg["op"]
+        if op == "BATCH" and pending.on_batch is not None:
+            self._run_batch(msg, pending)
+            return
+        del self._pending[msg["id"]]
+        if pending.on_batch is None:
+            pending.future.set_result(msg)
+            return
+        if op == "DONE":
+            flags = P.unpack_flags(msg.get("hits") or msg.get("stored") or b"")
+            if len(flags) != pending.n:
+                flags = [False] * pending.n
+            pending.future.set_result([f and bool(c) for f, c in zip(flags, pending.ok)])
+        else:
+            logger.warning("Gateway refused %s: %s %s", pending.op, msg.get("code"), msg.get("msg"))
+            pending.future.set_result([False] * pending.n)
+
+    def _run_batch(self, msg: dict, pending: _Pending) -> None:
+        first, count = msg["first"], msg["count"]
+        hits = P.unpack_flags(msg["hits"]) if "hits" in msg else None
+        batch = RingBatch(first, count, msg["offset"], msg["stride"], msg["obj"],
+                          pending.slice[0], pending.slice[1], hits)
+        ok = True
+        if pending.op == "GET" and hits is not None and not any(hits):
+            pass  # nothing to copy
+        else:
+            try:
+                ok = pending.on_batch(batch) is not False
+            except Exception:
+                logger.exception("adpkv %s copy of %r failed", pending.op, batch)
+                ok = False
+        if ok:
+            pending.ok[first:first + count] = b"\x01" * count
+        reply = {"op": "RELEASE" if pending.op == "GET" else "FILLED", "id": msg["id"],
+                 "batch": msg["batch"], "ok": ok}
+        try:
+            self._send(reply)
+        except zmq.ZMQError as exc:
+            self._turn_off(f"send failed: {exc}")
+
+    def _fail(self, pending: _Pending) -> None:
+        if pending.future.done():
+            return
+        if pending.on_batch is None:
+            pending.future.set_result(None)
+        else:
+            pending.future.set_result([False] * pending.n)
+
+    def _turn_off(self, reason: str) -> None:
+        if not self._enabled:
+            return
+        self._enabled = False
+        logger.warning("%s (%s); the engine goes on without it", TURNED_OFF_MESSAGE, reason)
+        for pending in list(self._pending.values()):
+            self._fail(pending)
+        self._pending.clear()
+        while self._outbox:
+            self._fail(self._outbox.popleft()[1])

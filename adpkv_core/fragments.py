@@ -1,0 +1,39 @@
+"""Fragments: objects larger than ``fragment_size`` are stored as several keys.
+
+The fragments of one object are spread over the card's databases so they can be
+read in parallel. Fragment 0 is written last, so its presence means the whole
+object was written; a missing or corrupt fragment makes the object a miss.
+"""
+
+from __future__ import annotations
+
+import struct
+import xxhash
+
+_FRAG = struct.Struct(">H")
+MAX_FRAGMENTS = 65535
+
+
+def fragment_extents(object_bytes: int, fragment_size: int) -> list[tuple[int, int]]:
+    """(offset, length) of each fragment; one extent when fragment_size is 0."""
+    if object_bytes <= 0:
+        raise ValueError("object size must be positive")
+    if fragment_size <= 0 or object_bytes <= fragment_size:
+        return [(0, object_bytes)]
+    count = -(-object_bytes // fragment_size)
+    if count > MAX_FRAGMENTS:
+        raise ValueError(f"{object_bytes} bytes in {fragment_size}-byte fragments exceeds {MAX_FRAGMENTS} fragments")
+    return [(i * fragment_size, min(fragment_size, object_bytes - i * fragment_size)) for i in range(count)]
+
+
+def fragment_key(key: bytes, index: int) -> bytes:
+    """The storage key of fragment ``index`` of an object."""
+    return key + _FRAG.pack(index)
+
+
+def fragment_db(key: bytes, index: int, num_dbs: int, spread: bool = True) -> int:
+    """The database of a fragment: spread over all databases, or the object's own."""
+    if num_dbs <= 1:
+        return 0
+    h = xxhash.xxh3_64_intdigest(key)
+    return (h + index) % num_dbs if spread else h % num_dbs

@@ -1,0 +1,58 @@
+"""The adapter settings shared by every engine (one vocabulary, three spellings)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+
+@dataclasses.dataclass
+class ClientConfig:
+    """How an adapter reaches its gateway and builds its keys.
+
+    vLLM spells these ``adpkv.<name>`` in kv_connector_extra_config, LMCache in
+    ``adapter_params`` and SGLang in the extra-config of the HiCache backend.
+    """
+
+    port: int = 5557
+    host: str = "127.0.0.1"
+    namespace: str = ""                  # deployment namespace (required on shared cards)
+    key_namespace_from_model: bool = False
+    affinity_chunks: int = 1             # chunks of the prompt start that make the dialog mark
+    fragment_bytes: int = 0              # informational for adapters; the gateway splits objects
+    timeout_s: float = 10.0              # a request without progress for this long turns the cache off
+    connect_timeout_s: float = 3.0       # attach deadline at start
+    heartbeat_s: float = 1.0
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any] | None, prefix: str = "") -> "ClientConfig":
+        """Read the known fields from a mapping (keys optionally prefixed, e.g. ``adpkv.``)."""
+        settings = settings or {}
+        values = {}
+        for f in dataclasses.fields(cls):
+            for name in (prefix + f.name, f.name) if prefix else (f.name,):
+                if name in settings:
+                    values[f.name] = _coerce(f.type, settings[name], name)
+                    break
+        env_affinity = os.environ.get("ADPKV_AFFINITY_CHUNKS")
+        if "affinity_chunks" not in values and env_affinity:
+            values["affinity_chunks"] = int(env_affinity)
+        cfg = cls(**values)
+        if cfg.affinity_chunks < 1:
+            raise ValueError("affinity_chunks must be >= 1")
+        if not 0 < cfg.port < 65536:
+            raise ValueError(f"port {cfg.port} out of range")
+        return cfg
+
+
+def _coerce(type_name: Any, value: Any, name: str) -> Any:
+    kind = {"int": int, "float": float, "str": str, "bool": bool}.get(str(type_name), None)
+    if kind is bool:
+        if isinstance(value, str):
+            return value.strip().lower() in ("1", "true", "yes", "on")
+        return bool(value)
+    try:
+        return kind(value) if kind else value
+    except (TypeError, ValueError):
+        raise ValueError(f"setting {name}={value!r} is not a valid {type_name}") from None

@@ -1,0 +1,95 @@
+"""Which engine is attached: one engine (a set of ranks) per gateway."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Optional
+
+from adpkv_core import protocol as P
+
+logger = logging.getLogger("adpkv.gateway")
+
+
+class Peer:
+    """One attached rank: its ZeroMQ identity and when it was last heard from."""
+
+    __slots__ = ("identity", "rank", "last_seen", "pins")
+
+    def __init__(self, identity: bytes, rank: int):
+        self.identity = identity
+        self.rank = rank
+        self.last_seen = time.monotonic()
+        self.pins: collections.Counter = collections.Counter()
+
+
+class EngineSession:
+    """The engine attached to the gateway: identity, world size, namespace, layout, ranks."""
+
+    def __init__(self, engine_id: str, world: int, namespace: str, layout: dict):
+        self.engine_id = engine_id
+        self.world = world
+        self.namespace = namespace
+        self.layout = layout
+        self.ranks: dict[int, Peer] = {}
+        self.since = time.time()
+
+
+class EngineRegistry:
+    """Attaches and detaches ranks; refuses a second engine while one is attached."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.engine: Optional[EngineSession] = None
+        self.peers: dict[bytes, Peer] = {}
+
+    def attach(self, identity: bytes, msg: dict) -> Peer:
+        engine_id = P.field(msg, "engine", str)
+        rank = P.field(msg, "rank", int)
+        world = P.field(msg, "world", int)
+        namespace = P.field(msg, "namespace", str, "")
+        layout = P.field(msg, "layout", dict, {})
+        if world < 1 or not 0 <= rank < world:
+            raise P.ProtocolError(P.BAD_MESSAGE, f"rank {rank} of world {world} is not valid")
+        if identity in self.peers:
+            raise P.ProtocolError(P.RANK_TAKEN, "this connection is attached already")
+        engine = self.engine
+        if engine is not None and engine.engine_id != engine_id:
+            raise P.ProtocolError(P.ENGINE_BUSY, f"this gateway serves engine {engine.engine_id} "
+                                  f"({len(engine.ranks)} of {engine.world} ranks attached); one engine per "
+                                  "gateway: give the second engine a gateway of its own")
+        if engine is not None and engine.world != world:
+            raise P.ProtocolError(P.BAD_MESSAGE, f"engine {engine_id} attached with world {engine.world}, not {world}")
+        if engine is not None and rank in engine.ranks:
+            raise P.ProtocolError(P.RANK_TAKEN, f"rank {rank} of engine {engine_id} is attached already")
+        if engine is None:
+            engine = self.engine = EngineSession(engine_id, world, namespace, layout)
+            logger.info("Engine %s attached (world %d, namespace %r)", engine_id, world, namespace)
+        peer = Peer(identity, rank)
+        engine.ranks[rank] = peer
+        self.peers[identity] = peer
+        logger.info("Rank %d of engine %s attached", rank, engine_id)
+        return peer
+
+    def seen(self, identity: bytes) -> Optional[Peer]:
+        peer = self.peers.get(identity)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+        return peer
+
+    def detach(self, identity: bytes, why: str) -> Optional[Peer]:
+        peer = self.peers.pop(identity, None)
+        if peer is None or self.engine is None:
+            return peer
+        self.engine.ranks.pop(peer.rank, None)
+        logger.info("Rank %d of engine %s detached (%s)", peer.rank, self.engine.engine_id, why)
+        if not self.engine.ranks:
+            logger.info("Engine %s detached; the gateway is free", self.engine.engine_id)
+            self.engine = None
+        return peer
+
+    def expired(self) -> list[bytes]:
+        """Identities silent for longer than the timeout."""
+        limit = time.monotonic() - self.timeout_s
+        return [ident for ident, peer in self.peers.items() if peer.last_seen < limit]

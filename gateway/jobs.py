@@ -1,0 +1,75 @@
+"""Data requests in flight: a GET or PUT job, split into batches of ring slots.
+
+A job serves one request: one rank's own (independent) or every rank's part of
+a collective one. The server hands it ring extents batch by batch (at most
+``MAX_BATCHES_IN_FLIGHT`` at a time), so a request larger than the ring runs
+in several batches and the ring size never limits a request.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+MAX_BATCHES_IN_FLIGHT = 2
+
+
+class Participant:
+    """A rank taking part in a job: where replies go and which request id they echo."""
+
+    __slots__ = ("identity", "req_id")
+
+    def __init__(self, identity: bytes, req_id: int):
+        self.identity = identity
+        self.req_id = req_id
+
+
+class Batch:
+    """Objects ``first .. first+count-1`` of a job placed at ring ``offset``."""
+
+    __slots__ = ("id", "job", "first", "count", "offset", "nbytes", "io_left", "frag_left",
+                 "flags", "waiting", "fill_ok")
+
+    def __init__(self, batch_id: int, job: "DataJob", first: int, count: int, offset: int, nbytes: int):
+        self.id = batch_id
+        self.job = job
+        self.first = first
+        self.count = count
+        self.offset = offset
+        self.nbytes = nbytes
+        self.io_left = 0
+        self.frag_left = [0] * count
+        self.flags = bytearray(count)          # per object: found (GET) / stored (PUT)
+        self.waiting: set[bytes] = set()       # identities that still have to RELEASE / FILL
+        self.fill_ok = True
+
+    def object_offset(self, j: int) -> int:
+        return self.offset + j * self.job.stride
+
+
+class DataJob:
+    """One GET or PUT request of one or more ranks."""
+
+    def __init__(self, op: str, keys: Sequence[bytes], marks: Optional[Sequence[int]], object_bytes: int,
+                 stride: int, participants: list[Participant]):
+        self.op = op
+        self.keys = list(keys)
+        self.marks = list(marks) if marks else None
+        self.object_bytes = object_bytes
+        self.stride = stride
+        self.participants = participants
+        self.next = 0
+        self.batches: dict[int, Batch] = {}
+        self.results = bytearray(len(self.keys))
+
+    @property
+    def n(self) -> int:
+        return len(self.keys)
+
+    def mark(self, i: int) -> int:
+        return self.marks[i] if self.marks else 0
+
+    def finished(self) -> bool:
+        return self.next >= self.n and not self.batches
+
+    def wants_more(self) -> bool:
+        return self.next < self.n and len(self.batches) < MAX_BATCHES_IN_FLIGHT

@@ -1,0 +1,42 @@
+"""``adpkv-gateway``: run the storage gateway."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import config as cfg
+from .cards import CardError
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="adpkv-gateway", description="The adpkv storage gateway: serves one "
+                                     "engine's KV pages from storage cards (see docs/gateway.md).")
+    cfg.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = cfg.from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"adpkv-gateway: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=getattr(logging, config.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .server import Gateway
+    try:
+        gateway = Gateway(config)
+    except CardError as exc:
+        logging.getLogger("adpkv.gateway").error("%s", exc)
+        return 2
+    except SystemExit as exc:
+        logging.getLogger("adpkv.gateway").error("%s", exc)
+        return 2
+    except OSError as exc:
+        logging.getLogger("adpkv.gateway").error("cannot start: %s", exc)
+        return 2
+    gateway.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Allocation of ring extents to batches (first fit over a sorted free list)."""
+
+from __future__ import annotations
+
+import bisect
+
+from adpkv_core.ring import RING_ALIGN
+
+
+class RingAllocator:
+    """Hands out aligned, contiguous extents of the ring; ``free`` coalesces."""
+
+    def __init__(self, size: int, align: int = RING_ALIGN):
+        self.size = size - size % align
+        self.align = align
+        self._starts = [0]        # sorted starts of free extents
+        self._lens = [self.size]
+        self.in_use = 0
+
+    def largest_free(self) -> int:
+        return max(self._lens, default=0)
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a free extent of ``nbytes`` (rounded up to the alignment), or None."""
+        nbytes = -(-nbytes // self.align) * self.align
+        for i, length in enumerate(self._lens):
+            if length >= nbytes:
+                start = self._starts[i]
+                if length == nbytes:
+                    del self._starts[i], self._lens[i]
+                else:
+                    self._starts[i] += nbytes
+                    self._lens[i] -= nbytes
+                self.in_use += nbytes
+                return start
+        return None
+
+    def free(self, offset: int, nbytes: int) -> None:
+        nbytes = -(-nbytes // self.align) * self.align
+        i = bisect.bisect_left(self._starts, offset)
+        if (i < len(self._starts) and self._starts[i] < offset + nbytes) or \
+                (i > 0 and self._starts[i - 1] + self._lens[i - 1] > offset):
+            raise ValueError(f"double free of ring extent [{offset}, {offset + nbytes})")
+        self._starts.insert(i, offset)
+        self._lens.insert(i, nbytes)
+        self.in_use -= nbytes
+        if i + 1 < len(self._starts) and offset + nbytes == self._starts[i + 1]:
+            self._lens[i] += self._lens.pop(i + 1)
+            self._starts.pop(i + 1)
+        if i > 0 and self._starts[i - 1] + self._lens[i - 1] == offset:
+            self._lens[i - 1] += self._lens.pop(i)
+            self._starts.pop(i)

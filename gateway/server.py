@@ -1,0 +1,500 @@
+"""The gateway process: one ZeroMQ loop for control, a thread pool for card I/O.
+
+All request state lives in the loop's thread; card I/O runs on the pool and
+reports back through a completion queue that wakes the loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import zmq
+
+from adpkv_core import protocol as P
+from adpkv_core.keys import KEY_BYTES
+from adpkv_core.ring import Ring, max_parallel_ios, object_stride, ring_path
+
+from .cards import open_cards
+from .config import GatewayConfig
+from .engines import EngineRegistry, Peer
+from .jobs import Batch, DataJob, Participant
+from .ring_alloc import RingAllocator
+from .status import render_status, write_status_file
+from .store import ObjectStore
+
+logger = logging.getLogger("adpkv.gateway")
+
+MAX_KEYS_PER_REQUEST = 1 << 20
+
+
+class Gateway:
+    """Serves one engine's ranks on ``bind_address:port`` from the configured cards."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.started = time.time()
+        holder: dict = {}
+        cards = open_cards(config, is_pinned=lambda key: holder["store"].is_pinned(key))
+        self.store = holder["store"] = ObjectStore(cards, config.storage_slots, config.num_dbs,
+                                                   config.key_placement, config.fragment_size,
+                                                   config.fragment_spread_across_dbs)
+        logger.info("Key layout fingerprint %s", self.store.fingerprint)
+        if config.key_layout_fingerprint and config.key_layout_fingerprint != self.store.fingerprint:
+            raise SystemExit(f"key layout fingerprint {self.store.fingerprint} differs from the configured "
+                             f"key_layout_fingerprint {config.key_layout_fingerprint}: this gateway would place "
+                             "keys elsewhere than its peers; refusing to start")
+        for card in cards:
+            logger.info("Card %s (%s %s) Group Health: active", card.serial, card.kind, card.device)
+        if int(config.start_clean):
+            logger.info("start_clean: removed %d objects", self.store.clean())
+        self.ring = Ring.create(ring_path(config.port), config.shared_memory_size)
+        self.alloc = RingAllocator(self.ring.size)
+        logger.info("Ring %s: %d bytes; io_size %d; max_parallel_ios = %d", self.ring.path, self.ring.size,
+                    config.io_size, max_parallel_ios(self.ring.size, config.io_size))
+        self.pool = ThreadPoolExecutor(config.thread_pool_size, thread_name_prefix="adpkv-io")
+        self.engines = EngineRegistry(config.engine_timeout_s)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.bind(f"tcp://{config.bind_address}:{config.port}")
+        self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self.jobs: "collections.OrderedDict[int, DataJob]" = collections.OrderedDict()
+        self.batches: dict[int, Batch] = {}
+        self.collectives: dict[str, dict[int, tuple[bytes, dict]]] = {}
+        self.ids = itertools.count(1)
+        self.counters = collections.Counter()
+        self.stopping = False
+        self.max_batch_bytes = self.ring.size // 2
+        logger.info("Gateway listening on %s:%d", config.bind_address, config.port)
+
+    # ================================================================ the loop
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.wake_r, zmq.POLLIN)
+        next_tick = 0.0
+        try:
+            while not self.stopping:
+                poller.poll(200)
+                self._drain_completions()
+                for _ in range(1000):
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_frames(frames)
+                    self._drain_completions()
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + 1.0
+                    self._tick()
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        self.stopping = True
+        try:
+            os.write(self.wake_w, b"x")
+        except OSError:
+            pass
+
+    def _tick(self) -> None:
+        for ident in self.engines.expired():
+            self._detach(ident, f"no message for {self.config.engine_timeout_s:.0f} s")
+        if self.config.status_file:
+            try:
+                write_status_file(self.config.status_file, render_status(self))
+            except OSError as exc:
+                logger.warning("cannot write the status file %s: %s", self.config.status_file, exc)
+
+    def _shutdown(self) -> None:
+        logger.info("Gateway stopping: finishing card I/O in flight")
+        self.pool.shutdown(wait=True)
+        self._drain_completions()
+        if self.config.status_file:
+            try:
+                write_status_file(self.config.status_file, render_status(self))
+            except OSError:
+                pass
+        self.sock.close(0)
+        self.ctx.term()
+        for card in self.store.cards:
+            card.close()
+        self.ring.close()
+        logger.info("Gateway stopped")
+
+    # ================================================================ messages
+    def _send(self, identity: bytes, msg: dict) -> None:
+        try:
+            self.sock.send_multipart([identity, P.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.debug("reply to a gone peer dropped: %s", exc)
+
+    def _on_frames(self, frames: list) -> None:
+        if len(frames) != 2:
+            if frames:
+                self._send(frames[0], P.error(None, P.BAD_MESSAGE, f"expected one frame, got {len(frames) - 1}"))
+            return
+        identity, frame = frames
+        req_id = None
+        try:
+            msg = P.decode(frame)
+            req_id = msg.get("id")
+            handler = self._handlers.get(msg["op"])
+            if handler is None:
+                raise P.ProtocolError(P.UNKNOWN_OP, f"unknown op {msg['op']!r}")
+            peer = self.engines.seen(identity)
+            if peer is None and msg["op"] not in ("HELLO", "PING", "STATS", "CLEAN"):
+                raise P.ProtocolError(P.NOT_ATTACHED, f"{msg['op']} before HELLO")
+            handler(self, identity, peer, msg)
+        except P.ProtocolError as exc:
+            self.counters["bad_requests"] += 1
+            logger.warning("Refused a request from %s: %s", identity.hex(), exc)
+            self._send(identity, P.error(req_id, exc.code, exc.message))
+        except Exception as exc:  # a bug must not take the gateway down for everyone
+            logger.exception("Internal error on a request")
+            self._send(identity, P.error(req_id, P.INTERNAL, str(exc)))
+
+    def _ok(self, identity: bytes, msg: dict, **fields) -> None:
+        self._send(identity, {"op": "OK", "id": msg.get("id"), **fields})
+
+    def _on_hello(self, identity, peer, msg):
+        self.engines.attach(identity, msg)
+        self._ok(identity, msg, ring_path=self.ring.path, ring_size=self.ring.size,
+                 fragment_size=self.config.fragment_size, fingerprint=self.store.fingerprint,
+                 max_batch_bytes=self.max_batch_bytes)
+
+    def _on_bye(self, identity, peer, msg):
+        self._ok(identity, msg)
+        self._detach(identity, "closed")
+
+    def _on_ping(self, identity, peer, msg):
+        self._ok(identity, msg)
+
+    def _keys(self, msg) -> tuple[list[bytes], Optional[list[int]]]:
+        keys = P.field(msg, "keys", list)
+        if len(keys) > MAX_KEYS_PER_REQUEST:
+            raise P.ProtocolError(P.BAD_MESSAGE, f"{len(keys)} keys in one request (limit {MAX_KEYS_PER_REQUEST})")
+        for k in keys:
+            if not isinstance(k, bytes) or len(k) != KEY_BYTES:
+                raise P.ProtocolError(P.BAD_MESSAGE, f"a key must be {KEY_BYTES} bytes")
+        marks = P.field(msg, "marks", list, None)
+        if marks is not None:
+            if len(marks) != len(keys):
+                raise P.ProtocolError(P.BAD_MESSAGE, "marks and keys differ in length")
+            if not all(isinstance(m, int) and not isinstance(m, bool) and 0 <= m < 1 << 64 for m in marks):
+                raise P.ProtocolError(P.BAD_MESSAGE, "a mark must be an unsigned 64-bit integer")
+        return keys, marks
+
+    def _on_exist(self, identity, peer: Peer, msg):
+        keys, marks = self._keys(msg)
+        hits = self.store.exists(keys, marks)
+        if P.field(msg, "lock", bool, False):
+            locked = [k for k, h in zip(keys, hits) if h]
+            self.store.pin(locked)
+            peer.pins.update(locked)
+        self.counters["exist_requests"] += 1
+        self._ok(identity, msg, hits=P.pack_flags(hits))
+
+    def _on_unlock(self, identity, peer: Peer, msg):
+        keys, _ = self._keys(msg)
+        self._release_pins(peer, keys)
+        self._ok(identity, msg)
+
+    def _release_pins(self, peer: Peer, keys) -> None:
+        mine = [k for k in keys if peer.pins.get(k)]
+        for k in mine:
+            peer.pins[k] -= 1
+            if peer.pins[k] <= 0:
+                del peer.pins[k]
+        self.store.unpin(mine)
+
+    def _on_delete(self, identity, peer, msg):
+        keys, marks = self._keys(msg)
+        self._ok(identity, msg, deleted=self.store.delete(keys, marks))
+
+    def _on_clean(self, identity, peer, msg):
+        if self.config.shared_storage:
+            logger.warning("CLEAN refused: shared_storage is set; nothing was deleted")
+            raise P.ProtocolError(P.CLEAN_REFUSED, "shared_storage: the cards are shared, nothing was deleted")
+        if self.jobs:
+            raise P.ProtocolError(P.CLEAN_REFUSED, "requests are in flight; nothing was deleted")
+        deleted = self.store.clean()
+        logger.info("CLEAN: %d objects deleted", deleted)
+        self._ok(identity, msg, deleted=deleted)
+
+    def _on_stats(self, identity, peer, msg):
+        self._ok(identity, msg, stats=self.stats())
+
+    # ================================================================ data requests
+    def _on_data(self, identity, peer: Peer, msg):
+        keys, marks = self._keys(msg)
+        obj = P.field(msg, "obj", int)
+        if obj <= 0:
+            raise P.ProtocolError(P.BAD_MESSAGE, "obj (object size) must be positive")
+        stride = object_stride(obj)
+        if stride > self.max_batch_bytes:
+            raise P.ProtocolError(P.TOO_LARGE, f"an object of {obj} bytes does not fit half the ring "
+                                  f"({self.max_batch_bytes} bytes); raise shared_memory_size")
+        tag = P.field(msg, "tag", str, None)
+        engine = self.engines.engine
+        if tag is None or engine is None or engine.world == 1:
+            self._start(DataJob(msg["op"], keys, marks, obj, stride, [Participant(identity, msg["id"])]))
+            return
+        parts = self.collectives.setdefault(tag, {})
+        if peer.rank in parts:
+            del self.collectives[tag]
+            self._fail_collective(parts, f"rank {peer.rank} sent tag {tag!r} twice")
+            raise P.ProtocolError(P.COLLECTIVE_MISMATCH, f"rank {peer.rank} sent tag {tag!r} twice")
+        parts[peer.rank] = (identity, msg)
+        if len(parts) < engine.world:
+            return
+        del self.collectives[tag]
+        first = parts[0][1] if 0 in parts else next(iter(parts.values()))[1]
+        for ident, m in parts.values():
+            if m["op"] != first["op"] or m["keys"] != first["keys"] or m["obj"] != first["obj"]:
+                self._fail_collective(parts, f"ranks sent different requests for tag {tag!r}")
+                return
+        self._start(DataJob(msg["op"], keys, marks, obj, stride,
+                            [Participant(ident, m["id"]) for ident, m in parts.values()]))
+
+    def _fail_collective(self, parts, why: str) -> None:
+        for ident, m in parts.values():
+            self._send(ident, P.error(m.get("id"), P.COLLECTIVE_MISMATCH, why))
+
+    def _start(self, job: DataJob) -> None:
+        self.counters[job.op.lower() + "_requests"] += 1
+        self.jobs[id(job)] = job
+        self._pump()
+
+    def _pump(self) -> None:
+        """Give ring extents to jobs that want them, oldest first."""
+        for job in list(self.jobs.values()):
+            while job.wants_more():
+                largest = self.alloc.largest_free()
+                count = min(job.n - job.next, self.max_batch_bytes // job.stride, largest // job.stride)
+                if count <= 0:
+                    return  # the ring is busy: wait for a release, keep the order
+                nbytes = count * job.stride
+                offset = self.alloc.alloc(nbytes)
+                batch = Batch(next(self.ids), job, job.next, count, offset, nbytes)
+                job.next += count
+                job.batches[batch.id] = batch
+                self.batches[batch.id] = batch
+                if job.op == "GET":
+                    self._read_batch(batch)
+                else:
+                    self._offer_batch(batch)
+            if job.finished():
+                self._finish(job)
+
+    def _batch_msg(self, batch: Batch, participant: Participant, with_hits: bool) -> dict:
+        msg = {"op": "BATCH", "id": participant.req_id, "batch": batch.id, "first": batch.first,
+               "count": batch.count, "offset": batch.offset, "stride": batch.job.stride,
+               "obj": batch.job.object_bytes}
+        if with_hits:
+            msg["hits"] = bytes(batch.flags)
+        return msg
+
+    # ---------------------------------------------------------------- GET
+    def _read_batch(self, batch: Batch) -> None:
+        job = batch.job
+        heads = self.store.exists(job.keys[batch.first:batch.first + batch.count],
+                                  job.marks[batch.first:batch.first + batch.count] if job.marks else None)
+        for j in range(batch.count):
+            if not heads[j]:
+                continue
+            i = batch.first + j
+            frags = self.store.fragments(job.keys[i], job.mark(i), job.object_bytes)
+            batch.frag_left[j] = len(frags)
+            batch.flags[j] = 1
+            base = batch.object_offset(j)
+            for frag in frags:
+                batch.io_left += 1
+                view = self.ring.slot(base + frag.offset, frag.length)
+                fut = self.pool.submit(self.store.read, frag, view)
+                fut.add_done_callback(lambda f, b=batch, j=j: self._complete(("read", b, j, f)))
+        if batch.io_left == 0:
+            self._read_done(batch)
+
+    def _read_done(self, batch: Batch) -> None:
+        job = batch.job
+        hits = sum(batch.flags)
+        self.store.counters["hits"] += hits
+        self.store.counters["misses"] += batch.count - hits
+        job.results[batch.first:batch.first + batch.count] = batch.flags
+        batch.waiting = {p.identity for p in job.participants if p.identity in self.engines.peers}
+        for p in job.participants:
+            if p.identity in batch.waiting:
+                self._send(p.identity, self._batch_msg(batch, p, with_hits=True))
+        if not batch.waiting:
+            self._retire(batch)
+
+    # ---------------------------------------------------------------- PUT
+    def _offer_batch(self, batch: Batch) -> None:
+        job = batch.job
+        batch.waiting = {p.identity for p in job.participants if p.identity in self.engines.peers}
+        for p in job.participants:
+            if p.identity in batch.waiting:
+                self._send(p.identity, self._batch_msg(batch, p, with_hits=False))
+        if not batch.waiting:
+            batch.fill_ok = False
+            self._write_batch(batch)
+
+    def _write_batch(self, batch: Batch) -> None:
+        job = batch.job
+        if batch.fill_ok:
+            for j in range(batch.count):
+                i = batch.first + j
+                frags = self.store.fragments(job.keys[i], job.mark(i), job.object_bytes)
+                view = self.ring.slot(batch.object_offset(j), job.object_bytes)
+                batch.io_left += 1
+                fut = self.pool.submit(self.store.write_object, frags, view)
+                fut.add_done_callback(lambda f, b=batch, j=j: self._complete(("write", b, j, f)))
+        if batch.io_left == 0:
+            self._write_done(batch)
+
+    def _write_done(self, batch: Batch) -> None:
+        stored = sum(batch.flags)
+        self.store.counters["stored"] += stored
+        self.store.counters["store_failed"] += batch.count - stored
+        batch.job.results[batch.first:batch.first + batch.count] = batch.flags
+        self._retire(batch)
+
+    # ---------------------------------------------------------------- RELEASE / FILLED
+    def _on_ack(self, identity, peer, msg):
+        batch_id = P.field(msg, "batch", int)
+        batch = self.batches.get(batch_id)
+        if batch is None or identity not in batch.waiting:
+            raise P.ProtocolError(P.UNKNOWN_BATCH, f"batch {batch_id} is not waiting for this rank")
+        want = "RELEASE" if batch.job.op == "GET" else "FILLED"
+        if msg["op"] != want:
+            raise P.ProtocolError(P.BAD_MESSAGE, f"batch {batch_id} of a {batch.job.op} wants {want}")
+        batch.waiting.discard(identity)
+        if msg["op"] == "FILLED" and not P.field(msg, "ok", bool, True):
+            batch.fill_ok = False
+        if not batch.waiting:
+            if batch.job.op == "GET":
+                self._retire(batch)
+            else:
+                self._write_batch(batch)
+
+    def _retire(self, batch: Batch) -> None:
+        """The batch is done with the ring: free its extent and move its job on."""
+        job = batch.job
+        self.alloc.free(batch.offset, batch.nbytes)
+        del job.batches[batch.id]
+        del self.batches[batch.id]
+        self._pump()
+        if job.finished() and id(job) in self.jobs:
+            self._finish(job)
+
+    def _finish(self, job: DataJob) -> None:
+        if self.jobs.pop(id(job), None) is None:
+            return  # finished already
+        field = "hits" if job.op == "GET" else "stored"
+        for p in job.participants:
+            if p.identity in self.engines.peers:
+                if job.op == "GET":
+                    self._release_pins(self.engines.peers[p.identity], job.keys)
+                self._send(p.identity, {"op": "DONE", "id": p.req_id, field: bytes(job.results)})
+
+    # ---------------------------------------------------------------- completions
+    def _complete(self, item) -> None:
+        self.done_q.put(item)
+        try:
+            os.write(self.wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _drain_completions(self) -> None:
+        try:
+            while os.read(self.wake_r, 65536):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        while True:
+            try:
+                kind, batch, j, fut = self.done_q.get_nowait()
+            except queue.Empty:
+                return
+            ok = fut.exception() is None and bool(fut.result())
+            batch.io_left -= 1
+            if kind == "read":
+                batch.frag_left[j] -= 1
+                if not ok:
+                    batch.flags[j] = 0
+                if batch.io_left == 0:
+                    self._read_done(batch)
+            else:
+                batch.flags[j] = 1 if ok else 0
+                if batch.io_left == 0:
+                    self._write_done(batch)
+
+    # ---------------------------------------------------------------- detach
+    def _detach(self, identity: bytes, why: str) -> None:
+        peer = self.engines.detach(identity, why)
+        if peer is None:
+            return
+        self.store.unpin(list(peer.pins.elements()))
+        for tag, parts in list(self.collectives.items()):
+            if any(ident == identity for ident, _ in parts.values()):
+                del self.collectives[tag]
+                self._fail_collective({r: v for r, v in parts.items() if v[0] != identity},
+                                      f"rank {peer.rank} left before sending its part")
+        for batch in list(self.batches.values()):
+            if identity in batch.waiting:
+                batch.waiting.discard(identity)
+                if batch.job.op == "PUT":
+                    batch.fill_ok = False
+                if not batch.waiting:
+                    if batch.job.op == "GET":
+                        self._retire(batch)
+                    else:
+                        self._write_batch(batch)
+
+    # ---------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        cards = []
+        for card, st in zip(self.store.cards, self.store.stats):
+            u = card.usage()
+            cards.append({"serial": card.serial, "device": card.device, "kind": card.kind, "active": True,
+                          "used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes, "objects": u.objects,
+                          "reads": st.reads, "writes": st.writes, "bytes_read": st.bytes_read,
+                          "bytes_written": st.bytes_written, "read_errors": st.read_errors,
+                          "write_errors": st.write_errors, "io_seconds": st.io_seconds,
+                          "io_count": st.io_count, "io_max_seconds": st.io_max_s,
+                          "evicted": getattr(card, "evicted", 0)})
+        engine = self.engines.engine
+        return {
+            "port": self.config.port, "uptime_s": time.time() - self.started,
+            "fingerprint": self.store.fingerprint, "placement": self.config.key_placement,
+            "storage_slots": self.config.storage_slots, "num_dbs": self.config.num_dbs,
+            "shared_storage": bool(self.config.shared_storage),
+            "ring_size": self.ring.size, "ring_in_use": self.alloc.in_use,
+            "requests_in_flight": len(self.jobs), "pinned": self.store.pinned_count(),
+            "engine": None if engine is None else {"id": engine.engine_id, "world": engine.world,
+                                                   "ranks": sorted(engine.ranks), "namespace": engine.namespace},
+            "counters": dict(self.counters), "objects": dict(self.store.counters), "cards": cards,
+        }
+
+    _handlers = {
+        "HELLO": _on_hello, "BYE": _on_bye, "PING": _on_ping, "EXIST": _on_exist, "UNLOCK": _on_unlock,
+        "DELETE": _on_delete, "CLEAN": _on_clean, "STATS": _on_stats, "GET": _on_data, "PUT": _on_data,
+        "RELEASE": _on_ack, "FILLED": _on_ack,
+    }
