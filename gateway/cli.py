@@ -1,0 +1,136 @@
+"""``adpkv``: the operator CLI (status, usage, clean, bench, demo)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import control
+from .config import load_yaml
+
+MiB = 1 << 20
+
+
+def _size(text: str) -> int:
+    t = text.strip().lower()
+    for suffix, mult in (("kib", 1024), ("mib", MiB), ("gib", 1 << 30), ("k", 1024), ("m", MiB), ("g", 1 << 30)):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(t)
+
+
+def _target(args) -> tuple[str, int]:
+    if args.config:
+        data = load_yaml(args.config)
+        return data.get("bind_address", "127.0.0.1"), int(data.get("port", 5557))
+    return args.host, args.port
+
+
+def _ask(args, op: str) -> dict:
+    host, port = _target(args)
+    reply = control.request(port, {"op": op}, host=host, timeout_s=args.timeout)
+    if reply is None:
+        raise SystemExit(f"adpkv: no gateway answered on {host}:{port} (is adpkv-gateway running? see --port/--config)")
+    return reply
+
+
+def cmd_status(args) -> int:
+    stats = _ask(args, "STATS")["stats"]
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    eng = stats["engine"]
+    print(f"gateway :{stats['port']}  up {stats['uptime_s']:.0f} s  fingerprint {stats['fingerprint']}  "
+          f"placement {stats['placement']}  slots {stats['storage_slots']}  dbs {stats['num_dbs']}"
+          f"{'  shared' if stats['shared_storage'] else ''}")
+    engine = "none" if eng is None else f"{eng['id']} ranks {eng['ranks']} of {eng['world']}"
+    print(f"engine  : {engine}  ring {stats['ring_in_use'] / MiB:.0f}/{stats['ring_size'] / MiB:.0f} MiB  "
+          f"requests in flight {stats['requests_in_flight']}")
+    o = stats["objects"]
+    print(f"objects : hits {o.get('hits', 0)}  misses {o.get('misses', 0)}  stored {o.get('stored', 0)}  "
+          f"store failed {o.get('store_failed', 0)}")
+    for c in stats["cards"]:
+        print(f"card {c['serial']}  {c['kind']} {c['device']}  {'active' if c['active'] else 'INACTIVE'}  "
+              f"{c['used_bytes'] / MiB:.1f}/{c['capacity_bytes'] / MiB:.0f} MiB  {c['objects']} objects  "
+              f"io errors {c['read_errors'] + c['write_errors']}")
+    return 0
+
+
+def cmd_usage(args) -> int:
+    stats = _ask(args, "STATS")["stats"]
+    used = sum(c["used_bytes"] for c in stats["cards"])
+    cap = sum(c["capacity_bytes"] for c in stats["cards"])
+    objs = sum(c["objects"] for c in stats["cards"])
+    print(f"{used} bytes used of {cap} ({100.0 * used / cap if cap else 0:.2f}%), {objs} objects "
+          f"on {len(stats['cards'])} card(s)")
+    return 0
+
+
+def cmd_clean(args) -> int:
+    if not args.yes:
+        raise SystemExit("adpkv clean deletes every object on the gateway's cards; add --yes to confirm")
+    reply = _ask(args, "CLEAN")
+    if reply["op"] == "ERROR":
+        print(f"adpkv clean: {reply['code']}: {reply['msg']}", file=sys.stderr)
+        return 1
+    print(f"deleted {reply['deleted']} objects")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+    sizes = [_size(s) for s in args.sizes.split(",")]
+    regimes = ["cold", "hot"] if args.regime == "both" else [args.regime]
+    port = None
+    if args.port_given:
+        port = _target(args)[1]
+        regimes = regimes[:1]
+    print(f"adpkv bench: {', '.join(f'{s // 1024} KiB' for s in sizes)}; {args.ranks} rank(s); "
+          f"{args.total // MiB} MiB per size; regimes {', '.join(regimes)}; dir {os.path.abspath(args.dir)}")
+    results = bench.run(args.dir, sizes, regimes, args.total, args.ranks, args.per_request, args.threads, port)
+    top = bench.headline(results)
+    print(f"store_vs_raw={top.store_vs_raw:.2f} restore_vs_raw={top.restore_vs_raw:.2f}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+    return run_demo(args.dir, args.tokens, args.layers)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="adpkv", description="Operate an adpkv gateway.")
+    p.add_argument("--config", help="the gateway's YAML (finds its port)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="gateway port (default 5557)")
+    p.add_argument("--timeout", type=float, default=3.0)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("status", help="cards, health, fingerprint, usage")
+    s.add_argument("--json", action="store_true")
+    sub.add_parser("usage", help="bytes and objects stored")
+    c = sub.add_parser("clean", help="delete everything (refused on shared storage)")
+    c.add_argument("--yes", action="store_true")
+    b = sub.add_parser("bench", help="store/restore through a gateway vs raw file I/O on the same disk")
+    b.add_argument("--sizes", default="128KiB,1MiB,3MiB")
+    b.add_argument("--regime", choices=["cold", "hot", "both"], default="both")
+    b.add_argument("--ranks", type=int, default=1)
+    b.add_argument("--total", type=_size, default=512 * MiB, help="bytes per size (default 512MiB)")
+    b.add_argument("--per-request", type=int, default=64, help="objects per request (one layer request)")
+    b.add_argument("--threads", type=int, default=16)
+    b.add_argument("--dir", default="./adpkv-bench", help="where the bench card and raw files go")
+    d = sub.add_parser("demo", help="start a gateway on ./adpkv-card, store a prompt's KV, restart, restore")
+    d.add_argument("--dir", default="./adpkv-card")
+    d.add_argument("--tokens", type=int, default=16384)
+    d.add_argument("--layers", type=int, default=8)
+    args = p.parse_args(argv)
+    args.port_given = args.port is not None or args.config is not None
+    if args.port is None:
+        args.port = 5557
+    handlers = {"status": cmd_status, "usage": cmd_usage, "clean": cmd_clean, "bench": cmd_bench, "demo": cmd_demo}
+    return handlers[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

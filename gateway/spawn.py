@@ -1,0 +1,92 @@
+"""Start and stop a gateway as a child process (for the demo, the bench and tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+from .control import wait_until_up
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GatewayProcess:
+    """``python -m adpkv_gateway.main`` with the given settings; its log goes to ``log_path``."""
+
+    def __init__(self, card_dirs, port: Optional[int] = None, log_path: Optional[str] = None,
+                 **settings):
+        self.card_dirs = [card_dirs] if isinstance(card_dirs, str) else list(card_dirs)
+        self.port = port or free_port()
+        self.settings = dict(settings)
+        self.log_path = log_path or os.path.join(self.card_dirs[0] + ".gateway.log")
+        self.proc: Optional[subprocess.Popen] = None
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "adpkv_gateway.main", "--port", str(self.port),
+               "--storage-devices", *self.card_dirs]
+        for name, value in self.settings.items():
+            if isinstance(value, bool):
+                value = int(value)
+            cmd += ["--" + name.replace("_", "-"), str(value)]
+        return cmd
+
+    def start(self, wait: bool = True, timeout_s: float = 30.0) -> "GatewayProcess":
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log.close()
+        if wait and not wait_until_up(self.port, timeout_s):
+            code = self.proc.poll()
+            self.kill()
+            raise RuntimeError(f"gateway on port {self.port} did not come up (exit code {code}); "
+                               f"log:\n{self.log()}")
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM and wait: a graceful stop."""
+        if self.proc is None:
+            return 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def restart(self, hard: bool = False) -> "GatewayProcess":
+        self.kill() if hard else self.stop()
+        return self.start()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+                return fh.read()
+        except OSError:
+            return ""
+
+    def __enter__(self):
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc):
+        if self.alive():
+            self.stop()
+        time.sleep(0)

@@ -1,0 +1,157 @@
+"""``AdpL2AdapterConfig``: the ``adapter_params`` of the adpkv L2 adapter.
+
+LMCache finds this class by convention (``<class_name>Config`` in the plugin
+module) and builds it with ``from_dict(adapter_params)``; on a ``ValueError``
+the server prints ``help()`` and exits. The settings are the adpkv vocabulary
+shared by every engine adapter (port, namespace, key_namespace_from_model,
+affinity_chunks, fragment_bytes, timeouts) plus two of this adapter's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+from ._compat import L2AdapterConfigBase
+
+AFFINITY_ENV = "LMC_ADPKV_AFFINITY_CHUNKS"
+DEFAULT_NAMESPACE = "lmcache"
+
+
+@dataclasses.dataclass
+class _Field:
+    name: str
+    kind: type
+    default: Any
+    doc: str
+    check: Any = None   # callable(value) -> error message or None
+
+
+def _positive(v):
+    return None if v > 0 else "must be > 0"
+
+
+def _non_negative(v):
+    return None if v >= 0 else "must be >= 0"
+
+
+def _port(v):
+    return None if 0 < v < 65536 else "must be in 1..65535"
+
+
+FIELDS: tuple[_Field, ...] = (
+    _Field("port", int, 5557, "control port of the adpkv gateway", _port),
+    _Field("host", str, "127.0.0.1", "host of the gateway (the ring is in /dev/shm: same host only)"),
+    _Field("namespace", str, DEFAULT_NAMESPACE,
+           "deployment namespace of every key (required to share cards between deployments)"),
+    _Field("key_namespace_from_model", bool, False,
+           "derive the namespace from ObjectKey.model_name (one namespace per model) instead of `namespace`"),
+    _Field("affinity_chunks", int, 1,
+           f"leading chunks of a prompt that make its dialog mark (card placement); env {AFFINITY_ENV}",
+           _positive),
+    _Field("fragment_bytes", int, 0, "informational: the gateway splits objects into fragments", _non_negative),
+    _Field("timeout_s", float, 10.0, "a request without progress this long turns the cache off", _positive),
+    _Field("connect_timeout_s", float, 3.0, "deadline to attach to the gateway", _positive),
+    _Field("heartbeat_s", float, 1.0, "ping interval while idle", _positive),
+    _Field("reconnect_s", float, 5.0,
+           "after the gateway stopped answering, retry attaching after this long (doubling up to 60 s; 0: never)",
+           _non_negative),
+    _Field("usage_refresh_s", float, 1.0, "get_usage() asks the gateway at most this often", _non_negative),
+    _Field("mark_cache_entries", int, 1 << 20,
+           "dialog marks remembered from lookups, applied to later stores/loads of the same keys", _non_negative),
+)
+
+_BY_NAME = {f.name: f for f in FIELDS}
+
+
+class AdpL2AdapterConfig(L2AdapterConfigBase):
+    """Config of ``AdpL2Adapter`` (see ``help()`` for the fields)."""
+
+    def __init__(self, **values: Any):
+        for f in FIELDS:
+            setattr(self, f.name, values.pop(f.name, f.default))
+        if values:
+            raise ValueError(f"unknown adpkv adapter_params: {', '.join(sorted(values))}")
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "AdpL2AdapterConfig":
+        d = dict(d or {})
+        d.pop("type", None)   # present when built from a full adapter spec
+        unknown = sorted(k for k in d if k not in _BY_NAME)
+        if unknown:
+            raise ValueError(f"unknown adpkv adapter_params: {', '.join(unknown)} "
+                             f"(known: {', '.join(f.name for f in FIELDS)})")
+        if "affinity_chunks" not in d and os.environ.get(AFFINITY_ENV, "").strip():
+            raw = os.environ[AFFINITY_ENV].strip()
+            try:
+                d["affinity_chunks"] = int(raw)
+            except ValueError:
+                raise ValueError(f"{AFFINITY_ENV}={raw!r} is not an integer") from None
+        values = {}
+        for name, raw in d.items():
+            f = _BY_NAME[name]
+            values[name] = _coerce(f, raw)
+        return cls(**values)
+
+    @classmethod
+    def help(cls) -> str:
+        lines = ["adpkv L2 adapter (plugin) — adapter_params fields:"]
+        for f in FIELDS:
+            lines.append(f"- {f.name} ({f.kind.__name__}, default {f.default!r}): {f.doc}")
+        lines += [
+            "",
+            "Example:",
+            '{"type":"plugin","module_path":"adpkv_lmcache","class_name":"AdpL2Adapter",'
+            '"adapter_params":{"port":5557,"namespace":"llama-3-8b","affinity_chunks":1}}',
+        ]
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ views
+    def client_settings(self) -> dict:
+        """The shared adpkv vocabulary, as ``adpkv_core`` ClientConfig.from_settings reads it."""
+        return {"port": self.port, "host": self.host, "namespace": self.namespace,
+                "key_namespace_from_model": self.key_namespace_from_model,
+                "affinity_chunks": self.affinity_chunks, "fragment_bytes": self.fragment_bytes,
+                "timeout_s": self.timeout_s, "connect_timeout_s": self.connect_timeout_s,
+                "heartbeat_s": self.heartbeat_s}
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in FIELDS}
+
+    def __repr__(self) -> str:
+        return f"AdpL2AdapterConfig({self.as_dict()})"
+
+
+def _coerce(f: _Field, raw: Any) -> Any:
+    if f.kind is bool:
+        if isinstance(raw, bool):
+            value = raw
+        elif isinstance(raw, str) and raw.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            value = raw.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            raise ValueError(f"{f.name} must be a boolean, got {raw!r}")
+    elif f.kind is int:
+        if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+            raise ValueError(f"{f.name} must be an integer, got {raw!r}")
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{f.name} must be an integer, got {raw!r}") from None
+    elif f.kind is float:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+            raise ValueError(f"{f.name} must be a number, got {raw!r}")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{f.name} must be a number, got {raw!r}") from None
+    else:
+        if not isinstance(raw, str):
+            raise ValueError(f"{f.name} must be a string, got {raw!r}")
+        value = raw
+    if f.check is not None:
+        err = f.check(value)
+        if err:
+            raise ValueError(f"{f.name}={value!r} {err}")
+    return value
