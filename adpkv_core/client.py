@@ -170,11 +170,18 @@ class GatewayClient:
     def _attach(self, layout: dict) -> None:
         hello = {"op": "HELLO", "engine": self.engine_id, "rank": self.rank, "world": self.world_size,
                  "namespace": self.config.namespace, "layout": layout}
-        fut = self._call(hello, None, lambda r: r, None, raw_errors=True)
-        try:
-            reply = fut.result(timeout=self.config.connect_timeout_s)
-        except Exception:
-            reply = None
+        busy_until = time.monotonic() + self.config.busy_wait_s
+        while True:
+            fut = self._call(dict(hello), None, lambda r: r, None, raw_errors=True)
+            try:
+                reply = fut.result(timeout=self.config.connect_timeout_s)
+            except Exception:
+                reply = None
+            # The engine before us may have died a moment ago: the gateway frees it
+            # once its heartbeats stop, so wait a little rather than give up.
+            if reply is None or reply.get("code") != P.ENGINE_BUSY or time.monotonic() > busy_until:
+                break
+            time.sleep(0.5)
         if reply is None:
             self._turn_off(f"no gateway answered on {self.config.host}:{self.config.port}")
             return

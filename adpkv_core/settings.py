@@ -23,6 +23,7 @@ class ClientConfig:
     fragment_bytes: int = 0              # informational for adapters; the gateway splits objects
     timeout_s: float = 10.0              # a request without progress for this long turns the cache off
     connect_timeout_s: float = 3.0       # attach deadline at start
+    busy_wait_s: float = 10.0            # how long to retry while another engine is still attached
     heartbeat_s: float = 1.0
 
     @classmethod

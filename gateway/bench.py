@@ -15,7 +15,6 @@ from __future__ import annotations
 import mmap
 import multiprocessing as mp
 import os
-import random
 import shutil
 import sys
 import time
@@ -60,10 +59,18 @@ def _progress(text: str) -> None:
 
 # ---------------------------------------------------------------------- gateway side
 def _rank_main(port, rank, ranks, size, count, per_request, engine_id, barrier, results, namespace):
+    try:
+        _rank_run(port, rank, ranks, size, count, per_request, engine_id, barrier, results, namespace)
+    except BaseException:
+        barrier.abort()  # let the driver fail at once instead of waiting out its timeouts
+        raise
+
+
+def _rank_run(port, rank, ranks, size, count, per_request, engine_id, barrier, results, namespace):
     from adpkv_core.client import GatewayClient
     from adpkv_core.settings import ClientConfig
     sl = size // ranks
-    src = memoryview(random.Random(rank * 7919 + size).randbytes(sl * count))
+    src = memoryview(os.urandom(sl * count))
     dst = bytearray(sl * count)
     dstv = memoryview(dst)
     client = GatewayClient(ClientConfig(port=port, namespace=namespace, timeout_s=120.0), engine_id,
@@ -146,7 +153,7 @@ def bench_raw(directory: str, size: int, count: int, threads: int, direct: bool)
     os.makedirs(directory, exist_ok=True)
     padded = align_up(size)
     src = mmap.mmap(-1, padded * count)
-    src.write(random.Random(size).randbytes(padded * count))
+    src.write(os.urandom(padded * count))
     dst = mmap.mmap(-1, padded * count)
     srcv, dstv = memoryview(src), memoryview(dst)
     flag = os.O_DIRECT if direct else 0

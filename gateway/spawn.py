@@ -41,6 +41,7 @@ class GatewayProcess:
         return cmd
 
     def start(self, wait: bool = True, timeout_s: float = 30.0) -> "GatewayProcess":
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})

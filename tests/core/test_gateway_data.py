@@ -1,0 +1,164 @@
+"""Store and restore through a real gateway process: ranks, restarts, crashes, eviction, batching."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from adpkv_core.client import GatewayClient
+from adpkv_core.settings import ClientConfig
+from adpkv_gateway import control
+
+from .rankproc import make_keys, pattern, run_ranks
+
+SLICE = 48 * 1024 + 100       # deliberately not 4 KiB aligned
+
+
+def stats(port):
+    return control.request(port, {"op": "STATS"})["stats"]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_rank_restores_its_bytes(gateway, world):
+    keys = make_keys(24)
+    stored = run_ranks(gateway.port, world, "PUT", keys, SLICE, engine="writer")
+    assert all(all(flags) for _, flags, ok, _ in stored)
+    restored = run_ranks(gateway.port, world, "GET", keys, SLICE, engine="reader")
+    for rank, hits, exact, _ in restored:
+        assert all(hits), f"rank {rank} missed objects"
+        assert exact is True, f"rank {rank} got wrong bytes"
+    s = stats(gateway.port)
+    # one collective request each way: the gateway ran it once for all ranks
+    assert s["counters"]["put_requests"] == 1 and s["counters"]["get_requests"] == 1
+    assert s["objects"]["stored"] == 24 and s["objects"]["hits"] == 24
+
+
+def test_partial_hits_and_misses(gateway):
+    keys = make_keys(10)
+    run_ranks(gateway.port, 1, "PUT", keys[:5], SLICE)
+    (_, hits, exact, _), = run_ranks(gateway.port, 1, "GET", keys, SLICE, engine="r2")
+    assert hits == [True] * 5 + [False] * 5 and exact is True
+
+
+@pytest.mark.parametrize("hard", [False, True], ids=["sigterm", "kill9"])
+def test_restart_finds_everything(start_gateway, hard):
+    gw = start_gateway()
+    keys = make_keys(30)
+    run_ranks(gw.port, 2, "PUT", keys, SLICE, engine="a")
+    gw.restart(hard=hard)
+    (_, h0, e0, _), (_, h1, e1, _) = run_ranks(gw.port, 2, "GET", keys, SLICE, engine="b")
+    assert all(h0) and all(h1) and e0 is True and e1 is True
+
+
+def _flood(port, keys, stop_at, q):
+    client = GatewayClient(ClientConfig(port=port, timeout_s=2.0, busy_wait_s=0), "flood")
+    done = 0
+    for start in range(0, len(keys), 8):
+        part = keys[start:start + 8]
+
+        def fill(b, part=part):
+            for j in range(b.count):
+                o = b.offset + j * b.stride
+                client.ring[o:o + SLICE] = pattern(part[b.first + j], 0, SLICE)
+        client.put(part, SLICE, fill)
+        done += len(part)
+        if time.monotonic() > stop_at:
+            break
+    q.put(done)
+    time.sleep(5)
+
+
+def test_kill9_during_put_flood_never_yields_wrong_data(start_gateway, tmp_path):
+    gw = start_gateway(thread_pool_size=4)
+    keys = make_keys(4000)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_flood, args=(gw.port, keys, time.monotonic() + 20, q))
+    p.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and stats(gw.port)["objects"].get("stored", 0) < 50:
+        time.sleep(0.05)
+    os.kill(gw.proc.pid, signal.SIGKILL)   # in the middle of the flood
+    gw.proc.wait()
+    gw.proc = None
+    submitted = q.get(timeout=30)
+    p.kill()
+    p.join()
+    gw.start()
+    (_, hits, exact, _), = run_ranks(gw.port, 1, "GET", keys[:submitted], SLICE, engine="check")
+    assert exact is True, "a restored object differs from what was written"
+    assert 50 <= sum(hits) <= submitted
+    leftovers = [n for d in os.listdir(gw.card_dirs[0]) if d.startswith("db")
+                 for n in os.listdir(os.path.join(gw.card_dirs[0], d)) if n.startswith(".")]
+    assert leftovers == [], "temp files of interrupted writes survived the restart"
+
+
+def test_eviction_keeps_usage_under_capacity_and_evicts_lru(start_gateway):
+    obj = 64 * 1024
+    on_disk = obj + 4096
+    capacity = 40 * on_disk
+    gw = start_gateway(capacity_bytes=capacity, eviction_watermark=0.9, eviction_ratio=0.2)
+    old = make_keys(30, salt=b"old")
+    new = make_keys(15, salt=b"new")
+    run_ranks(gw.port, 1, "PUT", old, obj, engine="e1")
+    # touch the first 10 old objects: they become the most recently used
+    (_, hits, _, _), = run_ranks(gw.port, 1, "GET", old[:10], obj, engine="e2")
+    assert all(hits)
+    run_ranks(gw.port, 1, "PUT", new, obj, engine="e3")
+    s = stats(gw.port)
+    card = s["cards"][0]
+    assert card["used_bytes"] <= capacity
+    assert card["evicted"] > 0
+    (_, touched, _, _), = run_ranks(gw.port, 1, "GET", old[:10], obj, engine="e4")
+    (_, untouched, _, _), = run_ranks(gw.port, 1, "GET", old[10:], obj, engine="e5")
+    (_, recent, _, _), = run_ranks(gw.port, 1, "GET", new[-10:], obj, engine="e6")
+    assert all(touched), "recently used objects were evicted"
+    assert all(recent), "the newest objects were evicted"
+    assert sum(untouched) < len(untouched), "nothing least-recently-used was evicted"
+
+
+def test_request_larger_than_ring_runs_in_batches(start_gateway):
+    gw = start_gateway(shared_memory_size=8 << 20)
+    obj = 1 << 20
+    keys = make_keys(40)          # 40 MiB through an 8 MiB ring
+    stored = run_ranks(gw.port, 2, "PUT", keys, obj // 2, engine="w")
+    assert all(all(f) for _, f, _, _ in stored)
+    restored = run_ranks(gw.port, 2, "GET", keys, obj // 2, engine="r")
+    assert all(all(h) and e is True for _, h, e, _ in restored)
+    assert stats(gw.port)["counters"]["get_requests"] == 1
+
+
+def test_196k_token_prompt_layer_is_one_request(gateway):
+    chunks = 196000 // 256
+    keys = make_keys(chunks)
+    obj = 4096
+    (_, stored, _, _), = run_ranks(gateway.port, 1, "PUT", keys, obj, engine="w")
+    (_, hits, exact, _), = run_ranks(gateway.port, 1, "GET", keys, obj, engine="r")
+    assert all(stored) and all(hits) and exact is True
+    s = stats(gateway.port)
+    assert s["counters"]["put_requests"] == 1 and s["counters"]["get_requests"] == 1
+    assert s["objects"]["hits"] == chunks
+
+
+def test_fragments_spread_over_dbs_and_a_lost_fragment_is_a_miss(start_gateway):
+    gw = start_gateway(fragment_size=64 * 1024, num_dbs=8)
+    obj = 300 * 1024                              # 5 fragments
+    keys = make_keys(4)
+    run_ranks(gw.port, 1, "PUT", keys, obj, engine="w")
+    card = gw.card_dirs[0]
+    files = {d: os.listdir(os.path.join(card, d)) for d in os.listdir(card) if d.startswith("db")}
+    assert sum(len(f) for f in files.values()) == 4 * 5
+    assert sum(1 for f in files.values() if f) >= 4, "fragments were not spread over the databases"
+    (_, hits, exact, _), = run_ranks(gw.port, 1, "GET", keys, obj, engine="r")
+    assert all(hits) and exact is True
+    # remove one non-head fragment of key 0: that object must now miss, the others hit
+    frag_name = (keys[0] + (2).to_bytes(2, "big")).hex()
+    for d, names in files.items():
+        if frag_name in names:
+            os.unlink(os.path.join(card, d, frag_name))
+    (_, hits, exact, _), = run_ranks(gw.port, 1, "GET", keys, obj, engine="r2")
+    assert hits == [False, True, True, True] and exact is True
