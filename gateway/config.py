@@ -105,6 +105,9 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
 def make_config(values: Optional[dict] = None) -> GatewayConfig:
     values = dict(values or {})
     fields = _fields()
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)}")
     for name, v in list(values.items()):
         kind = str(fields[name].type)
         if kind == "bool":

@@ -27,7 +27,6 @@ engine (``lmcache-<uuid>``, rank 0 of world 1) and sends independent requests
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 import time
 import uuid
@@ -36,6 +35,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
+
+from lmcache.logging import init_logger
 
 from adpkv_core.client import GatewayClient, RingBatch
 from adpkv_core.settings import ClientConfig
@@ -52,7 +53,7 @@ from ._compat import (
 from .config import AdpL2AdapterConfig
 from .keys import KeyMapper, MarkBook
 
-logger = logging.getLogger("adpkv.lmcache")
+logger = init_logger("adpkv_lmcache")
 
 _MAX_BACKOFF_S = 60.0
 

@@ -1,0 +1,213 @@
+"""Bad input, engine exclusivity, gateway loss, clean rules and the status file."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from adpkv_core import protocol as P
+from adpkv_core.client import TURNED_OFF_MESSAGE, GatewayClient
+from adpkv_core.settings import ClientConfig
+from adpkv_gateway import control
+
+from .rankproc import make_keys, run_ranks
+
+
+class RawPeer:
+    """A raw DEALER socket: sends whatever bytes a test wants."""
+
+    def __init__(self, port):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def send_raw(self, *frames) -> dict:
+        self.sock.send_multipart(list(frames))
+        assert self.sock.poll(3000), "the gateway did not answer"
+        return msgpack.unpackb(self.sock.recv(), raw=False)
+
+    def send(self, **msg) -> dict:
+        msg.setdefault("v", P.PROTOCOL_VERSION)
+        msg.setdefault("id", 7)
+        return self.send_raw(msgpack.packb(msg, use_bin_type=True))
+
+    def close(self):
+        self.sock.close(0)
+
+
+def test_bad_input_gets_clear_errors_and_changes_nothing(gateway):
+    keys = make_keys(3)
+    run_ranks(gateway.port, 1, "PUT", keys, 8192, engine="w")
+    peer = RawPeer(gateway.port)
+    assert peer.send_raw(b"\xc1garbage")["code"] == P.BAD_MESSAGE
+    assert peer.send_raw(msgpack.packb([1, 2, 3]))["code"] == P.BAD_MESSAGE
+    assert peer.send_raw(b"a", b"b")["code"] == P.BAD_MESSAGE
+    assert peer.send(v=99, op="PING")["code"] == P.BAD_VERSION
+    assert peer.send(op="FROB")["code"] == P.UNKNOWN_OP
+    assert peer.send(op="GET", keys=keys, obj=8192)["code"] == P.NOT_ATTACHED
+    assert peer.send(op="HELLO", engine="raw", rank=3, world=2)["code"] == P.BAD_MESSAGE
+    assert peer.send(op="HELLO", engine="raw", rank="0", world=1)["code"] == P.BAD_MESSAGE
+    assert peer.send(op="HELLO", engine="raw", rank=0, world=1)["op"] == "OK"
+    assert peer.send(op="HELLO", engine="raw", rank=0, world=1)["code"] == P.RANK_TAKEN
+    assert peer.send(op="GET", keys=keys, obj=1 << 40)["code"] == P.TOO_LARGE
+    assert peer.send(op="GET", keys=keys, obj=-5)["code"] == P.BAD_MESSAGE
+    assert peer.send(op="GET", keys=[b"short"], obj=4096)["code"] == P.BAD_MESSAGE
+    assert peer.send(op="GET", keys=keys, obj=4096, marks=[1])["code"] == P.BAD_MESSAGE
+    assert peer.send(op="EXIST", keys="notalist")["code"] == P.BAD_MESSAGE
+    assert peer.send(op="RELEASE", batch=999999)["code"] == P.UNKNOWN_BATCH
+    assert peer.send(op="FILLED", batch="x")["code"] == P.BAD_MESSAGE
+    second = RawPeer(gateway.port)
+    reply = second.send(op="HELLO", engine="another-engine", rank=0, world=1)
+    assert reply["code"] == P.ENGINE_BUSY and "one engine per gateway" in reply["msg"]
+    second.close()
+    peer.send(op="BYE")
+    peer.close()
+    # the gateway still serves, and nothing stored was changed
+    (_, hits, exact, _), = run_ranks(gateway.port, 1, "GET", keys, 8192, engine="after")
+    assert all(hits) and exact is True
+
+
+def test_garbage_truncated_and_foreign_card_files_are_misses(start_gateway):
+    gw = start_gateway()
+    keys = make_keys(4)
+    run_ranks(gw.port, 1, "PUT", keys, 20000, engine="w")
+    gw.stop()
+    card = gw.card_dirs[0]
+    paths = {}
+    for d in os.listdir(card):
+        if d.startswith("db"):
+            for name in os.listdir(os.path.join(card, d)):
+                paths[bytes.fromhex(name)[:28]] = os.path.join(card, d, name)
+    with open(paths[keys[0]], "r+b") as fh:          # garbage in the payload
+        fh.seek(5000)
+        fh.write(os.urandom(64))
+    with open(paths[keys[1]], "r+b") as fh:          # truncated
+        fh.truncate(4096 + 100)
+    with open(paths[keys[3]], "rb") as src, open(paths[keys[2]], "wb") as dst:   # another key's object
+        dst.write(src.read())
+    gw.start()
+    (_, hits, exact, _), = run_ranks(gw.port, 1, "GET", keys, 20000, engine="r")
+    assert hits == [False, False, False, True] and exact is True
+    assert "checksum mismatch" in gw.log() and "truncated" in gw.log() and "bad header" in gw.log()
+
+
+def test_second_engine_is_refused_and_a_dead_engine_frees_the_gateway(start_gateway):
+    gw = start_gateway(engine_timeout_s=2)
+    first = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from adpkv_core.client import GatewayClient
+from adpkv_core.settings import ClientConfig
+c = GatewayClient(ClientConfig(port={gw.port}), "engine-one")
+assert c.enabled
+print("attached", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    assert first.stdout.readline().strip() == "attached"
+    second = GatewayClient(ClientConfig(port=gw.port, busy_wait_s=0), "engine-two")
+    assert not second.enabled and second.attach_error.startswith(P.ENGINE_BUSY)
+    assert second.exist(make_keys(2)).result(timeout=0.1) == [False, False]
+    second.close()
+    first.kill()                       # dies without a goodbye
+    first.wait()
+    t0 = time.monotonic()
+    third = GatewayClient(ClientConfig(port=gw.port, busy_wait_s=10), "engine-three")
+    assert third.enabled, third.attach_error
+    assert time.monotonic() - t0 < 8
+    third.close()
+
+
+def test_gateway_down_turns_the_cache_off_once(start_gateway, caplog):
+    gw = start_gateway()
+    keys = make_keys(4)
+    client = GatewayClient(ClientConfig(port=gw.port, timeout_s=1.0), "engine")
+    assert client.enabled
+    assert client.exist(keys).result(timeout=5) == [False] * 4
+    gw.kill()
+    with caplog.at_level(logging.WARNING, logger="adpkv.client"):
+        hits = client.get(keys, 4096, lambda b: None).result(timeout=10)
+        assert hits == [False] * 4 and not client.enabled
+        t0 = time.monotonic()
+        for _ in range(100):
+            assert client.exist(keys).result() == [False] * 4
+            assert client.put(keys, 4096, lambda b: None).result() == [False] * 4
+        assert time.monotonic() - t0 < 0.5, "calls after turn-off must be fast"
+    assert sum(TURNED_OFF_MESSAGE in r.getMessage() for r in caplog.records) == 1
+    client.close()
+
+
+def test_no_gateway_at_start_is_a_fast_miss(caplog):
+    with caplog.at_level(logging.WARNING, logger="adpkv.client"):
+        client = GatewayClient(ClientConfig(port=1, connect_timeout_s=0.5), "engine")
+    assert not client.enabled
+    assert client.get(make_keys(2), 4096, lambda b: None).result(timeout=0.1) == [False, False]
+    assert sum(TURNED_OFF_MESSAGE in r.getMessage() for r in caplog.records) == 1
+    client.close()
+
+
+def test_clean_and_shared_storage(start_gateway, tmp_path):
+    gw = start_gateway()
+    keys = make_keys(3)
+    run_ranks(gw.port, 1, "PUT", keys, 4096, engine="w")
+    reply = control.request(gw.port, {"op": "CLEAN"})
+    assert reply["op"] == "OK" and reply["deleted"] == 3
+    run_ranks(gw.port, 1, "PUT", keys, 4096, engine="w2")
+    gw.stop()
+    shared = start_gateway(card_dirs=gw.card_dirs, shared_storage=True)
+    reply = control.request(shared.port, {"op": "CLEAN"})
+    assert reply["code"] == P.CLEAN_REFUSED
+    (_, hits, _, _), = run_ranks(shared.port, 1, "GET", keys, 4096, engine="r")
+    assert all(hits), "a refused CLEAN deleted something"
+    assert "nothing was deleted" in shared.log()
+    shared.stop()
+    refused = subprocess.run([sys.executable, "-m", "adpkv_gateway.main", "--storage-devices", gw.card_dirs[0],
+                              "--port", "0", "--shared-storage", "1", "--start-clean", "1"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "refusing to start" in refused.stderr
+
+
+def test_fingerprint_mismatch_refuses_to_start(start_gateway):
+    gw = start_gateway()
+    fp = control.request(gw.port, {"op": "STATS"})["stats"]["fingerprint"]
+    assert f"Key layout fingerprint {fp}" in gw.log()
+    gw.stop()
+    same = start_gateway(card_dirs=gw.card_dirs, key_layout_fingerprint=fp)
+    same.stop()
+    bad = subprocess.run([sys.executable, "-m", "adpkv_gateway.main", "--storage-devices", gw.card_dirs[0],
+                          "--port", "0", "--key-layout-fingerprint", "0123456789abcdef"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "refusing to start" in bad.stderr
+
+
+def test_status_file_and_cli(start_gateway, tmp_path):
+    status = tmp_path / "status.prom"
+    gw = start_gateway(status_file=str(status))
+    run_ranks(gw.port, 1, "PUT", make_keys(5), 4096, engine="w")
+    run_ranks(gw.port, 1, "GET", make_keys(6), 4096, engine="r")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and "adpkv_gateway_hits_total 5" not in (
+            status.read_text() if status.exists() else ""):
+        time.sleep(0.2)
+    text = status.read_text()
+    serial = control.request(gw.port, {"op": "STATS"})["stats"]["cards"][0]["serial"]
+    assert f'adpkv_gateway_storage_group_active{{group="{serial}"}} 1' in text
+    assert "adpkv_gateway_hits_total 5" in text and "adpkv_gateway_misses_total 1" in text
+    assert "adpkv_gateway_key_layout_info{fingerprint=" in text
+    cli = [sys.executable, "-m", "adpkv_gateway.cli", "--port", str(gw.port)]
+    out = subprocess.run(cli + ["status"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and serial in out.stdout and "active" in out.stdout
+    out = subprocess.run(cli + ["usage"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "5 objects" in out.stdout
+    out = subprocess.run(cli + ["clean"], capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and "--yes" in out.stderr
+    out = subprocess.run(cli + ["clean", "--yes"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "deleted 5 objects" in out.stdout
+    gw.stop()
+    out = subprocess.run(cli + ["status"], capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and "no gateway answered" in out.stderr

@@ -1,0 +1,126 @@
+"""Keys, namespaces, dialog marks, fragments, ring allocation, settings, protocol."""
+
+from __future__ import annotations
+
+import pytest
+
+from adpkv_core import protocol as P
+from adpkv_core.affinity import dialog_mark, dialog_marks
+from adpkv_core.fragments import fragment_db, fragment_extents, fragment_key
+from adpkv_core.keys import KEY_BYTES, KeyBuilder, namespace_from_model, parse_key
+from adpkv_core.ring import max_parallel_ios, object_stride
+from adpkv_core.settings import ClientConfig
+from adpkv_gateway.config import make_config
+from adpkv_gateway.placement import Placement, key_layout_fingerprint
+from adpkv_gateway.ring_alloc import RingAllocator
+
+IDENTITY = dict(model="m", revision="r1", kv_dtype="bf16", geometry=[32, 8, 128], tp_size=1, chunk_size=256,
+                layout="NHD")
+
+
+def test_key_layout_and_separation():
+    a, b = KeyBuilder("ns-a"), KeyBuilder("ns-b")
+    k = a.key(b"\x01" * 32, layer=5, kind=1)
+    assert len(k) == KEY_BYTES
+    version, ns, digest, layer, kind = parse_key(k)
+    assert (version, layer, kind) == (1, 5, 1)
+    assert k != b.key(b"\x01" * 32, 5, 1), "namespaces must separate keys"
+    assert k != a.key(b"\x01" * 32, 4, 1) and k != a.key(b"\x01" * 32, 5, 0)
+    assert a.key(12345) == KeyBuilder("ns-a").key(12345), "keys must not depend on the process"
+    assert a.keys([1, 2], layers=[0, 1]) == [a.key(1, 0), a.key(2, 0), a.key(1, 1), a.key(2, 1)]
+    with pytest.raises(ValueError):
+        parse_key(b"x" * 5)
+
+
+def test_namespace_from_model_is_stable_and_empty_fields_never_share():
+    assert namespace_from_model(**IDENTITY) == namespace_from_model(**IDENTITY)
+    assert namespace_from_model(**{**IDENTITY, "tp_size": 2}) != namespace_from_model(**IDENTITY)
+    missing = {**IDENTITY, "revision": ""}
+    first, second = namespace_from_model(**missing), namespace_from_model(**missing)
+    assert first != second and first.startswith("fresh-")
+
+
+def test_dialog_marks():
+    hashes = [bytes([i]) * 32 for i in range(6)]
+    assert dialog_mark(hashes, 1) == dialog_mark(hashes[:1], 1)
+    marks = dialog_marks(hashes, affinity_chunks=3)
+    assert marks[2:] == [dialog_mark(hashes, 3)] * 4
+    assert len(set(marks[:3])) == 3, "chunks of the common start get their own marks"
+    other = [hashes[0], hashes[1], b"\xff" * 32]
+    assert dialog_marks(other, 3)[:2] == marks[:2] and dialog_marks(other, 3)[2] != marks[2]
+
+
+def test_fragments():
+    assert fragment_extents(100, 0) == [(0, 100)]
+    assert fragment_extents(300, 128) == [(0, 128), (128, 128), (256, 44)]
+    key = KeyBuilder("n").key(1)
+    assert fragment_key(key, 2)[:KEY_BYTES] == key and len(fragment_key(key, 2)) == KEY_BYTES + 2
+    dbs = {fragment_db(key, i, 16) for i in range(16)}
+    assert len(dbs) == 16
+    assert {fragment_db(key, i, 16, spread=False) for i in range(4)} == {fragment_db(key, 0, 16, spread=False)}
+    with pytest.raises(ValueError):
+        fragment_extents(0, 10)
+
+
+def test_ring_allocator_first_fit_and_coalescing():
+    alloc = RingAllocator(64 * 4096)
+    a = alloc.alloc(10 * 4096)
+    b = alloc.alloc(100)                  # rounded to one unit
+    c = alloc.alloc(20 * 4096)
+    assert (a, b, c) == (0, 10 * 4096, 11 * 4096)
+    assert alloc.alloc(64 * 4096) is None
+    alloc.free(b, 100)
+    alloc.free(a, 10 * 4096)
+    assert alloc.largest_free() == 33 * 4096 and alloc.alloc(11 * 4096) == 0
+    alloc.free(0, 11 * 4096)
+    alloc.free(c, 20 * 4096)
+    assert alloc.largest_free() == 64 * 4096 and alloc.in_use == 0
+    with pytest.raises(ValueError):
+        alloc.free(0, 4096)
+        alloc.free(0, 4096)
+
+
+def test_ring_math():
+    assert object_stride(1) == 4096 and object_stride(8192) == 8192
+    assert max_parallel_ios(6 << 30, 1 << 20) == 3072
+
+
+def test_placement_follows_serials_not_order():
+    serials = ["L0P0", "L0P1", "L1P0", "L1P1"]
+    p1, p2 = Placement(serials, 16), Placement(list(reversed(serials)), 16)
+    key = KeyBuilder("n").key(1)
+    assert serials[p1.card(key, 42)] == list(reversed(serials))[p2.card(key, 42)]
+    assert key_layout_fingerprint(serials, 16, 128, "dialog") == key_layout_fingerprint(serials[::-1], 16, 128,
+                                                                                          "dialog")
+    assert key_layout_fingerprint(serials, 16, 128, "dialog") != key_layout_fingerprint(serials, 16, 128, "stripe")
+
+
+def test_settings_vocabulary():
+    cfg = ClientConfig.from_settings({"adpkv.port": "6000", "adpkv.namespace": "x",
+                                      "adpkv.key_namespace_from_model": "true"}, prefix="adpkv.")
+    assert (cfg.port, cfg.namespace, cfg.key_namespace_from_model) == (6000, "x", True)
+    with pytest.raises(ValueError):
+        ClientConfig.from_settings({"port": "abc"})
+    with pytest.raises(ValueError):
+        ClientConfig.from_settings({"affinity_chunks": 0})
+
+
+def test_gateway_config_validation():
+    assert make_config({"port": "6000"}).port == 6000
+    with pytest.raises(ValueError, match="refusing to start"):
+        make_config({"shared_storage": True, "start_clean": 1})
+    with pytest.raises(ValueError):
+        make_config({"key_placement": "random"})
+    with pytest.raises(ValueError, match="unknown setting"):
+        make_config({"no_such_setting": 1})
+
+
+def test_protocol_decode_errors():
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(b"\xc1")
+    assert e.value.code == P.BAD_MESSAGE
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(P.encode({"op": "PING", "v": 2}))
+    assert e.value.code == P.BAD_VERSION
+    assert P.decode(P.encode({"op": "PING"}))["op"] == "PING"
+    assert P.unpack_flags(P.pack_flags([True, False, True])) == [True, False, True]
