@@ -72,6 +72,15 @@ class _Pending:
         self.slice = slice_
 
 
+class StoreFlags(list):
+    """The result of a PUT: stored flags per key; ``existed[i]`` marks keys that were
+    stored already (same key, same content) and were not written again."""
+
+    def __init__(self, flags, existed=None):
+        super().__init__(flags)
+        self.existed = list(existed) if existed is not None else [False] * len(flags)
+
+
 def _done(value) -> Future:
     f: Future = Future()
     f.set_result(value)
@@ -81,8 +90,10 @@ def _done(value) -> Future:
 class GatewayClient:
     """A connection of one engine rank to its gateway (see docs/internals.md)."""
 
-    def __init__(self, config: ClientConfig, engine_id: str, rank: int = 0, world_size: int = 1,
+    def __init__(self, config: ClientConfig, engine_id: str, rank: Optional[int] = 0, world_size: int = 1,
                  layout: Optional[dict] = None):
+        """``rank=None`` attaches a lookup-only peer of the engine (EXIST/UNLOCK/DELETE,
+        no data), e.g. vLLM's scheduler process next to its worker ranks."""
         self.config = config
         self.engine_id = engine_id
         self.rank = rank
@@ -101,7 +112,7 @@ class GatewayClient:
         self._ctx = zmq.Context.instance()
         self._last_recv = time.monotonic()
         self._last_ping = 0.0
-        self._thread = threading.Thread(target=self._run, name=f"adpkv-client-rank{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"adpkv-client-{rank}", daemon=True)
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(f"tcp://{config.host}:{config.port}")
@@ -128,18 +139,25 @@ class GatewayClient:
 
     def get(self, keys: Sequence[bytes], object_bytes: int, on_batch: BatchCallback,
             marks: Optional[Sequence[int]] = None, tag: Optional[str] = None,
-            slice: Optional[tuple[int, int]] = None) -> "Future[list[bool]]":
-        """Read objects into the ring; ``on_batch`` copies each batch out. Resolves with hits."""
-        return self._data("GET", keys, object_bytes, on_batch, marks, tag, slice)
+            slice: Optional[tuple[int, int]] = None, unlock: bool = False) -> "Future[list[bool]]":
+        """Read objects into the ring; ``on_batch`` copies each batch out. Resolves with hits.
+
+        ``unlock`` releases this rank's pins (from ``exist(lock=True)``) on the keys when done.
+        """
+        return self._data("GET", keys, object_bytes, on_batch, marks, tag, slice, unlock)
 
     def put(self, keys: Sequence[bytes], object_bytes: int, on_batch: BatchCallback,
             marks: Optional[Sequence[int]] = None, tag: Optional[str] = None,
             slice: Optional[tuple[int, int]] = None) -> "Future[list[bool]]":
-        """``on_batch`` fills ring slots, the gateway stores them. Resolves with stored flags."""
+        """``on_batch`` fills ring slots, the gateway stores them. Resolves with ``StoreFlags``."""
         return self._data("PUT", keys, object_bytes, on_batch, marks, tag, slice)
 
-    def delete(self, keys: Sequence[bytes]) -> "Future[int]":
-        return self._call({"op": "DELETE", "keys": list(keys)}, None, lambda r: r.get("deleted", 0), 0)
+    def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]] = None) -> "Future[int]":
+        """Remove objects; resolves with how many existed."""
+        msg = {"op": "DELETE", "keys": list(keys)}
+        if marks is not None:
+            msg["marks"] = list(marks)
+        return self._call(msg, None, lambda r: r.get("deleted", 0), 0)
 
     def clean(self) -> "Future[dict]":
         """Ask the gateway to delete everything (refused on shared storage)."""
@@ -168,8 +186,12 @@ class GatewayClient:
 
     # ---------------------------------------------------------------- internals
     def _attach(self, layout: dict) -> None:
-        hello = {"op": "HELLO", "engine": self.engine_id, "rank": self.rank, "world": self.world_size,
+        hello = {"op": "HELLO", "engine": self.engine_id, "world": self.world_size,
                  "namespace": self.config.namespace, "layout": layout}
+        if self.rank is None:
+            hello["role"] = "lookup"
+        else:
+            hello["rank"] = self.rank
         busy_until = time.monotonic() + self.config.busy_wait_s
         while True:
             fut = self._call(dict(hello), None, lambda r: r, None, raw_errors=True)
@@ -191,18 +213,23 @@ class GatewayClient:
             self._turn_off(self.attach_error)
             return
         self.attach_info = reply
+        if self.rank is None:
+            logger.info("Attached to the adpkv gateway on port %d for lookups", self.config.port)
+            return
         self._ring = Ring.attach(reply["ring_path"], reply["ring_size"])
         self.ring = self._ring.buf
         logger.info("Attached to the adpkv gateway on port %d as rank %d/%d (ring %s, %d bytes)",
                     self.config.port, self.rank, self.world_size, reply["ring_path"], reply["ring_size"])
 
-    def _data(self, op, keys, object_bytes, on_batch, marks, tag, slice_):
+    def _data(self, op, keys, object_bytes, on_batch, marks, tag, slice_, unlock=False):
         n = len(keys)
         if n == 0:
-            return _done([])
-        if not self._enabled:
-            return _done([False] * n)
+            return _done([] if op == "GET" else StoreFlags([]))
+        if not self._enabled or self.rank is None:
+            return _done([False] * n if op == "GET" else StoreFlags([False] * n))
         msg = {"op": op, "keys": list(keys), "obj": int(object_bytes)}
+        if unlock:
+            msg["unlock"] = True
         if marks is not None:
             msg["marks"] = list(marks)
         if tag is not None:
@@ -328,7 +355,11 @@ class GatewayClient:
             flags = P.unpack_flags(msg.get("hits") or msg.get("stored") or b"")
             if len(flags) != pending.n:
                 flags = [False] * pending.n
-            pending.future.set_result([f and bool(c) for f, c in zip(flags, pending.ok)])
+            flags = [f and bool(c) for f, c in zip(flags, pending.ok)]
+            if pending.op == "PUT":
+                existed = P.unpack_flags(msg.get("existed") or b"")
+                flags = StoreFlags(flags, existed if len(existed) == pending.n else None)
+            pending.future.set_result(flags)
         else:
             logger.warning("Gateway refused %s: %s %s", pending.op, msg.get("code"), msg.get("msg"))
             pending.future.set_result([False] * pending.n)
@@ -361,6 +392,8 @@ class GatewayClient:
             return
         if pending.on_batch is None:
             pending.future.set_result(None)
+        elif pending.op == "PUT":
+            pending.future.set_result(StoreFlags([False] * pending.n))
         else:
             pending.future.set_result([False] * pending.n)
 

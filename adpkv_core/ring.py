@@ -74,15 +74,24 @@ class Ring:
         return self.buf[offset:offset + nbytes]
 
     def close(self) -> None:
-        """Unmap (and remove the file if this process created it)."""
+        """Stop using the ring.
+
+        The gateway (owner) unmaps and removes the file. An engine rank only drops
+        its references: tensors made over ``buf`` (``torch.frombuffer``) may still
+        view the mapping, and unmapping under them would crash the engine; the
+        mapping goes away with its last user.
+        """
+        os.close(self._fd)
+        if not self._owner:
+            self.buf = None
+            self._mmap = None
+            return
         try:
             self.buf.release()
             self._mmap.close()
         except BufferError:
-            pass  # an engine tensor still views the ring; the OS unmaps at exit
-        os.close(self._fd)
-        if self._owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

@@ -13,11 +13,12 @@ logger = logging.getLogger("adpkv.gateway")
 
 
 class Peer:
-    """One attached rank: its ZeroMQ identity and when it was last heard from."""
+    """One attached connection: a rank (``rank`` >= 0) or a lookup-only peer (``rank`` None),
+    such as vLLM's scheduler process, which asks EXIST but moves no data."""
 
     __slots__ = ("identity", "rank", "last_seen", "pins")
 
-    def __init__(self, identity: bytes, rank: int):
+    def __init__(self, identity: bytes, rank: Optional[int]):
         self.identity = identity
         self.rank = rank
         self.last_seen = time.monotonic()
@@ -33,6 +34,7 @@ class EngineSession:
         self.namespace = namespace
         self.layout = layout
         self.ranks: dict[int, Peer] = {}
+        self.lookups: set[bytes] = set()
         self.since = time.time()
 
 
@@ -46,11 +48,14 @@ class EngineRegistry:
 
     def attach(self, identity: bytes, msg: dict) -> Peer:
         engine_id = P.field(msg, "engine", str)
-        rank = P.field(msg, "rank", int)
+        role = P.field(msg, "role", str, "rank")
+        if role not in ("rank", "lookup"):
+            raise P.ProtocolError(P.BAD_MESSAGE, f"unknown role {role!r}")
+        rank = P.field(msg, "rank", int) if role == "rank" else None
         world = P.field(msg, "world", int)
         namespace = P.field(msg, "namespace", str, "")
         layout = P.field(msg, "layout", dict, {})
-        if world < 1 or not 0 <= rank < world:
+        if world < 1 or (rank is not None and not 0 <= rank < world):
             raise P.ProtocolError(P.BAD_MESSAGE, f"rank {rank} of world {world} is not valid")
         if identity in self.peers:
             raise P.ProtocolError(P.RANK_TAKEN, "this connection is attached already")
@@ -61,15 +66,18 @@ class EngineRegistry:
                                   "gateway: give the second engine a gateway of its own")
         if engine is not None and engine.world != world:
             raise P.ProtocolError(P.BAD_MESSAGE, f"engine {engine_id} attached with world {engine.world}, not {world}")
-        if engine is not None and rank in engine.ranks:
+        if engine is not None and rank is not None and rank in engine.ranks:
             raise P.ProtocolError(P.RANK_TAKEN, f"rank {rank} of engine {engine_id} is attached already")
         if engine is None:
             engine = self.engine = EngineSession(engine_id, world, namespace, layout)
             logger.info("Engine %s attached (world %d, namespace %r)", engine_id, world, namespace)
         peer = Peer(identity, rank)
-        engine.ranks[rank] = peer
+        if rank is None:
+            engine.lookups.add(identity)
+        else:
+            engine.ranks[rank] = peer
         self.peers[identity] = peer
-        logger.info("Rank %d of engine %s attached", rank, engine_id)
+        logger.info("%s of engine %s attached", _who(peer), engine_id)
         return peer
 
     def seen(self, identity: bytes) -> Optional[Peer]:
@@ -82,9 +90,12 @@ class EngineRegistry:
         peer = self.peers.pop(identity, None)
         if peer is None or self.engine is None:
             return peer
-        self.engine.ranks.pop(peer.rank, None)
-        logger.info("Rank %d of engine %s detached (%s)", peer.rank, self.engine.engine_id, why)
-        if not self.engine.ranks:
+        if peer.rank is None:
+            self.engine.lookups.discard(identity)
+        else:
+            self.engine.ranks.pop(peer.rank, None)
+        logger.info("%s of engine %s detached (%s)", _who(peer), self.engine.engine_id, why)
+        if not self.engine.ranks and not self.engine.lookups:
             logger.info("Engine %s detached; the gateway is free", self.engine.engine_id)
             self.engine = None
         return peer
@@ -93,3 +104,7 @@ class EngineRegistry:
         """Identities silent for longer than the timeout."""
         limit = time.monotonic() - self.timeout_s
         return [ident for ident, peer in self.peers.items() if peer.last_seen < limit]
+
+
+def _who(peer: Peer) -> str:
+    return "Lookup peer" if peer.rank is None else f"Rank {peer.rank}"

@@ -50,7 +50,7 @@ class DataJob:
     """One GET or PUT request of one or more ranks."""
 
     def __init__(self, op: str, keys: Sequence[bytes], marks: Optional[Sequence[int]], object_bytes: int,
-                 stride: int, participants: list[Participant]):
+                 stride: int, participants: list[Participant], unlock: bool = False):
         self.op = op
         self.keys = list(keys)
         self.marks = list(marks) if marks else None
@@ -60,6 +60,8 @@ class DataJob:
         self.next = 0
         self.batches: dict[int, Batch] = {}
         self.results = bytearray(len(self.keys))
+        self.existed = bytearray(len(self.keys))   # PUT: already stored, not written again
+        self.unlock = unlock                       # GET: release this rank's pins on the keys when done
 
     @property
     def n(self) -> int:

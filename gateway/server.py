@@ -243,6 +243,8 @@ class Gateway:
 
     # ================================================================ data requests
     def _on_data(self, identity, peer: Peer, msg):
+        if peer.rank is None:
+            raise P.ProtocolError(P.BAD_MESSAGE, f"a lookup peer cannot {msg['op']}; attach as a rank")
         keys, marks = self._keys(msg)
         obj = P.field(msg, "obj", int)
         if obj <= 0:
@@ -254,7 +256,8 @@ class Gateway:
         tag = P.field(msg, "tag", str, None)
         engine = self.engines.engine
         if tag is None or engine is None or engine.world == 1:
-            self._start(DataJob(msg["op"], keys, marks, obj, stride, [Participant(identity, msg["id"])]))
+            self._start(DataJob(msg["op"], keys, marks, obj, stride, [Participant(identity, msg["id"])],
+                                P.field(msg, "unlock", bool, False)))
             return
         parts = self.collectives.setdefault(tag, {})
         if peer.rank in parts:
@@ -271,7 +274,8 @@ class Gateway:
                 self._fail_collective(parts, f"ranks sent different requests for tag {tag!r}")
                 return
         self._start(DataJob(msg["op"], keys, marks, obj, stride,
-                            [Participant(ident, m["id"]) for ident, m in parts.values()]))
+                            [Participant(ident, m["id"]) for ident, m in parts.values()],
+                            P.field(msg, "unlock", bool, False)))
 
     def _fail_collective(self, parts, why: str) -> None:
         for ident, m in parts.values():
@@ -359,8 +363,15 @@ class Gateway:
     def _write_batch(self, batch: Batch) -> None:
         job = batch.job
         if batch.fill_ok:
+            existing = self.store.exists(job.keys[batch.first:batch.first + batch.count],
+                                         job.marks[batch.first:batch.first + batch.count] if job.marks else None)
             for j in range(batch.count):
                 i = batch.first + j
+                if existing[j]:
+                    # keys name content: an object stored under this key already holds these bytes
+                    batch.flags[j] = 1
+                    job.existed[i] = 1
+                    continue
                 frags = self.store.fragments(job.keys[i], job.mark(i), job.object_bytes)
                 view = self.ring.slot(batch.object_offset(j), job.object_bytes)
                 batch.io_left += 1
@@ -410,9 +421,12 @@ class Gateway:
         field = "hits" if job.op == "GET" else "stored"
         for p in job.participants:
             if p.identity in self.engines.peers:
-                if job.op == "GET":
+                if job.op == "GET" and job.unlock:
                     self._release_pins(self.engines.peers[p.identity], job.keys)
-                self._send(p.identity, {"op": "DONE", "id": p.req_id, field: bytes(job.results)})
+                done = {"op": "DONE", "id": p.req_id, field: bytes(job.results)}
+                if job.op == "PUT":
+                    done["existed"] = bytes(job.existed)
+                self._send(p.identity, done)
 
     # ---------------------------------------------------------------- completions
     def _complete(self, item) -> None:
@@ -450,6 +464,9 @@ class Gateway:
     def _detach(self, identity: bytes, why: str) -> None:
         peer = self.engines.detach(identity, why)
         if peer is None:
+            return
+        if peer.rank is None:
+            self.store.unpin(list(peer.pins.elements()))
             return
         self.store.unpin(list(peer.pins.elements()))
         for tag, parts in list(self.collectives.items()):

@@ -170,6 +170,17 @@ def _gather(futures: list[Future], on_all_done: Callable[[], None]) -> None:
         f.add_done_callback(one_done)
 
 
+def _existed(f: Future, n: int) -> list[bool]:
+    """PUT only: which keys the gateway had already (``StoreFlags.existed``)."""
+    try:
+        ex = getattr(f.result(timeout=0), "existed", None)
+    except Exception:
+        ex = None
+    if not isinstance(ex, list) or len(ex) != n:
+        return [False] * n
+    return [bool(x) for x in ex]
+
+
 def _flags(f: Future, n: int) -> list[bool]:
     try:
         r = f.result(timeout=0)
@@ -362,16 +373,21 @@ class AdpL2Adapter(L2AdapterInterface):
 
         def done() -> None:
             stored = [False] * n
+            existed = [False] * n
             for idx, fut in parts:
-                for i, ok in zip(idx, _flags(fut, len(idx))):
-                    stored[i] = ok
+                flags = _flags(fut, len(idx))
+                ex = _existed(fut, len(idx))
+                for j, i in enumerate(idx):
+                    stored[i] = flags[j]
+                    existed[i] = flags[j] and ex[j]
             new_keys, new_sizes = [], []
             nbytes = 0
             with self._lock:
                 for i, ok in enumerate(stored):
                     if not ok:
                         continue
-                    nbytes += sizes[i]
+                    if not existed[i]:     # already stored (keys name content): nothing written
+                        nbytes += sizes[i]
                     if adp[i] not in self._known:
                         self._known[adp[i]] = (keys[i].cache_salt, sizes[i])
                         new_keys.append(keys[i])
@@ -453,7 +469,7 @@ class AdpL2Adapter(L2AdapterInterface):
                     else:
                         self._held[k] = c - 1
                     release.append(k)
-            s = self._current()
+            s = self._current()   # pins are released by this explicit unlock only (GETs keep them)
             if release and s.enabled:
                 s.client.unlock(release)
             # A gateway that went away took its pins with it; nothing to retry.
@@ -502,14 +518,7 @@ class AdpL2Adapter(L2AdapterInterface):
             if hit_idx:
                 bm.batched_set(hit_idx)
             with self._lock:
-                # The gateway releases the pins of a GET's keys when it finishes: mirror that.
-                if self._session is s:
-                    for k in adp:
-                        c = self._held.get(k, 0)
-                        if c == 1:
-                            del self._held[k]
-                        elif c > 1:
-                            self._held[k] = c - 1
+                # Pins stay until LMCache's explicit submit_unlock (GET without unlock=True).
                 self._counters["loads"] += 1
                 self._counters["loaded_keys"] += len(hit_idx)
                 self._counters["load_missed_keys"] += n - len(hit_idx)
@@ -536,7 +545,7 @@ class AdpL2Adapter(L2AdapterInterface):
             s = self._current()
             if s.enabled:
                 try:
-                    s.client.delete(adp).result(timeout=self._config.timeout_s)
+                    s.client.delete(adp, marks=self._marks.marks(adp)).result(timeout=self._config.timeout_s)
                 except Exception as exc:
                     logger.warning("adpkv delete of %d keys failed: %s", len(adp), exc)
                     return

@@ -54,6 +54,9 @@ FIELDS: tuple[_Field, ...] = (
     _Field("timeout_s", float, 10.0, "a request without progress this long turns the cache off", _positive),
     _Field("connect_timeout_s", float, 3.0, "deadline to attach to the gateway", _positive),
     _Field("heartbeat_s", float, 1.0, "ping interval while idle", _positive),
+    _Field("busy_wait_s", float, 10.0,
+           "at attach, wait this long for a previous engine (e.g. a restarted server) to leave the gateway",
+           _non_negative),
     _Field("reconnect_s", float, 5.0,
            "after the gateway stopped answering, retry attaching after this long (doubling up to 60 s; 0: never)",
            _non_negative),
@@ -115,7 +118,7 @@ class AdpL2AdapterConfig(L2AdapterConfigBase):
                 "key_namespace_from_model": self.key_namespace_from_model,
                 "affinity_chunks": self.affinity_chunks, "fragment_bytes": self.fragment_bytes,
                 "timeout_s": self.timeout_s, "connect_timeout_s": self.connect_timeout_s,
-                "heartbeat_s": self.heartbeat_s}
+                "heartbeat_s": self.heartbeat_s, "busy_wait_s": self.busy_wait_s}
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in FIELDS}

@@ -211,3 +211,38 @@ def test_status_file_and_cli(start_gateway, tmp_path):
     gw.stop()
     out = subprocess.run(cli + ["status"], capture_output=True, text=True, timeout=30)
     assert out.returncode != 0 and "no gateway answered" in out.stderr
+
+
+def test_lookup_peer_pins_and_duplicate_puts(gateway):
+    """A lookup-only peer (vLLM's scheduler) beside a rank; pins; a PUT of stored keys is skipped."""
+    keys = make_keys(4)
+    rank = GatewayClient(ClientConfig(port=gateway.port), "engine-x", rank=0, world_size=1)
+    lookup = GatewayClient(ClientConfig(port=gateway.port, busy_wait_s=0), "engine-x", rank=None, world_size=1)
+    assert rank.enabled and lookup.enabled
+    other = GatewayClient(ClientConfig(port=gateway.port, busy_wait_s=0), "engine-y", rank=None)
+    assert not other.enabled and other.attach_error.startswith(P.ENGINE_BUSY)
+    other.close()
+
+    def fill(b):
+        for j in range(b.count):
+            o = b.offset + j * b.stride
+            rank.ring[o:o + 4096] = bytes([b.first + j]) * 4096
+    first = rank.put(keys[:2], 4096, fill).result(timeout=10)
+    assert first == [True, True] and first.existed == [False, False]
+    again = rank.put(keys, 4096, fill).result(timeout=10)
+    assert again == [True] * 4 and again.existed == [True, True, False, False]
+    assert lookup.exist(keys).result(timeout=5) == [True] * 4
+    assert lookup.get(keys, 4096, lambda b: None).result(timeout=1) == [False] * 4, "lookup peers move no data"
+    # pins: taken by EXIST(lock), kept across a plain GET, released by UNLOCK
+    assert rank.exist(keys, lock=True).result(timeout=5) == [True] * 4
+    assert control.request(gateway.port, {"op": "STATS"})["stats"]["pinned"] == 4
+    rank.get(keys, 4096, lambda b: None).result(timeout=10)
+    assert control.request(gateway.port, {"op": "STATS"})["stats"]["pinned"] == 4
+    rank.get(keys[:2], 4096, lambda b: None, unlock=True).result(timeout=10)
+    assert control.request(gateway.port, {"op": "STATS"})["stats"]["pinned"] == 2
+    rank.unlock(keys[2:]).result(timeout=5)
+    assert control.request(gateway.port, {"op": "STATS"})["stats"]["pinned"] == 0
+    assert lookup.delete(keys[:1], marks=[0]).result(timeout=5) == 1
+    assert rank.exist(keys).result(timeout=5) == [False, True, True, True]
+    lookup.close()
+    rank.close()
