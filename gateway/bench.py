@@ -16,6 +16,7 @@ import mmap
 import multiprocessing as mp
 import os
 import shutil
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -155,6 +156,7 @@ def bench_raw(directory: str, size: int, count: int, threads: int, direct: bool)
     src = mmap.mmap(-1, padded * count)
     src.write(os.urandom(padded * count))
     dst = mmap.mmap(-1, padded * count)
+    dst.write(bytes(padded * count))      # fault the pages in before timing, as the gateway run's buffers are
     srcv, dstv = memoryview(src), memoryview(dst)
     flag = os.O_DIRECT if direct else 0
     n = padded if direct else size
@@ -192,26 +194,35 @@ def bench_raw(directory: str, size: int, count: int, threads: int, direct: bool)
 
 # ---------------------------------------------------------------------- driver
 def run(directory: str, sizes: list[int], regimes: list[str], total_bytes: int, ranks: int,
-        per_request: int, threads: int, port: int | None = None, out=print) -> list[Result]:
-    """Run every (regime, size); alternate gateway and raw so noise hits both alike."""
+        per_request: int, threads: int, port: int | None = None, repeat: int = 3, out=print) -> list[Result]:
+    """Run every (regime, size) ``repeat`` times, alternating gateway and raw runs so the
+    noise of a shared machine hits both alike; report the median of each."""
     results = []
     for regime in regimes:
         for size in sizes:
             count = max(8, total_bytes // size)
             card = os.path.join(directory, f"card-{regime}-{size}")
             shutil.rmtree(card, ignore_errors=True)
-            _progress(f"{regime} {size // 1024} KiB: gateway store/restore of {count} objects ...")
+            gw = None
             if port is None:
                 gw = GatewayProcess(card, o_direct=(regime == "cold"), thread_pool_size=threads,
                                     shared_memory_size=max(256 * MiB, 8 * per_request * align_up(size)),
-                                    io_size=size, log_path=card + ".log")
-                with gw:
-                    t_store, t_restore = bench_gateway(gw.port, size, count, ranks, per_request)
-            else:
-                t_store, t_restore = bench_gateway(port, size, count, ranks, per_request)
-            _progress(f"{regime} {size // 1024} KiB: raw file write/read of {count} objects ...")
-            t_w, t_r = bench_raw(os.path.join(directory, "raw"), size, count, threads, regime == "cold")
-            shutil.rmtree(card, ignore_errors=True)
+                                    io_size=size, log_path=card + ".log").start()
+            runs = []
+            try:
+                for rep in range(repeat):
+                    _progress(f"{regime} {size // 1024} KiB run {rep + 1}/{repeat}: gateway ...")
+                    # a fresh namespace each run: the gateway skips keys it has stored already
+                    t_store, t_restore = bench_gateway(gw.port if gw else port, size, count, ranks, per_request,
+                                                       namespace=f"adpkv-bench-{os.getpid()}-{rep}")
+                    _progress(f"{regime} {size // 1024} KiB run {rep + 1}/{repeat}: raw files ...")
+                    t_w, t_r = bench_raw(os.path.join(directory, "raw"), size, count, threads, regime == "cold")
+                    runs.append((t_store, t_restore, t_w, t_r))
+            finally:
+                if gw is not None:
+                    gw.stop()
+                shutil.rmtree(card, ignore_errors=True)
+            t_store, t_restore, t_w, t_r = (statistics.median(col) for col in zip(*runs))
             nbytes = size * count
             r = Result(regime, size, count, ranks, nbytes / t_store / 1e9, nbytes / t_restore / 1e9,
                        nbytes / t_w / 1e9, nbytes / t_r / 1e9)
@@ -219,7 +230,8 @@ def run(directory: str, sizes: list[int], regimes: list[str], total_bytes: int, 
             _progress("")
             out(f"{regime:4s} {size // 1024:5d} KiB x {count:5d} ranks={ranks}: "
                 f"store {r.store_gbs:6.2f} GB/s (raw {r.raw_write_gbs:6.2f}, x{r.store_vs_raw:.2f})  "
-                f"restore {r.restore_gbs:6.2f} GB/s (raw {r.raw_read_gbs:6.2f}, x{r.restore_vs_raw:.2f})")
+                f"restore {r.restore_gbs:6.2f} GB/s (raw {r.raw_read_gbs:6.2f}, x{r.restore_vs_raw:.2f})  "
+                f"[median of {repeat}]")
     return results
 
 

@@ -89,7 +89,8 @@ def cmd_bench(args) -> int:
         regimes = regimes[:1]
     print(f"adpkv bench: {', '.join(f'{s // 1024} KiB' for s in sizes)}; {args.ranks} rank(s); "
           f"{args.total // MiB} MiB per size; regimes {', '.join(regimes)}; dir {os.path.abspath(args.dir)}")
-    results = bench.run(args.dir, sizes, regimes, args.total, args.ranks, args.per_request, args.threads, port)
+    results = bench.run(args.dir, sizes, regimes, args.total, args.ranks, args.per_request, args.threads, port,
+                        args.repeat)
     top = bench.headline(results)
     print(f"store_vs_raw={top.store_vs_raw:.2f} restore_vs_raw={top.restore_vs_raw:.2f}")
     return 0
@@ -119,6 +120,7 @@ def main(argv=None) -> int:
     b.add_argument("--total", type=_size, default=512 * MiB, help="bytes per size (default 512MiB)")
     b.add_argument("--per-request", type=int, default=64, help="objects per request (one layer request)")
     b.add_argument("--threads", type=int, default=16)
+    b.add_argument("--repeat", type=int, default=3, help="runs per size, alternating gateway and raw; median")
     b.add_argument("--dir", default="./adpkv-bench", help="where the bench card and raw files go")
     d = sub.add_parser("demo", help="start a gateway on ./adpkv-card, store a prompt's KV, restart, restore")
     d.add_argument("--dir", default="./adpkv-card")

@@ -1,0 +1,242 @@
+"""What the vLLM KV connector and the OffloadingSpec backend share: settings,
+namespace, layer numbering, chunk hashes and the gateway client of a process.
+
+Nothing here touches a KV tensor (see ``copy.py`` for that).
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+from adpkv_core.client import GatewayClient
+from adpkv_core.keys import chunk_digest, namespace_from_model
+from adpkv_core.settings import ClientConfig
+
+logger = logging.getLogger("adpkv.vllm")
+
+PREFIX = "adpkv."
+DEFAULT_CHUNK_TOKENS = 256
+
+
+@dataclass
+class AdapterSettings:
+    """``adpkv.*`` keys of kv_connector_extra_config, resolved."""
+
+    client: ClientConfig
+    chunk_size: int                 # tokens per stored object (a multiple of the block size)
+    exist_layers: str = "ends"      # "ends": EXIST layer 0 and the last layer; "all": every layer
+    lookup_wait_s: float = 0.05     # how long the scheduler waits for an EXIST before asking again
+    respect_fail_policy: bool = False
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, block_size: int,
+                          chunk_key: str = "chunk_size") -> "AdapterSettings":
+        extra = dict(extra or {})
+        client = ClientConfig.from_settings(extra, prefix=PREFIX)
+        raw = extra.get(PREFIX + chunk_key, extra.get(chunk_key))
+        if raw is None:
+            chunk = max(block_size, DEFAULT_CHUNK_TOKENS)
+            chunk = -(-chunk // block_size) * block_size
+        else:
+            chunk = int(raw)
+        if chunk <= 0 or chunk % block_size:
+            raise ValueError(f"adpkv: {PREFIX}{chunk_key}={chunk} must be a positive multiple of "
+                             f"the block size {block_size}")
+        exist_layers = str(extra.get(PREFIX + "exist_layers", "ends"))
+        if exist_layers not in ("ends", "all"):
+            raise ValueError(f"adpkv: {PREFIX}exist_layers must be 'ends' or 'all', not {exist_layers!r}")
+        return cls(client=client, chunk_size=chunk, exist_layers=exist_layers,
+                   lookup_wait_s=float(extra.get(PREFIX + "lookup_wait_s", 0.05)),
+                   respect_fail_policy=_as_bool(extra.get(PREFIX + "respect_fail_policy", False)))
+
+
+def _as_bool(v) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
+
+
+# --------------------------------------------------------------------------- hashing
+_warned_hash = False
+
+
+def check_hash_stability(vllm_config) -> bool:
+    """Warn (once per process) when vLLM's block hashes change from one process to the next.
+
+    vLLM seeds its chained block hash with NONE_HASH. For the non-cryptographic
+    ``xxhash``/``xxhash_cbor`` algorithms it draws that seed at random per process
+    unless PYTHONHASHSEED is set: every key would then be new after a restart and
+    the external cache would never hit. Returns True when hashes are stable.
+    """
+    global _warned_hash
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    stable = not (algo.startswith("xxhash") and os.environ.get("PYTHONHASHSEED") is None)
+    if not stable and not _warned_hash:
+        _warned_hash = True
+        logger.warning(
+            "adpkv: prefix_caching_hash_algo=%s without PYTHONHASHSEED makes vLLM's block hashes "
+            "random per process: nothing this engine stores can be found after a restart or by "
+            "another replica. Set PYTHONHASHSEED to the same value for every vLLM process (e.g. "
+            "PYTHONHASHSEED=0) or use --prefix-caching-hash-algo sha256.", algo)
+    return stable
+
+
+def chunk_hashes(block_hashes: Sequence[bytes], blocks_per_chunk: int, limit_chunks: int) -> list[bytes]:
+    """16-byte digests of the first chunks of a request: chunk i is named by the
+    hash of its last block (vLLM's hash is chained, so it covers every token before
+    it, plus cache_salt, LoRA and multimodal inputs)."""
+    n = min(limit_chunks, len(block_hashes) // blocks_per_chunk)
+    return [chunk_digest(bytes(block_hashes[(i + 1) * blocks_per_chunk - 1])) for i in range(n)]
+
+
+# --------------------------------------------------------------------------- layers
+def ordered_layer_names(layer_names: Sequence[str]) -> list[str]:
+    """Attention layers in a stable order (by the layer number in the module name)."""
+    def key(name: str):
+        nums = [int(p) for p in name.split(".") if p.isdigit()]
+        return (nums or [1 << 30], name)
+    return sorted(layer_names, key=key)
+
+
+# --------------------------------------------------------------------------- namespace
+def resolve_namespace(vllm_config, settings: AdapterSettings, layout: str, engine_id: str) -> str:
+    """The key namespace of this deployment.
+
+    ``adpkv.namespace`` wins; with ``adpkv.key_namespace_from_model`` the namespace
+    is derived from the model identity (model, revision, KV dtype, geometry, TP
+    size, chunk size, layout). An unknown field gives a namespace private to this
+    engine (a cold cache, never a wrong hit); it is the same in the scheduler and
+    the workers because it derives from the engine id they share.
+    """
+    cfg = settings.client
+    if cfg.namespace:
+        return cfg.namespace
+    if not cfg.key_namespace_from_model:
+        return "default"
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    try:
+        geometry = [getattr(hf, "num_hidden_layers", None), mc.get_total_num_kv_heads(),
+                    mc.get_head_size(), vllm_config.cache_config.block_size]
+    except Exception:
+        geometry = None
+    fields = dict(model=mc.model, revision=mc.revision, kv_dtype=_kv_dtype(vllm_config),
+                  geometry=geometry if geometry and None not in geometry else None,
+                  tp_size=pc.tensor_parallel_size, chunk_size=settings.chunk_size, layout=layout)
+    missing = [k for k, v in fields.items() if v in (None, "", [], ())]
+    if missing:
+        ns = f"engine-{engine_id}"
+        logger.warning("adpkv: model identity lacks %s; using a namespace private to this engine "
+                       "(%s): no hits from other runs. Pass a revision or set adpkv.namespace.",
+                       ", ".join(missing), ns)
+        return ns
+    return namespace_from_model(**fields)
+
+
+def _kv_dtype(vllm_config) -> str:
+    cd = vllm_config.cache_config.cache_dtype
+    if cd and cd != "auto":
+        return str(cd)
+    return str(vllm_config.model_config.dtype)
+
+
+# --------------------------------------------------------------------------- clients
+_clients_lock = threading.Lock()
+_rank_clients: dict[str, GatewayClient] = {}     # engine id -> rank 0 client of this process
+_all_clients: list[GatewayClient] = []
+
+
+def _close_all():
+    for c in list(_all_clients):
+        try:
+            c.close()
+        except Exception:
+            pass
+
+
+atexit.register(_close_all)
+
+
+def open_rank_client(cfg: ClientConfig, engine_id: str, rank: int, world: int, layout: dict) -> GatewayClient:
+    client = GatewayClient(cfg, engine_id=engine_id, rank=rank, world_size=world, layout=layout)
+    with _clients_lock:
+        _all_clients.append(client)
+        if rank == 0:
+            _rank_clients[engine_id] = client
+    return client
+
+
+def close_client(client: Optional[GatewayClient]) -> None:
+    if client is None:
+        return
+    with _clients_lock:
+        if client in _all_clients:
+            _all_clients.remove(client)
+        for k, v in list(_rank_clients.items()):
+            if v is client:
+                del _rank_clients[k]
+    client.close()
+
+
+class LookupClient:
+    """EXIST for the scheduler process, which is not a rank of the engine.
+
+    Uses a lookup-only attach when the core client offers one
+    (``GatewayClient(..., role="lookup")``); otherwise borrows the rank-0 client
+    of the same process (scheduler and worker in one process: the in-process
+    engine). Without either, every lookup is a miss (logged once).
+    """
+
+    def __init__(self, cfg: ClientConfig, engine_id: str, world: int):
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.world = world
+        self._own: Optional[GatewayClient] = None
+        self._warned = False
+        params = inspect.signature(GatewayClient.__init__).parameters
+        if "role" in params:
+            try:
+                self._own = GatewayClient(cfg, engine_id=engine_id, rank=0, world_size=world,
+                                          role="lookup")
+                with _clients_lock:
+                    _all_clients.append(self._own)
+            except Exception as exc:  # never take the engine down for the cache
+                logger.warning("adpkv: lookup client failed to start: %s", exc)
+                self._own = None
+
+    def client(self) -> Optional[GatewayClient]:
+        if self._own is not None:
+            return self._own
+        c = _rank_clients.get(self.engine_id)
+        if c is None and not self._warned:
+            self._warned = True
+            logger.warning("adpkv: the scheduler has no way to ask the gateway which chunks are stored "
+                           "(no lookup-only attach in adpkv_core and no rank-0 client in this process): "
+                           "every lookup is a miss until then; saves still happen")
+        return c
+
+    @property
+    def enabled(self) -> bool:
+        c = self.client()
+        return c is not None and c.enabled
+
+    def exist(self, keys, marks=None):
+        c = self.client()
+        if c is None:
+            from concurrent.futures import Future
+            f: Future = Future()
+            f.set_result([False] * len(keys))
+            return f
+        return c.exist(keys, marks=marks)
+
+    def close(self):
+        if self._own is not None:
+            close_client(self._own)
+            self._own = None

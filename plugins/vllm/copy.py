@@ -1,0 +1,153 @@
+"""Copies between vLLM's paged KV blocks and the gateway's shared-memory ring.
+
+One stored object is one chunk of ``blocks_per_chunk`` consecutive blocks of one
+layer: the pages of those blocks back to back, as this engine lays a page out
+(the layout is part of the namespace). With tensor parallelism each rank owns a
+slice of every object (its heads), at ``rank * part_bytes``.
+
+Every copy is one batched tensor op per ring batch (gather with
+``index_select`` / scatter with ``index_copy_`` over the block ids); there is no
+per-block Python loop. On CPU the gather writes straight into the ring slots;
+on GPU it runs on a CUDA stream of the connector's own and the ring copy is
+one device<->host copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional, Sequence
+
+import torch
+
+logger = logging.getLogger("adpkv.vllm")
+
+
+def block_major_view(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """A view of one layer's KV cache with the block index as dim 0.
+
+    Handles vLLM's standardized per-layer ``[B, H, N, C]`` view (0.32+), kernel
+    block splitting (``B = num_blocks * k``, grouped back to manager blocks) and
+    the older ``(2, num_blocks, ...)`` K/V-outermost layouts (the block dim is
+    moved to the front; the page of a block is then its K part and its V part).
+    """
+    if t.shape[0] == num_blocks:
+        return t
+    if t.shape[0] % num_blocks == 0 and t.shape[0] > num_blocks:
+        return t.unflatten(0, (num_blocks, t.shape[0] // num_blocks))
+    if t.dim() >= 2 and t.shape[1] == num_blocks:
+        return t.movedim(1, 0)
+    raise ValueError(f"adpkv: cannot find the block dimension of a KV cache of shape "
+                     f"{tuple(t.shape)} with {num_blocks} blocks")
+
+
+class PagedLayer:
+    """One layer's KV blocks and the copies of whole chunks to and from the ring."""
+
+    def __init__(self, name: str, kv: torch.Tensor, num_blocks: int):
+        self.name = name
+        self.view = block_major_view(kv, num_blocks)
+        self.page_shape = tuple(self.view.shape[1:])
+        self.dtype = self.view.dtype
+        self.device = self.view.device
+        self.page_elems = math.prod(self.page_shape)
+        self.page_bytes = self.page_elems * self.view.element_size()
+        self.on_gpu = self.device.type == "cuda"
+
+    # ------------------------------------------------------------------ ring views
+    def _ring_parts(self, ring: torch.Tensor, offset: int, stride: int, count: int,
+                    slice_offset: int, part_bytes: int) -> torch.Tensor:
+        """``count`` ring slots' parts of this rank as a (count, part_bytes) uint8 view."""
+        return ring.as_strided((count, part_bytes), (stride, 1), offset + slice_offset)
+
+    def _typed_blocks(self, parts: torch.Tensor, nblocks: int) -> Optional[torch.Tensor]:
+        """The slots as (count*nblocks, *page) of our dtype when they are contiguous."""
+        if not parts.is_contiguous() and parts.shape[0] > 1:
+            return None
+        flat = parts.reshape(-1) if parts.is_contiguous() else parts[0]
+        return flat.view(self.dtype).view(parts.shape[0] * nblocks, *self.page_shape)
+
+    def _typed_object(self, part: torch.Tensor, nblocks: int) -> torch.Tensor:
+        return part.view(self.dtype).view(nblocks, *self.page_shape)
+
+    # ------------------------------------------------------------------ gather (PUT)
+    def gather(self, ring: torch.Tensor, offset: int, stride: int, count: int, slice_offset: int,
+               part_bytes: int, block_ids: torch.Tensor, nblocks: int,
+               stream: "torch.cuda.Stream | None" = None,
+               ready: "torch.cuda.Event | None" = None) -> None:
+        """Copy ``count`` objects (``nblocks`` blocks each, ids in ``block_ids``) into the ring."""
+        parts = self._ring_parts(ring, offset, stride, count, slice_offset, part_bytes)
+        if self.on_gpu:
+            self._gather_gpu(parts, block_ids, nblocks, stream, ready)
+            return
+        dst = self._typed_blocks(parts, nblocks)
+        if dst is not None:
+            torch.index_select(self.view, 0, block_ids, out=dst)
+            return
+        ids = block_ids.view(count, nblocks)
+        for j in range(count):   # one gather per object when slots are not back to back (TP slices)
+            torch.index_select(self.view, 0, ids[j], out=self._typed_object(parts[j], nblocks))
+
+    def _gather_gpu(self, parts, block_ids, nblocks, stream, ready):
+        count = parts.shape[0]
+        with torch.cuda.stream(stream) if stream is not None else _null():
+            if ready is not None:
+                torch.cuda.current_stream().wait_event(ready)
+            ids = block_ids.to(self.device, non_blocking=True)
+            staged = self.view.index_select(0, ids)
+            host = parts.view(self.dtype).view(count, nblocks, *self.page_shape)
+            host.copy_(staged.view(count, nblocks, *self.page_shape))
+        if stream is not None:
+            stream.synchronize()
+
+    # ------------------------------------------------------------------ scatter (GET)
+    def scatter(self, ring: torch.Tensor, offset: int, stride: int, count: int, slice_offset: int,
+                part_bytes: int, dst_block_ids: torch.Tensor, src_positions: Optional[torch.Tensor],
+                nblocks: int, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Copy ``count`` objects out of the ring into the KV blocks.
+
+        ``src_positions`` (block positions within these objects, ``j*nblocks+b``)
+        selects which blocks are written, to ``dst_block_ids``; ``None`` means all
+        of them in order.
+        """
+        parts = self._ring_parts(ring, offset, stride, count, slice_offset, part_bytes)
+        if self.on_gpu:
+            self._scatter_gpu(parts, dst_block_ids, src_positions, nblocks, stream)
+            return
+        src = self._typed_blocks(parts, nblocks)
+        if src is None:
+            src = parts.contiguous().view(self.dtype).view(count * nblocks, *self.page_shape)
+        if src_positions is not None:
+            src = src.index_select(0, src_positions)
+        self.view.index_copy_(0, dst_block_ids, src)
+
+    def _scatter_gpu(self, parts, dst_block_ids, src_positions, nblocks, stream):
+        count = parts.shape[0]
+        with torch.cuda.stream(stream) if stream is not None else _null():
+            host = parts if parts.is_contiguous() else parts.contiguous()
+            dev = host.to(self.device, non_blocking=False)
+            src = dev.view(self.dtype).view(count * nblocks, *self.page_shape)
+            if src_positions is not None:
+                src = src.index_select(0, src_positions.to(self.device))
+            self.view.index_copy_(0, dst_block_ids.to(self.device), src)
+        if stream is not None:
+            stream.synchronize()
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def ring_tensor(client) -> Optional[torch.Tensor]:
+    """The client's ring as a flat uint8 tensor (shared memory, no copy)."""
+    if client is None or client.ring is None:
+        return None
+    return torch.frombuffer(client.ring, dtype=torch.uint8)
+
+
+def as_index(ids: Sequence[int]) -> torch.Tensor:
+    return torch.as_tensor(ids, dtype=torch.long)
