@@ -25,6 +25,7 @@ class GatewayConfig:
     start_clean: int = 0                     # 1: delete everything at start (refused when shared)
     fragment_size: int = 0                   # split objects larger than this (0: never)
     fragment_spread_across_dbs: bool = True
+    replicas: int = 1                        # cards each object is written to (read from the first in service)
     io_timeout_ms: int = 0                   # deadline of one card command (0: none)
     io_timeout_strikes: int = 3              # commands past it in a row before a card leaves service
     status_file: str = ""                    # Prometheus text file, rewritten every second
@@ -50,6 +51,8 @@ class GatewayConfig:
             raise ValueError(f"key_placement must be dialog or stripe, not {self.key_placement!r}")
         if self.storage_slots < 1 or self.num_dbs < 1 or self.thread_pool_size < 1:
             raise ValueError("storage_slots, num_dbs and thread_pool_size must be >= 1")
+        if self.replicas < 1:
+            raise ValueError("replicas must be >= 1")
         if self.fragment_size < 0:
             raise ValueError("fragment_size must be >= 0")
         if self.shared_memory_size < (1 << 20):

@@ -1,30 +1,30 @@
 """Placement: which card holds a key, computed by every gateway on its own.
 
-``storage_slots`` slots are assigned to cards by serial number (rendezvous
-hashing: slot s goes to the card with the highest hash of (serial, s)), so the
+``storage_slots`` slots are ranked over the cards by serial number (rendezvous
+hashing: for slot s, the cards in decreasing order of hash(serial, s)), so the
 order of the cards in the configuration does not matter and a new card takes
-only its share of the slots. ``dialog`` placement picks the slot from the
-dialog mark (all blocks of a dialog on one card); ``stripe`` from the chunk
-itself (one long restore reads all cards).
+only its share of the slots. A key goes to the first card of its slot's
+ranking that is in service (its replicas to the next ones). ``dialog``
+placement picks the slot from the dialog mark (all blocks of a dialog on one
+card); ``stripe`` from the chunk itself (one long restore reads all cards).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Optional, Sequence
 
 import xxhash
 
 
-def slot_owners(serials: Sequence[str], storage_slots: int) -> list[int]:
-    """For each slot, the index (into ``serials``) of the card that owns it."""
-    if not serials:
-        raise ValueError("no cards")
-    owners = []
+def slot_rankings(serials: Sequence[Optional[str]], storage_slots: int) -> list[list[int]]:
+    """For each slot, the indices of the cards with a known serial, best first."""
+    known = [i for i, s in enumerate(serials) if s]
+    rankings = []
     for slot in range(storage_slots):
-        scores = [xxhash.xxh3_64_intdigest(f"{serial}/{slot}".encode()) for serial in serials]
-        owners.append(max(range(len(serials)), key=scores.__getitem__))
-    return owners
+        scores = {i: xxhash.xxh3_64_intdigest(f"{serials[i]}/{slot}".encode()) for i in known}
+        rankings.append(sorted(known, key=lambda i: (-scores[i], serials[i])))
+    return rankings
 
 
 def key_layout_fingerprint(serials: Sequence[str], storage_slots: int, num_dbs: int, placement: str,
@@ -35,14 +35,14 @@ def key_layout_fingerprint(serials: Sequence[str], storage_slots: int, num_dbs: 
 
 
 class Placement:
-    """Maps (key, dialog mark) to a card index."""
+    """Maps (key, dialog mark) to the ranking of cards for it."""
 
-    def __init__(self, serials: Sequence[str], storage_slots: int, mode: str = "dialog"):
+    def __init__(self, serials: Sequence[Optional[str]], storage_slots: int, mode: str = "dialog"):
         if mode not in ("dialog", "stripe"):
             raise ValueError(f"unknown key_placement {mode!r}")
         self.mode = mode
         self.storage_slots = storage_slots
-        self.owners = slot_owners(serials, storage_slots)
+        self.rankings = slot_rankings(serials, storage_slots)
 
     def slot(self, key: bytes, mark: int) -> int:
         if self.mode == "dialog" and mark:
@@ -50,5 +50,10 @@ class Placement:
         # stripe, or no mark given: the chunk digest picks the slot (all layers of a chunk together)
         return xxhash.xxh3_64_intdigest(key[9:25]) % self.storage_slots
 
-    def card(self, key: bytes, mark: int) -> int:
-        return self.owners[self.slot(key, mark)]
+    def ranking(self, key: bytes, mark: int) -> list[int]:
+        return self.rankings[self.slot(key, mark)]
+
+    def card(self, key: bytes, mark: int) -> Optional[int]:
+        """The owner of the key's slot (in service or not)."""
+        r = self.ranking(key, mark)
+        return r[0] if r else None

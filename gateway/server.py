@@ -26,6 +26,7 @@ from adpkv_core.ring import Ring, max_parallel_ios, object_stride, ring_path
 from .cards import open_cards
 from .config import GatewayConfig
 from .engines import EngineRegistry, Peer
+from .health import HealthMonitor
 from .jobs import Batch, DataJob, Participant
 from .ring_alloc import RingAllocator
 from .status import render_status, write_status_file
@@ -46,14 +47,22 @@ class Gateway:
         cards = open_cards(config, is_pinned=lambda key: holder["store"].is_pinned(key))
         self.store = holder["store"] = ObjectStore(cards, config.storage_slots, config.num_dbs,
                                                    config.key_placement, config.fragment_size,
-                                                   config.fragment_spread_across_dbs)
+                                                   config.fragment_spread_across_dbs, config.replicas)
+        self.health = HealthMonitor(self.store, config.io_timeout_ms, config.io_timeout_strikes)
         logger.info("Key layout fingerprint %s", self.store.fingerprint)
+        all_known = all(c.serial for c in cards)
         if config.key_layout_fingerprint and config.key_layout_fingerprint != self.store.fingerprint:
-            raise SystemExit(f"key layout fingerprint {self.store.fingerprint} differs from the configured "
-                             f"key_layout_fingerprint {config.key_layout_fingerprint}: this gateway would place "
-                             "keys elsewhere than its peers; refusing to start")
+            if all_known:
+                raise SystemExit(f"key layout fingerprint {self.store.fingerprint} differs from the configured "
+                                 f"key_layout_fingerprint {config.key_layout_fingerprint}: this gateway would "
+                                 "place keys elsewhere than its peers; refusing to start")
+            logger.warning("Not every card answered: the key layout fingerprint is checked when they join")
+            self.health.expected_fingerprint = config.key_layout_fingerprint
         for card in cards:
-            logger.info("Card %s (%s %s) Group Health: active", card.serial, card.kind, card.device)
+            if card.serial:
+                logger.info("Card %s (%s %s) Group Health: active", card.serial, card.kind, card.device)
+        logger.info("Key placement %s over %d slots, %d database(s) per card, %d replica(s)",
+                    config.key_placement, config.storage_slots, config.num_dbs, config.replicas)
         if int(config.start_clean):
             logger.info("start_clean: removed %d objects", self.store.clean())
         self.ring = Ring.create(ring_path(config.port), config.shared_memory_size)
@@ -61,6 +70,7 @@ class Gateway:
         logger.info("Ring %s: %d bytes; io_size %d; max_parallel_ios = %d", self.ring.path, self.ring.size,
                     config.io_size, max_parallel_ios(self.ring.size, config.io_size))
         self.pool = ThreadPoolExecutor(config.thread_pool_size, thread_name_prefix="adpkv-io")
+        self.health.start()
         self.engines = EngineRegistry(config.engine_timeout_s)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -125,6 +135,7 @@ class Gateway:
     def _shutdown(self) -> None:
         logger.info("Gateway stopping: finishing card I/O in flight")
         self.pool.shutdown(wait=True)
+        self.health.stop()
         self._drain_completions()
         if self.config.status_file:
             try:
@@ -324,7 +335,9 @@ class Gateway:
             if not heads[j]:
                 continue
             i = batch.first + j
-            frags = self.store.fragments(job.keys[i], job.mark(i), job.object_bytes)
+            frags = self.store.read_plan(job.keys[i], job.mark(i), job.object_bytes)
+            if frags is None:
+                continue
             batch.frag_left[j] = len(frags)
             batch.flags[j] = 1
             base = batch.object_offset(j)
@@ -372,10 +385,12 @@ class Gateway:
                     batch.flags[j] = 1
                     job.existed[i] = 1
                     continue
-                frags = self.store.fragments(job.keys[i], job.mark(i), job.object_bytes)
+                plans = self.store.write_plans(job.keys[i], job.mark(i), job.object_bytes)
+                if not plans:
+                    continue          # no card in service for this key: not stored
                 view = self.ring.slot(batch.object_offset(j), job.object_bytes)
                 batch.io_left += 1
-                fut = self.pool.submit(self.store.write_object, frags, view)
+                fut = self.pool.submit(self.store.write_replicas, plans, view)
                 fut.add_done_callback(lambda f, b=batch, j=j: self._complete(("write", b, j, f)))
         if batch.io_left == 0:
             self._write_done(batch)
@@ -488,9 +503,11 @@ class Gateway:
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
         cards = []
-        for card, st in zip(self.store.cards, self.store.stats):
-            u = card.usage()
-            cards.append({"serial": card.serial, "device": card.device, "kind": card.kind, "active": True,
+        for card, st, active in zip(self.store.cards, self.store.stats, self.store.active):
+            u = card.usage() if active else None
+            u = u or type("U", (), {"used_bytes": 0, "capacity_bytes": 0, "objects": 0})
+            cards.append({"serial": card.serial or card.device, "device": card.device, "kind": card.kind,
+                          "active": bool(active), "oldest_io_age_s": st.oldest_io_age(),
                           "used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes, "objects": u.objects,
                           "reads": st.reads, "writes": st.writes, "bytes_read": st.bytes_read,
                           "bytes_written": st.bytes_written, "read_errors": st.read_errors,
@@ -502,7 +519,7 @@ class Gateway:
             "port": self.config.port, "uptime_s": time.time() - self.started,
             "fingerprint": self.store.fingerprint, "placement": self.config.key_placement,
             "storage_slots": self.config.storage_slots, "num_dbs": self.config.num_dbs,
-            "shared_storage": bool(self.config.shared_storage),
+            "shared_storage": bool(self.config.shared_storage), "replicas": self.store.replicas,
             "ring_size": self.ring.size, "ring_in_use": self.alloc.in_use,
             "requests_in_flight": len(self.jobs), "pinned": self.store.pinned_count(),
             "engine": None if engine is None else {"id": engine.engine_id, "world": engine.world,

@@ -39,6 +39,8 @@ def render_status(gateway) -> str:
         avg = c["io_seconds"] / c["io_count"] if c["io_count"] else 0.0
         metric(p + "storage_io_latency_avg_seconds", f"{avg:.6f}", "Mean card I/O latency", g)
         metric(p + "storage_io_latency_max_seconds", f"{c['io_max_seconds']:.6f}", "Max card I/O latency", g)
+    metric(p + "worker_oldest_io_age_seconds", f"{max([c['oldest_io_age_s'] for c in s['cards']] or [0]):.3f}",
+           "Age of the oldest card I/O in flight")
     o = s["objects"]
     metric(p + "hits_total", o.get("hits", 0), "Objects found by GET", kind="counter")
     metric(p + "misses_total", o.get("misses", 0), "Objects not found by GET", kind="counter")

@@ -1,21 +1,24 @@
-"""The object store: objects → fragments → (card, database), pins and I/O counters.
+"""The object store: objects → fragments → (card, database), placement over the
+cards in service, replicas, pins and I/O counters.
 
-The server asks it for the fragments of an object and runs their I/O on its
-thread pool; the store does the card calls and keeps the statistics.
+The server asks it where an object's fragments live and runs their I/O on its
+thread pool; the store does the card calls, keeps the statistics and reports
+transport failures to the health monitor.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from adpkv_core.fragments import fragment_db, fragment_extents, fragment_key
 
-from .cards.base import Card
+from .cards.base import Card, CardIOError
 from .placement import Placement, key_layout_fingerprint
 
 logger = logging.getLogger("adpkv.gateway.store")
@@ -40,9 +43,18 @@ class CardStats:
         self.io_seconds = 0.0
         self.io_count = 0
         self.io_max_s = 0.0
+        self._inflight: dict[int, float] = {}
+        self._ids = itertools.count()
 
-    def record(self, write: bool, ok: bool, nbytes: int, seconds: float) -> None:
+    def begin(self) -> int:
         with self.lock:
+            token = next(self._ids)
+            self._inflight[token] = time.monotonic()
+            return token
+
+    def end(self, token: int, write: bool, ok: bool, nbytes: int) -> float:
+        with self.lock:
+            seconds = time.monotonic() - self._inflight.pop(token)
             if write:
                 self.writes += 1
                 self.bytes_written += nbytes if ok else 0
@@ -54,89 +66,145 @@ class CardStats:
             self.io_seconds += seconds
             self.io_count += 1
             self.io_max_s = max(self.io_max_s, seconds)
+            return seconds
+
+    def oldest_io_age(self) -> float:
+        with self.lock:
+            return time.monotonic() - min(self._inflight.values()) if self._inflight else 0.0
 
 
 class ObjectStore:
     """All cards of one gateway, seen as one key-value store of objects."""
 
     def __init__(self, cards: Sequence[Card], storage_slots: int, num_dbs: int, placement: str,
-                 fragment_size: int, spread: bool):
+                 fragment_size: int, spread: bool, replicas: int = 1):
         self.cards = list(cards)
         self.num_dbs = num_dbs
+        self.storage_slots = storage_slots
+        self.placement_mode = placement
         self.fragment_size = fragment_size
         self.spread = spread
-        self.placement = Placement([c.serial for c in self.cards], storage_slots, placement)
-        self.fingerprint = key_layout_fingerprint([c.serial for c in self.cards], storage_slots,
-                                                  num_dbs, placement, fragment_size)
+        self.replicas = max(1, replicas)
+        self.active = [bool(c.serial) for c in self.cards]
         self.stats = [CardStats() for _ in self.cards]
+        self.on_io: Callable[[int, bool, float], None] = lambda card, transport_ok, seconds: None
         self._pins: collections.Counter = collections.Counter()
         self._pins_lock = threading.Lock()
         self.counters = collections.Counter()   # hits, misses, stored, store_failed (server thread only)
+        self.rebuild_placement()
+
+    def rebuild_placement(self) -> None:
+        """Recompute placement over the cards whose serial is known (atomic swap)."""
+        serials = [c.serial or None for c in self.cards]
+        self.placement = Placement(serials, self.storage_slots, self.placement_mode)
+        self.fingerprint = key_layout_fingerprint([s for s in serials if s], self.storage_slots,
+                                                  self.num_dbs, self.placement_mode, self.fragment_size)
 
     # ------------------------------------------------------------------ layout
-    def fragments(self, key: bytes, mark: int, object_bytes: int) -> list[Fragment]:
-        """The fragments of an object, fragment 0 last (it is written last)."""
-        card = self.placement.card(key, mark)
+    def targets(self, key: bytes, mark: int, n: int = 1) -> list[int]:
+        """The first ``n`` cards in service for a key, in placement order."""
+        out = []
+        for i in self.placement.ranking(key, mark):
+            if self.active[i]:
+                out.append(i)
+                if len(out) == n:
+                    break
+        return out
+
+    def _frags(self, card: int, key: bytes, object_bytes: int) -> list[Fragment]:
         extents = fragment_extents(object_bytes, self.fragment_size)
         frags = [Fragment(card, fragment_db(key, i, self.num_dbs, self.spread), fragment_key(key, i), off, ln)
                  for i, (off, ln) in enumerate(extents)]
-        return frags[1:] + frags[:1]
+        return frags[1:] + frags[:1]          # fragment 0 last: written last
 
-    def head(self, key: bytes, mark: int) -> Fragment:
-        """Fragment 0: its presence means the object was written in full."""
-        card = self.placement.card(key, mark)
-        return Fragment(card, fragment_db(key, 0, self.num_dbs, self.spread), fragment_key(key, 0), 0, 0)
+    def read_plan(self, key: bytes, mark: int, object_bytes: int) -> Optional[list[Fragment]]:
+        """The fragments to read an object from, or None when no card in service holds its slot."""
+        t = self.targets(key, mark, 1)
+        return self._frags(t[0], key, object_bytes) if t else None
+
+    def write_plans(self, key: bytes, mark: int, object_bytes: int) -> list[list[Fragment]]:
+        """One fragment list per replica (cards in service, in placement order)."""
+        return [self._frags(c, key, object_bytes) for c in self.targets(key, mark, self.replicas)]
 
     # ------------------------------------------------------------------ I/O (thread pool)
     def read(self, frag: Fragment, buf: memoryview) -> bool:
-        t0 = time.monotonic()
+        card = self.cards[frag.card]
+        token = self.stats[frag.card].begin()
+        transport_ok, ok = True, False
         try:
-            ok = self.cards[frag.card].read(frag.db, frag.fkey, buf)
+            ok = card.read(frag.db, frag.fkey, buf)
+        except CardIOError as exc:
+            transport_ok = False
+            logger.warning("%s", exc)
         except Exception:
-            logger.exception("read from card %s failed", self.cards[frag.card].serial)
-            ok = False
-        self.stats[frag.card].record(False, ok, len(buf), time.monotonic() - t0)
+            logger.exception("read from card %s failed", card.serial)
+        seconds = self.stats[frag.card].end(token, False, ok, len(buf))
+        self.on_io(frag.card, transport_ok, seconds)
         return ok
 
-    def write_object(self, frags: Sequence[Fragment], obj: memoryview) -> bool:
-        """Write all fragments of one object, fragment 0 last."""
+    def write_replicas(self, plans: Sequence[Sequence[Fragment]], obj: memoryview) -> bool:
+        """Write one object to every replica; True if at least one holds all of it."""
+        return any([self._write_object(frags, obj) for frags in plans])
+
+    def _write_object(self, frags: Sequence[Fragment], obj: memoryview) -> bool:
         for frag in frags:
-            t0 = time.monotonic()
+            card = self.cards[frag.card]
+            token = self.stats[frag.card].begin()
+            transport_ok, ok = True, False
             try:
-                ok = self.cards[frag.card].write(frag.db, frag.fkey, obj[frag.offset:frag.offset + frag.length])
+                ok = card.write(frag.db, frag.fkey, obj[frag.offset:frag.offset + frag.length])
+            except CardIOError as exc:
+                transport_ok = False
+                logger.warning("%s", exc)
             except Exception:
-                logger.exception("write to card %s failed", self.cards[frag.card].serial)
-                ok = False
-            self.stats[frag.card].record(True, ok, frag.length, time.monotonic() - t0)
+                logger.exception("write to card %s failed", card.serial)
+            seconds = self.stats[frag.card].end(token, True, ok, frag.length)
+            self.on_io(frag.card, transport_ok, seconds)
             if not ok:
                 return False
         return True
 
     # ------------------------------------------------------------------ metadata
     def exists(self, keys: Sequence[bytes], marks: Optional[Sequence[int]]) -> list[bool]:
-        out = []
+        """Whether each object's head fragment is on the card that would serve it."""
+        out = [False] * len(keys)
+        by_card: dict[int, list[tuple[int, int, bytes]]] = collections.defaultdict(list)
         for i, key in enumerate(keys):
-            h = self.head(key, marks[i] if marks else 0)
-            out.append(self.cards[h.card].contains(h.db, h.fkey))
+            t = self.targets(key, marks[i] if marks else 0, 1)
+            if t:
+                by_card[t[0]].append((i, fragment_db(key, 0, self.num_dbs, self.spread), fragment_key(key, 0)))
+        for card, items in by_card.items():
+            try:
+                found = self.cards[card].contains_many([(db, fk) for _, db, fk in items])
+            except CardIOError as exc:
+                logger.warning("%s", exc)
+                self.on_io(card, False, 0.0)
+                continue
+            for (i, _, _), hit in zip(items, found):
+                out[i] = hit
         return out
 
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]]) -> int:
         deleted = 0
         for i, key in enumerate(keys):
-            card = self.cards[self.placement.card(key, marks[i] if marks else 0)]
-            index = 0
-            found = False
-            while True:
-                db = fragment_db(key, index, self.num_dbs, self.spread)
-                if not card.delete(db, fragment_key(key, index)):
-                    break
-                found = True
-                index += 1
-            deleted += found
+            for card_index in self.targets(key, marks[i] if marks else 0, self.replicas):
+                card = self.cards[card_index]
+                index, found = 0, False
+                try:
+                    while card.delete(fragment_db(key, index, self.num_dbs, self.spread), fragment_key(key, index)):
+                        found = True
+                        index += 1
+                except CardIOError as exc:
+                    logger.warning("%s", exc)
+                deleted += found
         return deleted
 
     def clean(self) -> int:
-        return sum(card.clean() for card in self.cards)
+        total = 0
+        for i, card in enumerate(self.cards):
+            if self.active[i]:
+                total += card.clean()
+        return total
 
     # ------------------------------------------------------------------ pins
     def pin(self, keys: Sequence[bytes]) -> None:

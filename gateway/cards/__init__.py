@@ -2,27 +2,41 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
-from .base import Card, CardError, CardUsage
+from .base import Card, CardError, CardIOError, CardUnavailable, CardUsage
 from .fs import FsCard
+from .resp import RespCard
 
-__all__ = ["Card", "CardError", "CardUsage", "FsCard", "open_cards"]
+__all__ = ["Card", "CardError", "CardIOError", "CardUnavailable", "CardUsage", "FsCard", "RespCard",
+           "open_cards"]
 
 
 def open_cards(config, is_pinned: Callable[[bytes], bool]) -> list[Card]:
-    """Open every card of ``config.storage_devices``; raises CardError with a clear reason."""
+    """Open every card of ``config.storage_devices``.
+
+    A ``redis://`` device is a resp card, anything else a directory (fs card), so
+    both kinds can be mixed. A card that does not answer yet is returned without a
+    serial (the health monitor lets it join later); a misconfigured one raises
+    CardError with a clear reason.
+    """
     cards: list[Card] = []
     for device in config.storage_devices:
-        if config.storage_backend == "fs":
+        if str(device).startswith(("redis://", "tcp://")):
+            card: Card = RespCard(device, io_timeout_s=config.io_timeout_ms / 1000.0 if config.io_timeout_ms else None)
+        elif config.storage_backend == "resp":
+            raise CardError(f"storage_backend resp needs redis://host:port devices, not {device!r}")
+        else:
             card = FsCard(device, num_dbs=config.num_dbs, capacity_bytes=config.capacity_bytes,
                           eviction_watermark=config.eviction_watermark, eviction_ratio=config.eviction_ratio,
                           o_direct=config.o_direct, fsync=config.fsync, is_pinned=is_pinned)
-        else:
-            raise CardError(f"storage_backend {config.storage_backend!r} is not available in this build")
-        card.open()
+        try:
+            card.open()
+        except CardUnavailable as exc:
+            logging.getLogger("adpkv.gateway").warning("%s", exc)
         cards.append(card)
-    serials = [c.serial for c in cards]
+    serials = [c.serial for c in cards if c.serial]
     if len(set(serials)) != len(serials):
         raise CardError(f"two storage_devices are the same card (serials {serials})")
     return cards

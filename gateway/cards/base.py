@@ -24,6 +24,15 @@ class CardError(Exception):
     """A card cannot be opened or used (bad path, another card's files, ...)."""
 
 
+class CardUnavailable(CardError):
+    """The card does not answer (yet): the gateway starts without it and retries."""
+
+
+class CardIOError(Exception):
+    """A transport failure (timeout, lost connection, I/O error): counts as a strike
+    against the card's health, unlike a plain miss."""
+
+
 class Card(abc.ABC):
     """One storage backend instance with a stable serial number."""
 
@@ -48,6 +57,10 @@ class Card(abc.ABC):
     @abc.abstractmethod
     def contains(self, db: int, fkey: bytes) -> bool:
         """Whether the fragment is stored (cheap; may be stale, a later read decides)."""
+
+    def contains_many(self, items: list[tuple[int, bytes]]) -> list[bool]:
+        """``contains`` of many fragments (a card may batch them into one round trip)."""
+        return [self.contains(db, fkey) for db, fkey in items]
 
     @abc.abstractmethod
     def delete(self, db: int, fkey: bytes) -> bool:

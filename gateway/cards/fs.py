@@ -22,27 +22,22 @@ import logging
 import mmap
 import os
 import shutil
-import struct
 import threading
 import time
 import uuid
 from typing import Callable, Optional
 
-import xxhash
-
 from adpkv_core.keys import KEY_BYTES
 
+from . import objfmt
 from .base import Card, CardError, CardUsage
 
 logger = logging.getLogger("adpkv.gateway.fs")
 
-HEADER_BYTES = 4096
+HEADER_BYTES = 4096          # the object header (objfmt), padded to one aligned block
 ALIGN = 4096
-MAGIC = b"ADPKVOBJ"
 FORMAT = 1
 CARD_FILE = "adpkv-card.json"
-_HEAD = struct.Struct(">8sHHQQ")          # magic, format, key length, payload length, payload xxh3
-_HEAD_SUM_AT = HEADER_BYTES - 8
 
 
 def _address(buf: memoryview) -> Optional[int]:
@@ -214,12 +209,12 @@ class FsCard(Card):
             return False
         finally:
             os.close(fd)
-        if got < HEADER_BYTES + n or not self._header_ok(header, fkey, n):
+        if got < HEADER_BYTES + n or not objfmt.check_header(header, fkey, n):
             return self._corrupt(path, fkey, "truncated" if got < HEADER_BYTES + n else "bad header")
         if tail is not None:
             src, dst_off, length = tail
             buf[dst_off:dst_off + length] = src[:length]
-        if xxhash.xxh3_64_intdigest(buf) != _HEAD.unpack_from(header)[4]:
+        if not objfmt.payload_ok(header, buf):
             return self._corrupt(path, fkey, "checksum mismatch")
         return True
 
@@ -229,7 +224,7 @@ class FsCard(Card):
         if not self._reserve(fkey, on_disk):
             return False
         header = memoryview(self._scratch.header)
-        self._fill_header(header, fkey, buf)
+        objfmt.fill_header(header, fkey, buf)
         final = self._path(db, fkey)
         with self._lock:
             self._tmp_seq += 1
@@ -282,22 +277,6 @@ class FsCard(Card):
             bounce[rest:] = bytes(len(bounce) - rest)
         iov.append(bounce)
         return iov, (bounce, body, rest)
-
-    @staticmethod
-    def _fill_header(header: memoryview, fkey: bytes, payload: memoryview) -> None:
-        header[:] = bytes(HEADER_BYTES)
-        _HEAD.pack_into(header, 0, MAGIC, FORMAT, len(fkey), len(payload), xxhash.xxh3_64_intdigest(payload))
-        header[_HEAD.size:_HEAD.size + len(fkey)] = fkey
-        struct.pack_into(">Q", header, _HEAD_SUM_AT, xxhash.xxh3_64_intdigest(header[:_HEAD_SUM_AT]))
-
-    @staticmethod
-    def _header_ok(header: memoryview, fkey: bytes, n: int) -> bool:
-        magic, fmt, klen, plen, _ = _HEAD.unpack_from(header)
-        if magic != MAGIC or fmt != FORMAT or klen != len(fkey) or plen != n:
-            return False
-        if struct.unpack_from(">Q", header, _HEAD_SUM_AT)[0] != xxhash.xxh3_64_intdigest(header[:_HEAD_SUM_AT]):
-            return False
-        return bytes(header[_HEAD.size:_HEAD.size + klen]) == fkey
 
     def _corrupt(self, path: str, fkey: bytes, why: str) -> bool:
         logger.warning("fs card %s: %s is %s; treating it as a miss and removing it", self.root, path, why)

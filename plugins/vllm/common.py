@@ -21,6 +21,21 @@ from adpkv_core.settings import ClientConfig
 logger = logging.getLogger("adpkv.vllm")
 
 PREFIX = "adpkv."
+
+
+def ensure_logging() -> None:
+    """Make adpkv's log lines (``adpkv.*`` loggers: this adapter and the client SDK)
+    visible inside vLLM, which configures only its own ``vllm`` loggers. Nothing is
+    added when the application has configured logging itself."""
+    root_adpkv = logging.getLogger("adpkv")
+    if root_adpkv.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s pid=%(process)d] %(message)s",
+                                           "%m-%d %H:%M:%S"))
+    root_adpkv.addHandler(handler)
+    if root_adpkv.level == logging.NOTSET:
+        root_adpkv.setLevel(os.environ.get("ADPKV_LOG_LEVEL", "INFO").upper())
 DEFAULT_CHUNK_TOKENS = 256
 
 

@@ -54,6 +54,7 @@ from .common import (
     check_hash_stability,
     chunk_hashes,
     close_client,
+    ensure_logging,
     open_rank_client,
     ordered_layer_names,
     resolve_namespace,
@@ -108,6 +109,7 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ensure_logging()
         ktc = self._kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
         self.block_size = vllm_config.cache_config.block_size

@@ -24,7 +24,7 @@ else:
     from adpkv_gateway.spawn import GatewayProcess
 
     @pytest.fixture(scope="session")
-    def gateway(tmp_path_factory):
+    def lmc_gateway(tmp_path_factory):
         """One gateway (fs card, 64 MiB ring) shared by the adapter tests; one engine at a time."""
         card = tmp_path_factory.mktemp("lmc-card")
         gw = GatewayProcess(str(card), shared_memory_size=64 << 20, engine_timeout_s=3,
@@ -34,14 +34,14 @@ else:
         gw.stop()
 
     @pytest.fixture
-    def make_adapter(gateway):
+    def make_adapter(lmc_gateway):
         """Build AdpL2Adapters on the shared gateway; closes them after the test."""
         from adpkv_lmcache import AdpL2Adapter
 
         made = []
 
         def make(**params):
-            params.setdefault("port", gateway.port)
+            params.setdefault("port", lmc_gateway.port)
             params.setdefault("timeout_s", 5.0)
             a = AdpL2Adapter(dict(params))
             made.append(a)

@@ -101,3 +101,88 @@ def gateway_stats(port: int) -> dict:
     reply = request(port, {"op": "STATS"}, timeout_s=5.0)
     assert reply is not None, "gateway did not answer STATS"
     return reply["stats"]
+
+
+class LMCacheServerProcess:
+    """A real ``lmcache server`` (multiprocess mode) with the given L2 adapter specs."""
+
+    def __init__(self, l2_adapters: list[dict], log_path: str, l1_size_gb: float = 0.25,
+                 port: int | None = None, http_port: int | None = None, extra: tuple = ()):
+        from adpkv_gateway.spawn import free_port
+
+        self.l2_adapters = l2_adapters
+        self.log_path = log_path
+        self.l1_size_gb = l1_size_gb
+        self.port = port or free_port()
+        self.http_port = http_port or free_port()
+        self.extra = tuple(extra)
+        self.proc = None
+
+    @property
+    def rpc_url(self) -> str:
+        return f"tcp://localhost:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://localhost:{self.http_port}"
+
+    def command(self) -> list[str]:
+        import json
+        import sys
+
+        lmcache_cli = os.path.join(os.path.dirname(sys.executable), "lmcache")
+        cmd = [lmcache_cli, "server", "--port", str(self.port), "--http-port", str(self.http_port),
+               "--l1-size-gb", str(self.l1_size_gb), "--no-l1-use-lazy", "--eviction-policy", "LRU",
+               *self.extra]
+        for spec in self.l2_adapters:
+            cmd += ["--l2-adapter", json.dumps(spec)]
+        return cmd
+
+    def start(self, timeout_s: float = 120.0) -> "LMCacheServerProcess":
+        import subprocess
+
+        env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1",
+               "PYTHONUNBUFFERED": "1"}
+        start_at = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lmcache server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            with open(self.log_path, "rb") as f:
+                f.seek(start_at)
+                text = f.read().decode("utf-8", "replace")
+            if "Application startup complete" in text and "cache server is running" in text:
+                return self
+            time.sleep(0.25)
+        self.kill()
+        raise RuntimeError(f"lmcache server did not come up in {timeout_s} s:\n{self.log()[-4000:]}")
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        import signal
+
+        if self.proc is None:
+            return 0
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout_s)
+        except Exception:
+            self.proc.kill()
+            return self.proc.wait()
+        finally:
+            self.proc = None
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""

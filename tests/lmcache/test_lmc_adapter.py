@@ -102,7 +102,7 @@ def test_duplicate_keys_within_one_task(adapter):
     assert same_bytes(dst, a) or same_bytes(dst, b)
 
 
-def test_usage_accounting_and_delete(gateway, adapter):
+def test_usage_accounting_and_delete(lmc_gateway, adapter):
     p = fresh_prefix()
     before = adapter.get_usage()
     ka = [make_key(i, prefix=p, salt="alice") for i in range(3)]
@@ -120,7 +120,7 @@ def test_usage_accounting_and_delete(gateway, adapter):
     assert u.total_bytes_used >= before.total_bytes_used + 3 * 16384 + 2 * 32768 + 5 * 4096
     assert u.total_capacity_bytes > 0
     assert 0.0 <= u.usage_fraction <= 1.0
-    stats = gateway_stats(gateway.port)
+    stats = gateway_stats(lmc_gateway.port)
     assert sum(c["used_bytes"] for c in stats["cards"]) >= u.total_bytes_used - 1
 
     adapter.delete(ka)
@@ -232,19 +232,19 @@ def test_concurrent_store_and_prefetch_threads(adapter):
     assert all(same_bytes(a, b) for a, b in zip(flat_o, dst))
 
 
-def test_lookup_pins_until_unlock(gateway, adapter):
+def test_lookup_pins_until_unlock(lmc_gateway, adapter):
     p = fresh_prefix()
     keys = [make_key(i, prefix=p) for i in range(3)]
     assert store(adapter, keys, [make_obj(4096) for _ in keys]).is_successful()
-    pinned0 = gateway_stats(gateway.port)["pinned"]
+    pinned0 = gateway_stats(lmc_gateway.port)["pinned"]
     assert lookup(adapter, keys).popcount() == 3
-    assert gateway_stats(gateway.port)["pinned"] == pinned0 + 3
+    assert gateway_stats(lmc_gateway.port)["pinned"] == pinned0 + 3
     assert adapter.report_status()["pinned_keys"] == 3
     adapter.submit_unlock(keys)
     deadline = time.monotonic() + 5
-    while gateway_stats(gateway.port)["pinned"] != pinned0 and time.monotonic() < deadline:
+    while gateway_stats(lmc_gateway.port)["pinned"] != pinned0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert gateway_stats(gateway.port)["pinned"] == pinned0
+    assert gateway_stats(lmc_gateway.port)["pinned"] == pinned0
     # unlocking again (or unlocking keys never locked) is harmless
     adapter.submit_unlock(keys + [make_key(99, prefix=p)])
     assert adapter.report_status()["pinned_keys"] == 0
@@ -258,21 +258,21 @@ def test_report_status(adapter):
     assert st["engine_id"].startswith("lmcache-")
 
 
-def test_close_releases_pins_and_fds(gateway, make_adapter):
+def test_close_releases_pins_and_fds(lmc_gateway, make_adapter):
     a = make_adapter()
     p = fresh_prefix()
     keys = [make_key(i, prefix=p) for i in range(2)]
     assert store(a, keys, [make_obj(4096) for _ in keys]).is_successful()
-    pinned0 = gateway_stats(gateway.port)["pinned"]
+    pinned0 = gateway_stats(lmc_gateway.port)["pinned"]
     assert lookup(a, keys).popcount() == 2
     fd = a.get_store_event_fd()
     a.close()
     a.close()   # idempotent
     deadline = time.monotonic() + 5
-    while gateway_stats(gateway.port)["pinned"] != pinned0 and time.monotonic() < deadline:
+    while gateway_stats(lmc_gateway.port)["pinned"] != pinned0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert gateway_stats(gateway.port)["pinned"] == pinned0
-    assert gateway_stats(gateway.port)["engine"] is None     # BYE sent: the gateway is free again
+    assert gateway_stats(lmc_gateway.port)["pinned"] == pinned0
+    assert gateway_stats(lmc_gateway.port)["engine"] is None     # BYE sent: the gateway is free again
     import os
     with pytest.raises(OSError):
         os.fstat(fd)

@@ -7,13 +7,15 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 
 import pytest
 
 
 def _run_check(port: int, *extra: str) -> str:
     spec = {"type": "plugin", "module_path": "adpkv_lmcache", "class_name": "AdpL2Adapter",
-            "adapter_params": {"port": port, "namespace": "basic-check"}}
+            # a fresh namespace per run: basic_check's keys repeat across runs under PYTHONHASHSEED=0
+            "adapter_params": {"port": port, "namespace": f"basic-check-{uuid.uuid4().hex[:8]}"}}
     cmd = [sys.executable, "-m", "lmcache.v1.basic_check", "--mode", "test_l2_adapter",
            "--l2-adapter", json.dumps(spec), *extra]
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
@@ -36,5 +38,5 @@ def _assert_all_pass(stdout: str, n: int) -> None:
 
 @pytest.mark.parametrize("extra,n", [((), 5), (("--num-keys", "16", "--obj-size", "262144",
                                                  "--kv-dtype", "bfloat16"), 16)])
-def test_lmcache_basic_check_passes(gateway, extra, n):
-    _assert_all_pass(_run_check(gateway.port, *extra), n)
+def test_lmcache_basic_check_passes(lmc_gateway, extra, n):
+    _assert_all_pass(_run_check(lmc_gateway.port, *extra), n)

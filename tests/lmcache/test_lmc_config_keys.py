@@ -53,7 +53,7 @@ def test_affinity_chunks_from_env(monkeypatch):
         AdpL2AdapterConfig.from_dict({})
 
 
-def test_loaded_through_lmcache_plugin_factory(gateway):
+def test_loaded_through_lmcache_plugin_factory(lmc_gateway):
     """The exact path of `lmcache server --l2-adapter '{"type":"plugin",...}'`."""
     from lmcache.v1.distributed.l2_adapters import create_l2_adapter
     from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
@@ -61,7 +61,7 @@ def test_loaded_through_lmcache_plugin_factory(gateway):
     from adpkv_lmcache import AdpL2Adapter
 
     spec = {"type": "plugin", "module_path": "adpkv_lmcache", "class_name": "AdpL2Adapter",
-            "adapter_params": {"port": gateway.port, "namespace": "factory-test", "affinity_chunks": 2}}
+            "adapter_params": {"port": lmc_gateway.port, "namespace": "factory-test", "affinity_chunks": 2}}
     cfg = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps(spec)]))
     adapter = create_l2_adapter(cfg.adapters[0], l1_memory_desc=None)
     try:

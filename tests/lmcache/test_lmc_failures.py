@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from adpkv_gateway.spawn import GatewayProcess, free_port
+from adpkv_gateway.spawn import free_port
 from lmc_helpers import bits, fresh_prefix, gateway_stats, load, lookup, make_key, make_obj, same_bytes, store
 
 
@@ -40,9 +40,8 @@ def test_gateway_down_misses_and_fails_without_raising():
         a.close()
 
 
-def test_gateway_killed_then_back_reattaches(tmp_path):
-    gw = GatewayProcess(str(tmp_path / "card"), shared_memory_size=32 << 20, engine_timeout_s=2,
-                        log_path=str(tmp_path / "gw.log")).start()
+def test_gateway_killed_then_back_reattaches(start_gateway):
+    gw = start_gateway(shared_memory_size=32 << 20, engine_timeout_s=2)
     a = _adapter(gw.port)
     try:
         p = fresh_prefix()
@@ -73,12 +72,10 @@ def test_gateway_killed_then_back_reattaches(tmp_path):
         a.submit_unlock(keys)
     finally:
         a.close()
-        gw.kill()
 
 
-def test_objects_survive_restart_of_adapter_and_gateway(tmp_path):
-    card = str(tmp_path / "card")
-    gw = GatewayProcess(card, shared_memory_size=32 << 20, log_path=str(tmp_path / "gw.log")).start()
+def test_objects_survive_restart_of_adapter_and_gateway(start_gateway):
+    gw = start_gateway(shared_memory_size=32 << 20)
     p = fresh_prefix()
     keys = [make_key(i, prefix=p, salt="t1", group=i % 2) for i in range(16)]
     objs = [make_obj(32768) for _ in keys]
@@ -105,14 +102,12 @@ def test_objects_survive_restart_of_adapter_and_gateway(tmp_path):
         b.close()
         if c is not None:
             c.close()
-        gw.stop()
 
 
-def test_locked_object_is_not_evicted_until_unlocked(tmp_path):
+def test_locked_object_is_not_evicted_until_unlocked(start_gateway):
     """Lookup pins an object; the card evicts around it until LMCache unlocks it."""
     obj_bytes = 64 << 10
-    gw = GatewayProcess(str(tmp_path / "card"), shared_memory_size=32 << 20, capacity_bytes=1 << 20,
-                        log_path=str(tmp_path / "gw.log")).start()
+    gw = start_gateway(shared_memory_size=32 << 20, capacity_bytes=1 << 20)
     a = _adapter(gw.port, timeout_s=5.0)
     try:
         p = fresh_prefix()
@@ -135,35 +130,34 @@ def test_locked_object_is_not_evicted_until_unlocked(tmp_path):
         assert bits(lookup(a, [victim])) == [0]
     finally:
         a.close()
-        gw.stop()
 
 
-def test_pins_survive_load_until_explicit_unlock(gateway, make_adapter):
+def test_pins_survive_load_until_explicit_unlock(lmc_gateway, make_adapter):
     """LMCache unlocks explicitly after a load; the load itself must not drop the pin."""
     a = make_adapter()
     p = fresh_prefix()
     k = make_key(1, prefix=p)
     assert store(a, [k], [make_obj(4096)]).is_successful()
-    pinned0 = gateway_stats(gateway.port)["pinned"]
+    pinned0 = gateway_stats(lmc_gateway.port)["pinned"]
     assert bits(lookup(a, [k])) == [1]
     assert bits(lookup(a, [k])) == [1]          # two requests pinned it
     assert bits(load(a, [k], [make_obj(4096)])) == [1]
-    assert gateway_stats(gateway.port)["pinned"] == pinned0 + 1
+    assert gateway_stats(lmc_gateway.port)["pinned"] == pinned0 + 1
     a.submit_unlock([k])                        # request 1 done
     time.sleep(0.2)
-    assert gateway_stats(gateway.port)["pinned"] == pinned0 + 1   # request 2 still holds it
+    assert gateway_stats(lmc_gateway.port)["pinned"] == pinned0 + 1   # request 2 still holds it
     a.submit_unlock([k])
     deadline = time.monotonic() + 5
-    while gateway_stats(gateway.port)["pinned"] != pinned0 and time.monotonic() < deadline:
+    while gateway_stats(lmc_gateway.port)["pinned"] != pinned0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert gateway_stats(gateway.port)["pinned"] == pinned0
+    assert gateway_stats(lmc_gateway.port)["pinned"] == pinned0
 
 
 @pytest.mark.parametrize("second", ["other-instance"])
-def test_second_adapter_on_a_busy_gateway_is_refused_cleanly(gateway, make_adapter, second):
+def test_second_adapter_on_a_busy_gateway_is_refused_cleanly(lmc_gateway, make_adapter, second):
     """One engine per gateway: a second adapter instance is refused and serves misses."""
     first = make_adapter()
-    other = _adapter(gateway.port, reconnect_s=0, busy_wait_s=0.3)
+    other = _adapter(lmc_gateway.port, reconnect_s=0, busy_wait_s=0.3)
     try:
         st = other.report_status()
         assert st["is_healthy"] is False

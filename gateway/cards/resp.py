@@ -1,0 +1,183 @@
+"""The resp card: one Redis-protocol server (Redis, Valkey, Kvrocks) as a card.
+
+Keys are ``adpkv:<db>:<fragment key>`` (``num_dbs`` map to key prefixes); each
+value is the 96-byte object header followed by the payload. The card's serial
+is stored in the server itself (``adpkv:card:serial``) at first use, so a card
+keeps its identity when its address changes. Capacity and key eviction are the
+server's own (``maxmemory`` with ``maxmemory-policy allkeys-lru``; Kvrocks keeps
+the data on disk). Every I/O thread has its own connection to every card.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import uuid
+from typing import Optional
+
+from . import objfmt
+from .base import Card, CardIOError, CardUnavailable, CardUsage
+from .resp_conn import RespConnection, RespError
+
+logger = logging.getLogger("adpkv.gateway.resp")
+
+SERIAL_KEY = b"adpkv:card:serial"
+KEY_PREFIX = b"adpkv:"
+_TRANSPORT = (OSError, ConnectionError, socket.timeout)
+
+
+class RespCard(Card):
+    """A card on a Redis-protocol server at ``redis://host:port[/db]``."""
+
+    kind = "resp"
+
+    def __init__(self, device: str, io_timeout_s: Optional[float] = None):
+        super().__init__(device)
+        self.timeout_s = io_timeout_s or 30.0
+        self._local = threading.local()
+        self._conns: list[RespConnection] = []
+        self._conns_lock = threading.Lock()
+        self._generation = 0
+
+    # ------------------------------------------------------------------ connections
+    def _conn(self) -> RespConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None or getattr(self._local, "gen", -1) != self._generation:
+            try:
+                conn = RespConnection(self.device, self.timeout_s)
+            except _TRANSPORT as exc:
+                raise CardIOError(f"resp card {self.device}: cannot connect: {exc}") from None
+            self._local.conn, self._local.gen = conn, self._generation
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+            with self._conns_lock:
+                if conn in self._conns:
+                    self._conns.remove(conn)
+
+    def _io(self, fn):
+        """Run ``fn(conn)``; a transport failure drops the connection and raises CardIOError."""
+        try:
+            return fn(self._conn())
+        except _TRANSPORT as exc:
+            self._drop()
+            raise CardIOError(f"resp card {self.device}: {exc}") from None
+
+    @staticmethod
+    def _key(db: int, fkey: bytes) -> bytes:
+        return KEY_PREFIX + b"%03d:" % db + fkey
+
+    # ------------------------------------------------------------------ setup & health
+    def open(self) -> None:
+        try:
+            conn = RespConnection(self.device, min(self.timeout_s, 2.0))
+            try:
+                serial = conn.command(b"GET", SERIAL_KEY)
+                if serial is None:
+                    conn.command(b"SET", SERIAL_KEY, ("RS" + uuid.uuid4().hex[:14].upper()).encode(), b"NX")
+                    serial = conn.command(b"GET", SERIAL_KEY)
+            finally:
+                conn.close()
+        except (_TRANSPORT + (RespError,)) as exc:
+            raise CardUnavailable(f"resp card {self.device} does not answer: {exc}") from None
+        self.serial = serial.decode()
+
+    def probe_serial(self) -> Optional[str]:
+        """The serial the server holds now (None if it does not answer or has none)."""
+        try:
+            conn = RespConnection(self.device, 1.0)
+            try:
+                serial = conn.command(b"GET", SERIAL_KEY)
+            finally:
+                conn.close()
+        except (_TRANSPORT + (RespError,)):
+            return None
+        return serial.decode() if serial else None
+
+    def check(self) -> bool:
+        return bool(self.serial) and self.probe_serial() == self.serial
+
+    def reset_connections(self) -> None:
+        """Forget every connection (after the card was out of service)."""
+        self._generation += 1
+        with self._conns_lock:
+            conns, self._conns = self._conns, []
+        for c in conns:
+            c.close()
+
+    # ------------------------------------------------------------------ data
+    def read(self, db: int, fkey: bytes, buf: memoryview) -> bool:
+        header = self._header_buf()
+        n = self._io(lambda c: c.get_into(self._key(db, fkey), header, buf))
+        if n is None:
+            return False
+        if n != objfmt.HEADER_CORE + len(buf) or not objfmt.check_header(header, fkey, len(buf)):
+            logger.warning("resp card %s: %s holds a foreign or resized object; a miss", self.device, fkey.hex())
+            return False
+        if not objfmt.payload_ok(header, buf):
+            logger.warning("resp card %s: %s fails its checksum; a miss", self.device, fkey.hex())
+            return False
+        return True
+
+    def write(self, db: int, fkey: bytes, buf: memoryview) -> bool:
+        header = self._header_buf()
+        objfmt.fill_header(header, fkey, buf)
+        try:
+            self._io(lambda c: c.set_value(self._key(db, fkey), [header, buf]))
+        except RespError as exc:
+            logger.warning("resp card %s refused a write: %s", self.device, exc)
+            return False
+        return True
+
+    def _header_buf(self) -> memoryview:
+        h = getattr(self._local, "header", None)
+        if h is None:
+            h = self._local.header = memoryview(bytearray(objfmt.HEADER_CORE))
+        return h
+
+    def contains(self, db: int, fkey: bytes) -> bool:
+        return bool(self._io(lambda c: c.command(b"EXISTS", self._key(db, fkey))))
+
+    def contains_many(self, items):
+        if not items:
+            return []
+        replies = self._io(lambda c: c.pipeline([(b"EXISTS", self._key(db, k)) for db, k in items]))
+        return [r == 1 for r in replies]
+
+    def delete(self, db: int, fkey: bytes) -> bool:
+        return bool(self._io(lambda c: c.command(b"DEL", self._key(db, fkey))))
+
+    def clean(self) -> int:
+        def run(c: RespConnection) -> int:
+            cursor, removed = b"0", 0
+            while True:
+                cursor, keys = c.command(b"SCAN", cursor, b"MATCH", KEY_PREFIX + b"[0-9]*", b"COUNT", b"1000")
+                if keys:
+                    removed += c.command(b"DEL", *keys)
+                if cursor in (b"0", 0):
+                    return removed
+        removed = self._io(run)
+        logger.info("resp card %s: cleaned, %d objects removed", self.device, removed)
+        return removed
+
+    def usage(self) -> CardUsage:
+        def run(c: RespConnection):
+            info = c.command(b"INFO", b"memory").decode()
+            fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+            return (int(fields.get("used_memory", 0)), int(fields.get("maxmemory", 0)),
+                    max(0, int(c.command(b"DBSIZE")) - 1))
+        try:
+            used, cap, objects = self._io(run)
+        except (CardIOError, RespError, ValueError):
+            return CardUsage(0, 0, 0)
+        return CardUsage(used, cap, objects)
+
+    def close(self) -> None:
+        self.reset_connections()

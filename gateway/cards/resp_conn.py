@@ -1,0 +1,161 @@
+"""A minimal RESP2 connection that moves values straight between a socket and a buffer.
+
+Values of 128 KiB–3 MiB are the common case: a GET reads the reply's payload
+with ``recv_into`` directly into the caller's buffer (a ring slot), and a SET
+sends header and payload with one ``sendmsg`` — no intermediate ``bytes``.
+Replies to pipelined small commands (EXISTS, DEL, PING) are parsed from a
+small read buffer.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Optional, Sequence
+from urllib.parse import urlparse
+
+
+class RespError(Exception):
+    """An error reply of the server (``-ERR ...``), e.g. OOM when the server is full."""
+
+
+class RespConnection:
+    """One connection to a Redis-protocol server (Redis, Valkey, Kvrocks)."""
+
+    def __init__(self, url: str, timeout_s: Optional[float]):
+        u = urlparse(url)
+        if u.scheme not in ("redis", "tcp"):
+            raise ValueError(f"a resp card is redis://host:port[/db], not {url!r}")
+        self.host = u.hostname or "127.0.0.1"
+        self.port = u.port or 6379
+        self.db = int(u.path.strip("/") or 0)
+        self.password = u.password
+        self.sock = socket.create_connection((self.host, self.port), timeout=timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._buf = bytearray()
+        if self.password:
+            self.command(b"AUTH", self.password.encode())
+        if self.db:
+            self.command(b"SELECT", str(self.db).encode())
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ sending
+    @staticmethod
+    def encode(*args: bytes) -> bytes:
+        out = [b"*%d\r\n" % len(args)]
+        for a in args:
+            out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+        return b"".join(out)
+
+    def command(self, *args: bytes):
+        self.sock.sendall(self.encode(*args))
+        return self.read_reply()
+
+    def pipeline(self, commands: Sequence[Sequence[bytes]]) -> list:
+        """Send all commands at once, then read every reply (errors returned as RespError)."""
+        self.sock.sendall(b"".join(self.encode(*c) for c in commands))
+        out = []
+        for _ in commands:
+            try:
+                out.append(self.read_reply())
+            except RespError as exc:
+                out.append(exc)
+        return out
+
+    def set_value(self, key: bytes, parts: Sequence[memoryview]) -> None:
+        """SET key to the concatenation of ``parts`` (one sendmsg, no copy of the payload)."""
+        total = sum(len(p) for p in parts)
+        head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, total)
+        pending = [memoryview(head), *[memoryview(p).cast("B") for p in parts], memoryview(b"\r\n")]
+        while pending:
+            sent = self.sock.sendmsg(pending)
+            while sent and pending:
+                if sent >= len(pending[0]):
+                    sent -= len(pending[0])
+                    pending.pop(0)
+                else:
+                    pending[0] = pending[0][sent:]
+                    sent = 0
+        self.read_reply()
+
+    # ------------------------------------------------------------------ receiving
+    def _fill(self) -> None:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        self._buf += chunk
+
+    def _line(self) -> bytes:
+        while True:
+            i = self._buf.find(b"\r\n")
+            if i >= 0:
+                line = bytes(self._buf[:i])
+                del self._buf[:i + 2]
+                return line
+            self._fill()
+
+    def _exact_into(self, view: memoryview) -> None:
+        n = len(view)
+        have = min(n, len(self._buf))
+        if have:
+            view[:have] = self._buf[:have]
+            del self._buf[:have]
+        while have < n:
+            got = self.sock.recv_into(view[have:], n - have)
+            if not got:
+                raise ConnectionError("the server closed the connection")
+            have += got
+
+    def _skip(self, n: int) -> None:
+        scratch = bytearray(min(n, 1 << 20) or 1)
+        while n > 0:
+            k = min(n, len(scratch))
+            self._exact_into(memoryview(scratch)[:k])
+            n -= k
+
+    def read_reply(self):
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            raise RespError(rest.decode(errors="replace"))
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            data = bytearray(n)
+            self._exact_into(memoryview(data))
+            self._skip(2)
+            return bytes(data)
+        if kind == b"*":
+            n = int(rest)
+            return None if n < 0 else [self.read_reply() for _ in range(n)]
+        raise ConnectionError(f"unexpected reply {line[:40]!r}")
+
+    def get_into(self, key: bytes, header: memoryview, payload: memoryview) -> Optional[int]:
+        """GET key; the value's first ``len(header)`` bytes go to ``header`` and the next
+        ``len(payload)`` to ``payload``. Returns the value's length (None for a missing key);
+        a value of another length is drained and returned without filling ``payload``."""
+        self.sock.sendall(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(key), key))
+        line = self._line()
+        if line[:1] == b"-":
+            raise RespError(line[1:].decode(errors="replace"))
+        if line[:1] != b"$":
+            raise ConnectionError(f"unexpected reply {line[:40]!r}")
+        n = int(line[1:])
+        if n < 0:
+            return None
+        if n != len(header) + len(payload):
+            self._skip(n + 2)
+            return n
+        self._exact_into(header)
+        self._exact_into(payload)
+        self._skip(2)
+        return n

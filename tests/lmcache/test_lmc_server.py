@@ -1,0 +1,124 @@
+"""The real `lmcache server` with the adpkv L2 adapter: store, restart server and gateway, all hits from L2.
+
+Driven by LMCache's own tools: `lmcache bench server --mode cpu --transfer-mode lmcache_driven`
+(cold store + warm retrieve + checksum), then LMCache's ServerBenchClient (the class that command
+uses) for the probes before and after the restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from lmc_helpers import LMCacheServerProcess, gateway_stats
+
+N_SEQ = 4
+NUM_TOKENS = 512          # + 1 sequence token → 2 full chunks of 256
+SHAPE = "(2,64,16,8,128):float16:4"    # 4 layers, 1 MiB of KV per layer per chunk
+CHUNKS = N_SEQ * 2
+
+
+def _bench_config(server: LMCacheServerProcess):
+    from lmcache.cli.commands.bench.server_bench.config import BenchConfig
+
+    return BenchConfig(rpc_url=server.rpc_url, http_url=server.http_url, mode="cpu",
+                       transfer_mode="lmcache_driven", tp_size=1, use_mla=False, num_tokens=NUM_TOKENS,
+                       kvcache_shape_spec=SHAPE, num_blocks=64, block_size=16)
+
+
+def _probe(server: LMCacheServerProcess, phase: str, reference: dict | None = None) -> dict[int, list[str]]:
+    """Look up and retrieve every sequence; return the checksums of what came back.
+
+    With ``reference``, the client's KV is wiped first and must differ from the reference before
+    the retrieve, so equal checksums afterwards prove the bytes came back through LMCache.
+    """
+    zero_first = reference is not None
+    from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
+
+    client = ServerBenchClient(_bench_config(server), log=lambda m: None)
+    client.start()
+    out: dict[int, list[str]] = {}
+    try:
+        if zero_first:
+            # The bench client fills its KV with seeded random data, so a fresh client already holds
+            # the "right" bytes; wipe them so only a real retrieve can bring them back.
+            for w in client._workers:
+                for t in w.kv_caches.values():
+                    t.zero_()
+        for seq in range(N_SEQ):
+            req = client.create_request(seq, request_id=f"probe-{phase}-{seq}-{uuid.uuid4().hex[:6]}",
+                                        request_kind="probe")
+            n = req.num_full_tokens
+            if zero_first:
+                assert client.compute_checksums(req, 0, n) != reference[seq], "wiping the KV changed nothing"
+            lk = client.lookup(req)
+            assert lk.succeeded and lk.is_full_hit, f"{phase}: seq {seq} hit {lk.hit_chunks}/{lk.total_chunks}"
+            r = client.retrieve(req, 0, n)
+            assert r is not None and r.succeeded, f"{phase}: retrieve of seq {seq} failed"
+            out[seq] = client.compute_checksums(req, 0, n)
+            client.end_session(req)
+    finally:
+        client.close()
+    return out
+
+
+def _wait_for_l2(port: int, n_objects: int, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = gateway_stats(port)
+        if st["objects"].get("stored", 0) >= n_objects and st["requests_in_flight"] == 0:
+            return st
+        assert time.monotonic() < deadline, f"L2 holds {st['objects']} after {timeout_s} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(420)
+def test_lmcache_server_restart_every_chunk_hits_from_l2(start_gateway, tmp_path):
+    gw = start_gateway(shared_memory_size=64 << 20)
+    spec = {"type": "plugin", "module_path": "adpkv_lmcache", "class_name": "AdpL2Adapter",
+            "adapter_params": {"port": gw.port, "namespace": "server-restart-test"}}
+    server = LMCacheServerProcess([spec], log_path=str(tmp_path / "lmcache-server.log")).start()
+    try:
+        # 1. LMCache's own end-to-end bench: cold requests store, warm ones retrieve (from L1)
+        out = tmp_path / "bench.json"
+        cmd = [os.path.join(os.path.dirname(sys.executable), "lmcache"), "bench", "server",
+               "--rpc-url", server.rpc_url, "--url", server.http_url, "--mode", "cpu",
+               "--transfer-mode", "lmcache_driven", "--kvcache-shape-spec", SHAPE, "--num-blocks", "64",
+               "--num-tokens", str(NUM_TOKENS), "--start", "0", "--end", str(N_SEQ), "--interval", "0",
+               "--format", "json", "--output", str(out), "-q"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                           env={**os.environ, "LMCACHE_TRACK_USAGE": "false"})
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        res = json.loads(out.read_text())["metrics"]["results"]
+        assert res["total_requests"] == N_SEQ and res["checksum_ok"] == N_SEQ, res
+
+        # every chunk reached L2 (the store controller pushes L1 writes to the adapter)
+        st = _wait_for_l2(gw.port, CHUNKS)
+        assert st["objects"].get("store_failed", 0) == 0
+        reference = _probe(server, "before")     # served from L1
+        assert len(reference) == N_SEQ and all(reference.values())
+    finally:
+        server.stop()
+
+    # 2. restart both: the L1 tier is gone, only the gateway's card remains
+    gw.stop()
+    gw.start()
+    hits_before = gateway_stats(gw.port)["objects"].get("hits", 0)
+    server = LMCacheServerProcess([spec], log_path=str(tmp_path / "lmcache-server.log")).start()
+    try:
+        # 3. every chunk of every sequence hits (from L2), byte-exact
+        after = _probe(server, "after", reference)
+        assert after == reference
+        st = gateway_stats(gw.port)
+        assert st["objects"].get("hits", 0) - hits_before >= CHUNKS
+        assert st["objects"].get("misses", 0) == 0
+        assert "AdpL2Adapter" in server.log()
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log()

@@ -1,0 +1,120 @@
+"""Run a tiny random Llama in vLLM on CPU (one process) and print a JSON result line.
+
+Used by the tests and the benchmark as a fresh subprocess:
+
+    python -m tests.vllm.engine_run '{"model": DIR, "prompts": [[...]], "connector": {...} | null, ...}'
+
+The model has real (seeded, random) weights, so its greedy output depends on
+the KV cache it attends to: a restored cache that is wrong changes the tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # scheduler + worker in this process
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "torch_dtype": "float32", "hidden_act": "silu", "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def make_model(path: str, layers: int = 2, seed: int = 0) -> str:
+    """A LlamaForCausalLM checkpoint with seeded random weights (a few MB)."""
+    import torch
+    from safetensors.torch import save_file
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return path
+    os.makedirs(path, exist_ok=True)
+    cfg = dict(CONFIG, num_hidden_layers=layers)
+    g = torch.Generator().manual_seed(seed)
+    h, i, v, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def lin(out_f, in_f):
+        return torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
+
+    w = {"model.embed_tokens.weight": torch.randn(v, h, generator=g),
+         "model.norm.weight": torch.ones(h), "lm_head.weight": lin(v, h)}
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        w[p + "self_attn.q_proj.weight"] = lin(nh * hd, h) * 2.0
+        w[p + "self_attn.k_proj.weight"] = lin(nkv * hd, h) * 2.0
+        w[p + "self_attn.v_proj.weight"] = lin(nkv * hd, h)
+        w[p + "self_attn.o_proj.weight"] = lin(h, nh * hd)
+        w[p + "mlp.gate_proj.weight"] = lin(i, h)
+        w[p + "mlp.up_proj.weight"] = lin(i, h)
+        w[p + "mlp.down_proj.weight"] = lin(h, i)
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+    save_file({k: t.contiguous() for k, t in w.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    return path
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
+              block_size=spec.get("block_size", 32), dtype="float32",
+              max_model_len=spec.get("max_model_len", 8192), seed=0,
+              kv_cache_memory_bytes=spec.get("kv_cache_bytes", 256 << 20),
+              distributed_executor_backend="uni",
+              enable_prefix_caching=spec.get("prefix_caching", True),
+              max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096))
+    conn = spec.get("connector")
+    if conn:
+        kw["kv_transfer_config"] = KVTransferConfig(**conn)
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    init_s = time.perf_counter() - t0
+    sp = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, ignore_eos=True)
+    results = []
+    salts = spec.get("salts") or [None] * len(spec["prompts"])
+    rounds = spec.get("rounds", 1)
+    for rnd in range(rounds):
+        for prompt, salt in zip(spec["prompts"], salts):
+            tp = TokensPrompt(prompt_token_ids=prompt)
+            if salt is not None:
+                tp["cache_salt"] = salt
+            t = time.perf_counter()
+            out = llm.generate([tp], sp, use_tqdm=False)[0]
+            dt = time.perf_counter() - t
+            m = out.metrics
+            results.append({"round": rnd, "tokens": list(out.outputs[0].token_ids),
+                            "cached": out.num_cached_tokens, "seconds": dt,
+                            "ttft": _ttft(m, dt)})
+        if spec.get("reset_prefix_cache_between_rounds", True):
+            llm.reset_prefix_cache()
+        if spec.get("sleep_between_rounds"):
+            time.sleep(spec["sleep_between_rounds"])
+    if spec.get("wait_after_s"):
+        time.sleep(spec["wait_after_s"])
+    return {"init_s": init_s, "results": results}
+
+
+def _ttft(m, fallback):
+    try:
+        return float(m.first_token_latency)
+    except Exception:
+        return fallback
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    if spec.get("make_model"):
+        make_model(spec["model"], spec.get("layers", 2))
+    res = run(spec)
+    print("ENGINE_RESULT " + json.dumps(res), flush=True)

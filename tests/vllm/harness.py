@@ -1,0 +1,159 @@
+"""Drive vLLM's real ``Scheduler`` with ``AdpKVConnector`` on both sides, in one process.
+
+The scheduler (and its scheduler-side connector) are vLLM's own classes; the
+worker side is our connector's worker role with real CPU KV tensors of the
+standardized ``[blocks, kv_heads, block_size, 2*head_dim]`` shape. There is no
+model: ``Harness.step`` plays the model runner's part of the connector protocol
+(bind, handle_preemptions, start_load_kv, per layer wait_for_layer_load / write
+KV / save_kv_layer, wait_for_save, get_transfer_results,
+get_block_ids_with_load_errors) and writes into every computed slot a value that
+depends on the whole token prefix, so a restore that puts wrong bytes (or the
+right bytes in the wrong block) is caught by ``check_kv``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+
+import torch
+
+from vllm import SamplingParams
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+                         VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from adpkv_vllm.connector import AdpKVConnector
+
+init_none_hash(sha256)
+_ids = itertools.count(1)
+HEADS, HEAD_DIM = 2, 64
+
+
+def prefix_values(tokens: list[int]) -> list[float]:
+    """A value per position that depends on every token up to it."""
+    h, out = 7, []
+    for t in tokens:
+        h = (h * 1000003 + t + 1) % 2147483647
+        out.append(h / 2147483647.0)
+    return out
+
+
+class Harness:
+    def __init__(self, model_dir: str, port: int, namespace: str = "t", block_size: int = 32,
+                 chunk_size: int = 64, num_blocks: int = 256, layers: int = 2,
+                 max_batched: int = 512, extra: dict | None = None):
+        self.block_size = block_size
+        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+        conf = {"adpkv.port": port, "adpkv.namespace": namespace, "adpkv.chunk_size": chunk_size,
+                "adpkv.timeout_s": 2.0, "adpkv.busy_wait_s": 5.0, "adpkv.lookup_wait_s": 2.0}
+        conf.update(extra or {})
+        self.vllm_config = VllmConfig(
+            model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32",
+                                     max_model_len=8192, seed=0),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+            scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched,
+                                             max_model_len=8192, enable_chunked_prefill=True,
+                                             is_encoder_decoder=False),
+            kv_transfer_config=KVTransferConfig(kv_connector="AdpKVConnector",
+                                                kv_connector_module_path="adpkv_vllm",
+                                                kv_role="kv_both", engine_id=str(uuid.uuid4()),
+                                                kv_connector_extra_config=conf),
+            device_config=DeviceConfig("cpu"),
+        )
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(list(self.layer_names), FullAttentionSpec(
+                block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32))])
+        # the worker first, as in vLLM: its rank-0 client also serves the scheduler's lookups
+        self.worker = AdpKVConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.kv = {n: torch.zeros(num_blocks, HEADS, block_size, 2 * HEAD_DIM) for n in self.layer_names}
+        self.worker.register_kv_caches(self.kv)
+        self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(self.vllm_config),
+                                   block_size=block_size, log_stats=True)
+        self.connector = self.scheduler.connector
+        self.requests: dict[str, Request] = {}
+        self.load_errors: list[set[int]] = []
+        self.finished_sending: set[str] = set()
+
+    # ------------------------------------------------------------------ requests
+    def add(self, tokens: list[int], max_tokens: int = 2, salt: str | None = None) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        req = Request(request_id=f"r{next(_ids)}", prompt_token_ids=list(tokens), sampling_params=sp,
+                      pooling_params=None, cache_salt=salt,
+                      block_hasher=get_request_block_hasher(self.block_size, sha256))
+        self.requests[req.request_id] = req
+        self.scheduler.add_request(req)
+        return req
+
+    # ------------------------------------------------------------------ one engine step
+    def step(self, corrupt_kv: bool = False):
+        so = self.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        w = self.worker
+        w.bind_connector_metadata(meta)
+        w.handle_preemptions(meta)
+        w.start_load_kv(None)
+        for li, name in enumerate(self.layer_names):
+            w.wait_for_layer_load(name)
+            self._compute(so, li, name)
+            w.save_kv_layer(name, self.kv[name], object())
+        w.wait_for_save()
+        res = w.get_transfer_results(so.finished_req_ids)
+        errors = w.get_block_ids_with_load_errors()
+        w.clear_connector_metadata()
+        self.load_errors.append(errors)
+        self.finished_sending |= res.finished_sending
+        req_ids = list(so.num_scheduled_tokens)
+        out = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[5] for _ in req_ids],
+            kv_connector_output=KVConnectorOutput(finished_sending=res.finished_sending or None,
+                                                  finished_recving=res.finished_recving or None,
+                                                  invalid_block_ids=errors))
+        self.scheduler.update_from_output(so, out)
+        return so, meta
+
+    def _compute(self, so, li: int, name: str) -> None:
+        """Write this step's KV: every scheduled position gets its prefix value (+ layer)."""
+        kv = self.kv[name]
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            start = req.num_computed_tokens - n   # schedule() has advanced it already
+            blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            vals = prefix_values(req.all_token_ids[: start + n])
+            for p in range(start, start + n):
+                kv[blocks[p // self.block_size], :, p % self.block_size, :] = vals[p] + li
+
+    def run(self, max_steps: int = 200):
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                return
+            self.step()
+        raise AssertionError("requests did not finish")
+
+    def check_kv(self, req: Request, upto: int) -> None:
+        blocks = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+        vals = prefix_values(req.all_token_ids[:upto])
+        for li, name in enumerate(self.layer_names):
+            kv = self.kv[name]
+            got = torch.stack([kv[blocks[p // self.block_size], 0, p % self.block_size, 0]
+                               for p in range(upto)])
+            want = torch.tensor(vals) + li
+            bad = (got - want).abs() > 1e-6
+            assert not bool(bad.any()), (
+                f"layer {name}: wrong KV at positions {bad.nonzero().flatten()[:10].tolist()}")
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()

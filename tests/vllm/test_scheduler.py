@@ -1,0 +1,208 @@
+"""AdpKVConnector under vLLM's real Scheduler, against a real gateway process.
+
+The worker side runs our connector on real CPU KV tensors; the model is
+replaced by a writer of prefix-dependent values (see harness.py), so every
+restore is checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import types
+import uuid
+
+import pytest
+
+from adpkv_vllm.common import check_hash_stability, chunk_hashes
+from harness import Harness
+
+CHUNK = 64          # tokens per stored chunk (2 blocks of 32)
+
+
+def tokens(n, seed):
+    rnd = random.Random(seed)
+    return [rnd.randrange(3, 1000) for _ in range(n)]
+
+
+def store(model_dir, port, toks, ns, salt=None, **kw):
+    h = Harness(model_dir, port, namespace=ns, chunk_size=CHUNK, **kw)
+    req = h.add(toks, salt=salt)
+    h.run()
+    assert req.request_id in h.finished_sending, "blocks were not released after the saves"
+    free = h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    assert free == h.kv_cache_config.num_blocks - 1, "blocks leaked"
+    h.close()
+    return req
+
+
+def restore(model_dir, port, toks, ns, salt=None, **kw):
+    """A fresh engine: schedule the prompt once; returns (harness, request, loaded tokens)."""
+    h = Harness(model_dir, port, namespace=ns, chunk_size=CHUNK, **kw)
+    req = h.add(toks, salt=salt)
+    so, meta = h.step()
+    loaded = sum(len(p.block_ids) for p in meta.loads) * h.block_size
+    return h, req, so, loaded
+
+
+def test_restore_puts_the_exact_bytes_in_the_right_blocks(gateway, model_dir):
+    toks = tokens(700, 1)
+    ns = f"s-{uuid.uuid4().hex[:6]}"
+    store(model_dir, gateway.port, toks, ns)
+    h, req, so, loaded = restore(model_dir, gateway.port, toks, ns)
+    try:
+        assert loaded == 640                       # floor(699 / 64) * 64
+        assert so.num_scheduled_tokens[req.request_id] == 60
+        h.check_kv(req, 700)                       # restored 0..639 and computed 640..699
+        assert not any(h.load_errors)
+        h.run()
+        free = h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        assert free == h.kv_cache_config.num_blocks - 1
+    finally:
+        h.close()
+
+
+def test_prompt_of_whole_chunks_leaves_one_chunk_to_compute(gateway, model_dir):
+    toks = tokens(256, 2)
+    ns = f"s-{uuid.uuid4().hex[:6]}"
+    store(model_dir, gateway.port, toks, ns)
+    h, req, so, loaded = restore(model_dir, gateway.port, toks, ns)
+    try:
+        assert loaded == 192 and so.num_scheduled_tokens[req.request_id] == 64
+        h.check_kv(req, 256)
+    finally:
+        h.close()
+
+
+def test_hit_stops_at_the_first_missing_chunk(gateway, model_dir):
+    toks = tokens(700, 3)
+    ns = f"s-{uuid.uuid4().hex[:6]}"
+    stored = store(model_dir, gateway.port, toks, ns)
+    h = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK)
+    try:
+        digests = chunk_hashes(stored.block_hashes, CHUNK // 32, 10)
+        keys = h.worker.keys.keys([digests[3]], [0, 1])
+        assert h.worker.client.delete(keys).result(5) == 2
+        req = h.add(toks)
+        so, meta = h.step()
+        assert sum(len(p.digests) for p in meta.loads) == 3
+        assert so.num_scheduled_tokens[req.request_id] == 700 - 3 * CHUNK
+        h.check_kv(req, 700)
+    finally:
+        h.close()
+
+
+def test_partial_local_hit_loads_only_the_missing_blocks(gateway, model_dir):
+    toks = tokens(700, 4)
+    ns = f"s-{uuid.uuid4().hex[:6]}"
+    store(model_dir, gateway.port, toks, ns)
+    h = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK)
+    try:
+        # a 100-token request leaves 3 blocks (96 tokens) in the local prefix cache
+        h2_req = h.add(toks[:100])
+        h.run()
+        req = h.add(toks)
+        so, meta = h.step()
+        (plan,) = meta.loads
+        assert plan.positions is not None and plan.positions[0] == 1   # chunk 1 from its 2nd block
+        assert len(plan.block_ids) == 640 // 32 - 3
+        h.check_kv(req, 700)
+        assert h2_req.request_id in h.requests
+    finally:
+        h.close()
+
+
+def test_a_failed_layer_load_is_recomputed_and_saved_again(gateway, model_dir3):
+    toks = tokens(500, 5)
+    ns = f"s-{uuid.uuid4().hex[:6]}"
+    stored = store(model_dir3, gateway.port, toks, ns, layers=3)
+    h = Harness(model_dir3, gateway.port, namespace=ns, chunk_size=CHUNK, layers=3)
+    try:
+        # EXIST looks at the first and the last layer: a lost middle-layer object is only
+        # found by the GET, which must report its blocks so that vLLM recomputes them.
+        digests = chunk_hashes(stored.block_hashes, CHUNK // 32, 10)
+        assert h.worker.client.delete(h.worker.keys.keys([digests[2]], [1])).result(5) == 1
+        req = h.add(toks)
+        so, meta = h.step()
+        assert sum(len(p.digests) for p in meta.loads) == 7
+        errors = h.load_errors[-1]
+        blocks = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+        assert errors == set(blocks[4:6])                  # the two blocks of chunk 2
+        h.run()
+        h.check_kv(req, 500)
+        assert req.num_output_tokens == 2
+    finally:
+        h.close()
+    # the recomputed chunk went back to the card: a third engine restores everything
+    h3, req3, so3, loaded = restore(model_dir3, gateway.port, toks, ns, layers=3)
+    try:
+        assert loaded == 448 and not h3.load_errors[-1]
+        h3.check_kv(req3, 500)
+    finally:
+        h3.close()
+
+
+def test_tenants_and_namespaces_do_not_share(gateway, model_dir):
+    toks = tokens(400, 6)
+    ns = f"s-{uuid.uuid4().hex[:6]}"
+    store(model_dir, gateway.port, toks, ns, salt="alice")
+    for salt, space, want in (("bob", ns, 0), (None, ns, 0), ("alice", "other-" + ns, 0), ("alice", ns, 384)):
+        h, req, so, loaded = restore(model_dir, gateway.port, toks, space, salt=salt)
+        try:
+            assert loaded == want, (salt, space)
+            h.check_kv(req, 400)
+        finally:
+            h.close()
+
+
+def test_decode_chunks_are_saved_in_one_request_per_step(gateway, model_dir):
+    toks = tokens(120, 7)
+    ns = f"s-{uuid.uuid4().hex[:6]}"
+    h = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK)
+    try:
+        req = h.add(toks, max_tokens=20)
+        deferred = []
+        while h.scheduler.has_requests():
+            so, meta = h.step()
+            deferred += [len(p.digests) for p in meta.deferred_saves]
+        # prompt 120 tokens: chunk 0 saved at prefill; chunk 1 (tokens 64..127) fills while decoding
+        assert deferred == [1]
+    finally:
+        h.close()
+    toks2 = toks + [5] * 19          # the decode wrote token 5 each step (see harness)
+    h2, req2, so2, loaded = restore(model_dir, gateway.port, toks2, ns)
+    try:
+        assert loaded == 128
+        h2.check_kv(req2, len(toks2))
+    finally:
+        h2.close()
+
+
+def test_no_gateway_means_no_hits_and_requests_complete(model_dir, caplog):
+    from adpkv_gateway.spawn import free_port
+    h = Harness(model_dir, free_port(), namespace="none", chunk_size=CHUNK,
+                extra={"adpkv.connect_timeout_s": 0.5})
+    try:
+        assert not h.worker.client.enabled
+        req = h.add(tokens(300, 8))
+        so, meta = h.step()
+        assert not meta.loads and so.num_scheduled_tokens[req.request_id] == 300
+        h.run()
+        assert req.num_output_tokens == 2
+    finally:
+        h.close()
+
+
+def test_unstable_hash_settings_are_reported(monkeypatch, caplog):
+    import adpkv_vllm.common as common
+    cfg = types.SimpleNamespace(cache_config=types.SimpleNamespace(prefix_caching_hash_algo="xxhash"))
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    monkeypatch.setattr(common, "_warned_hash", False)
+    with caplog.at_level(logging.WARNING, logger="adpkv"):
+        assert check_hash_stability(cfg) is False
+    assert "PYTHONHASHSEED" in caplog.text
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    assert check_hash_stability(cfg) is True
+    cfg.cache_config.prefix_caching_hash_algo = "sha256"
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert check_hash_stability(cfg) is True
