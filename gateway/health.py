@@ -38,6 +38,7 @@ class HealthMonitor:
         self.out_since = [0.0] * n
         self.out_by_io = [False] * n
         self.expected_fingerprint = ""
+        self._impostor: list = [None] * n
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="adpkv-health", daemon=True)
@@ -100,8 +101,9 @@ class HealthMonitor:
             self._activate(i)
         elif hasattr(card, "probe_serial"):
             other = card.probe_serial()
-            if other and other != card.serial:
-                logger.warning("Card %s answers with serial %s, not %s: another card, left unused",
+            if other is not None and other != card.serial and self._impostor[i] != other:
+                self._impostor[i] = other
+                logger.warning("Card %s answers with serial %r, not %s: another card, left unused",
                                card.device, other, card.serial)
 
     def _deactivate(self, i: int, why: str, by_io: bool) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest
 
@@ -41,3 +44,23 @@ def gateway(start_gateway):
 
 def pytest_configure(config):
     os.environ.setdefault("PYTHONHASHSEED", "0")
+
+
+@pytest.fixture
+def redis_servers(tmp_path):
+    """Factory: ``redis_servers(n)`` starts n real redis-server processes (stopped at the end)."""
+    from redis_servers import REDIS, RedisServer
+    if REDIS is None:
+        pytest.fail("redis-server is not installed (apt-get install -y redis-server; .ci/run does it)")
+    started: list[RedisServer] = []
+
+    def start(n, **kw):
+        servers = [RedisServer(str(tmp_path / f"redis{len(started) + i}"), **kw).start() for i in range(n)]
+        started.extend(servers)
+        return servers
+
+    yield start
+    for s in started:
+        if s.proc is not None:
+            s.resume() if s.proc.poll() is None else None
+            s.kill()

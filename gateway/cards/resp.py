@@ -90,7 +90,7 @@ class RespCard(Card):
         self.serial = serial.decode()
 
     def probe_serial(self) -> Optional[str]:
-        """The serial the server holds now (None if it does not answer or has none)."""
+        """The serial the server holds now: None if it does not answer, "" if it has none."""
         try:
             conn = RespConnection(self.device, 1.0)
             try:
@@ -99,7 +99,7 @@ class RespCard(Card):
                 conn.close()
         except (_TRANSPORT + (RespError,)):
             return None
-        return serial.decode() if serial else None
+        return serial.decode() if serial else ""
 
     def check(self) -> bool:
         return bool(self.serial) and self.probe_serial() == self.serial

@@ -14,6 +14,7 @@ right bytes in the wrong block) is caught by ``check_kv``.
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 
 import torch
@@ -134,12 +135,15 @@ class Harness:
             for p in range(start, start + n):
                 kv[blocks[p // self.block_size], :, p % self.block_size, :] = vals[p] + li
 
-    def run(self, max_steps: int = 200):
-        for _ in range(max_steps):
-            if not self.scheduler.has_requests():
-                return
-            self.step()
-        raise AssertionError("requests did not finish")
+    def run(self, timeout_s: float = 30.0):
+        """Step until every request is finished and its blocks are released."""
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.has_requests():
+            if time.monotonic() > deadline:
+                raise AssertionError("requests did not finish")
+            so, _ = self.step()
+            if so.total_num_scheduled_tokens == 0:
+                time.sleep(0.002)     # only waiting for saves to leave the blocks
 
     def check_kv(self, req: Request, upto: int) -> None:
         blocks = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
