@@ -42,7 +42,10 @@ class Ring:
         self.size = size
         self._fd = fd
         self._owner = owner
-        self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # MAP_POPULATE: the pages are allocated and mapped now, not faulted in one by
+        # one during the first transfers (the ring is held for the gateway's lifetime).
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._mmap = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = memoryview(self._mmap)
 
     @classmethod

@@ -20,7 +20,8 @@ from lmc_helpers import LMCacheServerProcess, gateway_stats
 
 N_SEQ = 4
 NUM_TOKENS = 512          # + 1 sequence token → 2 full chunks of 256
-SHAPE = "(2,64,16,8,128):float16:4"    # 4 layers, 1 MiB of KV per layer per chunk
+NUM_BLOCKS = 256          # each sequence gets its own 32 blocks (own random content)
+SHAPE = f"(2,{NUM_BLOCKS},16,8,128):float16:4"    # 4 layers, 1 MiB of KV per layer per chunk
 CHUNKS = N_SEQ * 2
 
 
@@ -29,7 +30,7 @@ def _bench_config(server: LMCacheServerProcess):
 
     return BenchConfig(rpc_url=server.rpc_url, http_url=server.http_url, mode="cpu",
                        transfer_mode="lmcache_driven", tp_size=1, use_mla=False, num_tokens=NUM_TOKENS,
-                       kvcache_shape_spec=SHAPE, num_blocks=64, block_size=16)
+                       kvcache_shape_spec=SHAPE, num_blocks=NUM_BLOCKS, block_size=16)
 
 
 def _probe(server: LMCacheServerProcess, phase: str, reference: dict | None = None) -> dict[int, list[str]]:
@@ -45,13 +46,13 @@ def _probe(server: LMCacheServerProcess, phase: str, reference: dict | None = No
     client.start()
     out: dict[int, list[str]] = {}
     try:
-        if zero_first:
-            # The bench client fills its KV with seeded random data, so a fresh client already holds
-            # the "right" bytes; wipe them so only a real retrieve can bring them back.
-            for w in client._workers:
-                for t in w.kv_caches.values():
-                    t.zero_()
         for seq in range(N_SEQ):
+            if zero_first:
+                # The bench client fills its KV with seeded random data, so a fresh client already
+                # holds the "right" bytes; wipe them so only a real retrieve can bring them back.
+                for w in client._workers:
+                    for t in w.kv_caches.values():
+                        t.zero_()
             req = client.create_request(seq, request_id=f"probe-{phase}-{seq}-{uuid.uuid4().hex[:6]}",
                                         request_kind="probe")
             n = req.num_full_tokens
@@ -89,20 +90,22 @@ def test_lmcache_server_restart_every_chunk_hits_from_l2(start_gateway, tmp_path
         out = tmp_path / "bench.json"
         cmd = [os.path.join(os.path.dirname(sys.executable), "lmcache"), "bench", "server",
                "--rpc-url", server.rpc_url, "--url", server.http_url, "--mode", "cpu",
-               "--transfer-mode", "lmcache_driven", "--kvcache-shape-spec", SHAPE, "--num-blocks", "64",
+               "--transfer-mode", "lmcache_driven", "--kvcache-shape-spec", SHAPE, "--num-blocks", str(NUM_BLOCKS),
                "--num-tokens", str(NUM_TOKENS), "--start", "0", "--end", str(N_SEQ), "--interval", "0",
-               "--format", "json", "--output", str(out), "-q"]
+               "--format", "json", "--output", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
                            env={**os.environ, "LMCACHE_TRACK_USAGE": "false"})
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         res = json.loads(out.read_text())["metrics"]["results"]
-        assert res["total_requests"] == N_SEQ and res["checksum_ok"] == N_SEQ, res
+        log = "\n".join(l for l in r.stdout.splitlines() if "[seq" in l or "===" in l)
+        assert res["total_requests"] == N_SEQ and res["checksum_ok"] == N_SEQ, f"{res}\n{log}"
 
         # every chunk reached L2 (the store controller pushes L1 writes to the adapter)
         st = _wait_for_l2(gw.port, CHUNKS)
         assert st["objects"].get("store_failed", 0) == 0
         reference = _probe(server, "before")     # served from L1
         assert len(reference) == N_SEQ and all(reference.values())
+        assert len({tuple(v) for v in reference.values()}) == N_SEQ   # distinct content per sequence
     finally:
         server.stop()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -84,6 +85,8 @@ def run(spec: dict) -> dict:
     results = []
     salts = spec.get("salts") or [None] * len(spec["prompts"])
     rounds = spec.get("rounds", 1)
+    kill = spec.get("kill_after")          # {"pid": gateway pid, "after": n requests}: a crash mid-serve
+    served = 0
     for rnd in range(rounds):
         for prompt, salt in zip(spec["prompts"], salts):
             tp = TokensPrompt(prompt_token_ids=prompt)
@@ -96,6 +99,9 @@ def run(spec: dict) -> dict:
             results.append({"round": rnd, "tokens": list(out.outputs[0].token_ids),
                             "cached": out.num_cached_tokens, "seconds": dt,
                             "ttft": _ttft(m, dt)})
+            served += 1
+            if kill and served == kill["after"]:
+                os.kill(kill["pid"], signal.SIGKILL)
         if spec.get("reset_prefix_cache_between_rounds", True):
             llm.reset_prefix_cache()
         if spec.get("sleep_between_rounds"):

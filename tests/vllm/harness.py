@@ -145,6 +145,12 @@ class Harness:
             if so.total_num_scheduled_tokens == 0:
                 time.sleep(0.002)     # only waiting for saves to leave the blocks
 
+    def step_until_computed(self, req: Request, n: int, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while req.num_computed_tokens < n:
+            assert time.monotonic() < deadline, "the prompt was not computed"
+            self.step()
+
     def check_kv(self, req: Request, upto: int) -> None:
         blocks = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
         vals = prefix_values(req.all_token_ids[:upto])

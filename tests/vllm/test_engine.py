@@ -1,0 +1,106 @@
+"""A real vLLM engine on CPU (tiny random Llama) with AdpKVConnector and a real gateway.
+
+Each engine is a fresh subprocess (tests/vllm/engine_run.py), so a restore
+really crosses processes: nothing but the gateway's card carries the KV over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHUNK = 256
+TURNED_OFF = "External KV cache turned off on this rank"
+
+
+def prompt(n, seed):
+    rnd = random.Random(seed)
+    return [rnd.randrange(3, 1000) for _ in range(n)]
+
+
+P1, P2, P3 = prompt(1000, 11), prompt(2500, 12), prompt(4000, 13)
+
+
+def floor_hit(n):
+    return (n - 1) // CHUNK * CHUNK
+
+
+def connector(port, namespace, **extra):
+    conf = {"adpkv.port": port, "adpkv.namespace": namespace, "adpkv.chunk_size": CHUNK,
+            "adpkv.timeout_s": 3.0}
+    conf.update(extra)
+    return {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": conf}
+
+
+def run_engine(model_dir, prompts, conn=None, salts=None, log_path=None, timeout=300, **spec):
+    spec = dict(model=model_dir, prompts=prompts, connector=conn, salts=salts, max_tokens=8, **spec)
+    env = dict(os.environ, PYTHONHASHSEED="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_run.py"), json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    log = proc.stdout + proc.stderr
+    if log_path:
+        with open(log_path, "w") as fh:
+            fh.write(log)
+    assert proc.returncode == 0, log[-6000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("ENGINE_RESULT "))
+    return json.loads(line[len("ENGINE_RESULT "):])["results"], log
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir):
+    """Greedy outputs of the same prompts without any connector."""
+    results, _ = run_engine(model_dir, [P1, P2, P3])
+    assert all(r["cached"] == 0 for r in results)
+    return [r["tokens"] for r in results]
+
+
+def test_fresh_process_restores_and_outputs_match(model_dir, baseline, start_gateway, tmp_path):
+    gw = start_gateway(shared_memory_size=256 << 20)
+    ns = "engine-test"
+    # process A serves the prompts (and one tenant's salted copy of P1) and stores them
+    a, _ = run_engine(model_dir, [P1, P2, P3, P1], connector(gw.port, ns),
+                      salts=[None, None, None, "alice"])
+    assert [r["tokens"] for r in a[:3]] == baseline
+    assert all(r["cached"] == 0 for r in a)
+
+    # process B, fresh: restores the chunk-floored prefix; the output is the same as recompute
+    b, log_b = run_engine(model_dir, [P1, P2, P3, P1, P1], connector(gw.port, ns),
+                          salts=[None, None, None, "bob", "alice"])
+    assert [r["cached"] for r in b] == [floor_hit(1000), floor_hit(2500), floor_hit(4000), 0,
+                                        floor_hit(1000)]
+    assert [r["tokens"] for r in b[:3]] == baseline
+    assert b[3]["tokens"] == baseline[0] and b[4]["tokens"] == baseline[0]
+    assert TURNED_OFF not in log_b
+
+    # the gateway itself restarts (graceful stop, then a crash): everything is still there
+    for hard in (False, True):
+        gw.restart(hard=hard)
+        c, _ = run_engine(model_dir, [P1, P2, P3], connector(gw.port, ns))
+        assert [r["cached"] for r in c] == [floor_hit(1000), floor_hit(2500), floor_hit(4000)]
+        assert [r["tokens"] for r in c] == baseline
+
+    # another namespace on the same card shares nothing
+    d, _ = run_engine(model_dir, [P1], connector(gw.port, "another-deployment"))
+    assert d[0]["cached"] == 0 and d[0]["tokens"] == baseline[0]
+
+
+def test_gateway_killed_while_serving(model_dir, baseline, start_gateway, tmp_path):
+    gw = start_gateway(shared_memory_size=256 << 20)
+    pid = gw.proc.pid
+    # round 0 stores P1..P3; the gateway is killed (SIGKILL) after the 2nd request;
+    # round 1 (local prefix cache reset) must compute everything again by itself
+    res, log = run_engine(model_dir, [P1, P2, P3], connector(gw.port, "killed", **{"adpkv.timeout_s": 2.0}),
+                          rounds=2, kill_after={"pid": pid, "after": 2},
+                          log_path=str(tmp_path / "engine.log"))
+    gw.proc.wait(10)
+    assert len(res) == 6
+    assert [r["tokens"] for r in res] == baseline * 2
+    assert log.count(TURNED_OFF) == 1, log[-4000:]
+    assert all(r["cached"] == 0 for r in res[3:])
