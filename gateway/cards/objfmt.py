@@ -11,6 +11,8 @@ import struct
 
 import xxhash
 
+from adpkv_core.checksum import xxh3_64
+
 MAGIC = b"ADPKVOBJ"
 FORMAT = 1
 HEADER_CORE = 96
@@ -24,7 +26,7 @@ def fill_header(header, fkey: bytes, payload) -> None:
     if len(fkey) > MAX_KEY:
         raise ValueError("fragment key too long")
     header[:HEADER_CORE] = bytes(HEADER_CORE)
-    _HEAD.pack_into(header, 0, MAGIC, FORMAT, len(fkey), len(payload), xxhash.xxh3_64_intdigest(payload))
+    _HEAD.pack_into(header, 0, MAGIC, FORMAT, len(fkey), len(payload), xxh3_64(payload))
     header[_HEAD.size:_HEAD.size + len(fkey)] = fkey
     struct.pack_into(">Q", header, _SUM_AT, xxhash.xxh3_64_intdigest(memoryview(header)[:_SUM_AT]))
 
@@ -43,7 +45,7 @@ def check_header(header, fkey: bytes, payload_len: int) -> bool:
 
 def payload_ok(header, payload) -> bool:
     """Whether ``payload`` has the checksum recorded in ``header``."""
-    return xxhash.xxh3_64_intdigest(payload) == _HEAD.unpack_from(header)[4]
+    return xxh3_64(payload) == _HEAD.unpack_from(header)[4]
 
 
 def payload_length(header) -> int:

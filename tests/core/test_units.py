@@ -124,3 +124,14 @@ def test_protocol_decode_errors():
     assert e.value.code == P.BAD_VERSION
     assert P.decode(P.encode({"op": "PING"}))["op"] == "PING"
     assert P.unpack_flags(P.pack_flags([True, False, True])) == [True, False, True]
+
+
+def test_gil_free_checksum_matches_xxhash():
+    import os
+
+    import xxhash
+
+    from adpkv_core.checksum import xxh3_64
+    data = bytearray(os.urandom(300_000))
+    for view in (data, memoryview(data)[7:250_007], bytes(data[:5000]), memoryview(bytes(data))):
+        assert xxh3_64(view) == xxhash.xxh3_64_intdigest(view)
