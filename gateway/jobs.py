@@ -26,7 +26,7 @@ class Participant:
 class Batch:
     """Objects ``first .. first+count-1`` of a job placed at ring ``offset``."""
 
-    __slots__ = ("id", "job", "first", "count", "offset", "nbytes", "io_left", "frag_left",
+    __slots__ = ("id", "job", "first", "count", "offset", "nbytes", "io_left",
                  "flags", "waiting", "fill_ok")
 
     def __init__(self, batch_id: int, job: "DataJob", first: int, count: int, offset: int, nbytes: int):
@@ -36,8 +36,7 @@ class Batch:
         self.count = count
         self.offset = offset
         self.nbytes = nbytes
-        self.io_left = 0
-        self.frag_left = [0] * count
+        self.io_left = 0                       # thread-pool tasks still running
         self.flags = bytearray(count)          # per object: found (GET) / stored (PUT)
         self.waiting: set[bytes] = set()       # identities that still have to RELEASE / FILL
         self.fill_ok = True

@@ -22,6 +22,9 @@ def main(argv=None) -> int:
         return 2
     logging.basicConfig(level=getattr(logging, config.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Many I/O threads hand the GIL back and forth around short system calls; a short
+    # switch interval keeps one thread's Python work from stalling the others' I/O.
+    sys.setswitchinterval(0.0005)
     from .server import Gateway
     try:
         gateway = Gateway(config)

@@ -35,6 +35,7 @@ from .store import ObjectStore
 logger = logging.getLogger("adpkv.gateway")
 
 MAX_KEYS_PER_REQUEST = 1 << 20
+IO_TASK_ITEMS = 16        # fragments (reads) or objects (writes) per thread-pool task
 
 
 class Gateway:
@@ -331,6 +332,7 @@ class Gateway:
         job = batch.job
         heads = self.store.exists(job.keys[batch.first:batch.first + batch.count],
                                   job.marks[batch.first:batch.first + batch.count] if job.marks else None)
+        reads = []
         for j in range(batch.count):
             if not heads[j]:
                 continue
@@ -338,16 +340,23 @@ class Gateway:
             frags = self.store.read_plan(job.keys[i], job.mark(i), job.object_bytes)
             if frags is None:
                 continue
-            batch.frag_left[j] = len(frags)
             batch.flags[j] = 1
             base = batch.object_offset(j)
-            for frag in frags:
-                batch.io_left += 1
-                view = self.ring.slot(base + frag.offset, frag.length)
-                fut = self.pool.submit(self.store.read, frag, view)
-                fut.add_done_callback(lambda f, b=batch, j=j: self._complete(("read", b, j, f)))
+            reads.extend((j, frag, self.ring.slot(base + frag.offset, frag.length)) for frag in frags)
+        for group in self._io_groups(reads):
+            batch.io_left += 1
+            fut = self.pool.submit(self.store.read_many, group)
+            fut.add_done_callback(lambda f, b=batch: self._complete(("read", b, f)))
         if batch.io_left == 0:
             self._read_done(batch)
+
+    def _io_groups(self, items: list) -> list[list]:
+        """Split a batch's I/O into one task per thread (at most IO_TASK_ITEMS items each):
+        few tasks keep the loop and the GIL out of the way of the I/O itself."""
+        if not items:
+            return []
+        per = min(IO_TASK_ITEMS, -(-len(items) // self.config.thread_pool_size))
+        return [items[k:k + per] for k in range(0, len(items), per)]
 
     def _read_done(self, batch: Batch) -> None:
         job = batch.job
@@ -375,6 +384,7 @@ class Gateway:
 
     def _write_batch(self, batch: Batch) -> None:
         job = batch.job
+        writes = []
         if batch.fill_ok:
             existing = self.store.exists(job.keys[batch.first:batch.first + batch.count],
                                          job.marks[batch.first:batch.first + batch.count] if job.marks else None)
@@ -386,12 +396,12 @@ class Gateway:
                     job.existed[i] = 1
                     continue
                 plans = self.store.write_plans(job.keys[i], job.mark(i), job.object_bytes)
-                if not plans:
-                    continue          # no card in service for this key: not stored
-                view = self.ring.slot(batch.object_offset(j), job.object_bytes)
-                batch.io_left += 1
-                fut = self.pool.submit(self.store.write_replicas, plans, view)
-                fut.add_done_callback(lambda f, b=batch, j=j: self._complete(("write", b, j, f)))
+                if plans:         # else no card in service for this key: not stored
+                    writes.append((j, plans, self.ring.slot(batch.object_offset(j), job.object_bytes)))
+        for group in self._io_groups(writes):
+            batch.io_left += 1
+            fut = self.pool.submit(self.store.write_many, group)
+            fut.add_done_callback(lambda f, b=batch: self._complete(("write", b, f)))
         if batch.io_left == 0:
             self._write_done(batch)
 
@@ -459,19 +469,26 @@ class Gateway:
             pass
         while True:
             try:
-                kind, batch, j, fut = self.done_q.get_nowait()
+                kind, batch, fut = self.done_q.get_nowait()
             except queue.Empty:
                 return
-            ok = fut.exception() is None and bool(fut.result())
             batch.io_left -= 1
+            if fut.exception() is not None:
+                logger.error("card I/O task failed: %r", fut.exception())
+                results = []
+            else:
+                results = fut.result()
             if kind == "read":
-                batch.frag_left[j] -= 1
-                if not ok:
-                    batch.flags[j] = 0
+                for j, ok in results:
+                    if not ok:
+                        batch.flags[j] = 0
+                if fut.exception() is not None:
+                    batch.flags[:] = bytes(batch.count)
                 if batch.io_left == 0:
                     self._read_done(batch)
             else:
-                batch.flags[j] = 1 if ok else 0
+                for j, ok in results:
+                    batch.flags[j] = 1 if ok else 0
                 if batch.io_left == 0:
                     self._write_done(batch)
 

@@ -142,6 +142,14 @@ class ObjectStore:
         self.on_io(frag.card, transport_ok, seconds)
         return ok
 
+    def read_many(self, items) -> list[tuple[int, bool]]:
+        """Read ``(j, fragment, view)`` items in turn; ``(j, ok)`` for each."""
+        return [(j, self.read(frag, view)) for j, frag, view in items]
+
+    def write_many(self, items) -> list[tuple[int, bool]]:
+        """Write ``(j, replica plans, object view)`` items in turn; ``(j, ok)`` for each."""
+        return [(j, self.write_replicas(plans, view)) for j, plans, view in items]
+
     def write_replicas(self, plans: Sequence[Sequence[Fragment]], obj: memoryview) -> bool:
         """Write one object to every replica; True if at least one holds all of it."""
         return any([self._write_object(frags, obj) for frags in plans])

@@ -7,7 +7,6 @@ Nothing here touches a KV tensor (see ``copy.py`` for that).
 from __future__ import annotations
 
 import atexit
-import inspect
 import logging
 import os
 import threading
@@ -200,13 +199,36 @@ def close_client(client: Optional[GatewayClient]) -> None:
     client.close()
 
 
+_tls = threading.local()
+
+
+class _LookupOffFilter(logging.Filter):
+    """The client SDK logs "External KV cache turned off on this rank" for every
+    connection. The scheduler's lookup peer is not a rank: say what it is, so the
+    line appears once per rank as operators expect."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        lookup = record.threadName.endswith("rankNone") or getattr(_tls, "lookup", False)
+        if lookup and isinstance(record.args, tuple) and record.args \
+                and str(record.args[0]).startswith("External KV cache turned off"):
+            reason = record.args[1] if len(record.args) > 1 else ""
+            record.msg = "adpkv: the scheduler's lookups turned off (%s); every lookup is a miss"
+            record.args = (reason,)
+        return True
+
+
+_lookup_filter = _LookupOffFilter()
+logging.getLogger("adpkv.client").addFilter(_lookup_filter)
+
+
 class LookupClient:
     """EXIST for the scheduler process, which is not a rank of the engine.
 
-    Uses a lookup-only attach when the core client offers one
-    (``GatewayClient(..., role="lookup")``); otherwise borrows the rank-0 client
-    of the same process (scheduler and worker in one process: the in-process
-    engine). Without either, every lookup is a miss (logged once).
+    Attaches a lookup-only peer of the engine (``GatewayClient(rank=None)``):
+    the scheduler of ``vllm serve`` lives in the EngineCore process, the ranks
+    in worker processes. If the gateway refuses it (an older gateway) and a
+    rank-0 client lives in this process, that one answers instead; otherwise
+    every lookup is a miss (logged once) and saves still happen.
     """
 
     def __init__(self, cfg: ClientConfig, engine_id: str, world: int):
@@ -215,27 +237,31 @@ class LookupClient:
         self.world = world
         self._own: Optional[GatewayClient] = None
         self._warned = False
-        params = inspect.signature(GatewayClient.__init__).parameters
-        if "role" in params:
-            try:
-                self._own = GatewayClient(cfg, engine_id=engine_id, rank=0, world_size=world,
-                                          role="lookup")
-                with _clients_lock:
-                    _all_clients.append(self._own)
-            except Exception as exc:  # never take the engine down for the cache
-                logger.warning("adpkv: lookup client failed to start: %s", exc)
-                self._own = None
+        _tls.lookup = True
+        try:
+            self._own = GatewayClient(cfg, engine_id=engine_id, rank=None, world_size=world,
+                                      layout={"role": "vllm-scheduler"})
+            with _clients_lock:
+                _all_clients.append(self._own)
+        except Exception as exc:  # never take the engine down for the cache
+            logger.warning("adpkv: the scheduler's lookup client failed to start: %s", exc)
+            self._own = None
+        finally:
+            _tls.lookup = False
 
     def client(self) -> Optional[GatewayClient]:
-        if self._own is not None:
-            return self._own
+        own = self._own
+        if own is not None and (own.enabled or not own.attach_error):
+            return own
         c = _rank_clients.get(self.engine_id)
-        if c is None and not self._warned:
+        if c is not None:
+            return c
+        if not self._warned:
             self._warned = True
-            logger.warning("adpkv: the scheduler has no way to ask the gateway which chunks are stored "
-                           "(no lookup-only attach in adpkv_core and no rank-0 client in this process): "
-                           "every lookup is a miss until then; saves still happen")
-        return c
+            logger.warning("adpkv: the scheduler cannot ask the gateway which chunks are stored "
+                           "(%s): every lookup is a miss; saves still happen",
+                           own.attach_error if own is not None else "no lookup client")
+        return own
 
     @property
     def enabled(self) -> bool:

@@ -91,7 +91,10 @@ def test_lmcache_server_restart_every_chunk_hits_from_l2(start_gateway, tmp_path
         cmd = [os.path.join(os.path.dirname(sys.executable), "lmcache"), "bench", "server",
                "--rpc-url", server.rpc_url, "--url", server.http_url, "--mode", "cpu",
                "--transfer-mode", "lmcache_driven", "--kvcache-shape-spec", SHAPE, "--num-blocks", str(NUM_BLOCKS),
-               "--num-tokens", str(NUM_TOKENS), "--start", "0", "--end", str(N_SEQ), "--interval", "0",
+               "--num-tokens", str(NUM_TOKENS), "--start", "0", "--end", str(N_SEQ),
+               # LMCache acks a STORE before its L1 write is finished; a lookup right behind it can
+               # miss in L1 (seen with its fs adapter too). The bench's own default interval is 0.5 s.
+               "--interval", "0.3",
                "--format", "json", "--output", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
                            env={**os.environ, "LMCACHE_TRACK_USAGE": "false"})

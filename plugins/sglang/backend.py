@@ -1,0 +1,508 @@
+"""``AdpHiCacheStorage``: adpkv as SGLang's HiCache L3 storage (the ``dynamic`` backend).
+
+SGLang builds it as ``AdpHiCacheStorage(storage_config, kwargs)`` and hands it the
+host KV pool through ``register_mem_pool_host``. Each scheduler rank has its own
+instance and attaches to the gateway as one rank of the server's engine
+(``engine_id``, default ``sglang-<parent pid>``), with independent requests.
+
+Zero-copy path (``interface_v1``), what SGLang's cache controller calls with
+batches of at most 128 pages:
+
+- ``batch_exists``: one EXIST request; the number of consecutive hits from the start;
+- ``batch_get_v1``: one GET request; the gateway reads the pages into ring slots and
+  each ring batch is copied straight into the pool pages (``pages.PageGeometry``);
+- ``batch_set_v1``: one PUT request; the pool pages are copied into ring slots and the
+  gateway writes them to the card.
+
+The generic path (``get``/``set``/``batch_get``/``batch_set``/``exists``) moves the
+same objects (flat data pages) through the same requests.
+
+Keys: ``KeyBuilder(namespace).key(page_hash + shard, layer=0)``; the namespace holds
+the model identity and the page format, the shard the TP rank for MHA (every rank
+its own heads) and nothing for MLA (one object per page, written by the
+storage-writer rank only). With ``hicache_storage_pass_prefix_keys`` SGLang passes
+the page hashes before a batch; they give the dialog mark of every key, so a
+dialog's pages stay on one card.
+
+Failures never reach SGLang: without a gateway, ``batch_exists`` says 0, gets
+fail per key and sets report failure; a background attempt re-attaches every
+``reconnect_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from adpkv_core.affinity import dialog_marks
+from adpkv_core.client import GatewayClient, RingBatch
+from adpkv_core.keys import KIND_KV, KeyBuilder
+
+from .config import SglangSettings, key_namespace, shard_suffix
+from .pages import (
+    PageGeometry,
+    RingView,
+    UnsupportedPool,
+    copy_pages_to_ring,
+    copy_ring_to_pages,
+    copy_ring_to_tensor,
+    copy_tensor_to_ring,
+    tensor_nbytes,
+)
+
+logger = logging.getLogger("adpkv.sglang")
+
+_METRICS_CAP = 10000
+
+
+class _Session:
+    """One attachment: the client and its ring."""
+
+    __slots__ = ("client", "ring")
+
+    def __init__(self, client: GatewayClient):
+        self.client = client
+        self.ring = RingView(client.ring) if client.enabled and client.ring is not None else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.ring is not None and self.client.enabled
+
+
+def _engine_rank(storage_config) -> tuple[int, int]:
+    """This process's rank and the world of the server: torch.distributed's when it is up
+    (unique over TP, PP, DP, CP), else from the storage config."""
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank()), int(dist.get_world_size())
+    except Exception:
+        pass
+    tp, tps = int(storage_config.tp_rank), int(storage_config.tp_size)
+    pp, pps = int(storage_config.pp_rank), int(storage_config.pp_size)
+    cp, cps = int(getattr(storage_config, "attn_cp_rank", 0)), int(getattr(storage_config, "attn_cp_size", 1))
+    return (pp * cps + cp) * tps + tp, tps * pps * cps
+
+
+class AdpHiCacheStorage(HiCacheStorage):
+    """SGLang HiCache storage backend on an adpkv gateway (see the module docstring)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        self.storage_config = storage_config
+        self.settings = SglangSettings.from_storage_config(storage_config)
+        self.is_mla = bool(storage_config.is_mla_model)
+        self.is_writer = bool(getattr(storage_config, "is_storage_writer",
+                                      not self.is_mla or storage_config.tp_rank == 0))
+        self.rank, self.world = _engine_rank(storage_config)
+        self.shard = shard_suffix(storage_config)
+        self.mem_pool_host = None
+        self.geometry: Optional[PageGeometry] = None
+        self.page_bytes = 0
+        self._logical_pool = False
+        self._keys: Optional[KeyBuilder] = None    # once the host pool tells the page format
+        self._session: Optional[_Session] = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._last_attempt = 0.0
+        self._reconnecting = False
+        self._warned: set = set()
+        self.enable_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
+                         "backup_bandwidth": []}
+        self.counters = {"exist_requests": 0, "get_requests": 0, "put_requests": 0,
+                         "pages_read": 0, "pages_written": 0, "pages_skipped_nonwriter": 0}
+        logger.info("adpkv HiCache backend: rank %d/%d of engine %s, gateway %s:%d, %s%s",
+                    self.rank, self.world, self.settings.engine_id, self.settings.client.host,
+                    self.settings.client.port, "MLA" if self.is_mla else "MHA",
+                    "" if self.is_writer else " (not the storage writer: reads only)")
+
+    # ------------------------------------------------------------------ set-up
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        geo = None
+        try:
+            geo = PageGeometry(mem_pool_host)
+        except UnsupportedPool as exc:
+            if getattr(mem_pool_host, "kv_buffer", None) is None:
+                self._logical_pool = True   # a logical anchor pool (no KV bytes of its own)
+                logger.info("adpkv: host pool %s holds no KV bytes; v1 calls are no-ops",
+                            type(mem_pool_host).__name__)
+            else:
+                logger.error("adpkv: the host pool cannot be used for storage (%s); L3 stays off", exc)
+                self._warned.add("unsupported")
+        self.geometry = geo
+        desc = geo.describe() if geo is not None else None
+        self.page_bytes = geo.page_bytes if geo is not None else 0
+        self._keys = KeyBuilder(key_namespace(self.settings, self.storage_config, desc,
+                                              getattr(mem_pool_host, "storage_format_tag", None)))
+        logger.info("adpkv: %s pages of %d bytes, namespace %s", desc and desc["layout"],
+                    self.page_bytes, self._keys.namespace)
+        self._attach()
+
+    def _layout_info(self) -> dict:
+        info = {"engine": "sglang", "attention": "mla" if self.is_mla else "mha",
+                "tp_rank": int(self.storage_config.tp_rank), "tp_size": int(self.storage_config.tp_size)}
+        if self.geometry is not None:
+            info.update(self.geometry.describe())
+        return info
+
+    def _attach(self) -> Optional[_Session]:
+        """Attach now (blocking up to connect_timeout_s when no gateway answers)."""
+        with self._lock:
+            if self._closed:
+                return None
+            if self._session is not None and self._session.enabled:
+                return self._session
+            self._last_attempt = time.monotonic()
+        client = GatewayClient(self.settings.client, self.settings.engine_id, rank=self.rank,
+                               world_size=self.world, layout=self._layout_info())
+        session = _Session(client)
+        with self._lock:
+            old, self._session = self._session, session
+            closed = self._closed
+        if old is not None:
+            old.client.close()
+        if closed:
+            client.close()
+            return None
+        if session.enabled:
+            logger.info("adpkv: attached to the gateway on port %d as rank %d/%d",
+                        self.settings.client.port, self.rank, self.world)
+        return session
+
+    def _reconnect_in_background(self) -> None:
+        def run():
+            try:
+                self._attach()
+            except Exception:
+                logger.exception("adpkv: re-attaching to the gateway failed")
+            finally:
+                self._reconnecting = False
+        t = threading.Thread(target=run, name="adpkv-sglang-reattach", daemon=True)
+        t.start()
+
+    def _live(self) -> Optional[_Session]:
+        """The attached session, or None (then maybe start a re-attach in the background)."""
+        s = self._session
+        if s is not None and s.enabled:
+            return s
+        if s is None and self.mem_pool_host is None and not self._closed:
+            return self._attach() if self._attach_once() else None   # generic use without a pool
+        if self._closed or self.settings.reconnect_s <= 0:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            if self._reconnecting or now - self._last_attempt < self.settings.reconnect_s:
+                return None
+            self._reconnecting = True
+            self._last_attempt = now
+        self._reconnect_in_background()
+        return None
+
+    def _attach_once(self) -> bool:
+        with self._lock:
+            if self._last_attempt:
+                return False
+            self._last_attempt = time.monotonic()
+        return True
+
+    # ------------------------------------------------------------------ keys
+    def _key_list(self, keys: Sequence[str]) -> list[bytes]:
+        if self._keys is None:   # used without a host pool: no page format, a namespace of its own
+            self._keys = KeyBuilder(key_namespace(self.settings, self.storage_config, None))
+        key, shard = self._keys.key, self.shard
+        return [key(f"{k}{shard}", 0, KIND_KV) for k in keys]
+
+    def _marks(self, keys: Sequence[str], extra_info: Optional[HiCacheStorageExtraInfo]) -> Optional[list[int]]:
+        """The dialog mark of every key, from SGLang's prefix keys (None without them).
+
+        Same marks as ``dialog_marks(prefix_keys + keys, affinity_chunks)``; only the
+        first ``affinity_chunks`` hashes of the dialog matter, so only those are hashed.
+        """
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        if prefix is None:
+            return None
+        n = self.settings.client.affinity_chunks
+        start = len(prefix)
+        head = list(prefix[:n]) + list(keys[:max(0, n - start)])
+        marks = dialog_marks(head, n)
+        last = len(marks) - 1
+        return [marks[min(start + i, last)] for i in range(len(keys))]
+
+    def _warn_once(self, what: str, msg: str, *args) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(msg, *args)
+
+    # ------------------------------------------------------------------ v1 (zero copy)
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        if not keys:
+            return 0
+        try:
+            s = self._live()
+            if s is None:
+                return 0
+            self.counters["exist_requests"] += 1
+            hits = s.client.exist(self._key_list(keys), self._marks(keys, extra_info)).result()
+            n = 0
+            for h in hits:
+                if not h:
+                    break
+                n += 1
+            return n
+        except Exception:
+            logger.exception("adpkv: batch_exists failed; reporting no hits")
+            return 0
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        n = len(keys)
+        if n == 0:
+            return []
+        if self._logical_pool:
+            return [True] * n
+        try:
+            geo = self.geometry
+            s = self._live()
+            if geo is None or s is None:
+                return [False] * n
+            ptrs = geo.pointers(geo.page_starts(host_indices, n))
+            ring = s.ring
+
+            def copy_out(batch: RingBatch) -> bool:
+                copy_ring_to_pages(geo, ring, ptrs, batch)
+                return True
+
+            t0 = time.perf_counter()
+            self.counters["get_requests"] += 1
+            hits = s.client.get(self._key_list(keys), geo.page_bytes, copy_out,
+                                self._marks(keys, extra_info)).result()
+            got = sum(1 for h in hits if h)
+            self.counters["pages_read"] += got
+            self._record("prefetch", got, time.perf_counter() - t0)
+            return [bool(h) for h in hits]
+        except Exception:
+            logger.exception("adpkv: batch_get_v1 of %d pages failed", n)
+            return [False] * n
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        n = len(keys)
+        if n == 0:
+            return []
+        if self._logical_pool:
+            return [True] * n
+        if not self.is_writer:
+            # MLA: the storage-writer rank stores the (replicated) page for everyone
+            self.counters["pages_skipped_nonwriter"] += n
+            return [True] * n
+        try:
+            geo = self.geometry
+            s = self._live()
+            if geo is None or s is None:
+                return [False] * n
+            ptrs = geo.pointers(geo.page_starts(host_indices, n))
+            ring = s.ring
+
+            def fill(batch: RingBatch) -> bool:
+                copy_pages_to_ring(geo, ring, ptrs, batch)
+                return True
+
+            t0 = time.perf_counter()
+            self.counters["put_requests"] += 1
+            flags = s.client.put(self._key_list(keys), geo.page_bytes, fill,
+                                 self._marks(keys, extra_info)).result()
+            stored = sum(1 for f in flags if f)
+            self.counters["pages_written"] += stored
+            self._record("backup", stored, time.perf_counter() - t0)
+            return [bool(f) for f in flags]
+        except Exception:
+            logger.exception("adpkv: batch_set_v1 of %d pages failed", n)
+            return [False] * n
+
+    # ------------------------------------------------------------------ generic path
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+        n = len(keys)
+        if n == 0:
+            return []
+        try:
+            targets = list(target_locations) if target_locations is not None else [None] * n
+            if len(targets) != n:
+                raise ValueError(f"{len(targets)} targets for {n} keys")
+            for i, t in enumerate(targets):
+                if t is None:
+                    if not self.page_bytes:
+                        raise ValueError("no target and no host pool to size it")
+                    targets[i] = self._dummy_page()
+            s = self._live()
+            if s is None:
+                return [None] * n
+            results: List[Optional[torch.Tensor]] = [None] * n
+            by_size: dict[int, list[int]] = {}
+            for i, t in enumerate(targets):
+                by_size.setdefault(tensor_nbytes(t), []).append(i)
+            marks = self._marks(keys, None)
+            key_bytes = self._key_list(keys)
+            futures = []
+            for size, idx in by_size.items():
+                ring = s.ring
+
+                def copy_out(batch: RingBatch, idx=idx) -> bool:
+                    for j in range(batch.count):
+                        if batch.hits is None or batch.hits[j]:
+                            copy_ring_to_tensor(ring, batch.offset + j * batch.stride,
+                                                targets[idx[batch.first + j]])
+                    return True
+
+                self.counters["get_requests"] += 1
+                futures.append((idx, s.client.get([key_bytes[i] for i in idx], size, copy_out,
+                                                  None if marks is None else [marks[i] for i in idx])))
+            for idx, f in futures:
+                for i, hit in zip(idx, f.result()):
+                    if hit:
+                        results[i] = targets[i]
+                        self.counters["pages_read"] += 1
+            return results
+        except Exception:
+            logger.exception("adpkv: batch_get of %d keys failed", n)
+            return [None] * n
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        n = len(keys)
+        if n == 0:
+            return True
+        if not self.is_writer:
+            self.counters["pages_skipped_nonwriter"] += n
+            return True
+        try:
+            vals = list(values) if values is not None else []
+            if len(vals) != n or any(not isinstance(v, torch.Tensor) for v in vals):
+                raise ValueError("batch_set needs one tensor per key")
+            s = self._live()
+            if s is None:
+                return False
+            by_size: dict[int, list[int]] = {}
+            for i, v in enumerate(vals):
+                by_size.setdefault(tensor_nbytes(v), []).append(i)
+            key_bytes = self._key_list(keys)
+            futures: list[Future] = []
+            for size, idx in by_size.items():
+                ring = s.ring
+
+                def fill(batch: RingBatch, idx=idx) -> bool:
+                    for j in range(batch.count):
+                        copy_tensor_to_ring(vals[idx[batch.first + j]], ring, batch.offset + j * batch.stride)
+                    return True
+
+                self.counters["put_requests"] += 1
+                futures.append(s.client.put([key_bytes[i] for i in idx], size, fill))
+            ok = True
+            for f in futures:
+                flags = f.result()
+                self.counters["pages_written"] += sum(1 for x in flags if x)
+                ok = ok and all(flags)
+            return ok
+        except Exception:
+            logger.exception("adpkv: batch_set of %d keys failed", n)
+            return False
+
+    def _dummy_page(self) -> torch.Tensor:
+        pool = self.mem_pool_host
+        if pool is not None:
+            try:
+                return pool.get_dummy_flat_data_page()
+            except Exception:
+                pass
+        return torch.empty(self.page_bytes, dtype=torch.uint8)
+
+    # ------------------------------------------------------------------ housekeeping
+    def clear(self) -> bool:
+        """Delete every object on the gateway's cards (refused on shared storage)."""
+        try:
+            s = self._live()
+            if s is None:
+                logger.warning("adpkv: clear: no gateway; nothing was deleted")
+                return False
+            reply = s.client.clean().result()
+            if not isinstance(reply, dict) or reply.get("op") == "ERROR":
+                code = reply.get("code") if isinstance(reply, dict) else None
+                logger.warning("adpkv: clear refused by the gateway (%s: %s); nothing was deleted",
+                               code, reply.get("msg") if isinstance(reply, dict) else reply)
+                return False
+            logger.info("adpkv: cleared the gateway's cards (%s objects)", reply.get("deleted"))
+            return True
+        except Exception:
+            logger.exception("adpkv: clear failed")
+            return False
+
+    def _record(self, kind: str, pages: int, seconds: float) -> None:
+        if not self.enable_metrics or pages <= 0:
+            return
+        pgs, bw = self._metrics[kind + "_pgs"], self._metrics[kind + "_bandwidth"]
+        if len(pgs) < _METRICS_CAP:
+            pgs.append(pages)
+            bw.append(pages * self.page_bytes / (1 << 30) / max(seconds, 1e-9))
+
+    def get_stats(self):
+        """SGLang's ``StorageMetrics`` since the last call (pages per batch, GiB/s)."""
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except Exception:
+            return None
+        m = StorageMetrics()
+        for name, values in self._metrics.items():
+            getattr(m, name).extend(values)
+            values.clear()
+        return m
+
+    def gateway_stats(self) -> dict:
+        """The gateway's own STATS (cards, objects, counters); {} without a gateway."""
+        s = self._live()
+        return s.client.stats().result() if s is not None else {}
+
+    @property
+    def attached(self) -> bool:
+        s = self._session
+        return s is not None and s.enabled
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            s, self._session = self._session, None
+        if s is not None:
+            try:
+                s.client.close()
+            except Exception:
+                logger.exception("adpkv: closing the gateway client failed")
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,113 @@
+"""Settings of the SGLang backend: the extra-config keys and how keys are named.
+
+SGLang hands the backend ``HiCacheStorageConfig.extra_config`` (the JSON of
+``--hicache-storage-backend-extra-config``). Keys we read (all optional):
+
+- the shared adapter vocabulary of ``adpkv_core.settings.ClientConfig``: ``port``,
+  ``host``, ``namespace`` (alias ``key_namespace``), ``key_namespace_from_model``,
+  ``affinity_chunks``, ``fragment_bytes``, ``timeout_s``, ``connect_timeout_s``,
+  ``busy_wait_s`` (each may also be spelled ``adpkv.<name>``);
+- ``model_id``: the model identity in keys (default: SGLang's model name);
+- ``revision``: the model revision, part of the identity (SGLang does not know it);
+- ``engine_id``: the id every rank of this server attaches under (default
+  ``sglang-<parent pid>``: the scheduler processes of one server share their parent);
+- ``reconnect_s``: seconds between attempts to re-attach after the gateway went away
+  (0: never; default 10).
+
+SGLang's own keys (``backend_name``, ``module_path``, ``class_name``,
+``interface_v1``, ``allocator``, ...) are left alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Mapping, Optional
+
+from adpkv_core.keys import namespace_from_model
+from adpkv_core.settings import ClientConfig
+
+logger = logging.getLogger("adpkv.sglang")
+
+
+@dataclasses.dataclass
+class SglangSettings:
+    client: ClientConfig
+    model_id: str
+    revision: str
+    engine_id: str
+    reconnect_s: float
+
+    @classmethod
+    def from_storage_config(cls, storage_config) -> "SglangSettings":
+        extra: Mapping[str, Any] = dict(getattr(storage_config, "extra_config", None) or {})
+        settings = dict(extra)
+        for alias in ("key_namespace", "adpkv.key_namespace"):
+            if alias in settings and "namespace" not in settings and "adpkv.namespace" not in settings:
+                settings["namespace"] = settings[alias]
+        client = ClientConfig.from_settings(settings, prefix="adpkv.")
+        model_id = _get(extra, "model_id") or getattr(storage_config, "model_name", None) or ""
+        revision = str(_get(extra, "revision") or "")
+        engine_id = str(_get(extra, "engine_id") or f"sglang-{os.getppid()}")
+        reconnect_s = float(_get(extra, "reconnect_s", 10.0))
+        return cls(client, str(model_id), revision, engine_id, reconnect_s)
+
+
+def _get(extra: Mapping[str, Any], name: str, default: Any = None) -> Any:
+    for k in ("adpkv." + name, name):
+        if k in extra and extra[k] is not None:
+            return extra[k]
+    return default
+
+
+def key_namespace(settings: SglangSettings, storage_config, geometry: Optional[dict],
+                  format_tag: Optional[str] = None) -> str:
+    """The namespace string of this deployment's keys.
+
+    It always holds the deployment namespace, the model id and the page format
+    (layout, dtype, geometry, page size, TP size for MHA, PP stage), so two
+    models, or one model laid out differently, never share a key. With
+    ``key_namespace_from_model`` the identity goes through
+    ``adpkv_core.keys.namespace_from_model``: a missing field (no model id, no
+    revision) gives a fresh namespace (a cold cache, never a wrong hit).
+    Without it a missing model id gives a fresh namespace too.
+    """
+    geo = dict(geometry or {})
+    mla = bool(getattr(storage_config, "is_mla_model", False))
+    fields = {
+        "engine": "sglang",
+        "deployment": settings.client.namespace,
+        "attention": "mla" if mla else "mha",
+        "pp": f"{getattr(storage_config, 'pp_rank', 0)}/{getattr(storage_config, 'pp_size', 1)}",
+        "cp": f"{getattr(storage_config, 'attn_cp_rank', 0)}/{getattr(storage_config, 'attn_cp_size', 1)}",
+        "format_tag": format_tag or "",
+    }
+    layout = geo.pop("layout", "")
+    dtype = geo.pop("dtype", "")
+    page_size = geo.pop("page_size", "")
+    tp_size = "replicated" if mla else int(getattr(storage_config, "tp_size", 1))
+    if settings.client.key_namespace_from_model:
+        return namespace_from_model(model=settings.model_id, revision=settings.revision,
+                                    kv_dtype=dtype, geometry=geo, tp_size=tp_size,
+                                    chunk_size=page_size, layout=layout, **fields)
+    model = settings.model_id or ""
+    if not model:
+        # no identity at all: never share with anybody (namespace_from_model logs it)
+        return namespace_from_model(model="", revision="", kv_dtype=dtype, geometry=geo,
+                                    tp_size=tp_size, chunk_size=page_size, layout=layout)
+    return namespace_from_model(model=model, revision=settings.revision or "-", kv_dtype=dtype,
+                                geometry=geo, tp_size=tp_size, chunk_size=page_size, layout=layout,
+                                **fields)
+
+
+def shard_suffix(storage_config) -> str:
+    """What tells this rank's objects apart from other ranks' objects of the same page.
+
+    MHA: every TP rank holds its own heads, so the TP rank is part of the key.
+    MLA: the latent cache is the same on every TP rank; one key per page, written
+    by the storage-writer rank only, read by all.
+    """
+    if getattr(storage_config, "is_mla_model", False):
+        return ""
+    return f"#tp{int(getattr(storage_config, 'tp_rank', 0))}"

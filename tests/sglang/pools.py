@@ -1,0 +1,92 @@
+"""Real SGLang host pools on CPU for the adpkv_sglang tests (and the benchmark).
+
+SGLang builds its host pools from the device pool's buffer description; on a CPU
+machine the "device" buffers are CPU tensors of the same shapes (nothing else is
+stood in: the host pools, their layouts, page metadata and flat-page helpers are
+SGLang's own code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+CPU = torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _budget():
+    # SGLang sizes host pools against free memory minus a 10 GiB reserve; on a small
+    # test machine book the (small) test pools against a fixed budget instead.
+    with host_memory_budget_scope(1 << 40):
+        yield
+
+
+def _ptrs(tensors):
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+
+
+def mha_pool(layout: str, layers: int = 4, heads: int = 2, head_dim: int = 16, page: int = 8,
+             pages: int = 24, dtype=torch.bfloat16) -> MHATokenToKVPoolHost:
+    dev_tokens = 2 * page
+    k = tuple(torch.zeros(dev_tokens + page, heads, head_dim, dtype=dtype) for _ in range(layers))
+    v = tuple(torch.zeros(dev_tokens + page, heads, head_dim, dtype=dtype) for _ in range(layers))
+    info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=_ptrs(k), v_data_ptrs=_ptrs(v),
+                                           layout=KVBufferLayout.NHD),
+                         page_size=page, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
+                         dtype=dtype, device=CPU)
+    with _budget():
+        return MHATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False, device="cpu",
+                                    device_capacity_tokens=dev_tokens, start_layer=0, end_layer=layers,
+                                    host_token_capacity=pages * page)
+
+
+def mla_pool(layout: str, layers: int = 4, kv_lora_rank: int = 64, rope_dim: int = 16, page: int = 8,
+             pages: int = 24, dtype=torch.bfloat16) -> MLATokenToKVPoolHost:
+    dim = kv_lora_rank + rope_dim
+    dev_tokens = 2 * page
+    bufs = tuple(torch.zeros(dev_tokens + page, 1, dim, dtype=dtype) for _ in range(layers))
+    info = MLABufferInfo(buffers=bufs, data_ptrs=_ptrs(bufs), layer_indices=tuple(range(layers)),
+                         device_layer_num=layers, page_size=page, kv_lora_rank=kv_lora_rank,
+                         qk_rope_head_dim=rope_dim, kv_cache_dim=dim, dtype=dtype, device=CPU)
+    with _budget():
+        return MLATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False, device="cpu",
+                                    device_capacity_tokens=dev_tokens, start_layer=0, end_layer=layers,
+                                    target_layer_num=layers, host_token_capacity=pages * page)
+
+
+def fill_random(pool, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    raw = pool.kv_buffer.view(-1).view(torch.uint8) if pool.kv_buffer.is_contiguous() else None
+    assert raw is not None
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+
+
+def page_bytes(pool, first_token: int) -> bytes:
+    """The page's bytes in SGLang's own flat-page format (get_data_page)."""
+    return pool.get_data_page(first_token, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def storage_config(extra: dict, *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
+                   model_name: str = "test-model", layout: str = "page_first",
+                   metrics: bool = False) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
+                                attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
+                                enable_storage_metrics=metrics,
+                                is_page_first_layout=layout == "page_first",
+                                model_name=model_name, extra_config=dict(extra))
+
+
+def page_hashes(n: int, salt: str = "") -> list[str]:
+    """Chained SHA-256 page hashes as SGLang computes them (its own helper)."""
+    from sglang.srt.mem_cache.utils import get_hash_str
+    tokens = [(i * 7 + len(salt) * 13 + sum(map(ord, salt))) % 32000 for i in range(n * 4)]
+    return get_hash_str(tokens, None, page_size=4)
