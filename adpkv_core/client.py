@@ -28,6 +28,7 @@ from .settings import ClientConfig
 logger = logging.getLogger("adpkv.client")
 
 TURNED_OFF_MESSAGE = "External KV cache turned off on this rank"
+LOOKUPS_OFF_MESSAGE = "External KV cache lookups turned off for this engine"   # a lookup-only peer
 
 
 class RingBatch:
@@ -401,7 +402,8 @@ class GatewayClient:
         if not self._enabled:
             return
         self._enabled = False
-        logger.warning("%s (%s); the engine goes on without it", TURNED_OFF_MESSAGE, reason)
+        message = LOOKUPS_OFF_MESSAGE if self.rank is None else TURNED_OFF_MESSAGE
+        logger.warning("%s (%s); the engine goes on without it", message, reason)
         for pending in list(self._pending.values()):
             self._fail(pending)
         self._pending.clear()

@@ -150,12 +150,8 @@ def restore(client, ring, cache: PagedCache, kb, stream, on_layer=None):
 
 def diagnose(client, ring, cache: PagedCache, kb, card: str, threads: int) -> dict:
     """Where restore time goes: raw parallel reads of the card's files into the ring,
-    the gateway alone (GETs whose copy does nothing), and checksum threading."""
+    the gateway alone (GETs whose copy does nothing), and ring -> paged GPU copies alone."""
     from concurrent.futures import ThreadPoolExecutor
-
-    import xxhash
-
-    from adpkv_core.checksum import xxh3_64
     out = {}
     files = [os.path.join(d, f) for d, _, fs in os.walk(card) for f in fs if not f.endswith(".json")]
     view = client.ring
@@ -177,12 +173,18 @@ def diagnose(client, ring, cache: PagedCache, kb, card: str, threads: int) -> di
     futs = [client.get(keys_for(cache, kb, i), obj, lambda b: None) for i in range(len(cache.layers))]
     assert all(all(f.result()) for f in futs)
     out["gateway_only_GBs"] = len(files) * obj / (time.perf_counter() - t0) / 1e9
-    buf = bytearray(obj)
-    for name, fn in (("xxhash_module", xxhash.xxh3_64_intdigest), ("xxh3_ctypes", xxh3_64)):
-        with ThreadPoolExecutor(threads) as pool:
-            t0 = time.perf_counter()
-            list(pool.map(lambda _: fn(buf), range(4096)))
-            out[f"{name}_{threads}threads_GBs"] = 4096 * obj / (time.perf_counter() - t0) / 1e9
+    stream = torch.cuda.Stream()
+    for count in (16, 128):                     # objects per ring batch: 16 MiB and 128 MiB copies
+        ids = cache.block_ids[: count * cache.nb]
+        moved = 0
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(2):
+            for layer in cache.layers:
+                layer.scatter(ring, 0, obj, count, 0, obj, ids, None, cache.nb, stream=stream)
+                moved += count * obj
+        sync()
+        out[f"ring_to_gpu_{count}obj_GBs"] = moved / (time.perf_counter() - t0) / 1e9
     log("diagnose: " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()))
     return out
 

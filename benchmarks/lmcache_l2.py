@@ -34,6 +34,8 @@ def bench_once(spec: dict, args, out_json: str) -> dict:
            "--data-size-kb", str(args.data_size_kb), "--rounds", str(args.rounds),
            "--warmup-rounds", str(args.warmup_rounds), "--no-skip-verify", "--format", "json",
            "--output", out_json, "-q"]
+    if args.odirect:
+        cmd += ["--l1-align-bytes", "4096"]
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if r.returncode != 0:
@@ -123,6 +125,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup-rounds", type=int, default=1)
     p.add_argument("--ring-mib", type=int, default=512, help="gateway ring (shared_memory_size) in MiB")
+    p.add_argument("--odirect", action="store_true",
+                   help="both bypass the page cache: the gateway's fs card with o_direct, LMCache fs with "
+                        "use_odirect (and 4 KiB-aligned L1 buffers)")
     p.add_argument("--breakdown", action="store_true", help="also take the adpkv load path apart")
     p.add_argument("--json", default=None, help="write all figures to this file")
     args = p.parse_args()
@@ -135,12 +140,12 @@ def main() -> None:
     card = os.path.join(root, "adpkv-card")
     fs_dir = os.path.join(root, "lmcache-fs")
     out_json = os.path.join(root, "bench.json")
-    gw = GatewayProcess(card, shared_memory_size=args.ring_mib << 20, o_direct=False,
+    gw = GatewayProcess(card, shared_memory_size=args.ring_mib << 20, o_direct=bool(args.odirect),
                         log_path=os.path.join(root, "gateway.log")).start()
     specs = {
         "adpkv": {"type": "plugin", "module_path": "adpkv_lmcache", "class_name": "AdpL2Adapter",
                   "adapter_params": {"port": gw.port, "namespace": "lmcache-bench"}},
-        "fs": {"type": "fs", "base_path": fs_dir},
+        "fs": {"type": "fs", "base_path": fs_dir, "use_odirect": bool(args.odirect)},
     }
     runs: dict = {"adpkv": [], "fs": []}
     try:

@@ -331,7 +331,8 @@ class Gateway:
     def _read_batch(self, batch: Batch) -> None:
         job = batch.job
         heads = self.store.exists(job.keys[batch.first:batch.first + batch.count],
-                                  job.marks[batch.first:batch.first + batch.count] if job.marks else None)
+                                  job.marks[batch.first:batch.first + batch.count] if job.marks else None,
+                                  job.object_bytes)
         reads = []
         for j in range(batch.count):
             if not heads[j]:
@@ -387,7 +388,8 @@ class Gateway:
         writes = []
         if batch.fill_ok:
             existing = self.store.exists(job.keys[batch.first:batch.first + batch.count],
-                                         job.marks[batch.first:batch.first + batch.count] if job.marks else None)
+                                         job.marks[batch.first:batch.first + batch.count] if job.marks else None,
+                                         job.object_bytes)
             for j in range(batch.count):
                 i = batch.first + j
                 if existing[j]:

@@ -173,8 +173,13 @@ class ObjectStore:
         return True
 
     # ------------------------------------------------------------------ metadata
-    def exists(self, keys: Sequence[bytes], marks: Optional[Sequence[int]]) -> list[bool]:
-        """Whether each object's head fragment is on the card that would serve it."""
+    def exists(self, keys: Sequence[bytes], marks: Optional[Sequence[int]],
+               object_bytes: Optional[int] = None) -> list[bool]:
+        """Whether each object's head fragment is on the card that would serve it
+        (and, given ``object_bytes``, holds an object of that size)."""
+        head_len = None
+        if object_bytes is not None:
+            head_len = fragment_extents(object_bytes, self.fragment_size)[0][1]
         out = [False] * len(keys)
         by_card: dict[int, list[tuple[int, int, bytes]]] = collections.defaultdict(list)
         for i, key in enumerate(keys):
@@ -183,7 +188,8 @@ class ObjectStore:
                 by_card[t[0]].append((i, fragment_db(key, 0, self.num_dbs, self.spread), fragment_key(key, 0)))
         for card, items in by_card.items():
             try:
-                found = self.cards[card].contains_many([(db, fk) for _, db, fk in items])
+                found = self.cards[card].contains_many([(db, fk) for _, db, fk in items],
+                                                       None if head_len is None else [head_len] * len(items))
             except CardIOError as exc:
                 logger.warning("%s", exc)
                 self.on_io(card, False, 0.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from typing import Optional
 
 
 @dataclasses.dataclass
@@ -58,8 +59,11 @@ class Card(abc.ABC):
     def contains(self, db: int, fkey: bytes) -> bool:
         """Whether the fragment is stored (cheap; may be stale, a later read decides)."""
 
-    def contains_many(self, items: list[tuple[int, bytes]]) -> list[bool]:
-        """``contains`` of many fragments (a card may batch them into one round trip)."""
+    def contains_many(self, items: list[tuple[int, bytes]], lengths: Optional[list[int]] = None) -> list[bool]:
+        """``contains`` of many fragments (a card may batch them into one round trip).
+
+        With ``lengths``, a fragment only counts when it holds that many payload bytes.
+        """
         return [self.contains(db, fkey) for db, fkey in items]
 
     @abc.abstractmethod

@@ -338,6 +338,16 @@ class FsCard(Card):
         with self._lock:
             return fkey in self._index
 
+    def contains_many(self, items, lengths=None):
+        with self._lock:
+            if lengths is None:
+                return [fkey in self._index for _, fkey in items]
+            out = []
+            for (_, fkey), n in zip(items, lengths):
+                entry = self._index.get(fkey)
+                out.append(entry is not None and entry[1] in (HEADER_BYTES + n, HEADER_BYTES + -(-n // ALIGN) * ALIGN))
+            return out
+
     def delete(self, db: int, fkey: bytes) -> bool:
         with self._lock:
             entry = self._index.pop(fkey, None)

@@ -145,11 +145,14 @@ class RespCard(Card):
     def contains(self, db: int, fkey: bytes) -> bool:
         return bool(self._io(lambda c: c.command(b"EXISTS", self._key(db, fkey))))
 
-    def contains_many(self, items):
+    def contains_many(self, items, lengths=None):
         if not items:
             return []
-        replies = self._io(lambda c: c.pipeline([(b"EXISTS", self._key(db, k)) for db, k in items]))
-        return [r == 1 for r in replies]
+        if lengths is None:
+            replies = self._io(lambda c: c.pipeline([(b"EXISTS", self._key(db, k)) for db, k in items]))
+            return [r == 1 for r in replies]
+        replies = self._io(lambda c: c.pipeline([(b"STRLEN", self._key(db, k)) for db, k in items]))
+        return [r == objfmt.HEADER_CORE + n for r, n in zip(replies, lengths)]
 
     def delete(self, db: int, fkey: bytes) -> bool:
         return bool(self._io(lambda c: c.command(b"DEL", self._key(db, fkey))))

@@ -204,11 +204,12 @@ _tls = threading.local()
 
 class _LookupOffFilter(logging.Filter):
     """The client SDK logs "External KV cache turned off on this rank" for every
-    connection. The scheduler's lookup peer is not a rank: say what it is, so the
+    connection. The scheduler's lookup peer (rank None, I/O thread "adpkv-client-None") is
+    not a rank: say what it is, so the
     line appears once per rank as operators expect."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        lookup = record.threadName.endswith("rankNone") or getattr(_tls, "lookup", False)
+        lookup = record.threadName.endswith("None") or getattr(_tls, "lookup", False)
         if lookup and isinstance(record.args, tuple) and record.args \
                 and str(record.args[0]).startswith("External KV cache turned off"):
             reason = record.args[1] if len(record.args) > 1 else ""

@@ -389,6 +389,9 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.client = open_rank_client(self.settings.client, self.engine_id, self.rank,
                                        self.tp_size, layout)
         self.ring = ring_tensor(self.client)
+        if first.on_gpu and self.ring is not None:
+            from .cuda_ring import pin_ring
+            pin_ring(self.ring)     # DMA copies ring <-> GPU on our stream
         logger.info("adpkv: rank %d registered %d layers, page %s %s (%d bytes), object %d bytes",
                     self.rank, len(self.layers), first.page_shape, first.dtype, first.page_bytes,
                     first.page_bytes * self.blocks_per_chunk * self.tp_size)
@@ -549,6 +552,10 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
             for job_list in list(self._jobs_by_req.values()):
                 for job in job_list:
                     job.wait(2.0)
+            if self.ring is not None and self.layers and \
+                    next(iter(self.layers.values())).on_gpu:
+                from .cuda_ring import unpin_ring
+                unpin_ring(self.ring)
             close_client(self.client)
             self.client = None
             self.ring = None

@@ -96,9 +96,10 @@ class PagedLayer:
             ids = block_ids.to(self.device, non_blocking=True)
             staged = self.view.index_select(0, ids)
             host = parts.view(self.dtype).view(count, nblocks, *self.page_shape)
-            host.copy_(staged.view(count, nblocks, *self.page_shape))
-        if stream is not None:
-            stream.synchronize()
+            # asynchronous when the ring is pinned (cuda_ring.pin_ring); synchronized below
+            host.copy_(staged.view(count, nblocks, *self.page_shape), non_blocking=host.is_contiguous())
+        # the ring slot is handed back when on_batch returns: the copy must be complete
+        (stream or torch.cuda.current_stream()).synchronize()
 
     # ------------------------------------------------------------------ scatter (GET)
     def scatter(self, ring: torch.Tensor, offset: int, stride: int, count: int, slice_offset: int,
@@ -125,13 +126,12 @@ class PagedLayer:
         count = parts.shape[0]
         with torch.cuda.stream(stream) if stream is not None else _null():
             host = parts if parts.is_contiguous() else parts.contiguous()
-            dev = host.to(self.device, non_blocking=False)
+            dev = host.to(self.device, non_blocking=True)
             src = dev.view(self.dtype).view(count * nblocks, *self.page_shape)
             if src_positions is not None:
                 src = src.index_select(0, src_positions.to(self.device))
             self.view.index_copy_(0, dst_block_ids.to(self.device), src)
-        if stream is not None:
-            stream.synchronize()
+        (stream or torch.cuda.current_stream()).synchronize()
 
 
 class _null:

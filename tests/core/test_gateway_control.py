@@ -246,3 +246,20 @@ def test_lookup_peer_pins_and_duplicate_puts(gateway):
     assert rank.exist(keys).result(timeout=5) == [False, True, True, True]
     lookup.close()
     rank.close()
+
+
+def test_put_over_an_object_of_another_size_rewrites_it(gateway):
+    keys = make_keys(2)
+    c = GatewayClient(ClientConfig(port=gateway.port), "engine")
+    for size, byte in ((4096, 1), (12288, 2)):
+        def fill(b, size=size, byte=byte):
+            for j in range(b.count):
+                c.ring[b.offset + j * b.stride:b.offset + j * b.stride + size] = bytes([byte]) * size
+        flags = c.put(keys, size, fill).result(timeout=10)
+        assert flags == [True, True] and flags.existed == [False, False]
+    out = []
+    assert c.get(keys, 12288, lambda b: out.append(bytes(c.ring[b.offset:b.offset + 12288]))).result(timeout=10) \
+        == [True, True]
+    assert out[0] == bytes([2]) * 12288
+    assert c.get(keys, 4096, lambda b: None).result(timeout=10) == [False, False]
+    c.close()

@@ -93,7 +93,7 @@ def test_gateway_killed_while_serving(model_dir, baseline, start_gateway, tmp_pa
     # round 0 stores P1..P3; the gateway is killed (SIGKILL) after the 2nd request;
     # every later request is served from vLLM's own memory
     res, log = run_engine(model_dir, [P1, P2, P3], connector(gw.port, "killed", **{"adpkv.timeout_s": 2.0}),
-                          rounds=2, kill_after={"pid": pid, "after": 2},
+                          rounds=2, kill_after={"pid": pid, "after": 2}, wait_after_s=4,
                           log_path=str(tmp_path / "engine.log"))
     gw.proc.wait(10)
     assert len(res) == 6
