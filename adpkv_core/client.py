@@ -177,8 +177,11 @@ class GatewayClient:
             except Exception:
                 pass
         self._closed = True
+        self._enabled = False
         self._wake()
         self._thread.join(timeout=2.0)
+        while self._outbox:                     # queued after the I/O thread's last pass
+            self._fail(self._outbox.popleft()[1])
         if self._ring is not None:
             self.ring = None
             self._ring.close()
@@ -262,6 +265,9 @@ class GatewayClient:
         return self._submit(msg, _Pending(fut, msg["op"], n or 0, None, 0.0, None), outer)
 
     def _submit(self, msg, pending: _Pending, returned: Optional[Future] = None) -> Future:
+        if self._closed:                        # a call racing close(): answer it as a miss
+            self._fail(pending)
+            return returned if returned is not None else pending.future
         req_id = next(self._ids)
         msg["id"] = req_id
         pending.deadline = time.monotonic() + self.config.timeout_s

@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     for noisy in ("sglang", "adpkv"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    from pools import mha_pool, storage_config
+    from sgl_pools import mha_pool, storage_config
     from adpkv_gateway.spawn import GatewayProcess
 
     root = os.path.abspath(args.dir)

@@ -235,12 +235,12 @@ class AdpL2Adapter(L2AdapterInterface):
         self._last_off_reason: Optional[str] = None
 
         self._session_lock = threading.Lock()
+        self._stop = threading.Event()          # set when close() begins: new tasks fail fast
         self._session = self._connect(0)
         if not self._session.enabled:
             logger.warning("adpkv L2 adapter: no gateway on %s:%d (%s); lookups miss and stores fail until "
                            "it is reachable", config.host, config.port,
                            self._session.client.attach_error or "no answer")
-        self._stop = threading.Event()
         self._supervisor: Optional[threading.Thread] = None
         if config.reconnect_s > 0:
             self._supervisor = threading.Thread(target=self._supervise, name="adpkv-lmc-supervisor",
@@ -259,8 +259,9 @@ class AdpL2Adapter(L2AdapterInterface):
                                layout=layout)
         return _Session(client, number)
 
-    def _current(self) -> _Session:
-        return self._session
+    def _current(self) -> Optional[_Session]:
+        """The live session, or None once close() has begun."""
+        return None if self._stop.is_set() else self._session
 
     def _supervise(self) -> None:
         backoff = self._config.reconnect_s
@@ -355,7 +356,7 @@ class AdpL2Adapter(L2AdapterInterface):
             self._finish("store", tid, L2StoreResult(True, 0))
             return
         s = self._current()
-        if not s.enabled:
+        if s is None or not s.enabled:
             with self._lock:
                 self._counters["store_failed_keys"] += n
             self._finish("store", tid, L2StoreResult(False, 0))
@@ -425,7 +426,7 @@ class AdpL2Adapter(L2AdapterInterface):
     def _start_lookup(self, tid: L2TaskId, keys: list) -> None:
         n = len(keys)
         s = self._current()
-        if n == 0 or not s.enabled:
+        if n == 0 or s is None or not s.enabled:
             self._finish("lookup", tid, Bitmap(n))
             return
         adp = self._keys.keys(keys)
@@ -470,7 +471,7 @@ class AdpL2Adapter(L2AdapterInterface):
                         self._held[k] = c - 1
                     release.append(k)
             s = self._current()   # pins are released by this explicit unlock only (GETs keep them)
-            if release and s.enabled:
+            if release and s is not None and s.enabled:
                 s.client.unlock(release)
             # A gateway that went away took its pins with it; nothing to retry.
         except Exception:
@@ -491,7 +492,7 @@ class AdpL2Adapter(L2AdapterInterface):
     def _start_load(self, tid: L2TaskId, keys: list, objects: list) -> None:
         n = len(keys)
         s = self._current()
-        if n == 0 or not s.enabled:
+        if n == 0 or s is None or not s.enabled:
             if n:
                 with self._lock:
                     self._counters["load_missed_keys"] += n
@@ -543,7 +544,7 @@ class AdpL2Adapter(L2AdapterInterface):
         try:
             adp = self._keys.keys(keys)
             s = self._current()
-            if s.enabled:
+            if s is not None and s.enabled:
                 try:
                     s.client.delete(adp, marks=self._marks.marks(adp)).result(timeout=self._config.timeout_s)
                 except Exception as exc:
@@ -567,7 +568,7 @@ class AdpL2Adapter(L2AdapterInterface):
         if cached is not None and now - cached[0] < self._config.usage_refresh_s:
             return cached[1]
         s = self._current()
-        if not s.enabled:
+        if s is None or not s.enabled:
             return cached[1] if cached else None
         try:
             stats = s.client.stats().result(timeout=min(1.0, self._config.timeout_s))
@@ -596,7 +597,7 @@ class AdpL2Adapter(L2AdapterInterface):
                             bytes_by_cache_salt=base.bytes_by_cache_salt)
 
     def report_status(self) -> dict:
-        s = self._current()
+        s = self._session
         client = s.client
         with self._lock:
             in_flight = dict(self._in_flight)
@@ -631,7 +632,7 @@ class AdpL2Adapter(L2AdapterInterface):
         self._stop.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=self._config.connect_timeout_s + 2.0)
-        s = self._current()
+        s = self._session
         with self._lock:
             held = list(self._held)
             self._held.clear()

@@ -116,6 +116,7 @@ class AdpHiCacheStorage(HiCacheStorage):
         self._closed = False
         self._last_attempt = 0.0
         self._reconnecting = False
+        self._retry_s = self.settings.reconnect_s     # doubles after each failed attempt (max 300 s)
         self._warned: set = set()
         self.enable_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
@@ -177,8 +178,11 @@ class AdpHiCacheStorage(HiCacheStorage):
             client.close()
             return None
         if session.enabled:
+            self._retry_s = self.settings.reconnect_s
             logger.info("adpkv: attached to the gateway on port %d as rank %d/%d",
                         self.settings.client.port, self.rank, self.world)
+        else:
+            self._retry_s = min(max(self._retry_s, 0.1) * 2, max(300.0, self.settings.reconnect_s))
         return session
 
     def _reconnect_in_background(self) -> None:
@@ -203,7 +207,7 @@ class AdpHiCacheStorage(HiCacheStorage):
             return None
         now = time.monotonic()
         with self._lock:
-            if self._reconnecting or now - self._last_attempt < self.settings.reconnect_s:
+            if self._reconnecting or now - self._last_attempt < self._retry_s:
                 return None
             self._reconnecting = True
             self._last_attempt = now
@@ -314,6 +318,22 @@ class AdpHiCacheStorage(HiCacheStorage):
                 return [False] * n
             ptrs = geo.pointers(geo.page_starts(host_indices, n))
             ring = s.ring
+            key_bytes = self._key_list(keys)
+            marks = self._marks(keys, extra_info)
+            result = [False] * n
+            todo = list(range(n))
+            if self.settings.skip_existing:
+                # pages stored already (by an earlier backup, another replica) are not copied again
+                have = s.client.exist(key_bytes, marks).result()
+                todo = [i for i in range(n) if not have[i]]
+                for i in range(n):
+                    result[i] = bool(have[i])
+                if not todo:
+                    return result
+                if len(todo) < n:
+                    ptrs = ptrs[todo]
+                    key_bytes = [key_bytes[i] for i in todo]
+                    marks = None if marks is None else [marks[i] for i in todo]
 
             def fill(batch: RingBatch) -> bool:
                 copy_pages_to_ring(geo, ring, ptrs, batch)
@@ -321,12 +341,13 @@ class AdpHiCacheStorage(HiCacheStorage):
 
             t0 = time.perf_counter()
             self.counters["put_requests"] += 1
-            flags = s.client.put(self._key_list(keys), geo.page_bytes, fill,
-                                 self._marks(keys, extra_info)).result()
+            flags = s.client.put(key_bytes, geo.page_bytes, fill, marks).result()
             stored = sum(1 for f in flags if f)
             self.counters["pages_written"] += stored
             self._record("backup", stored, time.perf_counter() - t0)
-            return [bool(f) for f in flags]
+            for i, f in zip(todo, flags):
+                result[i] = bool(f)
+            return result
         except Exception:
             logger.exception("adpkv: batch_set_v1 of %d pages failed", n)
             return [False] * n

@@ -11,8 +11,10 @@ SGLang hands the backend ``HiCacheStorageConfig.extra_config`` (the JSON of
 - ``revision``: the model revision, part of the identity (SGLang does not know it);
 - ``engine_id``: the id every rank of this server attaches under (default
   ``sglang-<parent pid>``: the scheduler processes of one server share their parent);
-- ``reconnect_s``: seconds between attempts to re-attach after the gateway went away
-  (0: never; default 10).
+- ``reconnect_s``: seconds before the first attempt to re-attach after the gateway went
+  away, doubling after each failed attempt up to 300 s (0: never; default 10);
+- ``skip_existing``: ``batch_set_v1`` asks which pages are stored already and copies only
+  the others (default true; one EXIST round trip per batch).
 
 SGLang's own keys (``backend_name``, ``module_path``, ``class_name``,
 ``interface_v1``, ``allocator``, ...) are left alone.
@@ -38,6 +40,7 @@ class SglangSettings:
     revision: str
     engine_id: str
     reconnect_s: float
+    skip_existing: bool = True
 
     @classmethod
     def from_storage_config(cls, storage_config) -> "SglangSettings":
@@ -51,7 +54,9 @@ class SglangSettings:
         revision = str(_get(extra, "revision") or "")
         engine_id = str(_get(extra, "engine_id") or f"sglang-{os.getppid()}")
         reconnect_s = float(_get(extra, "reconnect_s", 10.0))
-        return cls(client, str(model_id), revision, engine_id, reconnect_s)
+        skip = _get(extra, "skip_existing", True)
+        skip = skip.strip().lower() in ("1", "true", "yes", "on") if isinstance(skip, str) else bool(skip)
+        return cls(client, str(model_id), revision, engine_id, reconnect_s, skip)
 
 
 def _get(extra: Mapping[str, Any], name: str, default: Any = None) -> Any:

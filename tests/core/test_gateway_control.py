@@ -263,3 +263,11 @@ def test_put_over_an_object_of_another_size_rewrites_it(gateway):
     assert out[0] == bytes([2]) * 12288
     assert c.get(keys, 4096, lambda b: None).result(timeout=10) == [False, False]
     c.close()
+
+
+def test_calls_after_close_resolve_at_once(gateway):
+    c = GatewayClient(ClientConfig(port=gateway.port), "engine")
+    c.close()
+    assert c.exist(make_keys(2)).result(timeout=1) == [False, False]
+    assert c.get(make_keys(2), 4096, lambda b: None).result(timeout=1) == [False, False]
+    assert c.put(make_keys(2), 4096, lambda b: None).result(timeout=1) == [False, False]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from adpkv_gateway.spawn import free_port
 from lmc_helpers import bits, fresh_prefix, gateway_stats, load, lookup, make_key, make_obj, same_bytes, store
 
@@ -153,8 +151,7 @@ def test_pins_survive_load_until_explicit_unlock(lmc_gateway, make_adapter):
     assert gateway_stats(lmc_gateway.port)["pinned"] == pinned0
 
 
-@pytest.mark.parametrize("second", ["other-instance"])
-def test_second_adapter_on_a_busy_gateway_is_refused_cleanly(lmc_gateway, make_adapter, second):
+def test_second_adapter_on_a_busy_gateway_is_refused_cleanly(lmc_gateway, make_adapter):
     """One engine per gateway: a second adapter instance is refused and serves misses."""
     first = make_adapter()
     other = _adapter(lmc_gateway.port, reconnect_s=0, busy_wait_s=0.3)

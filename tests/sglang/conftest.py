@@ -21,6 +21,11 @@ else:
 
     logging.getLogger("adpkv").setLevel(logging.INFO)
 
+    def pytest_configure(config):
+        # importing SGLang's pools pulls in flashinfer/cutlass/quantization modules that warn on CPU
+        for line in ("ignore::DeprecationWarning", "ignore::UserWarning", "ignore::FutureWarning"):
+            config.addinivalue_line("filterwarnings", line)
+
     @pytest.fixture(scope="session", autouse=True)
     def _warm_page_hash():
         """SGLang's page hash JIT-compiles on first use (g++, libssl-dev): do it once, up front."""

@@ -55,7 +55,8 @@ def test_set_then_new_instance_restores_identical_pages(gateway, backends, kind,
     assert reader.batch_get_v1(keys, dst_idx) == [True] * N
     assert page_list(dst, dst_idx) == page_list(src, src_idx)
     s = stats(gateway.port)
-    assert s["counters"]["get_requests"] == 1 and s["counters"]["exist_requests"] == 2
+    # one EXIST per batch_exists (and one before the PUT: pages stored already are skipped)
+    assert s["counters"]["get_requests"] == 1 and s["counters"]["exist_requests"] == 3
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
@@ -92,6 +93,7 @@ def test_partial_hits_stop_at_the_first_missing_page(gateway, backends):
     assert b.batch_exists(["0" * 64] + keys) == 0
 
     dst = mha_pool("page_first")
+    b.register_mem_pool_host(dst)
     dst_idx = dst.alloc(N * P)
     got = b.batch_get_v1(keys, dst_idx)
     assert got[:missing] == [True] * missing and got[missing] is False
@@ -193,3 +195,20 @@ def test_batches_larger_than_the_ring(start_gateway, backends):
     assert page_list(dst, dst_idx) == page_list(src, idx)
     s = stats(gw.port)["counters"]
     assert s["put_requests"] == 1 and s["get_requests"] == 1
+
+
+def test_set_skips_pages_stored_already(gateway, backends):
+    src = mha_pool("page_first")
+    fill_random(src, seed=6)
+    keys = page_hashes(N, salt="again")
+    idx = src.alloc(N * src.page_size)
+    P = src.page_size
+    b = backends(cfg_for(gateway, "mha", "page_first"), src)
+    assert all(b.batch_set_v1(keys[:4], idx[:4 * P]))
+    assert stats(gateway.port)["counters"]["put_requests"] == 1
+    assert b.batch_set_v1(keys[:4], idx[:4 * P]) == [True] * 4        # all there: no PUT at all
+    assert stats(gateway.port)["counters"]["put_requests"] == 1
+    assert b.batch_set_v1(keys, idx) == [True] * N                     # only the 6 new pages move
+    s = stats(gateway.port)
+    assert s["counters"]["put_requests"] == 2 and s["objects"]["stored"] == N
+    assert b.counters["pages_written"] == N

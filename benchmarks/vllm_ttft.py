@@ -1,0 +1,89 @@
+"""TTFT of a returning long prompt in a real vLLM engine: restored by AdpKVConnector vs recomputed.
+
+Runs on the CPU build of vLLM (the vllm venv) with the tests' tiny random Llama
+(or a wider/deeper one via --layers/--hidden), a real gateway on an fs card:
+
+1. process A (connector) serves each prompt once: the chunks go to the card;
+2. process B (fresh, connector): TTFT of each prompt, restored from the card;
+3. process C (fresh, no connector): TTFT of each prompt, recomputed.
+
+Each engine first serves a short unrelated warm-up prompt. TTFT = wall time of a
+``max_tokens=1`` generate of the prompt (scheduling + restore/prefill + 1 token).
+
+    ~/.cache/adpkv/venvs/vllm/bin/python benchmarks/vllm_ttft.py [--lengths 4096,16384] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNNER = os.path.join(REPO, "tests", "vllm", "engine_run.py")
+sys.path.insert(0, os.path.join(REPO, "tests", "vllm"))
+
+
+def engine(spec: dict) -> list[dict]:
+    env = dict(os.environ, PYTHONHASHSEED="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    p = subprocess.run([sys.executable, RUNNER, json.dumps(spec)], capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        sys.exit(f"engine failed:\n{(p.stdout + p.stderr)[-5000:]}")
+    line = next(l for l in p.stdout.splitlines() if l.startswith("ENGINE_RESULT "))
+    return json.loads(line[len("ENGINE_RESULT "):])["results"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="4096,16384")
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args()
+
+    from adpkv_gateway.spawn import GatewayProcess
+    from engine_run import make_model
+
+    work = args.workdir or tempfile.mkdtemp(prefix="adpkv-vllm-ttft-")
+    model = make_model(os.path.join(work, f"model-{args.layers}l"), layers=args.layers)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rnd = random.Random(42)
+    prompts = [[rnd.randrange(3, 1000) for _ in range(n)] for n in lengths]
+    warm = [rnd.randrange(3, 1000) for _ in range(300)]
+    max_len = max(lengths) + 512
+    kv_bytes = max(256 << 20, 4 * max_len * args.layers * 1024 * 2)
+    common = dict(model=model, max_tokens=1, max_model_len=max_len, kv_cache_bytes=kv_bytes)
+
+    gw = GatewayProcess([os.path.join(work, "card")], log_path=os.path.join(work, "gateway.log"),
+                        shared_memory_size=1 << 30)
+    gw.start()
+    try:
+        conn = {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm",
+                "kv_role": "kv_both", "kv_connector_extra_config": {
+                    "adpkv.port": gw.port, "adpkv.namespace": "ttft-bench", "adpkv.chunk_size": args.chunk}}
+        engine(dict(common, prompts=prompts, connector=conn))                       # A: store
+        restored = engine(dict(common, prompts=[warm] + prompts, connector=conn))[1:]   # B
+        recomputed = engine(dict(common, prompts=[warm] + prompts, connector=None))[1:]  # C
+    finally:
+        gw.stop()
+
+    rows = []
+    print(f"{'prompt':>8} {'restored tok':>12} {'restore s':>10} {'recompute s':>12} {'speed-up':>9}")
+    for n, r, c in zip(lengths, restored, recomputed):
+        ratio = c["ttft"] / r["ttft"] if r["ttft"] else float("inf")
+        rows.append({"prompt_tokens": n, "restored_tokens": r["cached"], "restore_ttft_s": r["ttft"],
+                     "recompute_ttft_s": c["ttft"], "speedup": ratio, "same_first_token":
+                     r["tokens"] == c["tokens"]})
+        print(f"{n:>8} {r['cached']:>12} {r['ttft']:>10.3f} {c['ttft']:>12.3f} {ratio:>8.1f}x")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"layers": args.layers, "chunk": args.chunk, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
