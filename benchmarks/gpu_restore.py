@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
 
 import torch

@@ -12,7 +12,6 @@ import logging
 import os
 import queue
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -23,7 +22,7 @@ from adpkv_core import protocol as P
 from adpkv_core.keys import KEY_BYTES
 from adpkv_core.ring import Ring, max_parallel_ios, object_stride, ring_path
 
-from .cards import open_cards
+from .cards import CardUsage, open_cards
 from .config import GatewayConfig
 from .engines import EngineRegistry, Peer
 from .health import HealthMonitor
@@ -523,8 +522,7 @@ class Gateway:
     def stats(self) -> dict:
         cards = []
         for card, st, active in zip(self.store.cards, self.store.stats, self.store.active):
-            u = card.usage() if active else None
-            u = u or type("U", (), {"used_bytes": 0, "capacity_bytes": 0, "objects": 0})
+            u = card.usage() if active else CardUsage(0, 0, 0)
             cards.append({"serial": card.serial or card.device, "device": card.device, "kind": card.kind,
                           "active": bool(active), "oldest_io_age_s": st.oldest_io_age(),
                           "used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes, "objects": u.objects,

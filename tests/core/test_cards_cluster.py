@@ -4,10 +4,8 @@ health, fingerprint, replicas, mixed card sets (issue: shared cache on several c
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 
-import pytest
 
 from adpkv_core.affinity import dialog_marks
 from adpkv_core.client import GatewayClient

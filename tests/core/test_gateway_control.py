@@ -9,7 +9,6 @@ import sys
 import time
 
 import msgpack
-import pytest
 import zmq
 
 from adpkv_core import protocol as P
