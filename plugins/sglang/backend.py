@@ -106,6 +106,10 @@ class AdpHiCacheStorage(HiCacheStorage):
                                       not self.is_mla or storage_config.tp_rank == 0))
         self.rank, self.world = _engine_rank(storage_config)
         self.shard = shard_suffix(storage_config)
+        # SGLang's generic path (no interface_v1) calls batch_get/batch_set without prefix keys:
+        # marks then would differ between writes and lookups, so dialog marks only with interface_v1
+        extra = storage_config.extra_config or {}
+        self.use_marks = str(extra.get("interface_v1", 0)).strip().lower() in ("1", "true", "yes", "on")
         self.mem_pool_host = None
         self.geometry: Optional[PageGeometry] = None
         self.page_bytes = 0
@@ -117,7 +121,6 @@ class AdpHiCacheStorage(HiCacheStorage):
         self._last_attempt = 0.0
         self._reconnecting = False
         self._retry_s = self.settings.reconnect_s     # doubles after each failed attempt (max 300 s)
-        self._warned: set = set()
         self.enable_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                          "backup_bandwidth": []}
@@ -141,7 +144,6 @@ class AdpHiCacheStorage(HiCacheStorage):
                             type(mem_pool_host).__name__)
             else:
                 logger.error("adpkv: the host pool cannot be used for storage (%s); L3 stays off", exc)
-                self._warned.add("unsupported")
         self.geometry = geo
         desc = geo.describe() if geo is not None else None
         self.page_bytes = geo.page_bytes if geo is not None else 0
@@ -235,7 +237,7 @@ class AdpHiCacheStorage(HiCacheStorage):
         first ``affinity_chunks`` hashes of the dialog matter, so only those are hashed.
         """
         prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
-        if prefix is None:
+        if prefix is None or not self.use_marks:
             return None
         n = self.settings.client.affinity_chunks
         start = len(prefix)
@@ -243,11 +245,6 @@ class AdpHiCacheStorage(HiCacheStorage):
         marks = dialog_marks(head, n)
         last = len(marks) - 1
         return [marks[min(start + i, last)] for i in range(len(keys))]
-
-    def _warn_once(self, what: str, msg: str, *args) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            logger.warning(msg, *args)
 
     # ------------------------------------------------------------------ v1 (zero copy)
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:

@@ -66,9 +66,12 @@ class PageGeometry:
         self.kind = pool_kind(pool)
         if pool.page_num < 3:
             raise UnsupportedPool("the host pool needs at least three pages")
-        p0, s0 = _meta(pool, 0)
-        p1, s1 = _meta(pool, self.page_size)
-        p2, s2 = _meta(pool, 2 * self.page_size)
+        try:
+            p0, s0 = _meta(pool, 0)
+            p1, s1 = _meta(pool, self.page_size)
+            p2, s2 = _meta(pool, 2 * self.page_size)
+        except Exception as exc:   # e.g. a layout without page buffer metadata
+            raise UnsupportedPool(f"{type(pool).__name__}/{self.layout}: no page buffer metadata ({exc})") from exc
         if not (len(p0) == len(p1) == len(p2)) or s0 != s1 or s0 != s2 or not p0:
             raise UnsupportedPool(f"{type(pool).__name__}/{self.layout}: page segments differ between pages")
         base = int(pool.kv_buffer.data_ptr())
@@ -92,7 +95,10 @@ class PageGeometry:
         self.nseg = len(order)
         buf = pool.kv_buffer
         self.buffer_end = base + buf.numel() * buf.element_size()
-        flat = pool.get_data_page(0, flat=True)
+        try:
+            flat = pool.get_data_page(0, flat=True)
+        except Exception as exc:
+            raise UnsupportedPool(f"{type(pool).__name__}/{self.layout}: no flat data page ({exc})") from exc
         if flat.numel() * flat.element_size() != self.page_bytes:
             raise UnsupportedPool(f"{self.layout}: page segments ({self.page_bytes} bytes) differ from the "
                                   f"flat data page ({flat.numel() * flat.element_size()} bytes)")

@@ -10,7 +10,6 @@ import torch
 from sgl_pools import LAYOUTS, fill_random, mha_pool, mla_pool, page_bytes, page_hashes, storage_config
 
 from adpkv_core.affinity import dialog_marks
-from adpkv_gateway import control
 
 N = 6
 
@@ -89,7 +88,7 @@ def test_prefix_keys_give_dialog_marks_and_one_card_per_dialog(start_gateway, ba
     src = mha_pool("page_first", pages=40)
     fill_random(src, seed=9)
     P = src.page_size
-    b = backends(cfg_for(gw, affinity_chunks=1), src)
+    b = backends(cfg_for(gw, affinity_chunks=1, interface_v1=1), src)
     for d in range(4):
         hashes = page_hashes(12, salt=f"dialog-{d}")
         before = [_objects(c) for c in cards]
@@ -116,13 +115,17 @@ def test_prefix_keys_give_dialog_marks_and_one_card_per_dialog(start_gateway, ba
 def test_dialog_marks_follow_affinity_chunks(gateway, backends):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo as Info
 
-    b = backends(cfg_for(gateway, affinity_chunks=3), mha_pool("page_first"))
+    b = backends(cfg_for(gateway, affinity_chunks=3, interface_v1=1), mha_pool("page_first"))
     hashes = page_hashes(9, salt="affinity")
     want = dialog_marks(hashes, 3)
     assert len(set(want[2:])) == 1 and len(set(want[:3])) == 3
     for start, stop in ((0, 1), (1, 4), (4, 9), (0, 9), (2, 3)):
         assert b._marks(hashes[start:stop], Info(prefix_keys=hashes[:start])) == want[start:stop]
     assert b._marks(hashes[:3], None) is None        # no prefix keys: placement by page
+    # SGLang's generic path stores without prefix keys: without interface_v1 no marks at all,
+    # so lookups (which do get prefix keys) and stores agree on the card
+    g = backends(cfg_for(gateway, affinity_chunks=3), None)
+    assert g._marks(hashes[1:4], Info(prefix_keys=hashes[:1])) is None
 
 
 def test_clear_deletes_and_is_refused_on_shared_storage(start_gateway, backends):

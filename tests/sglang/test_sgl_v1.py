@@ -212,3 +212,26 @@ def test_set_skips_pages_stored_already(gateway, backends):
     s = stats(gateway.port)
     assert s["counters"]["put_requests"] == 2 and s["objects"]["stored"] == N
     assert b.counters["pages_written"] == N
+
+
+def test_page_head_layout_and_an_unsupported_layout(gateway, backends):
+    # page_head (MHA, used for heterogeneous TP): its pages are affine segments too
+    src = mha_pool("page_head")
+    fill_random(src, seed=50)
+    keys = page_hashes(N, salt="page-head")
+    idx = src.alloc(N * src.page_size)
+    b = backends(cfg_for(gateway, "mha", "page_head"), src)
+    assert all(b.batch_set_v1(keys, idx))
+    dst = mha_pool("page_head")
+    b.register_mem_pool_host(dst)
+    dst_idx = scattered(dst, N)
+    assert b.batch_get_v1(keys, dst_idx) == [True] * N
+    assert page_list(dst, dst_idx) == page_list(src, idx)
+    b.close()
+    # page_unified has no page buffer metadata: L3 stays off for it, SGLang goes on
+    uni = mha_pool("page_unified")
+    u = backends(cfg_for(gateway, "mha", "page_unified"), uni)
+    uidx = uni.alloc(N * uni.page_size)
+    assert u.batch_set_v1(keys, uidx) == [False] * N
+    assert u.batch_get_v1(keys, uidx) == [False] * N
+    assert u.batch_exists(keys) == 0
