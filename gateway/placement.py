@@ -1,9 +1,9 @@
 """Placement: which card holds a key, computed by every gateway on its own.
 
-``storage_slots`` slots are ranked over the cards by serial number (rendezvous
-hashing: for slot s, the cards in decreasing order of hash(serial, s)), so the
-order of the cards in the configuration does not matter and a new card takes
-only its share of the slots. A key goes to the first card of its slot's
+``storage_slots`` slots are assigned to cards by serial number (balanced
+rendezvous hashing, see ``slot_rankings``), so the order of the cards in the
+configuration does not matter, every card owns its share of the slots, and a new
+card takes about its share. A key goes to the first card of its slot's
 ranking that is in service (its replicas to the next ones). ``dialog``
 placement picks the slot from the dialog mark (all blocks of a dialog on one
 card); ``stripe`` from the chunk itself (one long restore reads all cards).
@@ -18,13 +18,31 @@ import xxhash
 
 
 def slot_rankings(serials: Sequence[Optional[str]], storage_slots: int) -> list[list[int]]:
-    """For each slot, the indices of the cards with a known serial, best first."""
+    """For each slot, the indices of the cards with a known serial, owner first.
+
+    Owners are balanced: every (slot, card) pair gets a score hash(serial, slot); pairs are
+    taken best score first and a slot goes to its card while that card owns fewer than
+    floor(slots / cards) slots, then the remaining slots the same way up to the ceiling. Scores depend only on serials, so a new card takes the
+    slots where it scores best, about its share. After the owner, a slot ranks the other
+    cards by score (where its keys go while the owner is out of service).
+    """
     known = [i for i, s in enumerate(serials) if s]
-    rankings = []
-    for slot in range(storage_slots):
-        scores = {i: xxhash.xxh3_64_intdigest(f"{serials[i]}/{slot}".encode()) for i in known}
-        rankings.append(sorted(known, key=lambda i: (-scores[i], serials[i])))
-    return rankings
+    if not known:
+        return [[] for _ in range(storage_slots)]
+    score = {(slot, i): xxhash.xxh3_64_intdigest(f"{serials[i]}/{slot}".encode())
+             for slot in range(storage_slots) for i in known}
+    pairs = sorted(score.items(), key=lambda kv: (-kv[1], serials[kv[0][1]], kv[0][0]))
+    owner: dict[int, int] = {}
+    owned = dict.fromkeys(known, 0)
+    # first every card up to floor(slots / cards), then the rest up to the ceiling
+    for cap in (storage_slots // len(known), -(-storage_slots // len(known))):
+        for (slot, i), _ in pairs:
+            if slot not in owner and owned[i] < cap:
+                owner[slot] = i
+                owned[i] += 1
+    return [[owner[slot]] + sorted((i for i in known if i != owner[slot]),
+                                   key=lambda i: (-score[(slot, i)], serials[i]))
+            for slot in range(storage_slots)]
 
 
 def key_layout_fingerprint(serials: Sequence[str], storage_slots: int, num_dbs: int, placement: str,

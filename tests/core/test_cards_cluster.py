@@ -3,6 +3,7 @@ health, fingerprint, replicas, mixed card sets (issue: shared cache on several c
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import time
 
@@ -170,7 +171,9 @@ def test_a_fifth_card_moves_about_a_fifth_of_the_dialogs(redis_servers, start_ga
     five = Placement(["A", "B", "C", "D", "E"], 16)
     key = KeyBuilder("n").key(1)
     moved = sum(four.card(key, m) != five.card(key, m) for m in marks) / len(marks)
-    assert 0.08 <= moved <= 0.35, f"{moved:.2f} of the dialogs moved"
+    # the fifth card's share is 3 or 4 of 16 slots; balancing moves a few more on average
+    assert 0.15 <= moved <= 0.45, f"{moved:.2f} of the dialogs moved"
+    assert sorted(collections.Counter(r[0] for r in five.rankings).values()) == [3, 3, 3, 3, 4]
     # and measured through real gateways: the dialogs that stay still hit
     servers = redis_servers(5)
     gw = start_gateway(card_dirs=[s.url for s in servers[:4]], storage_backend="resp")
@@ -180,7 +183,7 @@ def test_a_fifth_card_moves_about_a_fifth_of_the_dialogs(redis_servers, start_ga
     gw5 = start_gateway(card_dirs=[s.url for s in servers], storage_backend="resp")
     shares = dialogs.restore(gw5.port)
     still = sum(shares) / len(shares)
-    assert 0.6 <= still <= 0.95, f"{still:.2f} of the dialogs still hit after adding a fifth card"
+    assert 0.5 <= still <= 0.9, f"{still:.2f} of the dialogs still hit after adding a fifth card"
 
 
 def test_stripe_reads_one_long_dialog_from_every_card(redis_servers, start_gateway):
