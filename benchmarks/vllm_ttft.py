@@ -5,7 +5,9 @@ Runs on the CPU build of vLLM (the vllm venv) with the tests' tiny random Llama
 
 1. process A (connector) serves each prompt once: the chunks go to the card;
 2. process B (fresh, connector): TTFT of each prompt, restored from the card;
-3. process C (fresh, no connector): TTFT of each prompt, recomputed.
+3. process C (fresh, no connector): TTFT of each prompt, recomputed;
+4. with ``--offloading``: the same store + fresh restore through vLLM's
+   OffloadingConnector with ``AdpOffloadingSpec`` (processes D and E).
 
 Each engine first serves a short unrelated warm-up prompt. TTFT = wall time of a
 ``max_tokens=1`` generate of the prompt (scheduling + restore/prefill + 1 token).
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--offloading", action="store_true", help="also measure AdpOffloadingSpec")
     args = ap.parse_args()
 
     from adpkv_gateway.spawn import GatewayProcess
@@ -55,6 +58,9 @@ def main() -> None:
     rnd = random.Random(42)
     prompts = [[rnd.randrange(3, 1000) for _ in range(n)] for n in lengths]
     warm = [rnd.randrange(3, 1000) for _ in range(300)]
+    # served after the stored prompts: OffloadingConnector submits a step's stores at the
+    # start of the next engine step, so the last chunks would be lost when the process exits
+    flush = [rnd.randrange(3, 1000) for _ in range(40)]
     max_len = max(lengths) + 512
     kv_bytes = max(256 << 20, 4 * max_len * args.layers * 1024 * 2)
     common = dict(model=model, max_tokens=1, max_model_len=max_len, kv_cache_bytes=kv_bytes)
@@ -66,20 +72,37 @@ def main() -> None:
         conn = {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm",
                 "kv_role": "kv_both", "kv_connector_extra_config": {
                     "adpkv.port": gw.port, "adpkv.namespace": "ttft-bench", "adpkv.chunk_size": args.chunk}}
-        engine(dict(common, prompts=prompts, connector=conn))                       # A: store
+        engine(dict(common, prompts=prompts + [flush], connector=conn))             # A: store
         restored = engine(dict(common, prompts=[warm] + prompts, connector=conn))[1:]   # B
         recomputed = engine(dict(common, prompts=[warm] + prompts, connector=None))[1:]  # C
+        offloaded = None
+        if args.offloading:
+            spec = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {
+                        "spec_name": "AdpOffloadingSpec", "spec_module_path": "adpkv_vllm",
+                        "block_size": args.chunk, "adpkv.port": gw.port, "adpkv.namespace": "ttft-bench"}}
+            engine(dict(common, prompts=prompts + [flush], connector=spec))              # D: store
+            offloaded = engine(dict(common, prompts=[warm] + prompts, connector=spec))[1:]  # E
     finally:
         gw.stop()
 
     rows = []
-    print(f"{'prompt':>8} {'restored tok':>12} {'restore s':>10} {'recompute s':>12} {'speed-up':>9}")
-    for n, r, c in zip(lengths, restored, recomputed):
+    print(f"{'prompt':>8} {'restored tok':>12} {'restore s':>10} {'recompute s':>12} {'speed-up':>9}"
+          + (f" {'offload tok':>11} {'offload s':>10} {'speed-up':>9}" if offloaded else ""))
+    for i, (n, r, c) in enumerate(zip(lengths, restored, recomputed)):
         ratio = c["ttft"] / r["ttft"] if r["ttft"] else float("inf")
-        rows.append({"prompt_tokens": n, "restored_tokens": r["cached"], "restore_ttft_s": r["ttft"],
-                     "recompute_ttft_s": c["ttft"], "speedup": ratio, "same_first_token":
-                     r["tokens"] == c["tokens"]})
-        print(f"{n:>8} {r['cached']:>12} {r['ttft']:>10.3f} {c['ttft']:>12.3f} {ratio:>8.1f}x")
+        row = {"prompt_tokens": n, "restored_tokens": r["cached"], "restore_ttft_s": r["ttft"],
+               "recompute_ttft_s": c["ttft"], "speedup": ratio,
+               "same_first_token": r["tokens"] == c["tokens"]}
+        line = f"{n:>8} {r['cached']:>12} {r['ttft']:>10.3f} {c['ttft']:>12.3f} {ratio:>8.1f}x"
+        if offloaded:
+            o = offloaded[i]
+            oratio = c["ttft"] / o["ttft"] if o["ttft"] else float("inf")
+            row.update(offload_restored_tokens=o["cached"], offload_ttft_s=o["ttft"],
+                       offload_speedup=oratio, offload_same_first_token=o["tokens"] == c["tokens"])
+            line += f" {o['cached']:>11} {o['ttft']:>10.3f} {oratio:>8.1f}x"
+        rows.append(row)
+        print(line)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"layers": args.layers, "chunk": args.chunk, "rows": rows}, fh, indent=1)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -99,7 +98,6 @@ class _ReqState:
     saved_chunks: int = 0          # chunks stored or planned for saving
     had_saves: bool = False
     load: Optional[tuple[int, int, int]] = None   # (first chunk, end chunk, blocks to skip in first)
-    loaded_blocks: list[int] = field(default_factory=list)
 
 
 # =============================================================================== connector
@@ -149,10 +147,12 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             return False, (f"{len(groups)} KV cache groups: the connector restores models whose "
-                           "attention layers share one group (full or sliding-window attention)")
+                           "attention layers share one full-attention group")
         spec_name = type(groups[0].kv_cache_spec).__name__
-        if spec_name not in ("FullAttentionSpec", "SlidingWindowSpec"):
-            return False, f"KV cache spec {spec_name} is not supported"
+        if spec_name != "FullAttentionSpec":
+            # sliding window: blocks leave the window (and are reused) while a save may still
+            # read them, and loads would target the null block; not supported yet
+            return False, f"KV cache spec {spec_name} is not supported (full attention only)"
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             return False, "pipeline parallelism > 1 is not supported"
         return True, ""
@@ -344,9 +344,6 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         st = self._reqs.pop(req_id, None)
         # Keep the blocks until the workers have copied the pages out (get_finished).
         return (st is not None and st.had_saves), None
-
-    def get_num_new_matched_tokens_debug(self) -> dict:  # pragma: no cover - diagnostics
-        return {"requests": len(self._reqs), "lookups": len(self._lookups)}
 
     # ========================================================================== worker
     def _init_worker(self, vllm_config) -> None:

@@ -53,7 +53,6 @@ try:
         ReqContext,
         RequestOffloadingContext,
         TransferResult,
-        get_offload_block_hash,
         get_offload_group_idx,
     )
 except ImportError as exc:  # pragma: no cover - depends on the vLLM version

@@ -29,3 +29,12 @@ def model_dir3(tmp_path_factory):
     """The same with 3 layers (a middle layer the EXIST of the end layers does not see)."""
     from engine_run import make_model
     return make_model(str(tmp_path_factory.mktemp("tiny-llama3")), layers=3)
+
+
+@pytest.fixture(scope="session")
+def baseline(model_dir):
+    """Greedy outputs of the engine tests' prompts without any connector (one engine run)."""
+    from engine_run import run_subprocess, engine_prompts
+    results, _ = run_subprocess(model_dir, engine_prompts())
+    assert all(r["cached"] == 0 for r in results)
+    return [r["tokens"] for r in results]

@@ -111,6 +111,42 @@ def run(spec: dict) -> dict:
     return {"init_s": init_s, "results": results}
 
 
+def run_subprocess(model_dir, prompts, conn=None, salts=None, log_path=None, timeout=300, **spec):
+    """Run one engine in a fresh process; returns (results, log text)."""
+    import subprocess
+    spec = dict(model=model_dir, prompts=prompts, connector=conn, salts=salts, max_tokens=8, **spec)
+    env = dict(os.environ, PYTHONHASHSEED="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    log = proc.stdout + proc.stderr
+    if log_path:
+        with open(log_path, "w") as fh:
+            fh.write(log)
+    assert proc.returncode == 0, log[-6000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("ENGINE_RESULT "))
+    return json.loads(line[len("ENGINE_RESULT "):])["results"], log
+
+
+def remove_ring_of_killed_gateway(gw) -> None:
+    """A SIGKILLed gateway cannot unlink its ring (/dev/shm/adpkv-ring-<port>): do it for it."""
+    if gw.alive():
+        return
+    try:
+        os.unlink(f"/dev/shm/adpkv-ring-{gw.port}")
+    except OSError:
+        pass
+
+
+def engine_prompts():
+    """The prompts the engine tests serve (1k, 2.5k and 4k tokens)."""
+    import random
+    out = []
+    for n, seed in ((1000, 11), (2500, 12), (4000, 13)):
+        rnd = random.Random(seed)
+        out.append([rnd.randrange(3, 1000) for _ in range(n)])
+    return out
+
+
 def _ttft(m, fallback):
     try:
         return float(m.first_token_latency)

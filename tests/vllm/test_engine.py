@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 
-import pytest
+from engine_run import engine_prompts, remove_ring_of_killed_gateway, run_subprocess
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CHUNK = 256
 TURNED_OFF = "External KV cache turned off on this rank"
 
 
-def prompt(n, seed):
-    rnd = random.Random(seed)
-    return [rnd.randrange(3, 1000) for _ in range(n)]
-
-
-P1, P2, P3 = prompt(1000, 11), prompt(2500, 12), prompt(4000, 13)
+P1, P2, P3 = engine_prompts()
 
 
 def floor_hit(n):
@@ -39,26 +32,7 @@ def connector(port, namespace, **extra):
             "kv_role": "kv_both", "kv_connector_extra_config": conf}
 
 
-def run_engine(model_dir, prompts, conn=None, salts=None, log_path=None, timeout=300, **spec):
-    spec = dict(model=model_dir, prompts=prompts, connector=conn, salts=salts, max_tokens=8, **spec)
-    env = dict(os.environ, PYTHONHASHSEED="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_run.py"), json.dumps(spec)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
-    log = proc.stdout + proc.stderr
-    if log_path:
-        with open(log_path, "w") as fh:
-            fh.write(log)
-    assert proc.returncode == 0, log[-6000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("ENGINE_RESULT "))
-    return json.loads(line[len("ENGINE_RESULT "):])["results"], log
-
-
-@pytest.fixture(scope="module")
-def baseline(model_dir):
-    """Greedy outputs of the same prompts without any connector."""
-    results, _ = run_engine(model_dir, [P1, P2, P3])
-    assert all(r["cached"] == 0 for r in results)
-    return [r["tokens"] for r in results]
+run_engine = run_subprocess
 
 
 def test_fresh_process_restores_and_outputs_match(model_dir, baseline, start_gateway, tmp_path):
@@ -96,6 +70,8 @@ def test_gateway_killed_while_serving(model_dir, baseline, start_gateway, tmp_pa
                           rounds=2, kill_after={"pid": pid, "after": 2}, wait_after_s=4,
                           log_path=str(tmp_path / "engine.log"))
     gw.proc.wait(10)
+    gw.proc = None
+    remove_ring_of_killed_gateway(gw)
     assert len(res) == 6
     assert [r["tokens"] for r in res] == baseline * 2
     assert log.count(TURNED_OFF) == 1, log[-4000:]

@@ -12,8 +12,6 @@ import random
 import types
 import uuid
 
-import pytest
-
 from adpkv_vllm.common import check_hash_stability, chunk_hashes
 from harness import Harness
 
@@ -207,3 +205,78 @@ def test_unstable_hash_settings_are_reported(monkeypatch, caplog):
     cfg.cache_config.prefix_caching_hash_algo = "sha256"
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     assert check_hash_stability(cfg) is True
+
+
+def test_tensor_parallel_ranks_store_and_restore_their_slices(gateway, model_dir):
+    """Two TP ranks (one KV head each): one collective PUT/GET per layer, each rank its slice."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    import uuid as _uuid
+
+    from adpkv_vllm.connector import AdpConnectorMetadata, AdpKVConnector, ChunkPlan
+
+    h = Harness(model_dir, gateway.port, namespace=f"tp-{_uuid.uuid4().hex[:6]}", chunk_size=CHUNK)
+    h.close()                     # only its configs are used; the TP engine attaches below
+    h.vllm_config.kv_transfer_config.engine_id = str(_uuid.uuid4())
+    plan = ChunkPlan("r", [bytes([i]) * 16 for i in range(3)], [0, 0, 0], list(range(6)))
+    meta = AdpConnectorMetadata(step=1, saves=[plan])
+    writers = []
+    for r in range(2):
+        w = AdpKVConnector(h.vllm_config, KVConnectorRole.WORKER, h.kv_cache_config)
+        w.tp_size = 2
+        kv = {n: torch.randn(256, 1, 32, 128) for n in h.layer_names}
+        _register_as_rank(w, kv, r)
+        writers.append((w, kv))
+    for w, kv in writers:
+        w.bind_connector_metadata(meta)
+        for n in h.layer_names:
+            w.save_kv_layer(n, kv[n], object())
+    for w, _ in writers:
+        w.wait_for_save()
+    for w, _ in writers:
+        for jobs in w._jobs_by_req.values():
+            for j in jobs:
+                assert j.wait(10)
+        w.clear_connector_metadata()
+        w.shutdown()
+
+    h.vllm_config.kv_transfer_config.engine_id = str(_uuid.uuid4())
+    load = ChunkPlan("r2", plan.digests, plan.marks, [40 + i for i in range(6)])
+    meta2 = AdpConnectorMetadata(step=7, loads=[load])
+    readers = []
+    for r in range(2):
+        w = AdpKVConnector(h.vllm_config, KVConnectorRole.WORKER, h.kv_cache_config)
+        w.tp_size = 2
+        kv = {n: torch.zeros(256, 1, 32, 128) for n in h.layer_names}
+        _register_as_rank(w, kv, r)
+        readers.append((w, kv))
+    for w, _ in readers:
+        w.bind_connector_metadata(meta2)
+        w.start_load_kv(None)
+    for w, _ in readers:
+        for n in h.layer_names:
+            w.wait_for_layer_load(n)
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set()
+    for (w, kv), (_, src) in zip(readers, writers):
+        for n in h.layer_names:
+            assert torch.equal(kv[n][40:46], src[n][0:6])
+        w.clear_connector_metadata()
+        w.shutdown()
+    from adpkv_gateway import control
+    counters = control.request(gateway.port, {"op": "STATS"})["stats"]["counters"]
+    # the gateway ran one request per layer each way for both ranks together
+    assert counters["put_requests"] == 2 and counters["get_requests"] == 2
+
+
+def _register_as_rank(w, kv, rank):
+    """register_kv_caches as TP rank ``rank`` (vLLM's TP group does not exist in this process)."""
+    import vllm.distributed.parallel_state as ps
+    orig = ps.get_tensor_model_parallel_rank
+    ps.get_tensor_model_parallel_rank = lambda: rank
+    try:
+        w.register_kv_caches(kv)
+    finally:
+        ps.get_tensor_model_parallel_rank = orig
+    assert w.rank == rank and w.client.enabled
