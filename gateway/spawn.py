@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Optional
 
+from adpkv_core.ring import ring_path
+
 from .control import wait_until_up
 
 
@@ -65,11 +67,16 @@ class GatewayProcess:
             self.proc = None
 
     def kill(self) -> None:
-        """SIGKILL: a crash."""
+        """SIGKILL: a crash. A crashed gateway leaves its ring in /dev/shm (the next gateway
+        on the port replaces it); this tool removes it so test runs do not fill /dev/shm."""
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+            try:
+                os.unlink(ring_path(self.port))
+            except FileNotFoundError:
+                pass
 
     def restart(self, hard: bool = False) -> "GatewayProcess":
         self.kill() if hard else self.stop()

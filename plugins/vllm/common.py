@@ -199,29 +199,6 @@ def close_client(client: Optional[GatewayClient]) -> None:
     client.close()
 
 
-_tls = threading.local()
-
-
-class _LookupOffFilter(logging.Filter):
-    """The client SDK logs "External KV cache turned off on this rank" for every
-    connection. The scheduler's lookup peer (rank None, I/O thread "adpkv-client-None") is
-    not a rank: say what it is, so the
-    line appears once per rank as operators expect."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        lookup = record.threadName.endswith("None") or getattr(_tls, "lookup", False)
-        if lookup and isinstance(record.args, tuple) and record.args \
-                and str(record.args[0]).startswith("External KV cache turned off"):
-            reason = record.args[1] if len(record.args) > 1 else ""
-            record.msg = "adpkv: the scheduler's lookups turned off (%s); every lookup is a miss"
-            record.args = (reason,)
-        return True
-
-
-_lookup_filter = _LookupOffFilter()
-logging.getLogger("adpkv.client").addFilter(_lookup_filter)
-
-
 class LookupClient:
     """EXIST for the scheduler process, which is not a rank of the engine.
 
@@ -238,7 +215,6 @@ class LookupClient:
         self.world = world
         self._own: Optional[GatewayClient] = None
         self._warned = False
-        _tls.lookup = True
         try:
             self._own = GatewayClient(cfg, engine_id=engine_id, rank=None, world_size=world,
                                       layout={"role": "vllm-scheduler"})
@@ -247,8 +223,6 @@ class LookupClient:
         except Exception as exc:  # never take the engine down for the cache
             logger.warning("adpkv: the scheduler's lookup client failed to start: %s", exc)
             self._own = None
-        finally:
-            _tls.lookup = False
 
     def client(self) -> Optional[GatewayClient]:
         own = self._own
