@@ -9,7 +9,8 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 req="$repo/requirements/$name.txt"
 root="${ADPKV_VENV_ROOT:-$HOME/.cache/adpkv/venvs}"
 venv="$root/$name"
-stamp="$(sha256sum "$req" | cut -c1-16)"
+post="$repo/requirements/$name.post.sh"
+stamp="$(cat "$req" $( [[ -f "$post" ]] && echo "$post" ) | sha256sum | cut -c1-16)"
 if [[ ! -f "$venv/.adpkv-stamp" || "$(cat "$venv/.adpkv-stamp")" != "$stamp" ]]; then
   echo "[venv] building $venv from requirements/$name.txt (once; reused afterwards)" >&2
   rm -rf "$venv"
@@ -18,8 +19,8 @@ if [[ ! -f "$venv/.adpkv-stamp" || "$(cat "$venv/.adpkv-stamp")" != "$stamp" ]];
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
   # torch CPU wheels lie on local disk on these machines; pip finds them there.
   PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}" "$venv/bin/python" -m pip install -q -r "$req" >&2
-  if [[ -f "$repo/requirements/$name.post.sh" ]]; then
-    VENV="$venv" bash "$repo/requirements/$name.post.sh" >&2
+  if [[ -f "$post" ]]; then
+    VENV="$venv" bash "$post" >&2
   fi
   echo "$stamp" > "$venv/.adpkv-stamp"
 fi
