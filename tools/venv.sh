@@ -11,10 +11,12 @@ root="${ADPKV_VENV_ROOT:-$HOME/.cache/adpkv/venvs}"
 venv="$root/$name"
 post="$repo/requirements/$name.post.sh"
 stamp="$(cat "$req" $( [[ -f "$post" ]] && echo "$post" ) | sha256sum | cut -c1-16)"
+mkdir -p "$root"
+exec 9>"$root/.$name.lock"
+flock 9          # one build of a venv at a time (parallel test runs share the venvs)
 if [[ ! -f "$venv/.adpkv-stamp" || "$(cat "$venv/.adpkv-stamp")" != "$stamp" ]]; then
   echo "[venv] building $venv from requirements/$name.txt (once; reused afterwards)" >&2
   rm -rf "$venv"
-  mkdir -p "$root"
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
   # torch CPU wheels lie on local disk on these machines; pip finds them there.

@@ -70,6 +70,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("adpkv.vllm")
 
+# vLLM's BlockPool hands out block 0 as the null block: the block-table entry of a block that
+# was never allocated or was freed (sliding window: blocks that left the window)
+_NULL_BLOCK_ID = 0
+
 
 # =============================================================================== metadata
 @dataclass
@@ -124,6 +128,10 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.tp_size = pc.tensor_parallel_size
         self.supported, why = self._supported(vllm_config, kv_cache_config)
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        # sliding window (tokens) of the one KV cache group, None for full attention
+        self.sliding_window: Optional[int] = None
+        if self.supported and type(groups[0].kv_cache_spec).__name__ == "SlidingWindowSpec":
+            self.sliding_window = int(groups[0].kv_cache_spec.sliding_window)
         self.layer_names = ordered_layer_names(groups[0].layer_names) if groups else []
         self.layer_index = {n: i for i, n in enumerate(self.layer_names)}
         self.layout = f"{vllm_config.device_config.device_type}:{_kv_layout(vllm_config)}"
@@ -149,10 +157,10 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
             return False, (f"{len(groups)} KV cache groups: the connector restores models whose "
                            "attention layers share one full-attention group")
         spec_name = type(groups[0].kv_cache_spec).__name__
-        if spec_name != "FullAttentionSpec":
-            # sliding window: blocks leave the window (and are reused) while a save may still
-            # read them, and loads would target the null block; not supported yet
-            return False, f"KV cache spec {spec_name} is not supported (full attention only)"
+        if spec_name not in ("FullAttentionSpec", "SlidingWindowSpec"):
+            # (subclasses such as R-SWA or chunked local attention free other blocks)
+            return False, (f"KV cache spec {spec_name} is not supported (full attention or "
+                           "sliding window only)")
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             return False, "pipeline parallelism > 1 is not supported"
         return True, ""
@@ -185,6 +193,36 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._exist_layers = ([0, len(self.layer_names) - 1] if self.settings.exist_layers == "ends"
                               else list(range(len(self.layer_names))))
         self._exist_layers = sorted(set(self._exist_layers))
+
+    def _skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Blocks at the start of a request that vLLM may have freed (null blocks) once
+        ``num_computed_tokens`` are computed: those wholly before the sliding window.
+        vLLM's SlidingWindowManager frees ``(n - window + 1) // block_size`` blocks or fewer
+        (it may retain extra tokens), so this is an upper bound; 0 for full attention."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def _hit_chunks(self, present: list[bool], local: int) -> int:
+        """The longest restorable run of chunks given which chunks are stored.
+
+        Full attention: chunks from the start up to the first missing one. Sliding window:
+        the largest hit whose chunks inside the window at the hit boundary (and past vLLM's
+        own hit ``local``) are all stored; the chunks before the window are never read
+        (vLLM gives them null blocks), so they need not be stored."""
+        n = len(present)
+        if self.sliding_window is None:
+            hit = 0
+            while hit < n and present[hit]:
+                hit += 1
+            return hit
+        first_local = local // self.chunk_size
+        for h in range(n, first_local, -1):
+            first = max(self._skipped_blocks(h * self.chunk_size) // self.blocks_per_chunk,
+                        first_local)
+            if all(present[first:h]):
+                return h
+        return 0
 
     def _digests(self, request: "Request", limit_chunks: int) -> list[bytes]:
         return chunk_hashes(request.block_hashes, self.hashes_per_chunk, limit_chunks)
@@ -223,9 +261,8 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 return None, False
         n = len(digests)
-        hit = 0
-        while hit < n and all(flags[li * n + hit] for li in range(len(self._exist_layers))):
-            hit += 1
+        present = [all(flags[li * n + c] for li in range(len(self._exist_layers))) for c in range(n)]
+        hit = self._hit_chunks(present, num_computed_tokens)
         self._hits[req_id] = (hit, num_computed_tokens)
         ext = hit * self.chunk_size - num_computed_tokens
         return (ext if ext > 0 else 0), False
@@ -283,15 +320,25 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
                 digests = self._digests(request, c1)
                 if len(digests) == c1 and len(st.block_ids) >= c1 * bpc:
                     marks = self._marks(digests)
-                    dst, pos = [], []
+                    # blocks to write: past vLLM's own hit and inside the sliding window (the
+                    # blocks before it are null blocks: vLLM never allocates them)
+                    first_block = max(c0 * bpc + skip, self._skipped_blocks(before))
+                    dst, pos, objs = [], [], []
                     for c in range(c0, c1):
-                        first = skip if c == c0 else 0
-                        for b in range(first, bpc):
+                        blocks = [b for b in range(max(first_block - c * bpc, 0), bpc)
+                                  if st.block_ids[c * bpc + b] != _NULL_BLOCK_ID]
+                        if not blocks:
+                            continue
+                        for b in blocks:
                             dst.append(st.block_ids[c * bpc + b])
-                            pos.append((c - c0) * bpc + b)
-                    meta.loads.append(ChunkPlan(req_id, digests[c0:c1], marks[c0:c1], dst,
-                                                None if skip == 0 else pos))
-                    self._last_step_loads[req_id] = dst
+                            pos.append(len(objs) * bpc + b)
+                        objs.append(c)
+                    if objs:
+                        whole = len(dst) == len(objs) * bpc
+                        meta.loads.append(ChunkPlan(req_id, [digests[c] for c in objs],
+                                                    [marks[c] for c in objs], dst,
+                                                    None if whole else pos))
+                        self._last_step_loads[req_id] = dst
             # ---- save plan: chunks that are full once this step has run
             n_sched = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             n_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
@@ -301,13 +348,16 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
             if full > st.saved_chunks:
                 digests = self._digests(request, full)
                 marks = self._marks(digests)
-                c0 = st.saved_chunks
-                ids = st.block_ids[c0 * bpc: full * bpc]
-                plan = ChunkPlan(req_id, digests[c0:full], marks[c0:full], ids)
-                decode = before >= request.num_prompt_tokens
-                (meta.deferred_saves if decode else meta.saves).append(plan)
+                # sliding window: a chunk with a block vLLM may already have freed (before the
+                # window at the start of this step) cannot be read any more: it is not saved
+                c0 = max(st.saved_chunks, -(-self._skipped_blocks(before) // bpc))
+                if full > c0:
+                    ids = st.block_ids[c0 * bpc: full * bpc]
+                    plan = ChunkPlan(req_id, digests[c0:full], marks[c0:full], ids)
+                    decode = before >= request.num_prompt_tokens
+                    (meta.deferred_saves if decode else meta.saves).append(plan)
+                    st.had_saves = True
                 st.saved_chunks = full
-                st.had_saves = True
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -358,6 +408,7 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._jobs_by_req: dict[str, list[_PutJob]] = {}
         self._finished_waiting: set[str] = set()
         self._had_saves: set[str] = set()    # requests the scheduler keeps blocks for
+        self._step_jobs: list[_PutJob] = []  # sliding window: PUTs of this step (see wait_for_save)
         self._lock = threading.Lock()
         self._stream = None
 
@@ -471,6 +522,14 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
             if meta.deferred_saves and self._active():
                 self._put(meta.deferred_saves, self.layer_names, meta.step, "D")
         self._saved_layers.clear()
+        if self._step_jobs:
+            # Sliding window: vLLM frees the blocks that leave the window when it schedules the
+            # next step (or finishes the request), whatever request_finished returns, and may
+            # hand them to another request at once. So this step's pages must be in the ring
+            # before the step ends. This waits for ring slots and one copy, never for storage.
+            jobs, self._step_jobs = self._step_jobs, []
+            for job in jobs:
+                job.wait(self.settings.client.timeout_s * 2)
 
     def _put(self, plans: list[ChunkPlan], layer_names: list[str], step: int, kind: str) -> None:
         bpc = self.blocks_per_chunk
@@ -512,6 +571,8 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         with self._lock:
             for r in req_ids:
                 self._jobs_by_req.setdefault(r, []).append(job)
+        if self.sliding_window is not None:
+            self._step_jobs.append(job)
 
     # ---------------------------------------------------------------- completion
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:

@@ -29,14 +29,17 @@ CONFIG = {
 }
 
 
-def make_model(path: str, layers: int = 2, seed: int = 0) -> str:
-    """A LlamaForCausalLM checkpoint with seeded random weights (a few MB)."""
+def make_model(path: str, layers: int = 2, seed: int = 0, config: dict | None = None) -> str:
+    """A LlamaForCausalLM checkpoint with seeded random weights (a few MB).
+
+    ``config`` adds to config.json, e.g. ``{"sliding_window": 400, "layer_types":
+    ["sliding_attention", ...]}`` (vLLM's Llama reads the window per layer from layer_types)."""
     import torch
     from safetensors.torch import save_file
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return path
     os.makedirs(path, exist_ok=True)
-    cfg = dict(CONFIG, num_hidden_layers=layers)
+    cfg = dict(CONFIG, num_hidden_layers=layers, **(config or {}))
     g = torch.Generator().manual_seed(seed)
     h, i, v, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]

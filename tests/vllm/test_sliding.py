@@ -1,0 +1,89 @@
+"""Sliding-window models in a real vLLM engine on CPU with AdpKVConnector.
+
+- every layer sliding (one ``SlidingWindowSpec`` KV cache group): restore fills only the
+  blocks vLLM allocates (those inside the window at the hit boundary; the ones before it
+  are null blocks), and the greedy output equals a run without any connector;
+- hybrid (a full and a sliding layer: two KV cache groups): no hit, output unaffected.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_run import engine_prompts, make_model, run_subprocess
+
+CHUNK = 256
+WINDOW = 400          # not a multiple of the block (32) nor of the chunk (256)
+P1, P2, _ = engine_prompts()
+
+
+def connector(port, namespace):
+    return {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"adpkv.port": port, "adpkv.namespace": namespace,
+                                          "adpkv.chunk_size": CHUNK, "adpkv.timeout_s": 3.0}}
+
+
+@pytest.fixture(scope="module")
+def sliding_dir(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("tiny-swa")), layers=2,
+                      config={"sliding_window": WINDOW,
+                              "layer_types": ["sliding_attention", "sliding_attention"]})
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("tiny-hybrid")), layers=2,
+                      config={"sliding_window": WINDOW,
+                              "layer_types": ["full_attention", "sliding_attention"]})
+
+
+def test_sliding_window_restores_only_the_window(sliding_dir, start_gateway):
+    # chunked prefill (1024 tokens a step): blocks leave the window between steps
+    # (vLLM's own prefix cache is off: round 1 can only be served from the gateway)
+    kw = dict(max_num_batched_tokens=1024, prefix_caching=False)
+    base, _ = run_subprocess(sliding_dir, [P1, P2], **kw)
+    gw = start_gateway(shared_memory_size=256 << 20)
+    # round 0 stores, round 1 restores from the gateway
+    res, log = run_subprocess(sliding_dir, [P1, P2], connector(gw.port, "swa"), rounds=2, **kw)
+    assert "external KV cache disabled" not in log
+    assert [r["cached"] for r in res] == [0, 0, (1000 - 1) // CHUNK * CHUNK,
+                                          (2500 - 1) // CHUNK * CHUNK], log[-3000:]
+    assert [r["tokens"] for r in res] == [r["tokens"] for r in base] * 2
+
+
+def test_hybrid_reports_no_hit(hybrid_dir, start_gateway):
+    base, _ = run_subprocess(hybrid_dir, [P1])
+    gw = start_gateway(shared_memory_size=256 << 20)
+    res, log = run_subprocess(hybrid_dir, [P1], connector(gw.port, "hybrid"), rounds=2)
+    assert "external KV cache disabled for this model: 2 KV cache groups" in log
+    assert [r["cached"] for r in res] == [0, 0]
+    assert [r["tokens"] for r in res] == [base[0]["tokens"]] * 2
+
+
+class _Geometry:
+    """The connector's hit rule without an engine (block 32, chunk 256 = 8 blocks)."""
+
+    def __init__(self, window):
+        from adpkv_vllm.connector import AdpKVConnector
+        self.c = object.__new__(AdpKVConnector)
+        self.c.sliding_window, self.c.block_size = window, 32
+        self.c.chunk_size, self.c.blocks_per_chunk = CHUNK, 8
+
+    def hit(self, present, local=0):
+        return self.c._hit_chunks(present, local)
+
+
+def test_hit_rule():
+    full = _Geometry(None)
+    assert full.hit([True, False, True, True]) == 1
+    swa = _Geometry(WINDOW)
+    # 4 chunks (1024 tokens): the window at the boundary needs blocks from (1024-399)//32 = 19,
+    # i.e. chunks 2 and 3; chunks 0 and 1 need not be stored
+    assert swa.hit([False, False, True, True]) == 4
+    assert swa.hit([True, True, True, False]) == 3
+    assert swa.hit([True, False, False, True]) == 1
+    assert swa.hit([False, False, False, False]) == 0
+    # vLLM's own hit covers chunk 2: a hit must go past it
+    assert swa.hit([False, False, False, False], local=2 * CHUNK) == 0
+    assert swa.hit([False, False, False, True], local=3 * CHUNK) == 4
