@@ -144,9 +144,10 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._init_scheduler(vllm_config, ktc)
         else:
             self._init_worker(vllm_config)
-        logger.info("adpkv connector (%s): namespace %r, chunk %d tokens (%d blocks), %d layers",
+        logger.info("adpkv connector (%s): namespace %r, chunk %d tokens (%d blocks), %d layers%s",
                     role.name, self.namespace, self.chunk_size, self.blocks_per_chunk,
-                    len(self.layer_names))
+                    len(self.layer_names),
+                    f", sliding window {self.sliding_window} tokens" if self.sliding_window else "")
 
     @staticmethod
     def _supported(vllm_config, kv_cache_config) -> tuple[bool, str]:
@@ -155,7 +156,7 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             return False, (f"{len(groups)} KV cache groups: the connector restores models whose "
-                           "attention layers share one full-attention group")
+                           "attention layers share one KV cache group")
         spec_name = type(groups[0].kv_cache_spec).__name__
         if spec_name not in ("FullAttentionSpec", "SlidingWindowSpec"):
             # (subclasses such as R-SWA or chunked local attention free other blocks)

@@ -22,6 +22,20 @@ submit_load / submit_store / get_finished / wait. Older vLLM (no
   geometry and this worker's TP rank: two models of the same geometry, or two
   TP layouts, never read each other's objects.
 
+Placement is by key, never by dialog mark, so ``adpkv.affinity_chunks`` has no
+effect here (logged at start when set). A dialog mark is a hash of the first
+chunk(s) of the request, and every call must give every chunk of a request the
+same mark, or the EXIST/GET would look on another card than the PUT. vLLM 0.32's
+offloading scheduler never shows the manager those first chunks reliably: the
+``ReqContext`` of ``lookup``/``prepare_store``/``prepare_load`` carries
+``req_id``, ``kv_transfer_params`` and ``kv_hints`` but no block hashes (its
+``_offload_key_positions`` is never filled by the scheduler); lookups start at
+the chunk after vLLM's own prefix-cache hit (``start_chunk_idx``) and
+sliding-window lookups scan from the end; ``prepare_store`` gets only the chunks
+not stored yet. A chunk already in vLLM's cache or on the card would therefore
+give its dialog different marks in different calls: misses on multi-card
+gateways.
+
 Limit of vLLM 0.32: ``OffloadingConnector`` asserts that every transfer job
 succeeds, so a load that fails after its chunks were found (the gateway crashed
 in between; a corrupt object) cannot be recomputed. This backend then reports
@@ -428,6 +442,10 @@ class AdpOffloadingSpec(OffloadingSpec):
             logger.warning("adpkv: no adpkv.namespace set; required on shared cards (the model and page "
                            "geometry are in the keys, the deployment is not)")
         self.namespace = _namespace(config, self.client_config.namespace or "default")
+        if "adpkv.affinity_chunks" in extra:
+            logger.info("adpkv: adpkv.affinity_chunks has no effect with AdpOffloadingSpec: vLLM's "
+                        "offloading API does not give the manager a request's first chunks, so "
+                        "objects are placed by key (use AdpKVConnector for dialog placement)")
         self.engine_id = f"vllm-offload-{config.engine_id}"
         self.world = max(1, int(config.parallel.world_size))
         if int(config.parallel.pp_size) != 1:

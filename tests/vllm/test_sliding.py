@@ -47,15 +47,17 @@ def test_sliding_window_restores_only_the_window(sliding_dir, start_gateway):
     # round 0 stores, round 1 restores from the gateway
     res, log = run_subprocess(sliding_dir, [P1, P2], connector(gw.port, "swa"), rounds=2, **kw)
     assert "external KV cache disabled" not in log
+    assert f"sliding window {WINDOW} tokens" in log      # vLLM gave the group a SlidingWindowSpec
     assert [r["cached"] for r in res] == [0, 0, (1000 - 1) // CHUNK * CHUNK,
                                           (2500 - 1) // CHUNK * CHUNK], log[-3000:]
     assert [r["tokens"] for r in res] == [r["tokens"] for r in base] * 2
 
 
 def test_hybrid_reports_no_hit(hybrid_dir, start_gateway):
-    base, _ = run_subprocess(hybrid_dir, [P1])
+    base, _ = run_subprocess(hybrid_dir, [P1], prefix_caching=False)
     gw = start_gateway(shared_memory_size=256 << 20)
-    res, log = run_subprocess(hybrid_dir, [P1], connector(gw.port, "hybrid"), rounds=2)
+    res, log = run_subprocess(hybrid_dir, [P1], connector(gw.port, "hybrid"), rounds=2,
+                              prefix_caching=False)
     assert "external KV cache disabled for this model: 2 KV cache groups" in log
     assert [r["cached"] for r in res] == [0, 0]
     assert [r["tokens"] for r in res] == [base[0]["tokens"]] * 2
