@@ -502,11 +502,11 @@ class Gateway:
             self.store.unpin(list(peer.pins.elements()))
             return
         self.store.unpin(list(peer.pins.elements()))
+        # a collective needs every rank: none that is still waiting can complete now
         for tag, parts in list(self.collectives.items()):
-            if any(ident == identity for ident, _ in parts.values()):
-                del self.collectives[tag]
-                self._fail_collective({r: v for r, v in parts.items() if v[0] != identity},
-                                      f"rank {peer.rank} left before sending its part")
+            del self.collectives[tag]
+            self._fail_collective({r: v for r, v in parts.items() if v[0] != identity},
+                                  f"rank {peer.rank} left before the collective {tag!r} was complete")
         for batch in list(self.batches.values()):
             if identity in batch.waiting:
                 batch.waiting.discard(identity)

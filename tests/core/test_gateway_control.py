@@ -270,3 +270,22 @@ def test_calls_after_close_resolve_at_once(gateway):
     assert c.exist(make_keys(2)).result(timeout=1) == [False, False]
     assert c.get(make_keys(2), 4096, lambda b: None).result(timeout=1) == [False, False]
     assert c.put(make_keys(2), 4096, lambda b: None).result(timeout=1) == [False, False]
+
+
+def test_collective_mismatch_and_a_rank_leaving_mid_collective(gateway):
+    a, b = RawPeer(gateway.port), RawPeer(gateway.port)
+    assert a.send(op="HELLO", engine="tp2", rank=0, world=2)["op"] == "OK"
+    assert b.send(op="HELLO", engine="tp2", rank=1, world=2)["op"] == "OK"
+    k1, k2 = make_keys(2), make_keys(2, salt=b"other")
+    a.sock.send(msgpack.packb({"v": 1, "op": "GET", "id": 1, "keys": k1, "obj": 4096, "tag": "x"}))
+    reply = b.send(op="GET", id=2, keys=k2, obj=4096, tag="x")
+    assert reply["code"] == P.COLLECTIVE_MISMATCH
+    assert a.sock.poll(3000) and msgpack.unpackb(a.sock.recv())["code"] == P.COLLECTIVE_MISMATCH
+    a.sock.send(msgpack.packb({"v": 1, "op": "GET", "id": 3, "keys": k1, "obj": 4096, "tag": "y"}))
+    time.sleep(0.2)
+    assert b.send(op="BYE")["op"] == "OK"
+    assert a.sock.poll(3000), "the waiting rank must be told, not left hanging"
+    reply = msgpack.unpackb(a.sock.recv())
+    assert reply["code"] == P.COLLECTIVE_MISMATCH and "left" in reply["msg"]
+    a.close()
+    b.close()
