@@ -289,3 +289,34 @@ def test_collective_mismatch_and_a_rank_leaving_mid_collective(gateway):
     assert reply["code"] == P.COLLECTIVE_MISMATCH and "left" in reply["msg"]
     a.close()
     b.close()
+
+
+def test_a_rank_dying_mid_transfer_frees_the_ring(start_gateway):
+    gw = start_gateway(engine_timeout_s=2)
+    stuck = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from adpkv_core.client import GatewayClient
+from adpkv_core.keys import KeyBuilder
+from adpkv_core.settings import ClientConfig
+c = GatewayClient(ClientConfig(port={gw.port}, timeout_s=600), "dies")
+keys = KeyBuilder("n").keys([b"k%d" % i for i in range(4)])
+def hang(b):
+    print("filling", flush=True)
+    time.sleep(600)
+c.put(keys, 1 << 20, hang)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    assert stuck.stdout.readline().strip() == "filling"
+    assert control.request(gw.port, {"op": "STATS"})["stats"]["ring_in_use"] > 0
+    stuck.kill()
+    stuck.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        s = control.request(gw.port, {"op": "STATS"})["stats"]
+        if s["ring_in_use"] == 0 and s["engine"] is None:
+            break
+        time.sleep(0.2)
+    assert s["ring_in_use"] == 0 and s["requests_in_flight"] == 0 and s["engine"] is None
+    assert s["objects"].get("stored", 0) == 0, "a batch that was never filled must not be stored"
+    (_, stored, _, _), = run_ranks(gw.port, 1, "PUT", make_keys(3), 4096, engine="next")
+    assert all(stored)
