@@ -279,7 +279,8 @@ def run_geometry(name: str, g: dict, token_counts, args, report: dict) -> None:
         kv_bytes = cache.obj * cache.chunks * g["layers"]
         row["kv_GiB"] = kv_bytes / GiB
         gw = GatewayProcess(card, shared_memory_size=args.ring_gib * GiB, thread_pool_size=args.threads,
-                            io_size=cache.obj, log_path=card + ".log").start(timeout_s=120)
+                            io_processes=args.io_processes, io_size=cache.obj,
+                            log_path=card + ".log").start(timeout_s=120)
         try:
             client = GatewayClient(ClientConfig(port=gw.port, timeout_s=600), f"gpu-bench-{tokens}")
             ring = ring_tensor(client)
@@ -341,6 +342,7 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=16, help="tokens per KV block (FlashAttention layout)")
     ap.add_argument("--chunk", type=int, default=256, help="tokens per stored object")
     ap.add_argument("--tail", type=int, default=512, help="new tokens each layer computes in the overlap run")
+    ap.add_argument("--io-processes", type=int, default=0, help="gateway io_processes (fs reads in processes)")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--diagnose", action="store_true", help="also break the restore time down")
     args = ap.parse_args()

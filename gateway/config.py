@@ -34,6 +34,7 @@ class GatewayConfig:
     shared_memory_size: int = 1 << 30        # bytes of the ring in /dev/shm
     io_size: int = 1 << 20                   # typical object size, for the max_parallel_ios log line
     thread_pool_size: int = 16               # card I/O threads
+    io_processes: int = 0                    # fs card reads in this many processes (0: in the threads)
     capacity_bytes: int = 0                  # per card; 0: the free space of its file system at start
     eviction_watermark: float = 0.95         # evict when usage passes this fraction of capacity
     eviction_ratio: float = 0.10             # ... down to (watermark - ratio) of capacity
@@ -51,6 +52,8 @@ class GatewayConfig:
             raise ValueError(f"key_placement must be dialog or stripe, not {self.key_placement!r}")
         if self.storage_slots < 1 or self.num_dbs < 1 or self.thread_pool_size < 1:
             raise ValueError("storage_slots, num_dbs and thread_pool_size must be >= 1")
+        if self.io_processes < 0:
+            raise ValueError("io_processes must be >= 0")
         if self.replicas < 1:
             raise ValueError("replicas must be >= 1")
         if self.fragment_size < 0:

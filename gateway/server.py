@@ -13,7 +13,7 @@ import os
 import queue
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 import zmq
@@ -22,7 +22,8 @@ from adpkv_core import protocol as P
 from adpkv_core.keys import KEY_BYTES
 from adpkv_core.ring import Ring, max_parallel_ios, object_stride, ring_path
 
-from .cards import CardUsage, open_cards
+from . import io_procs
+from .cards import CardUsage, FsCard, open_cards
 from .config import GatewayConfig
 from .engines import EngineRegistry, Peer
 from .health import HealthMonitor
@@ -70,6 +71,9 @@ class Gateway:
         logger.info("Ring %s: %d bytes; io_size %d; max_parallel_ios = %d", self.ring.path, self.ring.size,
                     config.io_size, max_parallel_ios(self.ring.size, config.io_size))
         self.pool = ThreadPoolExecutor(config.thread_pool_size, thread_name_prefix="adpkv-io")
+        self.procs = io_procs.start(config.io_processes, self.ring) if config.io_processes else None
+        if self.procs:
+            logger.info("fs card reads run in %d I/O processes", config.io_processes)
         self.health.start()
         self.engines = EngineRegistry(config.engine_timeout_s)
         self.ctx = zmq.Context()
@@ -135,6 +139,8 @@ class Gateway:
     def _shutdown(self) -> None:
         logger.info("Gateway stopping: finishing card I/O in flight")
         self.pool.shutdown(wait=True)
+        if self.procs:
+            self.procs.shutdown(wait=True)
         self.health.stop()
         self._drain_completions()
         if self.config.status_file:
@@ -343,12 +349,35 @@ class Gateway:
             batch.flags[j] = 1
             base = batch.object_offset(j)
             reads.extend((j, frag, self.ring.slot(base + frag.offset, frag.length)) for frag in frags)
+        if self.procs:
+            reads = self._read_in_processes(batch, reads)
         for group in self._io_groups(reads):
             batch.io_left += 1
             fut = self.pool.submit(self.store.read_many, group)
             fut.add_done_callback(lambda f, b=batch: self._complete(("read", b, f)))
         if batch.io_left == 0:
             self._read_done(batch)
+
+    def _read_in_processes(self, batch: Batch, reads: list) -> list:
+        """Hand the fs card reads of a batch to the I/O processes; return the other reads."""
+        rest, items = [], []
+        for j, frag, view in reads:
+            card = self.store.cards[frag.card]
+            if not isinstance(card, FsCard):
+                rest.append((j, frag, view))
+                continue
+            path = card.locate(frag.fkey)
+            if path is None:
+                batch.flags[j] = 0
+                continue
+            offset = batch.object_offset(j) + frag.offset
+            items.append((j, path, frag.fkey, offset, frag.length, card.o_direct, frag.card))
+        for group in self._io_groups(items):
+            batch.io_left += 1
+            token = (group[0][6], self.store.stats[group[0][6]].begin()) if len({g[6] for g in group}) == 1 else None
+            fut = self.procs.submit(io_procs.read_files, [g[:6] for g in group])
+            fut.add_done_callback(lambda f, b=batch, g=group, t=token: self._complete(("pread", b, (f, g, t))))
+        return rest
 
     def _io_groups(self, items: list) -> list[list]:
         """Split a batch's I/O into one task per thread (at most IO_TASK_ITEMS items each):
@@ -473,6 +502,8 @@ class Gateway:
                 kind, batch, fut = self.done_q.get_nowait()
             except queue.Empty:
                 return
+            if kind == "pread":
+                kind, fut = "read", self._process_read_results(*fut)
             batch.io_left -= 1
             if fut.exception() is not None:
                 logger.error("card I/O task failed: %r", fut.exception())
@@ -492,6 +523,22 @@ class Gateway:
                     batch.flags[j] = 1 if ok else 0
                 if batch.io_left == 0:
                     self._write_done(batch)
+
+    def _process_read_results(self, fut, group, token) -> Future:
+        """Turn an I/O process's ``(j, problem)`` list into ``(j, ok)``, accounting on the card."""
+        done: Future = Future()
+        if fut.exception() is not None:
+            logger.error("I/O process failed: %r", fut.exception())
+            done.set_result([(g[0], False) for g in group])
+            return done
+        results = []
+        for (j, path, fkey, _, _, _, card), (_, problem) in zip(group, fut.result()):
+            results.append((j, self.store.cards[card].read_result(fkey, path, problem)))
+        if token is not None:
+            ok = all(r for _, r in results)
+            self.store.stats[token[0]].end(token[1], False, ok, sum(g[4] for g in group))
+        done.set_result(results)
+        return done
 
     # ---------------------------------------------------------------- detach
     def _detach(self, identity: bytes, why: str) -> None:

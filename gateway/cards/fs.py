@@ -60,6 +60,59 @@ class _Scratch(threading.local):
         return memoryview(self.bounce)[:nbytes]
 
 
+def _payload_iov(buf: memoryview, n: int, o_direct: bool, scratch: _Scratch, for_write: bool = False):
+    """The iovecs of the payload, and (bounce view, offset, length) of a tail copied apart.
+
+    Without O_DIRECT the payload goes straight to/from ``buf``. With O_DIRECT every
+    iovec must be aligned: the aligned body of ``buf`` goes direct and the unaligned
+    tail (or all of an unaligned buffer) through a bounce buffer.
+    """
+    if not o_direct:
+        return [buf], None
+    addr = _address(buf)
+    body = (n // ALIGN) * ALIGN if addr is not None and addr % ALIGN == 0 else 0
+    rest = n - body
+    iov = [buf[:body]] if body else []
+    if rest == 0:
+        return iov, None
+    bounce = scratch.bounce_of(-(-rest // ALIGN) * ALIGN)
+    if for_write:
+        bounce[:rest] = buf[body:]
+        bounce[rest:] = bytes(len(bounce) - rest)
+    iov.append(bounce)
+    return iov, (bounce, body, rest)
+
+
+def read_object_file(path: str, fkey: bytes, buf: memoryview, o_direct: bool, scratch: _Scratch) -> Optional[str]:
+    """Read the payload of one object file into ``buf`` (exactly its length), checking
+    header and checksum. None when the bytes are right, else what is wrong: "missing",
+    "truncated", "bad header", "checksum mismatch" or "I/O error: ...". Runs in the
+    gateway's I/O threads and in its I/O processes alike."""
+    n = len(buf)
+    try:
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))
+    except OSError:
+        return "missing"
+    try:
+        header = memoryview(scratch.header)
+        iov, tail = _payload_iov(buf, n, o_direct, scratch)
+        got = os.preadv(fd, [header] + iov, 0)
+    except OSError as exc:
+        return f"I/O error: {exc}"
+    finally:
+        os.close(fd)
+    if got < HEADER_BYTES + n:
+        return "truncated"
+    if not objfmt.check_header(header, fkey, n):
+        return "bad header"
+    if tail is not None:
+        src, dst_off, length = tail
+        buf[dst_off:dst_off + length] = src[:length]
+    if not objfmt.payload_ok(header, buf):
+        return "checksum mismatch"
+    return None
+
+
 class FsCard(Card):
     """A card that is a directory of object files."""
 
@@ -187,36 +240,31 @@ class FsCard(Card):
 
     # ------------------------------------------------------------------ data
     def read(self, db: int, fkey: bytes, buf: memoryview) -> bool:
+        path = self.locate(fkey)
+        if path is None:
+            return False
+        return self.read_result(fkey, path, read_object_file(path, fkey, buf, self.o_direct, self._scratch))
+
+    def locate(self, fkey: bytes) -> Optional[str]:
+        """The file of a stored fragment (refreshing its LRU place), or None."""
         with self._lock:
             entry = self._index.get(fkey)
-            if entry is not None:
-                self._index.move_to_end(fkey)
-        if entry is None:
-            return False
-        path = self._path(entry[0], fkey)
-        n = len(buf)
-        try:
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.o_direct else 0))
-        except OSError:
+            if entry is None:
+                return None
+            self._index.move_to_end(fkey)
+        return self._path(entry[0], fkey)
+
+    def read_result(self, fkey: bytes, path: str, problem: Optional[str]) -> bool:
+        """Account for the outcome of ``read_object_file`` (here or in an I/O process)."""
+        if problem is None:
+            return True
+        if problem == "missing":
             self._forget(fkey)
-            return False
-        try:
-            header = memoryview(self._scratch.header)
-            iov, tail = self._payload_iov(buf, n)
-            got = os.preadv(fd, [header] + iov, 0)
-        except OSError as exc:
-            logger.warning("fs card %s: read of %s failed: %s", self.root, path, exc)
-            return False
-        finally:
-            os.close(fd)
-        if got < HEADER_BYTES + n or not objfmt.check_header(header, fkey, n):
-            return self._corrupt(path, fkey, "truncated" if got < HEADER_BYTES + n else "bad header")
-        if tail is not None:
-            src, dst_off, length = tail
-            buf[dst_off:dst_off + length] = src[:length]
-        if not objfmt.payload_ok(header, buf):
-            return self._corrupt(path, fkey, "checksum mismatch")
-        return True
+        elif problem.startswith("I/O error"):
+            logger.warning("fs card %s: read of %s failed: %s", self.root, path, problem)
+        else:
+            self._corrupt(path, fkey, problem)
+        return False
 
     def write(self, db: int, fkey: bytes, buf: memoryview) -> bool:
         n = len(buf)
@@ -232,7 +280,7 @@ class FsCard(Card):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.o_direct else 0), 0o644)
             try:
-                iov, tail = self._payload_iov(buf, n, for_write=True)
+                iov, tail = _payload_iov(buf, n, self.o_direct, self._scratch, for_write=True)
                 want = HEADER_BYTES + sum(len(v) for v in iov)
                 if os.pwritev(fd, [header] + iov, 0) != want:
                     raise OSError("short write")
@@ -255,28 +303,6 @@ class FsCard(Card):
                 self._used -= old[1]
             self._index[fkey] = (db, on_disk)
         return True
-
-    def _payload_iov(self, buf: memoryview, n: int, for_write: bool = False):
-        """The iovecs of the payload, and (bounce view, offset, length) of a tail copied apart.
-
-        Without O_DIRECT the payload goes straight to/from ``buf``. With O_DIRECT
-        every iovec must be aligned: the aligned body of ``buf`` goes direct and
-        the unaligned tail (or all of an unaligned buffer) through a bounce buffer.
-        """
-        if not self.o_direct:
-            return [buf], None
-        addr = _address(buf)
-        body = (n // ALIGN) * ALIGN if addr is not None and addr % ALIGN == 0 else 0
-        rest = n - body
-        iov = [buf[:body]] if body else []
-        if rest == 0:
-            return iov, None
-        bounce = self._scratch.bounce_of(-(-rest // ALIGN) * ALIGN)
-        if for_write:
-            bounce[:rest] = buf[body:]
-            bounce[rest:] = bytes(len(bounce) - rest)
-        iov.append(bounce)
-        return iov, (bounce, body, rest)
 
     def _corrupt(self, path: str, fkey: bytes, why: str) -> bool:
         logger.warning("fs card %s: %s is %s; treating it as a miss and removing it", self.root, path, why)

@@ -162,3 +162,27 @@ def test_fragments_spread_over_dbs_and_a_lost_fragment_is_a_miss(start_gateway):
             os.unlink(os.path.join(card, d, frag_name))
     (_, hits, exact, _), = run_ranks(gw.port, 1, "GET", keys, obj, engine="r2")
     assert hits == [False, True, True, True] and exact is True
+
+
+def test_reads_in_io_processes(start_gateway):
+    """``io_processes``: fs card reads run in worker processes; same bytes, same misses."""
+    gw = start_gateway(io_processes=2, fragment_size=64 * 1024)
+    keys = make_keys(24)
+    obj = 200 * 1024 + 8                      # 4 fragments, the last one short
+    stored = run_ranks(gw.port, 2, "PUT", keys[:20], obj // 2, engine="w")
+    assert all(all(f) for _, f, _, _ in stored)
+    restored = run_ranks(gw.port, 2, "GET", keys, obj // 2, engine="r")
+    for _, hits, exact, _ in restored:
+        assert hits == [True] * 20 + [False] * 4 and exact is True
+    assert "I/O processes" in gw.log()
+    card = gw.card_dirs[0]
+    head = keys[0].hex() + "0000"
+    for d in os.listdir(card):
+        p = os.path.join(card, d, head)
+        if os.path.exists(p):
+            with open(p, "r+b") as fh:
+                fh.seek(5000)
+                fh.write(b"corrupt!")
+    restored = run_ranks(gw.port, 2, "GET", keys[:3], obj // 2, engine="r2")
+    assert all(hits == [False, True, True] and exact is True for _, hits, exact, _ in restored)
+    assert "checksum mismatch" in gw.log()
