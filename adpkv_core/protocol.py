@@ -7,12 +7,13 @@ travels here: it moves through the ring, and messages only name ring offsets.
 Requests (client → gateway)::
 
     HELLO  engine, rank, world, namespace, layout      -> OK ring_path ring_size ...
+           (role="lookup" and no rank: a lookup-only peer of the engine, e.g. vLLM's scheduler)
     BYE                                                -> OK
     PING                                               -> OK
     EXIST  keys, marks?, lock?                         -> OK hits
     UNLOCK keys                                        -> OK
-    GET    keys, marks?, obj, tag?                     -> BATCH* (hits), then DONE hits
-    PUT    keys, marks?, obj, tag?                     -> BATCH*, then DONE stored
+    GET    keys, marks?, obj, tag?, unlock?            -> BATCH* (hits), then DONE hits
+    PUT    keys, marks?, obj, tag?                     -> BATCH*, then DONE stored existed
     RELEASE id, batch    (after copying a GET batch out of the ring)
     FILLED  id, batch, ok (after copying a PUT batch into the ring)
     DELETE keys                                        -> OK deleted
