@@ -266,6 +266,8 @@ def test_close_releases_pins_and_fds(lmc_gateway, make_adapter):
     pinned0 = gateway_stats(lmc_gateway.port)["pinned"]
     assert lookup(a, keys).popcount() == 2
     fd = a.get_store_event_fd()
+    import os
+    before = os.fstat(fd)
     a.close()
     a.close()   # idempotent
     deadline = time.monotonic() + 5
@@ -273,6 +275,7 @@ def test_close_releases_pins_and_fds(lmc_gateway, make_adapter):
         time.sleep(0.05)
     assert gateway_stats(lmc_gateway.port)["pinned"] == pinned0
     assert gateway_stats(lmc_gateway.port)["engine"] is None     # BYE sent: the gateway is free again
-    import os
-    with pytest.raises(OSError):
-        os.fstat(fd)
+    # the eventfds are closed (LMCache's notifier answers -1 once closed; the number itself may
+    # already name another eventfd, e.g. one of ZeroMQ's, so fstat proves nothing)
+    assert before is not None
+    assert (a.get_store_event_fd(), a.get_lookup_and_lock_event_fd(), a.get_load_event_fd()) == (-1, -1, -1)
