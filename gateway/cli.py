@@ -83,12 +83,16 @@ def cmd_bench(args) -> int:
     from . import bench
     sizes = [_size(s) for s in args.sizes.split(",")]
     regimes = ["cold", "hot"] if args.regime == "both" else [args.regime]
+    if args.threads <= 0:
+        from .config import default_io_threads
+        args.threads = default_io_threads()
     port = None
     if args.port_given:
         port = _target(args)[1]
         regimes = regimes[:1]
     print(f"adpkv bench: {', '.join(f'{s // 1024} KiB' for s in sizes)}; {args.ranks} rank(s); "
-          f"{args.total // MiB} MiB per size; regimes {', '.join(regimes)}; dir {os.path.abspath(args.dir)}")
+          f"{args.total // MiB} MiB per size; regimes {', '.join(regimes)}; {args.threads} I/O threads; "
+          f"dir {os.path.abspath(args.dir)}")
     results = bench.run(args.dir, sizes, regimes, args.total, args.ranks, args.per_request, args.threads, port,
                         args.repeat)
     top = bench.headline(results)
@@ -119,7 +123,8 @@ def main(argv=None) -> int:
     b.add_argument("--ranks", type=int, default=1)
     b.add_argument("--total", type=_size, default=512 * MiB, help="bytes per size (default 512MiB)")
     b.add_argument("--per-request", type=int, default=64, help="objects per request (one layer request)")
-    b.add_argument("--threads", type=int, default=16)
+    b.add_argument("--threads", type=int, default=0,
+                   help="I/O threads of the gateway and of the raw baseline (0: the gateway's default)")
     b.add_argument("--repeat", type=int, default=3, help="runs per size, alternating gateway and raw; median")
     b.add_argument("--dir", default="./adpkv-bench", help="where the bench card and raw files go")
     d = sub.add_parser("demo", help="start a gateway on ./adpkv-card, store a prompt's KV, restart, restore")

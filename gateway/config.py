@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any, Optional
 
 import yaml
@@ -33,7 +34,7 @@ class GatewayConfig:
     bind_address: str = "127.0.0.1"
     shared_memory_size: int = 1 << 30        # bytes of the ring in /dev/shm
     io_size: int = 1 << 20                   # typical object size, for the max_parallel_ios log line
-    thread_pool_size: int = 16               # card I/O threads
+    thread_pool_size: int = 0                # card I/O threads (0: auto, see default_io_threads)
     io_processes: int = 0                    # fs card reads in this many processes (0: in the threads)
     capacity_bytes: int = 0                  # per card; 0: the free space of its file system at start
     eviction_watermark: float = 0.95         # evict when usage passes this fraction of capacity
@@ -50,8 +51,10 @@ class GatewayConfig:
             raise ValueError("storage_devices lists no card")
         if self.key_placement not in ("dialog", "stripe"):
             raise ValueError(f"key_placement must be dialog or stripe, not {self.key_placement!r}")
-        if self.storage_slots < 1 or self.num_dbs < 1 or self.thread_pool_size < 1:
-            raise ValueError("storage_slots, num_dbs and thread_pool_size must be >= 1")
+        if self.storage_slots < 1 or self.num_dbs < 1 or self.thread_pool_size < 0:
+            raise ValueError("storage_slots and num_dbs must be >= 1, thread_pool_size >= 0")
+        if self.thread_pool_size == 0:
+            self.thread_pool_size = default_io_threads()
         if self.io_processes < 0:
             raise ValueError("io_processes must be >= 0")
         if self.replicas < 1:
@@ -66,6 +69,13 @@ class GatewayConfig:
             raise ValueError("start_clean: 1 with shared_storage: true would delete other deployments' "
                              "keys; refusing to start")
         return self
+
+
+def default_io_threads() -> int:
+    """Card I/O threads when not configured: two per core, 4 to 16. More threads than that
+    only fight over the GIL (measured: 16 threads on 2 cores read the page cache 30 % slower
+    than 4); use ``io_processes`` to scale reads further on a many-core host."""
+    return max(4, min(16, 2 * (os.cpu_count() or 2)))
 
 
 def _fields() -> dict[str, dataclasses.Field]:
