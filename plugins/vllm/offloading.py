@@ -369,17 +369,19 @@ class AdpOffloadingWorker(OffloadingWorker):
             digests = [_digest(k) for k in keys]
             for layer_idx, layer in self.groups[g]:
                 obj = layer.page_bytes * self.bpc
+                layer_keys = self.keys.keys(digests, [layer_idx])
+                for start, stop in shard_ranges(len(keys), self.spec.shard_reads):
 
-                def on_batch(b, layer=layer, dst=dst, positions=positions):
-                    lo, hi = b.first * self.bpc, (b.first + b.count) * self.bpc
-                    sel = (positions >= lo) & (positions < hi)
-                    if not bool(sel.any()):
+                    def on_batch(b, layer=layer, dst=dst, positions=positions, start=start):
+                        lo, hi = (start + b.first) * self.bpc, (start + b.first + b.count) * self.bpc
+                        sel = (positions >= lo) & (positions < hi)
+                        if not bool(sel.any()):
+                            return True
+                        layer.scatter(self.ring, b.offset, b.stride, b.count, 0, obj, dst[sel],
+                                      positions[sel] - lo, self.bpc, self._stream)
                         return True
-                    layer.scatter(self.ring, b.offset, b.stride, b.count, 0, obj, dst[sel],
-                                  positions[sel] - lo, self.bpc, self._stream)
-                    return True
 
-                job.futures.append(self.client.get(self.keys.keys(digests, [layer_idx]), obj, on_batch))
+                    job.futures.append(self.client.get(layer_keys[start:stop], obj, on_batch))
                 job.nbytes += obj * len(keys)
         return True
 
@@ -429,6 +431,30 @@ class AdpOffloadingWorker(OffloadingWorker):
         self.ring = None
 
 
+def parse_shard_reads(value) -> int:
+    """``adpkv.shard_reads``: ``auto`` (0) or the number of parallel GETs per layer of a load."""
+    if value is None or str(value).strip().lower() == "auto":
+        return 0
+    n = int(value)
+    if n < 1:
+        raise ValueError(f"adpkv: adpkv.shard_reads must be 'auto' or >= 1, not {value!r}")
+    return n
+
+
+def shard_ranges(count: int, shards: int) -> list[tuple[int, int]]:
+    """Split ``count`` chunks of one layer's load into contiguous parallel requests.
+
+    ``shards`` 0 (auto): one request per 32 chunks, at most 8, so a long load keeps
+    several gateway requests (each with its own batches) in flight at once.
+    """
+    if count <= 0:
+        return []
+    n = shards or min(8, -(-count // 32))
+    n = max(1, min(n, count))
+    step = -(-count // n)
+    return [(i, min(i + step, count)) for i in range(0, count, step)]
+
+
 # =============================================================================== spec
 class AdpOffloadingSpec(OffloadingSpec):
     """adpkv gateway as the offloading medium (``spec_module_path: adpkv_vllm``)."""
@@ -442,6 +468,7 @@ class AdpOffloadingSpec(OffloadingSpec):
             logger.warning("adpkv: no adpkv.namespace set; required on shared cards (the model and page "
                            "geometry are in the keys, the deployment is not)")
         self.namespace = _namespace(config, self.client_config.namespace or "default")
+        self.shard_reads = parse_shard_reads(extra.get("adpkv.shard_reads", "auto"))
         if "adpkv.affinity_chunks" in extra:
             logger.info("adpkv: adpkv.affinity_chunks has no effect with AdpOffloadingSpec: vLLM's "
                         "offloading API does not give the manager a request's first chunks, so "
