@@ -132,11 +132,11 @@ class GatewayClient:
         msg = {"op": "EXIST", "keys": list(keys), "lock": bool(lock)}
         if marks is not None:
             msg["marks"] = list(marks)
-        return self._call(msg, len(keys), lambda r: P.unpack_flags(r["hits"]))
+        return self._call(msg, lambda r: P.unpack_flags(r["hits"]), [False] * len(keys))
 
     def unlock(self, keys: Sequence[bytes]) -> "Future[None]":
         """Release pins taken by ``exist(lock=True)``."""
-        return self._call({"op": "UNLOCK", "keys": list(keys)}, None, lambda r: None)
+        return self._call({"op": "UNLOCK", "keys": list(keys)}, lambda r: None)
 
     def get(self, keys: Sequence[bytes], object_bytes: int, on_batch: BatchCallback,
             marks: Optional[Sequence[int]] = None, tag: Optional[str] = None,
@@ -158,14 +158,14 @@ class GatewayClient:
         msg = {"op": "DELETE", "keys": list(keys)}
         if marks is not None:
             msg["marks"] = list(marks)
-        return self._call(msg, None, lambda r: r.get("deleted", 0), 0)
+        return self._call(msg, lambda r: r.get("deleted", 0), 0)
 
     def clean(self) -> "Future[dict]":
         """Ask the gateway to delete everything (refused on shared storage)."""
-        return self._call({"op": "CLEAN"}, None, lambda r: r, {"op": "ERROR", "code": "OFF"}, raw_errors=True)
+        return self._call({"op": "CLEAN"}, lambda r: r, {"op": "ERROR", "code": "OFF"}, raw_errors=True)
 
     def stats(self) -> "Future[dict]":
-        return self._call({"op": "STATS"}, None, lambda r: r.get("stats", {}), {})
+        return self._call({"op": "STATS"}, lambda r: r.get("stats", {}), {})
 
     def close(self) -> None:
         """Detach from the gateway and stop the I/O thread."""
@@ -173,7 +173,7 @@ class GatewayClient:
             return
         if self._enabled:
             try:
-                self._call({"op": "BYE"}, None, lambda r: None).result(timeout=1.0)
+                self._call({"op": "BYE"}, lambda r: None).result(timeout=1.0)
             except Exception:
                 pass
         self._closed = True
@@ -198,7 +198,7 @@ class GatewayClient:
             hello["rank"] = self.rank
         busy_until = time.monotonic() + self.config.busy_wait_s
         while True:
-            fut = self._call(dict(hello), None, lambda r: r, None, raw_errors=True)
+            fut = self._call(dict(hello), lambda r: r, None, raw_errors=True)
             try:
                 reply = fut.result(timeout=self.config.connect_timeout_s)
             except Exception:
@@ -241,28 +241,31 @@ class GatewayClient:
         return self._submit(msg, _Pending(Future(), op, n, on_batch, 0.0,
                                           slice_ or (0, int(object_bytes))))
 
-    def _call(self, msg, n, convert, off_value: Any = ..., raw_errors: bool = False):
+    def _call(self, msg, convert, miss: Any = None, raw_errors: bool = False):
+        """One control request. Resolves with ``convert(reply)``, or with ``miss`` when the
+        cache is off, the gateway does not answer, refuses (unless ``raw_errors``: then the
+        ERROR reply itself) or answers something malformed."""
         if not self._enabled:
-            return _done([False] * n if n is not None else (None if off_value is ... else off_value))
+            return _done(miss)
         fut: Future = Future()
         outer: Future = Future()
 
         def finish(f: Future):
             reply = f.result()
             if reply is None:
-                outer.set_result([False] * n if n is not None else (None if off_value is ... else off_value))
+                outer.set_result(miss)
             elif reply.get("op") == "ERROR" and not raw_errors:
                 logger.warning("Gateway error on %s: %s %s", msg["op"], reply.get("code"), reply.get("msg"))
-                outer.set_result([False] * n if n is not None else (None if off_value is ... else off_value))
+                outer.set_result(miss)
             else:
                 try:
                     outer.set_result(convert(reply))
                 except Exception as exc:  # a malformed reply is a miss, never a crash
                     logger.warning("Bad gateway reply to %s: %s", msg["op"], exc)
-                    outer.set_result([False] * n if n is not None else (None if off_value is ... else off_value))
+                    outer.set_result(miss)
 
         fut.add_done_callback(finish)
-        return self._submit(msg, _Pending(fut, msg["op"], n or 0, None, 0.0, None), outer)
+        return self._submit(msg, _Pending(fut, msg["op"], 0, None, 0.0, None), outer)
 
     def _submit(self, msg, pending: _Pending, returned: Optional[Future] = None) -> Future:
         if self._closed:                        # a call racing close(): answer it as a miss
