@@ -170,9 +170,10 @@ class FsCard(Card):
         if self.o_direct and not self._probe_o_direct():
             logger.warning("fs card %s: the file system refuses O_DIRECT; using the page cache", self.root)
             self.o_direct = False
-        if self.capacity_bytes <= 0:
-            self.capacity_bytes = shutil.disk_usage(self.root).free + self._scan_size_hint()
         self._rebuild_index()
+        if self.capacity_bytes <= 0:
+            self.capacity_bytes = shutil.disk_usage(self.root).free + self._used
+        logger.info("fs card %s (serial %s): capacity %.1f MiB", self.root, self.serial, self.capacity_bytes / 2**20)
 
     def _db_dir(self, db: int) -> str:
         return os.path.join(self.root, f"db{db:03d}")
@@ -196,14 +197,6 @@ class FsCard(Card):
                 os.unlink(probe)
             except OSError:
                 pass
-
-    def _scan_size_hint(self) -> int:
-        total = 0
-        for name in os.listdir(self.root):
-            if name.startswith("db"):
-                with os.scandir(os.path.join(self.root, name)) as it:
-                    total += sum(e.stat().st_size for e in it if e.is_file())
-        return total
 
     def _rebuild_index(self) -> None:
         """Index every object file (oldest first); drop leftovers of interrupted writes."""
@@ -234,9 +227,8 @@ class FsCard(Card):
             for _, fkey, db, size in entries:
                 self._index[fkey] = (db, size)
                 self._used += size
-        logger.info("fs card %s (serial %s): %d objects, %.1f MiB of %.1f MiB indexed in %.2f s",
-                    self.root, self.serial, len(entries), self._used / 2**20,
-                    self.capacity_bytes / 2**20, time.monotonic() - t0)
+        logger.info("fs card %s (serial %s): %d objects, %.1f MiB indexed in %.2f s",
+                    self.root, self.serial, len(entries), self._used / 2**20, time.monotonic() - t0)
 
     # ------------------------------------------------------------------ data
     def read(self, db: int, fkey: bytes, buf: memoryview) -> bool:
