@@ -351,10 +351,7 @@ class Gateway:
             reads.extend((j, frag, self.ring.slot(base + frag.offset, frag.length)) for frag in frags)
         if self.procs:
             reads = self._read_in_processes(batch, reads)
-        for group in self._io_groups(reads):
-            batch.io_left += 1
-            fut = self.pool.submit(self.store.read_many, group)
-            fut.add_done_callback(lambda f, b=batch: self._complete(("read", b, f)))
+        self._submit_io(batch, "read", self.store.read_many, reads)
         if batch.io_left == 0:
             self._read_done(batch)
 
@@ -378,6 +375,13 @@ class Gateway:
             fut = self.procs.submit(io_procs.read_files, [g[:6] for g in group])
             fut.add_done_callback(lambda f, b=batch, g=group, t=token: self._complete(("pread", b, (f, g, t))))
         return rest
+
+    def _submit_io(self, batch: Batch, kind: str, run, items: list) -> None:
+        """Run ``run(group)`` on the thread pool for each group of a batch's I/O items."""
+        for group in self._io_groups(items):
+            batch.io_left += 1
+            fut = self.pool.submit(run, group)
+            fut.add_done_callback(lambda f, b=batch: self._complete((kind, b, f)))
 
     def _io_groups(self, items: list) -> list[list]:
         """Split a batch's I/O into one task per thread (at most IO_TASK_ITEMS items each):
@@ -428,10 +432,7 @@ class Gateway:
                 plans = self.store.write_plans(job.keys[i], job.mark(i), job.object_bytes)
                 if plans:         # else no card in service for this key: not stored
                     writes.append((j, plans, self.ring.slot(batch.object_offset(j), job.object_bytes)))
-        for group in self._io_groups(writes):
-            batch.io_left += 1
-            fut = self.pool.submit(self.store.write_many, group)
-            fut.add_done_callback(lambda f, b=batch: self._complete(("write", b, f)))
+        self._submit_io(batch, "write", self.store.write_many, writes)
         if batch.io_left == 0:
             self._write_done(batch)
 
