@@ -309,6 +309,16 @@ class AdpL2Adapter(L2AdapterInterface):
             logger.debug("closing an adpkv client failed", exc_info=True)
 
     # ------------------------------------------------------------------ bookkeeping
+    def _per_size(self, s: _Session, adp: list, bufs: list, call, make_copier) -> list[tuple[list[int], Future]]:
+        """One ``call`` (client.put or client.get) per object size: ``(indices, future)`` each."""
+        marks = self._marks.marks(adp)
+        parts: list[tuple[list[int], Future]] = []
+        for size, idx in _group_by_size([b[1] for b in bufs]).items():
+            sub_marks = [marks[i] for i in idx] if marks is not None else None
+            fut = call([adp[i] for i in idx], size, make_copier(s, [bufs[i] for i in idx]), marks=sub_marks)
+            parts.append((idx, fut))
+        return parts
+
     def _new_task(self, kind: str) -> L2TaskId:
         with self._lock:
             tid = self._next_task_id
@@ -364,13 +374,7 @@ class AdpL2Adapter(L2AdapterInterface):
         adp = self._keys.keys(keys)
         bufs = [_buffer(o) for o in objects]
         sizes = [b[1] for b in bufs]
-        marks = self._marks.marks(adp)
-        parts: list[tuple[list[int], Future]] = []
-        for size, idx in _group_by_size(sizes).items():
-            sub_keys = [adp[i] for i in idx]
-            sub_marks = [marks[i] for i in idx] if marks is not None else None
-            fut = s.client.put(sub_keys, size, _put_filler(s, [bufs[i] for i in idx]), marks=sub_marks)
-            parts.append((idx, fut))
+        parts = self._per_size(s, adp, bufs, s.client.put, _put_filler)
 
         def done() -> None:
             stored = [False] * n
@@ -498,16 +502,9 @@ class AdpL2Adapter(L2AdapterInterface):
                     self._counters["load_missed_keys"] += n
             self._finish("load", tid, Bitmap(n))
             return
-        adp = self._keys.keys(keys)
         bufs = [_buffer(o) for o in objects]
         sizes = [b[1] for b in bufs]
-        marks = self._marks.marks(adp)
-        parts: list[tuple[list[int], Future]] = []
-        for size, idx in _group_by_size(sizes).items():
-            sub_keys = [adp[i] for i in idx]
-            sub_marks = [marks[i] for i in idx] if marks is not None else None
-            fut = s.client.get(sub_keys, size, _get_copier(s, [bufs[i] for i in idx]), marks=sub_marks)
-            parts.append((idx, fut))
+        parts = self._per_size(s, self._keys.keys(keys), bufs, s.client.get, _get_copier)
 
         def done() -> None:
             hits = [False] * n
