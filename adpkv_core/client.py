@@ -63,13 +63,14 @@ BatchCallback = Callable[[RingBatch], Optional[bool]]
 class _Pending:
     __slots__ = ("future", "op", "n", "on_batch", "deadline", "ok", "slice")
 
-    def __init__(self, future, op, n, on_batch, deadline, slice_):
+    def __init__(self, future, op, n, on_batch, deadline, slice_, data=False):
         self.future = future
         self.op = op
         self.n = n
         self.on_batch = on_batch
         self.deadline = deadline
-        self.ok = bytearray(n) if on_batch is not None else None  # copy success per object
+        # per object: copied by this rank (a request into a region has no copies to make)
+        self.ok = (bytearray(n) if on_batch is not None else b"\x01" * n) if data else None
         self.slice = slice_
 
 
@@ -153,6 +154,22 @@ class GatewayClient:
         """``on_batch`` fills ring slots, the gateway stores them. Resolves with ``StoreFlags``."""
         return self._data("PUT", keys, object_bytes, on_batch, marks, tag, slice)
 
+    def register_region(self, path: str, offset: int, size: int) -> "Future[Optional[int]]":
+        """Let the gateway map ``size`` bytes at ``offset`` of a shared-memory file of ours
+        (see ``adpkv_core.regions``). Resolves with the region id, or None when refused."""
+        msg = {"op": "REGION", "path": str(path), "offset": int(offset), "size": int(size)}
+        return self._call(msg, lambda r: int(r["region"]), None)
+
+    def get_into(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
+                 marks: Optional[Sequence[int]] = None, unlock: bool = False) -> "Future[list[bool]]":
+        """Read object ``i`` straight into ``at[i]`` of a registered region. Resolves with hits."""
+        return self._data("GET", keys, object_bytes, None, marks, None, None, unlock, (region, list(at)))
+
+    def put_from(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
+                 marks: Optional[Sequence[int]] = None) -> "Future[list[bool]]":
+        """Store object ``i`` from ``at[i]`` of a registered region. Resolves with ``StoreFlags``."""
+        return self._data("PUT", keys, object_bytes, None, marks, None, None, False, (region, list(at)))
+
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]] = None) -> "Future[int]":
         """Remove objects; resolves with how many existed."""
         msg = {"op": "DELETE", "keys": list(keys)}
@@ -225,7 +242,7 @@ class GatewayClient:
         logger.info("Attached to the adpkv gateway on port %d as rank %d/%d (ring %s, %d bytes)",
                     self.config.port, self.rank, self.world_size, reply["ring_path"], reply["ring_size"])
 
-    def _data(self, op, keys, object_bytes, on_batch, marks, tag, slice_, unlock=False):
+    def _data(self, op, keys, object_bytes, on_batch, marks, tag, slice_, unlock=False, into=None):
         n = len(keys)
         if n == 0:
             return _done([] if op == "GET" else StoreFlags([]))
@@ -238,8 +255,10 @@ class GatewayClient:
             msg["marks"] = list(marks)
         if tag is not None:
             msg["tag"] = str(tag)
+        if into is not None:
+            msg["region"], msg["at"] = into
         return self._submit(msg, _Pending(Future(), op, n, on_batch, 0.0,
-                                          slice_ or (0, int(object_bytes))))
+                                          slice_ or (0, int(object_bytes)), data=True))
 
     def _call(self, msg, convert, miss: Any = None, raw_errors: bool = False):
         """One control request. Resolves with ``convert(reply)``, or with ``miss`` when the
@@ -358,7 +377,7 @@ class GatewayClient:
             self._run_batch(msg, pending)
             return
         del self._pending[msg["id"]]
-        if pending.on_batch is None:
+        if pending.ok is None:          # a control call
             pending.future.set_result(msg)
             return
         if op == "DONE":
@@ -400,7 +419,7 @@ class GatewayClient:
     def _fail(self, pending: _Pending) -> None:
         if pending.future.done():
             return
-        if pending.on_batch is None:
+        if pending.ok is None:
             pending.future.set_result(None)
         elif pending.op == "PUT":
             pending.future.set_result(StoreFlags([False] * pending.n))

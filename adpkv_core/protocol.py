@@ -14,6 +14,10 @@ Requests (client → gateway)::
     UNLOCK keys                                        -> OK
     GET    keys, marks?, obj, tag?, unlock?            -> BATCH* (hits), then DONE hits
     PUT    keys, marks?, obj, tag?                     -> BATCH*, then DONE stored existed
+    REGION path, offset, size                          -> OK region
+           (a shared-memory file of the engine's own, mapped by the gateway)
+    GET/PUT ... region, at  (no tag)                   -> DONE only: each object moves between the
+           card and ``at[i]`` in the region directly, without ring slots
     RELEASE id, batch    (after copying a GET batch out of the ring)
     FILLED  id, batch, ok (after copying a PUT batch into the ring)
     DELETE keys                                        -> OK deleted
@@ -34,7 +38,7 @@ import msgpack
 PROTOCOL_VERSION = 1
 
 REQUEST_OPS = frozenset({"HELLO", "BYE", "PING", "EXIST", "UNLOCK", "GET", "PUT",
-                         "RELEASE", "FILLED", "DELETE", "CLEAN", "STATS"})
+                         "RELEASE", "FILLED", "DELETE", "CLEAN", "STATS", "REGION"})
 
 # Error codes of an ERROR reply.
 BAD_MESSAGE = "BAD_MESSAGE"          # not a msgpack map, or a field of the wrong type
@@ -47,6 +51,7 @@ TOO_LARGE = "TOO_LARGE"              # one object does not fit the ring
 UNKNOWN_BATCH = "UNKNOWN_BATCH"      # RELEASE/FILLED of a batch the gateway never handed out
 COLLECTIVE_MISMATCH = "COLLECTIVE_MISMATCH"  # ranks sent different parts for one tag
 CLEAN_REFUSED = "CLEAN_REFUSED"      # shared_storage: nothing was deleted
+BAD_REGION = "BAD_REGION"            # a region that cannot be mapped, or a range outside it
 INTERNAL = "INTERNAL"
 
 

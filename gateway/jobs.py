@@ -61,6 +61,7 @@ class DataJob:
         self.results = bytearray(len(self.keys))
         self.existed = bytearray(len(self.keys))   # PUT: already stored, not written again
         self.unlock = unlock                       # GET: release this rank's pins on the keys when done
+        self.dest: Optional[list] = None           # into/out of a region: one view per object, no ring
 
     @property
     def n(self) -> int:

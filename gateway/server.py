@@ -28,6 +28,7 @@ from .config import GatewayConfig
 from .engines import EngineRegistry, Peer
 from .health import HealthMonitor
 from .jobs import Batch, DataJob, Participant
+from .regions import RegionTable
 from .ring_alloc import RingAllocator
 from .status import render_status, write_status_file
 from .store import ObjectStore
@@ -68,6 +69,7 @@ class Gateway:
             logger.info("start_clean: removed %d objects", self.store.clean())
         self.ring = Ring.create(ring_path(config.port), config.shared_memory_size)
         self.alloc = RingAllocator(self.ring.size)
+        self.regions = RegionTable(self.ring.path)
         logger.info("Ring %s: %d bytes; io_size %d; max_parallel_ios = %d", self.ring.path, self.ring.size,
                     config.io_size, max_parallel_ios(self.ring.size, config.io_size))
         self.pool = ThreadPoolExecutor(config.thread_pool_size, thread_name_prefix="adpkv-io")
@@ -203,6 +205,15 @@ class Gateway:
     def _on_ping(self, identity, peer, msg):
         self._ok(identity, msg)
 
+    def _on_region(self, identity, peer: Peer, msg):
+        if peer.rank is None:
+            raise P.ProtocolError(P.BAD_MESSAGE, "a lookup peer cannot register a region")
+        path = P.field(msg, "path", str)
+        region = self.regions.register(identity, path, P.field(msg, "offset", int), P.field(msg, "size", int))
+        logger.info("Rank %d registered region %d: %s (%d bytes); its GET/PUT go straight to it",
+                    peer.rank, region, path, P.field(msg, "size", int))
+        self._ok(identity, msg, region=region)
+
     def _keys(self, msg) -> tuple[list[bytes], Optional[list[int]]]:
         keys = P.field(msg, "keys", list)
         if len(keys) > MAX_KEYS_PER_REQUEST:
@@ -267,10 +278,22 @@ class Gateway:
         if obj <= 0:
             raise P.ProtocolError(P.BAD_MESSAGE, "obj (object size) must be positive")
         stride = object_stride(obj)
+        tag = P.field(msg, "tag", str, None)
+        region = P.field(msg, "region", int, None)
+        if region is not None:
+            if tag is not None:
+                raise P.ProtocolError(P.BAD_MESSAGE, "a request into a region is one rank's own (no tag)")
+            at = P.field(msg, "at", list)
+            if len(at) != len(keys):
+                raise P.ProtocolError(P.BAD_MESSAGE, "at and keys differ in length")
+            job = DataJob(msg["op"], keys, marks, obj, stride, [Participant(identity, msg["id"])],
+                          P.field(msg, "unlock", bool, False))
+            job.dest = self.regions.views(identity, region, at, obj)
+            self._start(job)
+            return
         if stride > self.max_batch_bytes:
             raise P.ProtocolError(P.TOO_LARGE, f"an object of {obj} bytes does not fit half the ring "
                                   f"({self.max_batch_bytes} bytes); raise shared_memory_size")
-        tag = P.field(msg, "tag", str, None)
         engine = self.engines.engine
         if tag is None or engine is None or engine.world == 1:
             self._start(DataJob(msg["op"], keys, marks, obj, stride, [Participant(identity, msg["id"])],
@@ -301,11 +324,25 @@ class Gateway:
     def _start(self, job: DataJob) -> None:
         self.counters[job.op.lower() + "_requests"] += 1
         self.jobs[id(job)] = job
-        self._pump()
+        if job.dest is None:
+            self._pump()
+            return
+        # into / out of a region: one batch of all objects, no ring extent
+        self.counters[job.op.lower() + "_region_requests"] += 1
+        batch = Batch(next(self.ids), job, 0, job.n, 0, 0)
+        job.next = job.n
+        job.batches[batch.id] = batch
+        self.batches[batch.id] = batch
+        if job.op == "GET":
+            self._read_batch(batch)
+        else:
+            self._write_batch(batch)
 
     def _pump(self) -> None:
         """Give ring extents to jobs that want them, oldest first."""
         for job in list(self.jobs.values()):
+            if job.dest is not None:
+                continue
             while job.wants_more():
                 largest = self.alloc.largest_free()
                 count = min(job.n - job.next, self.max_batch_bytes // job.stride, largest // job.stride)
@@ -347,13 +384,20 @@ class Gateway:
             if frags is None:
                 continue
             batch.flags[j] = 1
-            base = batch.object_offset(j)
-            reads.extend((j, frag, self.ring.slot(base + frag.offset, frag.length)) for frag in frags)
-        if self.procs:
+            reads.extend((j, frag, self._slot(batch, j, frag.offset, frag.length)) for frag in frags)
+        if self.procs and job.dest is None:
             reads = self._read_in_processes(batch, reads)
         self._submit_io(batch, "read", self.store.read_many, reads)
         if batch.io_left == 0:
             self._read_done(batch)
+
+    def _slot(self, batch: Batch, j: int, offset: int, length: int) -> memoryview:
+        """Where bytes ``offset..offset+length`` of object ``j`` of a batch live: its ring slot,
+        or its place in the engine's region."""
+        dest = batch.job.dest
+        if dest is not None:
+            return dest[batch.first + j][offset:offset + length]
+        return self.ring.slot(batch.object_offset(j) + offset, length)
 
     def _read_in_processes(self, batch: Batch, reads: list) -> list:
         """Hand the fs card reads of a batch to the I/O processes; return the other reads."""
@@ -397,7 +441,8 @@ class Gateway:
         self.store.counters["hits"] += hits
         self.store.counters["misses"] += batch.count - hits
         job.results[batch.first:batch.first + batch.count] = batch.flags
-        batch.waiting = {p.identity for p in job.participants if p.identity in self.engines.peers}
+        if job.dest is None:
+            batch.waiting = {p.identity for p in job.participants if p.identity in self.engines.peers}
         for p in job.participants:
             if p.identity in batch.waiting:
                 self._send(p.identity, self._batch_msg(batch, p, with_hits=True))
@@ -431,7 +476,7 @@ class Gateway:
                     continue
                 plans = self.store.write_plans(job.keys[i], job.mark(i), job.object_bytes)
                 if plans:         # else no card in service for this key: not stored
-                    writes.append((j, plans, self.ring.slot(batch.object_offset(j), job.object_bytes)))
+                    writes.append((j, plans, self._slot(batch, j, 0, job.object_bytes)))
         self._submit_io(batch, "write", self.store.write_many, writes)
         if batch.io_left == 0:
             self._write_done(batch)
@@ -464,7 +509,8 @@ class Gateway:
     def _retire(self, batch: Batch) -> None:
         """The batch is done with the ring: free its extent and move its job on."""
         job = batch.job
-        self.alloc.free(batch.offset, batch.nbytes)
+        if batch.nbytes:
+            self.alloc.free(batch.offset, batch.nbytes)
         del job.batches[batch.id]
         del self.batches[batch.id]
         self._pump()
@@ -474,6 +520,7 @@ class Gateway:
     def _finish(self, job: DataJob) -> None:
         if self.jobs.pop(id(job), None) is None:
             return  # finished already
+        job.dest = None   # the region's views: its mapping may go once no job holds it
         field = "hits" if job.op == "GET" else "stored"
         for p in job.participants:
             if p.identity in self.engines.peers:
@@ -546,6 +593,7 @@ class Gateway:
         peer = self.engines.detach(identity, why)
         if peer is None:
             return
+        self.regions.drop(identity)
         if peer.rank is None:
             self.store.unpin(list(peer.pins.elements()))
             return
@@ -587,6 +635,7 @@ class Gateway:
             "shared_storage": bool(self.config.shared_storage), "replicas": self.store.replicas,
             "ring_size": self.ring.size, "ring_in_use": self.alloc.in_use,
             "requests_in_flight": len(self.jobs), "pinned": self.store.pinned_count(),
+            "regions": self.regions.count(),
             "engine": None if engine is None else {"id": engine.engine_id, "world": engine.world,
                                                    "ranks": sorted(engine.ranks), "namespace": engine.namespace},
             "counters": dict(self.counters), "objects": dict(self.store.counters), "cards": cards,
@@ -595,5 +644,5 @@ class Gateway:
     _handlers = {
         "HELLO": _on_hello, "BYE": _on_bye, "PING": _on_ping, "EXIST": _on_exist, "UNLOCK": _on_unlock,
         "DELETE": _on_delete, "CLEAN": _on_clean, "STATS": _on_stats, "GET": _on_data, "PUT": _on_data,
-        "RELEASE": _on_ack, "FILLED": _on_ack,
+        "RELEASE": _on_ack, "FILLED": _on_ack, "REGION": _on_region,
     }
