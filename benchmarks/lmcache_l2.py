@@ -29,7 +29,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def bench_once(spec: dict, args, out_json: str) -> dict:
-    cmd = [os.path.join(os.path.dirname(sys.executable), "lmcache"), "bench", "l2",
+    if args.l1 == "shm":
+        launcher = [sys.executable, os.path.join(HERE, "lmcache_bench_shm_l1.py")]
+    else:
+        launcher = [os.path.join(os.path.dirname(sys.executable), "lmcache")]
+    cmd = [*launcher, "bench", "l2",
            "--l2-adapter", json.dumps(spec), "--num-keys", str(args.num_keys), "--in-flight", str(args.in_flight),
            "--data-size-kb", str(args.data_size_kb), "--rounds", str(args.rounds),
            "--warmup-rounds", str(args.warmup_rounds), "--no-skip-verify", "--format", "json",
@@ -128,6 +132,10 @@ def main() -> None:
     p.add_argument("--odirect", action="store_true",
                    help="both bypass the page cache: the gateway's fs card with o_direct, LMCache fs with "
                         "use_odirect (and 4 KiB-aligned L1 buffers)")
+    p.add_argument("--l1", choices=("anon", "shm"), default="anon",
+                   help="the benchmark's L1 buffer: anonymous memory (lmcache bench l2 as shipped) or a "
+                        "/dev/shm file like the LMCache server's L1 pool (lmcache_bench_shm_l1.py); with "
+                        "shm the adpkv adapter has the gateway read and write L1 directly")
     p.add_argument("--breakdown", action="store_true", help="also take the adpkv load path apart")
     p.add_argument("--json", default=None, help="write all figures to this file")
     args = p.parse_args()

@@ -10,6 +10,13 @@ complete on the client's I/O thread:
 - unlock → ``unlock`` of the pins this adapter holds.
 - load   → ``get``: the gateway reads into ring slots, ``on_batch`` copies each
   hit straight into the caller's MemoryObj buffer.
+
+When LMCache's L1 pool is a shared-memory file (the LMCache server allocates it
+in ``/dev/shm``), the adapter registers it with the gateway as a region and
+objects inside it skip the ring: loads are read from the card straight into
+their L1 buffers and stores written from them (``get_into`` / ``put_from``),
+one copy in all. Objects elsewhere (anonymous L1 memory, e.g. ``lmcache bench
+l2``'s buffer) go through the ring as above.
 - delete → ``delete``; get_usage → ``stats`` (cached briefly).
 
 Objects of a task that differ in size go out as one request per size. Results
@@ -39,6 +46,7 @@ import torch
 from lmcache.logging import init_logger
 
 from adpkv_core.client import GatewayClient, RingBatch
+from adpkv_core.regions import SharedFile, shared_file_of
 from adpkv_core.settings import ClientConfig
 
 from ._compat import (
@@ -89,11 +97,12 @@ def _buffer(obj) -> tuple[int, int, Any]:
 class _Session:
     """One attachment to the gateway: the client and the address of its ring."""
 
-    __slots__ = ("client", "ring", "ring_addr", "ring_size", "number")
+    __slots__ = ("client", "ring", "ring_addr", "ring_size", "number", "region")
 
     def __init__(self, client: GatewayClient, number: int):
         self.client = client
         self.number = number
+        self.region: Optional[int] = None     # LMCache's L1 pool, registered with the gateway
         self.ring: Optional[np.ndarray] = None
         self.ring_addr = 0
         self.ring_size = 0
@@ -206,6 +215,7 @@ class AdpL2Adapter(L2AdapterInterface):
         super().__init__(max_capacity_bytes=0)   # the gateway evicts by itself
         self._config = config
         self._l1_memory_desc = l1_memory_desc
+        self._l1 = self._find_l1_file(l1_memory_desc) if config.l1_direct else None
         self._keys = KeyMapper(config.namespace, config.key_namespace_from_model)
         self._client_config = ClientConfig.from_settings({**config.client_settings(),
                                                           "namespace": self._keys.namespace})
@@ -224,7 +234,8 @@ class AdpL2Adapter(L2AdapterInterface):
         self._in_flight = {"store": 0, "lookup": 0, "load": 0}
         self._counters = {"stores": 0, "stored_keys": 0, "store_failed_keys": 0, "lookups": 0,
                           "lookup_hits": 0, "lookup_keys": 0, "loads": 0, "loaded_keys": 0,
-                          "load_missed_keys": 0, "bytes_stored": 0, "bytes_loaded": 0}
+                          "load_missed_keys": 0, "bytes_stored": 0, "bytes_loaded": 0,
+                          "region_stored_keys": 0, "region_loaded_keys": 0}
         # pins held on the gateway through this adapter (adpkv key -> count)
         self._held: dict[bytes, int] = {}
         # keys this instance stored: adpkv key -> (cache_salt, size), for per-salt accounting
@@ -257,7 +268,27 @@ class AdpL2Adapter(L2AdapterInterface):
             layout["l1_bytes"] = int(getattr(self._l1_memory_desc, "size", 0) or 0)
         client = GatewayClient(self._client_config, engine_id=self.engine_id, rank=0, world_size=1,
                                layout=layout)
-        return _Session(client, number)
+        s = _Session(client, number)
+        if self._l1 is not None and s.enabled:
+            try:
+                s.region = client.register_region(self._l1.path, self._l1.offset,
+                                                  self._l1_memory_desc.size).result(self._config.connect_timeout_s)
+            except Exception:
+                s.region = None
+            if s.region is None:
+                logger.warning("adpkv L2 adapter: the gateway did not map LMCache's L1 pool %s; "
+                               "loads and stores go through the ring", self._l1.path)
+        return s
+
+    @staticmethod
+    def _find_l1_file(desc: Any) -> Optional[SharedFile]:
+        """The /dev/shm file of LMCache's L1 pool, when it is one (else None: the ring path)."""
+        ptr, size = int(getattr(desc, "ptr", 0) or 0), int(getattr(desc, "size", 0) or 0)
+        found = shared_file_of(ptr, size) if ptr and size else None
+        if found is not None:
+            logger.info("adpkv L2 adapter: LMCache's L1 pool is %s; the gateway reads and writes it directly",
+                        found.path)
+        return found
 
     def _current(self) -> Optional[_Session]:
         """The live session, or None once close() has begun."""
@@ -309,14 +340,32 @@ class AdpL2Adapter(L2AdapterInterface):
             logger.debug("closing an adpkv client failed", exc_info=True)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _per_size(self, s: _Session, adp: list, bufs: list, call, make_copier) -> list[tuple[list[int], Future]]:
-        """One ``call`` (client.put or client.get) per object size: ``(indices, future)`` each."""
+    def _in_l1(self, s: _Session, buf: tuple) -> bool:
+        return s.region is not None and 0 <= buf[0] - self._l1_memory_desc.ptr <= self._l1_memory_desc.size - buf[1]
+
+    def _per_size(self, s: _Session, adp: list, bufs: list, op: str) -> list[tuple[list[int], Future]]:
+        """One GET or PUT per object size and path (straight to the L1 region, or through the
+        ring): ``(indices, future)`` each."""
         marks = self._marks.marks(adp)
         parts: list[tuple[list[int], Future]] = []
         for size, idx in _group_by_size([b[1] for b in bufs]).items():
-            sub_marks = [marks[i] for i in idx] if marks is not None else None
-            fut = call([adp[i] for i in idx], size, make_copier(s, [bufs[i] for i in idx]), marks=sub_marks)
-            parts.append((idx, fut))
+            direct = [i for i in idx if self._in_l1(s, bufs[i])]
+            ringed = [i for i in idx if not self._in_l1(s, bufs[i])] if direct else idx
+            for sub in (direct, ringed):
+                if not sub:
+                    continue
+                keys = [adp[i] for i in sub]
+                sub_marks = [marks[i] for i in sub] if marks is not None else None
+                if sub is direct:
+                    at = [bufs[i][0] - self._l1_memory_desc.ptr for i in sub]
+                    call = s.client.get_into if op == "GET" else s.client.put_from
+                    fut = call(s.region, at, keys, size, marks=sub_marks)
+                else:
+                    call, make = (s.client.get, _get_copier) if op == "GET" else (s.client.put, _put_filler)
+                    fut = call(keys, size, make(s, [bufs[i] for i in sub]), marks=sub_marks)
+                parts.append((sub, fut))
+            with self._lock:
+                self._counters["region_" + ("loaded" if op == "GET" else "stored") + "_keys"] += len(direct)
         return parts
 
     def _new_task(self, kind: str) -> L2TaskId:
@@ -374,7 +423,7 @@ class AdpL2Adapter(L2AdapterInterface):
         adp = self._keys.keys(keys)
         bufs = [_buffer(o) for o in objects]
         sizes = [b[1] for b in bufs]
-        parts = self._per_size(s, adp, bufs, s.client.put, _put_filler)
+        parts = self._per_size(s, adp, bufs, "PUT")
 
         def done() -> None:
             stored = [False] * n
@@ -504,7 +553,7 @@ class AdpL2Adapter(L2AdapterInterface):
             return
         bufs = [_buffer(o) for o in objects]
         sizes = [b[1] for b in bufs]
-        parts = self._per_size(s, self._keys.keys(keys), bufs, s.client.get, _get_copier)
+        parts = self._per_size(s, self._keys.keys(keys), bufs, "GET")
 
         def done() -> None:
             hits = [False] * n
@@ -613,6 +662,7 @@ class AdpL2Adapter(L2AdapterInterface):
             "in_flight": in_flight,
             "pinned_keys": held,
             "known_marks": len(self._marks),
+            "l1_region": self._l1.path if self._l1 is not None and s.region is not None else None,
             "counters": counters,
         }
         if client.attach_error:

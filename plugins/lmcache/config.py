@@ -61,6 +61,9 @@ FIELDS: tuple[_Field, ...] = (
            "after the gateway stopped answering, retry attaching after this long (doubling up to 60 s; 0: never)",
            _non_negative),
     _Field("usage_refresh_s", float, 1.0, "get_usage() asks the gateway at most this often", _non_negative),
+    _Field("l1_direct", bool, True,
+           "when LMCache's L1 pool is a /dev/shm file, let the gateway read and write it directly "
+           "(no ring copy)"),
     _Field("mark_cache_entries", int, 1 << 20,
            "dialog marks remembered from lookups, applied to later stores/loads of the same keys", _non_negative),
 )

@@ -80,11 +80,15 @@ def _wait_for_l2(port: int, n_objects: int, timeout_s: float = 60.0) -> dict:
 
 
 @pytest.mark.timeout(420)
-def test_lmcache_server_restart_every_chunk_hits_from_l2(start_gateway, tmp_path):
+@pytest.mark.parametrize("l1", ["anonymous", "shm"])
+def test_lmcache_server_restart_every_chunk_hits_from_l2(start_gateway, tmp_path, l1):
+    """``l1="shm"``: the server's L1 pool is a /dev/shm file (``--shm-name``), which the adapter
+    registers with the gateway: stores and loads skip the ring. Otherwise they go through it."""
     gw = start_gateway(shared_memory_size=64 << 20)
     spec = {"type": "plugin", "module_path": "adpkv_lmcache", "class_name": "AdpL2Adapter",
             "adapter_params": {"port": gw.port, "namespace": "server-restart-test"}}
-    server = LMCacheServerProcess([spec], log_path=str(tmp_path / "lmcache-server.log")).start()
+    extra = ("--shm-name", f"adpkv_test_{uuid.uuid4().hex[:8]}") if l1 == "shm" else ()
+    server = LMCacheServerProcess([spec], log_path=str(tmp_path / "lmcache-server.log"), extra=extra).start()
     try:
         # 1. LMCache's own end-to-end bench: cold requests store, warm ones retrieve (from L1)
         out = tmp_path / "bench.json"
@@ -116,7 +120,7 @@ def test_lmcache_server_restart_every_chunk_hits_from_l2(start_gateway, tmp_path
     gw.stop()
     gw.start()
     hits_before = gateway_stats(gw.port)["objects"].get("hits", 0)
-    server = LMCacheServerProcess([spec], log_path=str(tmp_path / "lmcache-server.log")).start()
+    server = LMCacheServerProcess([spec], log_path=str(tmp_path / "lmcache-server.log"), extra=extra).start()
     try:
         # 3. every chunk of every sequence hits (from L2), byte-exact
         after = _probe(server, "after", reference)
@@ -124,6 +128,8 @@ def test_lmcache_server_restart_every_chunk_hits_from_l2(start_gateway, tmp_path
         st = gateway_stats(gw.port)
         assert st["objects"].get("hits", 0) - hits_before >= CHUNKS
         assert st["objects"].get("misses", 0) == 0
+        direct = st["counters"].get("get_region_requests", 0)
+        assert (direct > 0) if l1 == "shm" else (direct == 0), st["counters"]
         assert "AdpL2Adapter" in server.log()
     finally:
         server.stop()
