@@ -45,7 +45,12 @@ def check_header(header, fkey: bytes, payload_len: int) -> bool:
 
 def payload_ok(header, payload) -> bool:
     """Whether ``payload`` has the checksum recorded in ``header``."""
-    return xxh3_64(payload) == _HEAD.unpack_from(header)[4]
+    return xxh3_64(payload) == payload_checksum(header)
+
+
+def payload_checksum(header) -> int:
+    """The xxh3-64 of the payload recorded in ``header``."""
+    return _HEAD.unpack_from(header)[4]
 
 
 def payload_length(header) -> int:
