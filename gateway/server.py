@@ -329,14 +329,19 @@ class Gateway:
             return
         # into / out of a region: one batch of all objects, no ring extent
         self.counters[job.op.lower() + "_region_requests"] += 1
-        batch = Batch(next(self.ids), job, 0, job.n, 0, 0)
-        job.next = job.n
-        job.batches[batch.id] = batch
-        self.batches[batch.id] = batch
+        batch = self._open_batch(job, job.n, 0, 0)
         if job.op == "GET":
             self._read_batch(batch)
         else:
             self._write_batch(batch)
+
+    def _open_batch(self, job: DataJob, count: int, offset: int, nbytes: int) -> Batch:
+        """The job's next ``count`` objects as a batch (at ring ``offset``; nbytes 0: no ring)."""
+        batch = Batch(next(self.ids), job, job.next, count, offset, nbytes)
+        job.next += count
+        job.batches[batch.id] = batch
+        self.batches[batch.id] = batch
+        return batch
 
     def _pump(self) -> None:
         """Give ring extents to jobs that want them, oldest first."""
@@ -349,11 +354,7 @@ class Gateway:
                 if count <= 0:
                     return  # the ring is busy: wait for a release, keep the order
                 nbytes = count * job.stride
-                offset = self.alloc.alloc(nbytes)
-                batch = Batch(next(self.ids), job, job.next, count, offset, nbytes)
-                job.next += count
-                job.batches[batch.id] = batch
-                self.batches[batch.id] = batch
+                batch = self._open_batch(job, count, self.alloc.alloc(nbytes), nbytes)
                 if job.op == "GET":
                     self._read_batch(batch)
                 else:
