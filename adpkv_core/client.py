@@ -368,6 +368,10 @@ class GatewayClient:
         except P.ProtocolError as exc:
             logger.warning("Ignoring a bad message from the gateway: %s", exc)
             return
+        if msg["op"] == "ERROR" and msg.get("code") == P.NOT_ATTACHED:
+            # a restarted gateway: it has never heard of this rank (its ring is a new one too)
+            self._turn_off("the gateway does not know this rank any more (it restarted)")
+            return
         pending = self._pending.get(msg.get("id"))
         if pending is None:
             return

@@ -10,14 +10,14 @@ complete on the client's I/O thread:
 - unlock → ``unlock`` of the pins this adapter holds.
 - load   → ``get``: the gateway reads into ring slots, ``on_batch`` copies each
   hit straight into the caller's MemoryObj buffer.
-
-When LMCache's L1 pool is a shared-memory file (the LMCache server allocates it
-in ``/dev/shm``), the adapter registers it with the gateway as a region and
-objects inside it skip the ring: loads are read from the card straight into
-their L1 buffers and stores written from them (``get_into`` / ``put_from``),
-one copy in all. Objects elsewhere (anonymous L1 memory, e.g. ``lmcache bench
-l2``'s buffer) go through the ring as above.
 - delete → ``delete``; get_usage → ``stats`` (cached briefly).
+
+When LMCache's L1 pool is a shared-memory file (``lmcache server --shm-name``
+allocates it in ``/dev/shm``), the adapter registers it with the gateway as a
+region and objects inside it skip the ring: loads are read from the card
+straight into their L1 buffers and stores written from them (``get_into`` /
+``put_from``), one copy in all. Objects elsewhere (anonymous L1 memory, the
+server's default and ``lmcache bench l2``'s buffer) go through the ring as above.
 
 Objects of a task that differ in size go out as one request per size. Results
 land in per-kind dicts under one lock and the kind's eventfd is signalled;

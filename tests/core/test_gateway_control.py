@@ -141,6 +141,24 @@ def test_gateway_down_turns_the_cache_off_once(start_gateway, caplog):
     client.close()
 
 
+def test_a_quickly_restarted_gateway_turns_the_old_attachment_off(start_gateway, caplog):
+    """The new gateway never heard of the rank (nor has it the old ring): the client must not
+    go on sending into a void; it turns off at the first refusal, and a new client attaches."""
+    gw = start_gateway()
+    keys = make_keys(3)
+    client = GatewayClient(ClientConfig(port=gw.port, timeout_s=5.0), "engine")
+    assert client.enabled
+    gw.restart()                          # back before any timeout could notice
+    with caplog.at_level(logging.WARNING, logger="adpkv.client"):
+        assert client.exist(keys).result(timeout=10) == [False] * 3
+        assert not client.enabled
+    assert any("restarted" in r.getMessage() for r in caplog.records)
+    client.close()
+    fresh = GatewayClient(ClientConfig(port=gw.port, timeout_s=5.0), "engine")
+    assert fresh.enabled
+    fresh.close()
+
+
 def test_no_gateway_at_start_is_a_fast_miss(caplog):
     with caplog.at_level(logging.WARNING, logger="adpkv.client"):
         client = GatewayClient(ClientConfig(port=1, connect_timeout_s=0.5), "engine")

@@ -7,6 +7,7 @@ does, and described with LMCache's own ``L1MemoryDesc``.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import pytest
@@ -126,6 +127,35 @@ def test_ring_path_when_l1_is_not_shared(lmc_gateway, shm_l1, how):
         assert all(same_bytes(x, y) for x, y in zip(src, dst))
         after = _counters(lmc_gateway.port)
         assert after.get("get_region_requests", 0) == before.get("get_region_requests", 0)
+        a.submit_unlock(keys)
+    finally:
+        a.close()
+
+
+def test_region_registered_again_after_the_gateway_restarts(start_gateway, shm_l1):
+    from adpkv_lmcache import AdpL2Adapter
+
+    arena, desc = shm_l1
+    gw = start_gateway(shared_memory_size=32 << 20, engine_timeout_s=2)
+    a = AdpL2Adapter({"port": gw.port, "timeout_s": 2.0, "reconnect_s": 0.5}, l1_memory_desc=desc)
+    try:
+        p = fresh_prefix()
+        keys = [make_key(i, prefix=p) for i in range(3)]
+        src = [_l1_obj(arena, i, seed=200 + i) for i in range(3)]
+        assert store(a, keys, src).is_successful()
+        gw.stop()
+        gw.start()                                   # a new gateway process: regions are gone with the old one
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and (a.report_status()["reconnects"] < 1 or
+                                               not a.report_status()["attached"]):
+            bits(lookup(a, keys, timeout=10))        # traffic makes the client notice the restart
+            time.sleep(0.2)
+        st = a.report_status()
+        assert st["attached"] and st["reconnects"] >= 1 and st["l1_region"] is not None
+        dst = [_l1_obj(arena, 40 + i) for i in range(3)]
+        assert bits(load(a, keys, dst)) == [1, 1, 1]
+        assert all(same_bytes(x, y) for x, y in zip(src, dst))
+        assert gateway_stats(gw.port)["counters"].get("get_region_requests", 0) == 1
         a.submit_unlock(keys)
     finally:
         a.close()
