@@ -129,6 +129,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup-rounds", type=int, default=1)
     p.add_argument("--ring-mib", type=int, default=512, help="gateway ring (shared_memory_size) in MiB")
+    p.add_argument("--io-processes", type=int, default=0, help="gateway io_processes (fs reads in processes)")
     p.add_argument("--odirect", action="store_true",
                    help="both bypass the page cache: the gateway's fs card with o_direct, LMCache fs with "
                         "use_odirect (and 4 KiB-aligned L1 buffers)")
@@ -149,6 +150,7 @@ def main() -> None:
     fs_dir = os.path.join(root, "lmcache-fs")
     out_json = os.path.join(root, "bench.json")
     gw = GatewayProcess(card, shared_memory_size=args.ring_mib << 20, o_direct=bool(args.odirect),
+                        io_processes=args.io_processes,
                         log_path=os.path.join(root, "gateway.log")).start()
     specs = {
         "adpkv": {"type": "plugin", "module_path": "adpkv_lmcache", "class_name": "AdpL2Adapter",
