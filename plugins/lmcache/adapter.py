@@ -288,6 +288,10 @@ class AdpL2Adapter(L2AdapterInterface):
         if found is not None:
             logger.info("adpkv L2 adapter: LMCache's L1 pool is %s; the gateway reads and writes it directly",
                         found.path)
+        elif ptr and size:
+            logger.info("adpkv L2 adapter: LMCache's L1 is not in shared memory, so objects go through the "
+                        "gateway's ring (one copy more); start the server with --shm-name NAME to let the "
+                        "gateway read into L1 directly")
         return found
 
     def _current(self) -> Optional[_Session]:
