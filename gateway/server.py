@@ -373,17 +373,14 @@ class Gateway:
     # ---------------------------------------------------------------- GET
     def _read_batch(self, batch: Batch) -> None:
         job = batch.job
-        heads = self.store.exists(job.keys[batch.first:batch.first + batch.count],
-                                  job.marks[batch.first:batch.first + batch.count] if job.marks else None,
-                                  job.object_bytes)
+        holders = self.store.holders(job.keys[batch.first:batch.first + batch.count],
+                                     job.marks[batch.first:batch.first + batch.count] if job.marks else None,
+                                     job.object_bytes)
         reads = []
-        for j in range(batch.count):
-            if not heads[j]:
+        for j, card in enumerate(holders):
+            if card is None:
                 continue
-            i = batch.first + j
-            frags = self.store.read_plan(job.keys[i], job.mark(i), job.object_bytes)
-            if frags is None:
-                continue
+            frags = self.store.read_plan(card, job.keys[batch.first + j], job.object_bytes)
             batch.flags[j] = 1
             reads.extend((j, frag, self._slot(batch, j, frag.offset, frag.length)) for frag in frags)
         if self.procs and job.dest is None:

@@ -117,10 +117,9 @@ class ObjectStore:
                  for i, (off, ln) in enumerate(extents)]
         return frags[1:] + frags[:1]          # fragment 0 last: written last
 
-    def read_plan(self, key: bytes, mark: int, object_bytes: int) -> Optional[list[Fragment]]:
-        """The fragments to read an object from, or None when no card in service holds its slot."""
-        t = self.targets(key, mark, 1)
-        return self._frags(t[0], key, object_bytes) if t else None
+    def read_plan(self, card: int, key: bytes, object_bytes: int) -> list[Fragment]:
+        """The fragments to read an object from on ``card`` (the one ``holders`` found)."""
+        return self._frags(card, key, object_bytes)
 
     def write_plans(self, key: bytes, mark: int, object_bytes: int) -> list[list[Fragment]]:
         """One fragment list per replica (cards in service, in placement order)."""
@@ -177,10 +176,16 @@ class ObjectStore:
                object_bytes: Optional[int] = None) -> list[bool]:
         """Whether each object's head fragment is on the card that would serve it
         (and, given ``object_bytes``, holds an object of that size)."""
+        return [card is not None for card in self.holders(keys, marks, object_bytes)]
+
+    def holders(self, keys: Sequence[bytes], marks: Optional[Sequence[int]],
+                object_bytes: Optional[int] = None) -> list[Optional[int]]:
+        """For each object, the card in service that holds its head fragment (of the size
+        ``object_bytes`` when given), or None: where a read of it would go."""
         head_len = None
         if object_bytes is not None:
             head_len = fragment_extents(object_bytes, self.fragment_size)[0][1]
-        out = [False] * len(keys)
+        out: list[Optional[int]] = [None] * len(keys)
         by_card: dict[int, list[tuple[int, int, bytes]]] = collections.defaultdict(list)
         for i, key in enumerate(keys):
             t = self.targets(key, marks[i] if marks else 0, 1)
@@ -195,7 +200,7 @@ class ObjectStore:
                 self.on_io(card, False, 0.0)
                 continue
             for (i, _, _), hit in zip(items, found):
-                out[i] = hit
+                out[i] = card if hit else None
         return out
 
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]]) -> int:
