@@ -495,8 +495,13 @@ class Gateway:
         want = "RELEASE" if batch.job.op == "GET" else "FILLED"
         if msg["op"] != want:
             raise P.ProtocolError(P.BAD_MESSAGE, f"batch {batch_id} of a {batch.job.op} wants {want}")
+        self._rank_done(batch, identity, msg["op"] == "RELEASE" or P.field(msg, "ok", bool, True))
+
+    def _rank_done(self, batch: Batch, identity: bytes, filled_ok: bool) -> None:
+        """A rank is done with a batch (released it, filled it, or left); once none is left
+        waiting, a GET batch frees its ring extent and a PUT batch goes to the cards."""
         batch.waiting.discard(identity)
-        if msg["op"] == "FILLED" and not P.field(msg, "ok", bool, True):
+        if not filled_ok:
             batch.fill_ok = False
         if not batch.waiting:
             if batch.job.op == "GET":
@@ -603,14 +608,7 @@ class Gateway:
                                   f"rank {peer.rank} left before the collective {tag!r} was complete")
         for batch in list(self.batches.values()):
             if identity in batch.waiting:
-                batch.waiting.discard(identity)
-                if batch.job.op == "PUT":
-                    batch.fill_ok = False
-                if not batch.waiting:
-                    if batch.job.op == "GET":
-                        self._retire(batch)
-                    else:
-                        self._write_batch(batch)
+                self._rank_done(batch, identity, filled_ok=batch.job.op == "GET")
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
