@@ -353,8 +353,9 @@ class AdpL2Adapter(L2AdapterInterface):
         marks = self._marks.marks(adp)
         parts: list[tuple[list[int], Future]] = []
         for size, idx in _group_by_size([b[1] for b in bufs]).items():
-            direct = [i for i in idx if self._in_l1(s, bufs[i])]
-            ringed = [i for i in idx if not self._in_l1(s, bufs[i])] if direct else idx
+            direct, ringed = [], []
+            for i in idx:
+                (direct if self._in_l1(s, bufs[i]) else ringed).append(i)
             for sub in (direct, ringed):
                 if not sub:
                     continue
