@@ -69,26 +69,26 @@ def store(adapter, keys, objs, timeout: float = 20.0):
     return got[tid]
 
 
-def lookup(adapter, keys, timeout: float = 20.0):
-    tid = adapter.submit_lookup_and_lock_task(keys, {})
+def _result(query, tid, fd: int, what: str, timeout: float):
+    """Poll ``query(tid)`` until it answers, waiting on ``fd`` in between."""
     deadline = time.monotonic() + timeout
     while True:
-        bm = adapter.query_lookup_and_lock_result(tid)
+        bm = query(tid)
         if bm is not None:
             return bm
-        assert time.monotonic() < deadline, "lookup task did not complete"
-        wait_fd(adapter.get_lookup_and_lock_event_fd(), 1.0)
+        assert time.monotonic() < deadline, f"{what} task did not complete"
+        wait_fd(fd, 1.0)
+
+
+def lookup(adapter, keys, timeout: float = 20.0):
+    tid = adapter.submit_lookup_and_lock_task(keys, {})
+    return _result(adapter.query_lookup_and_lock_result, tid, adapter.get_lookup_and_lock_event_fd(),
+                   "lookup", timeout)
 
 
 def load(adapter, keys, objs, timeout: float = 20.0):
     tid = adapter.submit_load_task(keys, objs)
-    deadline = time.monotonic() + timeout
-    while True:
-        bm = adapter.query_load_result(tid)
-        if bm is not None:
-            return bm
-        assert time.monotonic() < deadline, "load task did not complete"
-        wait_fd(adapter.get_load_event_fd(), 1.0)
+    return _result(adapter.query_load_result, tid, adapter.get_load_event_fd(), "load", timeout)
 
 
 def bits(bm) -> list[int]:
