@@ -83,6 +83,19 @@ class StoreFlags(list):
         self.existed = list(existed) if existed is not None else [False] * len(flags)
 
 
+def gateway_answers(config: ClientConfig, timeout_s: float = 0.3) -> bool:
+    """Whether a gateway answers on ``config``'s address right now (one cheap probe,
+    no attachment): the re-attach policy asks this before building a new client."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{config.host}:{config.port}")
+        sock.send(P.encode({"op": "PING", "id": 0}))
+        return bool(sock.poll(int(timeout_s * 1000)))
+    finally:
+        sock.close(0)
+
+
 def _done(value) -> Future:
     f: Future = Future()
     f.set_result(value)
