@@ -55,6 +55,12 @@ class CardStats:
     def end(self, token: int, write: bool, ok: bool, nbytes: int) -> float:
         with self.lock:
             seconds = time.monotonic() - self._inflight.pop(token)
+        self.record(write, ok, nbytes, seconds)
+        return seconds
+
+    def record(self, write: bool, ok: bool, nbytes: int, seconds: float) -> None:
+        """Account one finished I/O (timed elsewhere, e.g. in an I/O process)."""
+        with self.lock:
             if write:
                 self.writes += 1
                 self.bytes_written += nbytes if ok else 0
@@ -66,7 +72,6 @@ class CardStats:
             self.io_seconds += seconds
             self.io_count += 1
             self.io_max_s = max(self.io_max_s, seconds)
-            return seconds
 
     def oldest_io_age(self) -> float:
         with self.lock:
