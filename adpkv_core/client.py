@@ -58,6 +58,22 @@ class RingBatch:
 
 
 BatchCallback = Callable[[RingBatch], Optional[bool]]
+"""``on_batch(batch) -> bool | None``: the copy of one ring batch of a ``get`` or ``put``.
+
+- It runs on the client's I/O thread, once per batch, in request order; the gateway
+  holds the batch's ring slots until it returns. It must not block (no waiting on
+  other requests, locks held by request paths, or storage): every other request of
+  the rank, and the heartbeats, wait behind it.
+- ``get``: copy the hits (``batch.hits[i]``) among objects ``batch.first ..
+  batch.first+batch.count-1`` out of the ring (object i at ``batch.offset + i*batch.stride``,
+  this rank's part at ``batch.slice_offset``, ``batch.slice_bytes`` long); leave misses alone.
+  ``put``: fill those slots.
+- Returning ``False`` (or raising: logged) means the batch was not copied: every object
+  of it counts as a miss (``get``) / not stored (``put``, the gateway drops the slots),
+  whatever the gateway found or could write. ``None``/``True``: copied.
+- After the request's future resolves (also when the cache turned off or the client
+  closed), the callback is never called again for it.
+"""
 
 
 class _Pending:
