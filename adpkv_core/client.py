@@ -14,6 +14,7 @@ import collections
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -22,6 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 import zmq
 
 from . import protocol as P
+from .door import DoorSession, door_path
 from .ring import Ring
 from .settings import ClientConfig
 
@@ -99,9 +101,22 @@ class StoreFlags(list):
         self.existed = list(existed) if existed is not None else [False] * len(flags)
 
 
+def door_of(config: ClientConfig) -> str:
+    """The door (Unix socket) of the gateway ``config`` names."""
+    return config.socket or door_path(config.port)
+
+
 def gateway_answers(config: ClientConfig, timeout_s: float = 0.3) -> bool:
-    """Whether a gateway answers on ``config``'s address right now (one cheap probe,
+    """Whether a gateway is serving ``config``'s door and port right now (one cheap probe,
     no attachment): the re-attach policy asks this before building a new client."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    probe.settimeout(timeout_s)
+    try:
+        probe.connect(door_of(config))
+    except OSError:
+        return False
+    finally:
+        probe.close()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
@@ -133,6 +148,8 @@ class GatewayClient:
         self.attach_info: dict = {}
         self.attach_error: Optional[str] = None
         self._ring: Optional[Ring] = None
+        self._door: Optional[DoorSession] = None
+        self._door_lock = threading.Lock()       # door requests: one at a time
         self._enabled = True
         self._closed = False
         self._ids = itertools.count(1)
@@ -184,10 +201,30 @@ class GatewayClient:
         return self._data("PUT", keys, object_bytes, on_batch, marks, tag, slice)
 
     def register_region(self, path: str, offset: int, size: int) -> "Future[Optional[int]]":
-        """Let the gateway map ``size`` bytes at ``offset`` of a shared-memory file of ours
-        (see ``adpkv_core.regions``). Resolves with the region id, or None when refused."""
-        msg = {"op": "REGION", "path": str(path), "offset": int(offset), "size": int(size)}
-        return self._call(msg, lambda r: int(r["region"]), None)
+        """Hand the gateway ``size`` bytes at ``offset`` of a shared-memory file of ours, so
+        that ``get_into``/``put_from`` move objects between the cards and it with no copy
+        here. This process opens the file itself (read-write, with its own rights) and passes
+        the descriptor through the door: a region is only ever memory we can reach. Resolves
+        with the region id, or None when refused (the reason is logged)."""
+        if not self._enabled or self.rank is None or self._door is None:
+            return _done(None)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            logger.warning("Cannot open %s as a region: %s", path, exc)
+            return _done(None)
+        try:
+            with self._door_lock:
+                reply = self._door.register_region(fd, offset, size)
+        except (OSError, EOFError, P.ProtocolError) as exc:
+            logger.warning("Registering region %s failed: %s", path, exc)
+            return _done(None)
+        finally:
+            os.close(fd)
+        if reply.get("op") != "OK":
+            logger.warning("The gateway refused region %s: %s %s", path, reply.get("code"), reply.get("msg"))
+            return _done(None)
+        return _done(int(reply["region"]))
 
     def get_into(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
                  marks: Optional[Sequence[int]] = None, unlock: bool = False) -> "Future[list[bool]]":
@@ -231,12 +268,30 @@ class GatewayClient:
         if self._ring is not None:
             self.ring = None
             self._ring.close()
+        if self._door is not None:
+            self._door.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
     # ---------------------------------------------------------------- internals
     def _attach(self, layout: dict) -> None:
-        hello = {"op": "HELLO", "engine": self.engine_id, "world": self.world_size,
+        door = door_of(self.config)
+        try:
+            session = DoorSession(door, self.config.connect_timeout_s)
+        except (OSError, EOFError, ValueError, P.ProtocolError) as exc:
+            self._turn_off(f"no gateway let us in at {door} ({exc})")
+            return
+        try:
+            ring = Ring.from_fd(session.ring_fd, session.ring_size) if self.rank is not None else None
+        except (OSError, ValueError) as exc:
+            session.close()
+            self._turn_off(f"the gateway's ring is not usable: {exc}")
+            return
+        if self.rank is None:
+            os.close(session.ring_fd)
+        self._door = session
+        self._wake()          # the I/O thread starts watching the door
+        hello = {"op": "HELLO", "session": session.token, "engine": self.engine_id, "world": self.world_size,
                  "namespace": self.config.namespace, "layout": layout}
         if self.rank is None:
             hello["role"] = "lookup"
@@ -254,6 +309,8 @@ class GatewayClient:
             if reply is None or reply.get("code") != P.ENGINE_BUSY or time.monotonic() > busy_until:
                 break
             time.sleep(0.5)
+        if (reply is None or reply.get("op") == "ERROR") and ring is not None:
+            ring.close()
         if reply is None:
             self._turn_off(f"no gateway answered on {self.config.host}:{self.config.port}")
             return
@@ -266,10 +323,10 @@ class GatewayClient:
         if self.rank is None:
             logger.info("Attached to the adpkv gateway on port %d for lookups", self.config.port)
             return
-        self._ring = Ring.attach(reply["ring_path"], reply["ring_size"])
-        self.ring = self._ring.buf
-        logger.info("Attached to the adpkv gateway on port %d as rank %d/%d (ring %s, %d bytes)",
-                    self.config.port, self.rank, self.world_size, reply["ring_path"], reply["ring_size"])
+        self._ring = ring
+        self.ring = ring.buf
+        logger.info("Attached to the adpkv gateway on port %d as rank %d/%d (ring %d bytes)",
+                    self.config.port, self.rank, self.world_size, ring.size)
 
     def _data(self, op, keys, object_bytes, on_batch, marks, tag, slice_, unlock=False, into=None):
         n = len(keys)
@@ -339,9 +396,17 @@ class GatewayClient:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        door_fd = None
         try:
             while not self._closed:
-                poller.poll(100)
+                events = poller.poll(100)
+                if door_fd is None and self._door is not None and self._enabled:
+                    # the door stays open while the gateway lives: a hang-up means it is gone
+                    door_fd = self._door.fileno()
+                    poller.register(door_fd, zmq.POLLERR)
+                if door_fd is not None and any(what == door_fd for what, _ in events):
+                    poller.unregister(door_fd)
+                    self._turn_off("the gateway went away (its door closed)")
                 self._drain_wake()
                 while self._outbox:
                     req_id, pending, msg = self._outbox.popleft()

@@ -6,7 +6,7 @@ travels here: it moves through the ring, and messages only name ring offsets.
 
 Requests (client → gateway)::
 
-    HELLO  engine, rank, world, namespace, layout      -> OK ring_path ring_size ...
+    HELLO  session, engine, rank, world, namespace, layout  -> OK ring_size max_batch_bytes
            (role="lookup" and no rank: a lookup-only peer of the engine, e.g. vLLM's scheduler)
     BYE                                                -> OK
     PING                                               -> OK
@@ -14,15 +14,19 @@ Requests (client → gateway)::
     UNLOCK keys                                        -> OK
     GET    keys, marks?, obj, tag?, unlock?            -> BATCH* (hits), then DONE hits
     PUT    keys, marks?, obj, tag?                     -> BATCH*, then DONE stored existed
-    REGION path, offset, size                          -> OK region
-           (a shared-memory file of the engine's own, mapped by the gateway)
-    GET/PUT ... region, at  (no tag)                   -> DONE only: each object moves between the
-           card and ``at[i]`` in the region directly, without ring slots
+    GET/PUT ... region, at  (no tag)                   -> DONE only: the gateway moves each object
+           between the card and ``at[i]`` of a region the session handed over at the door
+           (``adpkv_core.door``), the engine copies nothing
     RELEASE id, batch    (after copying a GET batch out of the ring)
     FILLED  id, batch, ok (after copying a PUT batch into the ring)
     DELETE keys                                        -> OK deleted
-    CLEAN                                              -> OK deleted | ERROR CLEAN_REFUSED
-    STATS                                              -> OK stats
+    CLEAN  session                                     -> OK deleted | ERROR CLEAN_REFUSED / FORBIDDEN
+    STATS  session                                     -> OK stats
+
+``session`` is the token a process got at the gateway's door (``adpkv_core.door``):
+nothing but PING is served without one. HELLO binds the connection to it; an
+engine belongs to the uid of the session that attached it first.
+
 
 ``hits``/``stored`` are bytes with one 0/1 byte per key. A ``BATCH`` names
 objects ``first .. first+count-1`` of the request at ring ``offset`` with
@@ -38,7 +42,7 @@ import msgpack
 PROTOCOL_VERSION = 1
 
 REQUEST_OPS = frozenset({"HELLO", "BYE", "PING", "EXIST", "UNLOCK", "GET", "PUT",
-                         "RELEASE", "FILLED", "DELETE", "CLEAN", "STATS", "REGION"})
+                         "RELEASE", "FILLED", "DELETE", "CLEAN", "STATS"})
 
 # Error codes of an ERROR reply.
 BAD_MESSAGE = "BAD_MESSAGE"          # not a msgpack map, or a field of the wrong type
@@ -51,7 +55,9 @@ TOO_LARGE = "TOO_LARGE"              # one object does not fit the ring
 UNKNOWN_BATCH = "UNKNOWN_BATCH"      # RELEASE/FILLED of a batch the gateway never handed out
 COLLECTIVE_MISMATCH = "COLLECTIVE_MISMATCH"  # ranks sent different parts for one tag
 CLEAN_REFUSED = "CLEAN_REFUSED"      # shared_storage: nothing was deleted
-BAD_REGION = "BAD_REGION"            # a region that cannot be mapped, or a range outside it
+BAD_REGION = "BAD_REGION"            # a region that cannot be used, or a range outside it
+FORBIDDEN = "FORBIDDEN"              # no session, another user's engine, or not an operator
+CARD_ERROR = "CARD_ERROR"            # the cards did not answer a metadata request
 INTERNAL = "INTERNAL"
 
 

@@ -2,10 +2,10 @@
 
 An engine whose host KV buffer is a mapping of a file in ``/dev/shm`` (LMCache's
 L1 pool, for one) can register it with the gateway as a *region*
-(``GatewayClient.register_region``); the gateway then reads cards straight into
-that buffer and writes cards straight from it, without ring slots or an
-engine-side copy. This module finds the file and the offset from the buffer's
-address, using ``/proc/self/maps``.
+(``GatewayClient.register_region``, which hands the gateway an open descriptor of
+it); the gateway then moves objects between the cards and that buffer itself,
+with no copy on the engine side. This module finds the file and the offset from
+the buffer's address, using ``/proc/self/maps``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple, Optional
 
-from .ring import SHM_DIR
+from .door import SHM_DIR
 
 
 class SharedFile(NamedTuple):

@@ -1,23 +1,23 @@
 """The shared-memory ring: the transfer window between engine ranks and the gateway.
 
-The gateway creates a file in /dev/shm named after its port; every rank maps it.
-A slot lives for one transfer only; the ring is not a cache. Objects sit in the
-ring at a stride rounded up to ``RING_ALIGN`` so card I/O can use O_DIRECT
-straight into the mapped slots.
+The gateway creates the ring as a memfd (``adpkv-ring-<port>``) sealed against
+shrinking and growing, and hands it to each rank as a descriptor through its door
+(``adpkv_core.door``): there is no ring file anyone could replace, truncate or
+link to, so no process can make the gateway fault on the ring. A slot lives for
+one transfer only; the ring is not a cache. Objects sit in the ring at a stride
+rounded up to ``RING_ALIGN`` so card I/O can use O_DIRECT straight into the
+mapped slots.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 
 RING_ALIGN = 4096
-SHM_DIR = "/dev/shm"
-
-
-def ring_path(port: int, shm_dir: str = SHM_DIR) -> str:
-    """The ring file of the gateway listening on ``port``."""
-    return os.path.join(shm_dir, f"adpkv-ring-{port}")
+RING_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+MEMFD_NAME_PREFIX = "adpkv-ring-"
 
 
 def align_up(n: int, align: int = RING_ALIGN) -> int:
@@ -35,12 +35,12 @@ def max_parallel_ios(shared_memory_size: int, io_size: int) -> int:
 
 
 class Ring:
-    """A mapping of the ring file. ``buf`` is a writable memoryview of all of it."""
+    """A mapping of the ring. ``buf`` is a writable memoryview of all of it."""
 
-    def __init__(self, path: str, size: int, fd: int, owner: bool):
-        self.path = path
+    def __init__(self, name: str, size: int, fd: int, owner: bool):
+        self.name = name
         self.size = size
-        self._fd = fd
+        self.fd = fd
         self._owner = owner
         # MAP_POPULATE: the pages are allocated and mapped now, not faulted in one by
         # one during the first transfers (the ring is held for the gateway's lifetime).
@@ -49,26 +49,40 @@ class Ring:
         self.buf = memoryview(self._mmap)
 
     @classmethod
-    def create(cls, path: str, size: int) -> "Ring":
-        """Create (or replace) the ring file; used by the gateway."""
+    def create(cls, port: int, size: int) -> "Ring":
+        """The gateway's ring: a sealed memfd of ``size`` bytes (rounded up to the alignment)."""
         size = align_up(size)
+        name = f"{MEMFD_NAME_PREFIX}{port}"
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, size)
-        return cls(path, size, fd, owner=True)
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, RING_SEALS)
+            return cls(name, size, fd, owner=True)
+        except BaseException:
+            os.close(fd)
+            raise
 
     @classmethod
-    def attach(cls, path: str, size: int | None = None) -> "Ring":
-        """Map an existing ring file; used by the engine ranks."""
-        fd = os.open(path, os.O_RDWR)
-        actual = os.fstat(fd).st_size
-        if size is not None and actual != size:
+    def from_fd(cls, fd: int, size: int) -> "Ring":
+        """Map a ring received from the gateway (takes ``fd``). ``ValueError`` when it is not
+        a sealed ring of the size the gateway announced: the caller turns the cache off."""
+        try:
+            actual = os.fstat(fd).st_size
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if actual != size:
+                raise ValueError(f"the ring is {actual} bytes, the gateway announced {size}")
+            if seals & RING_SEALS != RING_SEALS:
+                raise ValueError("the ring is not sealed against resizing")
+            return cls(os.readlink(f"/proc/self/fd/{fd}"), size, fd, owner=False)
+        except BaseException:
             os.close(fd)
-            raise ValueError(f"ring {path} is {actual} bytes, the gateway announced {size}")
-        return cls(path, actual, fd, owner=False)
+            raise
+
+    @classmethod
+    def attach(cls, path: str, size: int) -> "Ring":
+        """Map a ring by a path to its descriptor (``/proc/<gateway pid>/fd/<n>``); used by
+        the gateway's own I/O processes."""
+        return cls.from_fd(os.open(path, os.O_RDWR | os.O_CLOEXEC), size)
 
     def slot(self, offset: int, nbytes: int) -> memoryview:
         """A view of ``nbytes`` at ``offset``; raises on a range outside the ring."""
@@ -79,12 +93,12 @@ class Ring:
     def close(self) -> None:
         """Stop using the ring.
 
-        The gateway (owner) unmaps and removes the file. An engine rank only drops
-        its references: tensors made over ``buf`` (``torch.frombuffer``) may still
-        view the mapping, and unmapping under them would crash the engine; the
-        mapping goes away with its last user.
+        The gateway (owner) unmaps it. An engine rank only drops its references:
+        tensors made over ``buf`` (``torch.frombuffer``) may still view the mapping,
+        and unmapping under them would crash the engine; the mapping goes away with
+        its last user.
         """
-        os.close(self._fd)
+        os.close(self.fd)
         if not self._owner:
             self.buf = None
             self._mmap = None
@@ -94,7 +108,13 @@ class Ring:
             self._mmap.close()
         except BufferError:
             pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+
+
+def is_ring_fd(fd: int) -> bool:
+    """Whether ``fd`` is an adpkv ring (any gateway's): such a descriptor is never a region."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False
+    return target.startswith("/memfd:" + MEMFD_NAME_PREFIX) or \
+        os.path.basename(target).startswith(MEMFD_NAME_PREFIX)

@@ -1,25 +1,42 @@
-"""Talk to a running gateway from tools (the ``adpkv`` CLI, tests): one request, one reply."""
+"""Talk to a running gateway from tools (the ``adpkv`` CLI, tests): one request, one reply.
+
+A request other than PING needs a session: ``request`` opens one at the gateway's door
+(``adpkv_core.door``) for the call, with the caller's own credentials.
+"""
 
 from __future__ import annotations
 
 import itertools
+import os
+import time
 from typing import Optional
 
 import zmq
 
 from adpkv_core import protocol as P
+from adpkv_core.door import DoorSession, door_path
 
 _ids = itertools.count(1)
 
 
-def request(port: int, msg: dict, host: str = "127.0.0.1", timeout_s: float = 3.0) -> Optional[dict]:
-    """Send one control message; the reply, or None if the gateway did not answer in time."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+def request(port: int, msg: dict, host: str = "127.0.0.1", timeout_s: float = 3.0,
+            door: Optional[str] = None) -> Optional[dict]:
+    """Send one control message; the reply, or None if the gateway did not answer in time.
+    ``door`` is the gateway's control socket when it is not the default for ``port``."""
+    session = None
+    msg = dict(msg)
+    if msg.get("op") != "PING":
+        try:
+            session = DoorSession(door or door_path(port), timeout_s)
+        except (OSError, ValueError) as exc:
+            if isinstance(exc, PermissionError):
+                return P.error(None, P.FORBIDDEN, f"no permission to open the gateway's door: {exc}")
+            return None
+        msg["session"] = session.token
+    sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(f"tcp://{host}:{port}")
-        msg = dict(msg)
         msg.setdefault("id", next(_ids))
         sock.send(P.encode(msg))
         if not sock.poll(int(timeout_s * 1000)):
@@ -27,11 +44,13 @@ def request(port: int, msg: dict, host: str = "127.0.0.1", timeout_s: float = 3.
         return P.decode(sock.recv())
     finally:
         sock.close(0)
+        if session is not None:
+            os.close(session.ring_fd)
+            session.close()
 
 
 def wait_until_up(port: int, timeout_s: float = 15.0, host: str = "127.0.0.1") -> bool:
     """Poll the gateway with PING until it answers."""
-    import time
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if request(port, {"op": "PING"}, host, timeout_s=0.3) is not None:

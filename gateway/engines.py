@@ -11,6 +11,10 @@ from adpkv_core import protocol as P
 
 logger = logging.getLogger("adpkv.gateway")
 
+MAX_WORLD = 1024               # ranks of one engine
+MAX_NAME = 256                 # characters of an engine id or a namespace
+MAX_LAYOUT_BYTES = 16 << 10    # the layout map, encoded
+
 
 class Peer:
     """One attached connection: a rank (``rank`` >= 0) or a lookup-only peer (``rank`` None),
@@ -28,8 +32,9 @@ class Peer:
 class EngineSession:
     """The engine attached to the gateway: identity, world size, namespace, layout, ranks."""
 
-    def __init__(self, engine_id: str, world: int, namespace: str, layout: dict):
+    def __init__(self, engine_id: str, world: int, namespace: str, layout: dict, uid: int):
         self.engine_id = engine_id
+        self.uid = uid          # the user it belongs to: only its sessions attach to it
         self.world = world
         self.namespace = namespace
         self.layout = layout
@@ -46,20 +51,26 @@ class EngineRegistry:
         self.engine: Optional[EngineSession] = None
         self.peers: dict[bytes, Peer] = {}
 
-    def attach(self, identity: bytes, msg: dict) -> Peer:
-        engine_id = P.field(msg, "engine", str)
+    def attach(self, identity: bytes, msg: dict, uid: int) -> Peer:
+        """Attach a connection of the session of user ``uid`` (HELLO); BAD_MESSAGE for a field
+        out of bounds, FORBIDDEN for another user's engine."""
+        engine_id = _name(msg, "engine", P.field(msg, "engine", str), allow_empty=False)
         role = P.field(msg, "role", str, "rank")
         if role not in ("rank", "lookup"):
-            raise P.ProtocolError(P.BAD_MESSAGE, f"unknown role {role!r}")
+            raise P.ProtocolError(P.BAD_MESSAGE, "role must be rank or lookup")
         rank = P.field(msg, "rank", int) if role == "rank" else None
         world = P.field(msg, "world", int)
-        namespace = P.field(msg, "namespace", str, "")
+        namespace = _name(msg, "namespace", P.field(msg, "namespace", str, ""), allow_empty=True)
         layout = P.field(msg, "layout", dict, {})
-        if world < 1 or (rank is not None and not 0 <= rank < world):
-            raise P.ProtocolError(P.BAD_MESSAGE, f"rank {rank} of world {world} is not valid")
+        if len(P.encode(dict(layout))) > MAX_LAYOUT_BYTES:
+            raise P.ProtocolError(P.BAD_MESSAGE, f"layout is larger than {MAX_LAYOUT_BYTES} bytes")
+        if not 1 <= world <= MAX_WORLD or (rank is not None and not 0 <= rank < world):
+            raise P.ProtocolError(P.BAD_MESSAGE, f"need 0 <= rank < world <= {MAX_WORLD}")
         if identity in self.peers:
             raise P.ProtocolError(P.RANK_TAKEN, "this connection is attached already")
         engine = self.engine
+        if engine is not None and engine.engine_id == engine_id and engine.uid != uid:
+            raise P.ProtocolError(P.FORBIDDEN, f"engine {engine_id} belongs to another user")
         if engine is not None and engine.engine_id != engine_id:
             raise P.ProtocolError(P.ENGINE_BUSY, f"this gateway serves engine {engine.engine_id} "
                                   f"({len(engine.ranks)} of {engine.world} ranks attached); one engine per "
@@ -69,8 +80,8 @@ class EngineRegistry:
         if engine is not None and rank is not None and rank in engine.ranks:
             raise P.ProtocolError(P.RANK_TAKEN, f"rank {rank} of engine {engine_id} is attached already")
         if engine is None:
-            engine = self.engine = EngineSession(engine_id, world, namespace, layout)
-            logger.info("Engine %s attached (world %d, namespace %r)", engine_id, world, namespace)
+            engine = self.engine = EngineSession(engine_id, world, namespace, layout, uid)
+            logger.info("Engine %s of uid %d attached (world %d, namespace %r)", engine_id, uid, world, namespace)
         peer = Peer(identity, rank)
         if rank is None:
             engine.lookups.add(identity)
@@ -104,6 +115,13 @@ class EngineRegistry:
         """Identities silent for longer than the timeout."""
         limit = time.monotonic() - self.timeout_s
         return [ident for ident, peer in self.peers.items() if peer.last_seen < limit]
+
+
+def _name(msg: dict, field: str, value: str, allow_empty: bool) -> str:
+    if len(value) > MAX_NAME or not value.isprintable() or (not value and not allow_empty):
+        raise P.ProtocolError(P.BAD_MESSAGE, f"{field} must be 1 to {MAX_NAME} printable characters"
+                              if not allow_empty else f"{field} must be at most {MAX_NAME} printable characters")
+    return value
 
 
 def _who(peer: Peer) -> str:

@@ -10,6 +10,8 @@ keeps every decision (index, LRU, placement, corrupt files) in its own process.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Optional
 
@@ -28,17 +30,20 @@ def _init(ring_path: str, ring_size: int) -> None:
 
 
 def read_files(items: list) -> list:
-    """``(j, path, fkey, ring offset, length, o_direct)`` items → ``(j, problem or None)``."""
+    """``(j, path, fkey, ring offset, length, o_direct)`` items → ``(j, problem or None, seconds)``."""
     out = []
     for j, path, fkey, offset, length, o_direct in items:
-        out.append((j, read_object_file(path, fkey, _ring.buf[offset:offset + length], o_direct, _scratch)))
+        t0 = time.monotonic()
+        problem = read_object_file(path, fkey, _ring.buf[offset:offset + length], o_direct, _scratch)
+        out.append((j, problem, time.monotonic() - t0))
     return out
 
 
 def start(processes: int, ring: Ring) -> ProcessPoolExecutor:
-    """A pool of ``processes`` readers mapping ``ring`` (spawned: the gateway has threads)."""
+    """A pool of ``processes`` readers mapping ``ring`` (spawned: the gateway has threads).
+    They open the ring through the gateway's descriptor (``/proc/<pid>/fd/<n>``)."""
     pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init, initargs=(ring.path, ring.size))
+                               initializer=_init, initargs=(f"/proc/{os.getpid()}/fd/{ring.fd}", ring.size))
     for f in [pool.submit(read_files, []) for _ in range(processes)]:
         f.result()          # start them now, not on the first restore
     return pool

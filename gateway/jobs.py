@@ -8,7 +8,10 @@ in several batches and the ring size never limits a request.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from .door import Region
 
 MAX_BATCHES_IN_FLIGHT = 2
 
@@ -61,7 +64,10 @@ class DataJob:
         self.results = bytearray(len(self.keys))
         self.existed = bytearray(len(self.keys))   # PUT: already stored, not written again
         self.unlock = unlock                       # GET: release this rank's pins on the keys when done
-        self.dest: Optional[list] = None           # into/out of a region: one view per object, no ring
+        # into/out of a client's region: the gateway copies between the ring and the region's
+        # descriptor itself (``Region``, and each object's offset in its file)
+        self.region: Optional[Region] = None
+        self.places: list[int] = []
 
     @property
     def n(self) -> int:

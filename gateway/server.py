@@ -1,7 +1,13 @@
-"""The gateway process: one ZeroMQ loop for control, a thread pool for card I/O.
+"""The gateway process: one loop for control, a thread pool for card I/O.
 
-All request state lives in the loop's thread; card I/O runs on the pool and
-reports back through a completion queue that wakes the loop.
+All request state lives in the loop's thread. Everything that touches a card
+(data, but also EXIST, DELETE, CLEAN and the usage behind STATS and the status
+file) runs on the pool and reports back through a completion queue that wakes
+the loop: one slow card never stalls another engine's control messages.
+
+Who may do what: a control-port request is served only on a session from the
+door (``gateway/door.py``); an engine belongs to the uid that attached it first,
+and only an operator cleans.
 """
 
 from __future__ import annotations
@@ -20,15 +26,16 @@ import zmq
 
 from adpkv_core import protocol as P
 from adpkv_core.keys import KEY_BYTES
-from adpkv_core.ring import Ring, max_parallel_ios, object_stride, ring_path
+from adpkv_core.door import SHM_DIR, door_path
+from adpkv_core.ring import MEMFD_NAME_PREFIX, Ring, max_parallel_ios, object_stride
 
 from . import io_procs
 from .cards import CardUsage, FsCard, open_cards
-from .config import GatewayConfig
+from .config import GatewayConfig, socket_mode
+from .door import DoorServer, Session, claim_door
 from .engines import EngineRegistry, Peer
 from .health import HealthMonitor
 from .jobs import Batch, DataJob, Participant
-from .regions import RegionTable
 from .ring_alloc import RingAllocator
 from .status import render_status, write_status_file
 from .store import ObjectStore
@@ -36,6 +43,7 @@ from .store import ObjectStore
 logger = logging.getLogger("adpkv.gateway")
 
 MAX_KEYS_PER_REQUEST = 1 << 20
+MAX_FRAME_BYTES = 128 << 20   # a request of MAX_KEYS_PER_REQUEST keys with marks fits
 IO_TASK_ITEMS = 16        # fragments (reads) or objects (writes) per thread-pool task
 
 
@@ -45,6 +53,22 @@ class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.started = time.time()
+        # First of all, before any card or shared memory is touched: own the door (and
+        # so the port), or refuse to start. A second gateway on a busy port changes nothing.
+        self.door_file = config.control_socket or door_path(config.port)
+        self._door_lock = claim_door(self.door_file)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        try:
+            self.sock.bind(f"tcp://{config.bind_address}:{config.port}")
+        except zmq.ZMQError as exc:
+            self.sock.close(0)
+            self.ctx.term()
+            raise SystemExit(f"cannot listen on {config.bind_address}:{config.port}: {exc}") from None
+        _remove_legacy_ring(config.port)
         holder: dict = {}
         cards = open_cards(config, is_pinned=lambda key: holder["store"].is_pinned(key))
         self.store = holder["store"] = ObjectStore(cards, config.storage_slots, config.num_dbs,
@@ -67,10 +91,10 @@ class Gateway:
                     config.key_placement, config.storage_slots, config.num_dbs, config.replicas)
         if int(config.start_clean):
             logger.info("start_clean: removed %d objects", self.store.clean())
-        self.ring = Ring.create(ring_path(config.port), config.shared_memory_size)
+        self.ring = Ring.create(config.port, config.shared_memory_size)
         self.alloc = RingAllocator(self.ring.size)
-        self.regions = RegionTable(self.ring.path)
-        logger.info("Ring %s: %d bytes; io_size %d; max_parallel_ios = %d", self.ring.path, self.ring.size,
+        logger.info("Ring %s: %d bytes (a sealed memfd, handed out at the door); io_size %d; "
+                    "max_parallel_ios = %d", self.ring.name, self.ring.size,
                     config.io_size, max_parallel_ios(self.ring.size, config.io_size))
         self.pool = ThreadPoolExecutor(config.thread_pool_size, thread_name_prefix="adpkv-io")
         self.procs = io_procs.start(config.io_processes, self.ring) if config.io_processes else None
@@ -78,15 +102,19 @@ class Gateway:
             logger.info("fs card reads run in %d I/O processes", config.io_processes)
         self.health.start()
         self.engines = EngineRegistry(config.engine_timeout_s)
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.sock.bind(f"tcp://{config.bind_address}:{config.port}")
         self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.wake_r, zmq.POLLIN)
+        self.sessions_by_peer: dict[bytes, Session] = {}
+        self.door = DoorServer(self.door_file, socket_mode(config), config.control_socket_group,
+                               config.operator_group, self.ring,
+                               register=lambda fd: self.poller.register(fd, zmq.POLLIN),
+                               unregister=self.poller.unregister, on_session_closed=self._on_session_closed)
+        self.status_writing = False
         self.jobs: "collections.OrderedDict[int, DataJob]" = collections.OrderedDict()
         self.batches: dict[int, Batch] = {}
         self.collectives: dict[str, dict[int, tuple[bytes, dict]]] = {}
@@ -100,13 +128,12 @@ class Gateway:
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         signal.signal(signal.SIGINT, lambda *_: self.stop())
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.wake_r, zmq.POLLIN)
         next_tick = 0.0
         try:
             while not self.stopping:
-                poller.poll(200)
+                for what, _ in self.poller.poll(200):
+                    if isinstance(what, int) and what != self.wake_r:
+                        self.door.on_readable(what)
                 self._drain_completions()
                 for _ in range(1000):
                     try:
@@ -132,11 +159,19 @@ class Gateway:
     def _tick(self) -> None:
         for ident in self.engines.expired():
             self._detach(ident, f"no message for {self.config.engine_timeout_s:.0f} s")
-        if self.config.status_file:
+        if self.config.status_file and not self.status_writing:
+            self.status_writing = True
+            self._collect_stats(self._write_status)
+
+    def _write_status(self, stats: dict) -> None:
+        """Render and write the status file on the pool (a slow disk never stalls the loop)."""
+        def write():
             try:
-                write_status_file(self.config.status_file, render_status(self))
+                write_status_file(self.config.status_file, render_status(stats))
             except OSError as exc:
                 logger.warning("cannot write the status file %s: %s", self.config.status_file, exc)
+
+        self._offload(write, lambda _: setattr(self, "status_writing", False))
 
     def _shutdown(self) -> None:
         logger.info("Gateway stopping: finishing card I/O in flight")
@@ -147,9 +182,11 @@ class Gateway:
         self._drain_completions()
         if self.config.status_file:
             try:
-                write_status_file(self.config.status_file, render_status(self))
+                write_status_file(self.config.status_file, render_status(self._merge_stats(
+                    self._loop_stats(), self._card_usages())))
             except OSError:
                 pass
+        self.door.close()
         self.sock.close(0)
         self.ctx.term()
         for card in self.store.cards:
@@ -181,6 +218,8 @@ class Gateway:
             if peer is None and msg["op"] not in ("HELLO", "PING", "STATS", "CLEAN"):
                 raise P.ProtocolError(P.NOT_ATTACHED, f"{msg['op']} before HELLO")
             handler(self, identity, peer, msg)
+        except zmq.ZMQError:
+            raise
         except P.ProtocolError as exc:
             self.counters["bad_requests"] += 1
             logger.warning("Refused a request from %s: %s", identity.hex(), exc)
@@ -192,11 +231,30 @@ class Gateway:
     def _ok(self, identity: bytes, msg: dict, **fields) -> None:
         self._send(identity, {"op": "OK", "id": msg.get("id"), **fields})
 
+    def _session(self, identity: bytes, msg: dict) -> Session:
+        """The door session behind a request: the one its connection attached with, or the
+        one its ``session`` token names. FORBIDDEN without one."""
+        session = self.sessions_by_peer.get(identity)
+        if session is not None:
+            return session
+        token = P.field(msg, "session", bytes, None)
+        session = self.door.by_token.get(token) if token is not None else None
+        if session is None:
+            raise P.ProtocolError(P.FORBIDDEN, f"{msg['op']} needs a session: connect through the door "
+                                  f"{self.door_file} first (its permissions say who may)")
+        return session
+
     def _on_hello(self, identity, peer, msg):
-        self.engines.attach(identity, msg)
-        self._ok(identity, msg, ring_path=self.ring.path, ring_size=self.ring.size,
-                 fragment_size=self.config.fragment_size, fingerprint=self.store.fingerprint,
-                 max_batch_bytes=self.max_batch_bytes)
+        session = self._session(identity, msg)
+        self.engines.attach(identity, msg, session.uid)
+        self.sessions_by_peer[identity] = session
+        session.identities.add(identity)
+        self._ok(identity, msg, ring_size=self.ring.size, max_batch_bytes=self.max_batch_bytes)
+
+    def _on_session_closed(self, session: Session) -> None:
+        """A client's door closed (it exited, or closed its client): what it attached goes now."""
+        for identity in list(session.identities):
+            self._detach(identity, "its process closed its session")
 
     def _on_bye(self, identity, peer, msg):
         self._ok(identity, msg)
@@ -204,15 +262,6 @@ class Gateway:
 
     def _on_ping(self, identity, peer, msg):
         self._ok(identity, msg)
-
-    def _on_region(self, identity, peer: Peer, msg):
-        if peer.rank is None:
-            raise P.ProtocolError(P.BAD_MESSAGE, "a lookup peer cannot register a region")
-        path = P.field(msg, "path", str)
-        region = self.regions.register(identity, path, P.field(msg, "offset", int), P.field(msg, "size", int))
-        logger.info("Rank %d registered region %d: %s (%d bytes); its GET/PUT go straight to it",
-                    peer.rank, region, path, P.field(msg, "size", int))
-        self._ok(identity, msg, region=region)
 
     def _keys(self, msg) -> tuple[list[bytes], Optional[list[int]]]:
         keys = P.field(msg, "keys", list)
@@ -231,13 +280,17 @@ class Gateway:
 
     def _on_exist(self, identity, peer: Peer, msg):
         keys, marks = self._keys(msg)
-        hits = self.store.exists(keys, marks)
-        if P.field(msg, "lock", bool, False):
-            locked = [k for k, h in zip(keys, hits) if h]
-            self.store.pin(locked)
-            peer.pins.update(locked)
+        lock = P.field(msg, "lock", bool, False)
         self.counters["exist_requests"] += 1
-        self._ok(identity, msg, hits=P.pack_flags(hits))
+
+        def answer(hits):
+            if lock and self.engines.peers.get(identity) is peer:
+                locked = [k for k, h in zip(keys, hits) if h]
+                self.store.pin(locked)
+                peer.pins.update(locked)
+            self._ok(identity, msg, hits=P.pack_flags(hits))
+
+        self._offload(lambda: self.store.exists(keys, marks), answer, identity, msg)
 
     def _on_unlock(self, identity, peer: Peer, msg):
         keys, _ = self._keys(msg)
@@ -254,20 +307,55 @@ class Gateway:
 
     def _on_delete(self, identity, peer, msg):
         keys, marks = self._keys(msg)
-        self._ok(identity, msg, deleted=self.store.delete(keys, marks))
+        self._offload(lambda: self.store.delete(keys, marks),
+                      lambda deleted: self._ok(identity, msg, deleted=deleted), identity, msg)
 
     def _on_clean(self, identity, peer, msg):
+        session = self._session(identity, msg)
+        if not session.operator:
+            raise P.ProtocolError(P.FORBIDDEN, "only an operator cleans (root, the gateway's user, or "
+                                  "operator_group); nothing was deleted")
         if self.config.shared_storage:
             logger.warning("CLEAN refused: shared_storage is set; nothing was deleted")
             raise P.ProtocolError(P.CLEAN_REFUSED, "shared_storage: the cards are shared, nothing was deleted")
         if self.jobs:
             raise P.ProtocolError(P.CLEAN_REFUSED, "requests are in flight; nothing was deleted")
-        deleted = self.store.clean()
-        logger.info("CLEAN: %d objects deleted", deleted)
-        self._ok(identity, msg, deleted=deleted)
+
+        def cleaned(deleted):
+            logger.info("CLEAN by uid %d: %d objects deleted", session.uid, deleted)
+            self._ok(identity, msg, deleted=deleted)
+
+        self._offload(self.store.clean, cleaned, identity, msg)
 
     def _on_stats(self, identity, peer, msg):
-        self._ok(identity, msg, stats=self.stats())
+        session = self._session(identity, msg)
+        engine = self.engines.engine
+        shows_engine = session.operator or (engine is not None and engine.uid == session.uid)
+
+        def answer(stats):
+            if not shows_engine and stats["engine"] is not None:
+                stats["engine"] = {"id": "(another user's)", "world": stats["engine"]["world"],
+                                   "ranks": stats["engine"]["ranks"], "namespace": "(another user's)"}
+            self._ok(identity, msg, stats=stats)
+
+        self._collect_stats(answer, identity, msg)
+
+    # ================================================================ the pool, for card metadata
+    def _offload(self, work, then, identity: Optional[bytes] = None, msg: Optional[dict] = None) -> None:
+        """Run ``work()`` on the I/O pool; ``then(result)`` back on the loop. When ``work``
+        fails, the request (``identity``, ``msg``), if any, gets an ERROR reply."""
+        def done(fut: Future):
+            self._complete(("call", (then, identity, msg), fut))
+        self.pool.submit(work).add_done_callback(done)
+
+    def _call_done(self, then, identity, msg, fut: Future) -> None:
+        exc = fut.exception()
+        if exc is not None:
+            logger.error("card metadata request failed: %r", exc)
+            if identity is not None:
+                self._send(identity, P.error(msg.get("id"), P.CARD_ERROR, f"the cards did not answer: {exc}"))
+            return
+        then(fut.result())
 
     # ================================================================ data requests
     def _on_data(self, identity, peer: Peer, msg):
@@ -280,20 +368,25 @@ class Gateway:
         stride = object_stride(obj)
         tag = P.field(msg, "tag", str, None)
         region = P.field(msg, "region", int, None)
+        if stride > self.max_batch_bytes:
+            raise P.ProtocolError(P.TOO_LARGE, f"an object of {obj} bytes does not fit half the ring "
+                                  f"({self.max_batch_bytes} bytes); raise shared_memory_size")
         if region is not None:
             if tag is not None:
                 raise P.ProtocolError(P.BAD_MESSAGE, "a request into a region is one rank's own (no tag)")
             at = P.field(msg, "at", list)
             if len(at) != len(keys):
                 raise P.ProtocolError(P.BAD_MESSAGE, "at and keys differ in length")
+            regions = self.sessions_by_peer[identity].regions
+            if not 0 <= region < len(regions):
+                raise P.ProtocolError(P.BAD_REGION, f"region {region} is not registered by this session")
             job = DataJob(msg["op"], keys, marks, obj, stride, [Participant(identity, msg["id"])],
                           P.field(msg, "unlock", bool, False))
-            job.dest = self.regions.views(identity, region, at, obj)
+            job.region = regions[region]
+            job.places = job.region.places(at, obj)
+            self.counters[job.op.lower() + "_region_requests"] += 1
             self._start(job)
             return
-        if stride > self.max_batch_bytes:
-            raise P.ProtocolError(P.TOO_LARGE, f"an object of {obj} bytes does not fit half the ring "
-                                  f"({self.max_batch_bytes} bytes); raise shared_memory_size")
         engine = self.engines.engine
         if tag is None or engine is None or engine.world == 1:
             self._start(DataJob(msg["op"], keys, marks, obj, stride, [Participant(identity, msg["id"])],
@@ -324,19 +417,10 @@ class Gateway:
     def _start(self, job: DataJob) -> None:
         self.counters[job.op.lower() + "_requests"] += 1
         self.jobs[id(job)] = job
-        if job.dest is None:
-            self._pump()
-            return
-        # into / out of a region: one batch of all objects, no ring extent
-        self.counters[job.op.lower() + "_region_requests"] += 1
-        batch = self._open_batch(job, job.n, 0, 0)
-        if job.op == "GET":
-            self._read_batch(batch)
-        else:
-            self._write_batch(batch)
+        self._pump()
 
     def _open_batch(self, job: DataJob, count: int, offset: int, nbytes: int) -> Batch:
-        """The job's next ``count`` objects as a batch (at ring ``offset``; nbytes 0: no ring)."""
+        """The job's next ``count`` objects as a batch at ring ``offset``."""
         batch = Batch(next(self.ids), job, job.next, count, offset, nbytes)
         job.next += count
         job.batches[batch.id] = batch
@@ -346,8 +430,6 @@ class Gateway:
     def _pump(self) -> None:
         """Give ring extents to jobs that want them, oldest first."""
         for job in list(self.jobs.values()):
-            if job.dest is not None:
-                continue
             while job.wants_more():
                 largest = self.alloc.largest_free()
                 count = min(job.n - job.next, self.max_batch_bytes // job.stride, largest // job.stride)
@@ -372,10 +454,17 @@ class Gateway:
 
     # ---------------------------------------------------------------- GET
     def _read_batch(self, batch: Batch) -> None:
+        """Find the batch's objects on the pool, then read them (``_plan_reads``)."""
         job = batch.job
-        holders = self.store.holders(job.keys[batch.first:batch.first + batch.count],
-                                     job.marks[batch.first:batch.first + batch.count] if job.marks else None,
-                                     job.object_bytes)
+        batch.io_left += 1        # the lookup: nothing retires the batch meanwhile
+        self._offload(lambda: self.store.holders(job.keys[batch.first:batch.first + batch.count],
+                                                 job.marks[batch.first:batch.first + batch.count]
+                                                 if job.marks else None, job.object_bytes),
+                      lambda holders: self._plan_reads(batch, holders))
+
+    def _plan_reads(self, batch: Batch, holders: list) -> None:
+        job = batch.job
+        batch.io_left -= 1
         reads = []
         for j, card in enumerate(holders):
             if card is None:
@@ -383,18 +472,14 @@ class Gateway:
             frags = self.store.read_plan(card, job.keys[batch.first + j], job.object_bytes)
             batch.flags[j] = 1
             reads.extend((j, frag, self._slot(batch, j, frag.offset, frag.length)) for frag in frags)
-        if self.procs and job.dest is None:
+        if self.procs:
             reads = self._read_in_processes(batch, reads)
         self._submit_io(batch, "read", self.store.read_many, reads)
         if batch.io_left == 0:
             self._read_done(batch)
 
     def _slot(self, batch: Batch, j: int, offset: int, length: int) -> memoryview:
-        """Where bytes ``offset..offset+length`` of object ``j`` of a batch live: its ring slot,
-        or its place in the engine's region."""
-        dest = batch.job.dest
-        if dest is not None:
-            return dest[batch.first + j][offset:offset + length]
+        """Where bytes ``offset..offset+length`` of object ``j`` of a batch live in the ring."""
         return self.ring.slot(batch.object_offset(j) + offset, length)
 
     def _read_in_processes(self, batch: Batch, reads: list) -> list:
@@ -413,9 +498,8 @@ class Gateway:
             items.append((j, path, frag.fkey, offset, frag.length, card.o_direct, frag.card))
         for group in self._io_groups(items):
             batch.io_left += 1
-            token = (group[0][6], self.store.stats[group[0][6]].begin()) if len({g[6] for g in group}) == 1 else None
             fut = self.procs.submit(io_procs.read_files, [g[:6] for g in group])
-            fut.add_done_callback(lambda f, b=batch, g=group, t=token: self._complete(("pread", b, (f, g, t))))
+            fut.add_done_callback(lambda f, b=batch, g=group: self._complete(("pread", b, (f, g))))
         return rest
 
     def _submit_io(self, batch: Batch, kind: str, run, items: list) -> None:
@@ -438,9 +522,16 @@ class Gateway:
         hits = sum(batch.flags)
         self.store.counters["hits"] += hits
         self.store.counters["misses"] += batch.count - hits
+        if job.region is not None:
+            # the gateway copies the hits from the ring into the engine's region itself
+            items = [(j, self._slot(batch, j, 0, job.object_bytes), job.places[batch.first + j])
+                     for j in range(batch.count) if batch.flags[j]]
+            self._submit_io(batch, "to_region", lambda group: _region_io(job.region, group, False), items)
+            if batch.io_left == 0:
+                self._region_copied(batch)
+            return
         job.results[batch.first:batch.first + batch.count] = batch.flags
-        if job.dest is None:
-            batch.waiting = {p.identity for p in job.participants if p.identity in self.engines.peers}
+        batch.waiting = {p.identity for p in job.participants if p.identity in self.engines.peers}
         for p in job.participants:
             if p.identity in batch.waiting:
                 self._send(p.identity, self._batch_msg(batch, p, with_hits=True))
@@ -448,8 +539,19 @@ class Gateway:
             self._retire(batch)
 
     # ---------------------------------------------------------------- PUT
+    def _region_copied(self, batch: Batch) -> None:
+        """A GET batch is in the engine's region (``flags``: the objects that got there)."""
+        batch.job.results[batch.first:batch.first + batch.count] = batch.flags
+        self._retire(batch)
+
     def _offer_batch(self, batch: Batch) -> None:
         job = batch.job
+        if job.region is not None:
+            # the gateway copies the objects from the engine's region into the ring itself
+            items = [(j, self._slot(batch, j, 0, job.object_bytes), job.places[batch.first + j])
+                     for j in range(batch.count)]
+            self._submit_io(batch, "from_region", lambda group: _region_io(job.region, group, True), items)
+            return
         batch.waiting = {p.identity for p in job.participants if p.identity in self.engines.peers}
         for p in job.participants:
             if p.identity in batch.waiting:
@@ -460,21 +562,35 @@ class Gateway:
 
     def _write_batch(self, batch: Batch) -> None:
         job = batch.job
+        if not batch.fill_ok:
+            batch.flags[:] = bytes(batch.count)
+            self._write_done(batch)
+            return
+        batch.io_left += 1        # the lookup: nothing retires the batch meanwhile
+        self._offload(lambda: self.store.exists(job.keys[batch.first:batch.first + batch.count],
+                                                job.marks[batch.first:batch.first + batch.count]
+                                                if job.marks else None, job.object_bytes),
+                      lambda existing: self._plan_writes(batch, existing))
+
+    def _plan_writes(self, batch: Batch, existing: list) -> None:
+        job = batch.job
+        batch.io_left -= 1
         writes = []
-        if batch.fill_ok:
-            existing = self.store.exists(job.keys[batch.first:batch.first + batch.count],
-                                         job.marks[batch.first:batch.first + batch.count] if job.marks else None,
-                                         job.object_bytes)
-            for j in range(batch.count):
-                i = batch.first + j
-                if existing[j]:
-                    # keys name content: an object stored under this key already holds these bytes
-                    batch.flags[j] = 1
-                    job.existed[i] = 1
-                    continue
-                plans = self.store.write_plans(job.keys[i], job.mark(i), job.object_bytes)
-                if plans:         # else no card in service for this key: not stored
-                    writes.append((j, plans, self._slot(batch, j, 0, job.object_bytes)))
+        # from_region: only the objects the gateway copied in from the region are in the ring
+        filled = bytes(batch.flags) if job.region is not None else b"\x01" * batch.count
+        batch.flags[:] = bytes(batch.count)
+        for j in range(batch.count):
+            i = batch.first + j
+            if not filled[j]:
+                continue
+            if existing[j]:
+                # keys name content: an object stored under this key already holds these bytes
+                batch.flags[j] = 1
+                job.existed[i] = 1
+                continue
+            plans = self.store.write_plans(job.keys[i], job.mark(i), job.object_bytes)
+            if plans:         # else no card in service for this key: not stored
+                writes.append((j, plans, self._slot(batch, j, 0, job.object_bytes)))
         self._submit_io(batch, "write", self.store.write_many, writes)
         if batch.io_left == 0:
             self._write_done(batch)
@@ -523,7 +639,6 @@ class Gateway:
     def _finish(self, job: DataJob) -> None:
         if self.jobs.pop(id(job), None) is None:
             return  # finished already
-        job.dest = None   # the region's views: its mapping may go once no job holds it
         field = "hits" if job.op == "GET" else "stored"
         for p in job.participants:
             if p.identity in self.engines.peers:
@@ -553,6 +668,9 @@ class Gateway:
                 kind, batch, fut = self.done_q.get_nowait()
             except queue.Empty:
                 return
+            if kind == "call":
+                self._call_done(*batch, fut)
+                continue
             if kind == "pread":
                 kind, fut = "read", self._process_read_results(*fut)
             batch.io_left -= 1
@@ -561,33 +679,35 @@ class Gateway:
                 results = []
             else:
                 results = fut.result()
-            if kind == "read":
+            if kind in ("read", "to_region"):
+                # a failed task clears all its batch's flags: nothing it touched counts
                 for j, ok in results:
                     if not ok:
                         batch.flags[j] = 0
                 if fut.exception() is not None:
                     batch.flags[:] = bytes(batch.count)
                 if batch.io_left == 0:
-                    self._read_done(batch)
-            else:
+                    (self._read_done if kind == "read" else self._region_copied)(batch)
+            else:     # write, from_region: the flags say which objects made it
                 for j, ok in results:
                     batch.flags[j] = 1 if ok else 0
                 if batch.io_left == 0:
-                    self._write_done(batch)
+                    (self._write_done if kind == "write" else self._write_batch)(batch)
 
-    def _process_read_results(self, fut, group, token) -> Future:
-        """Turn an I/O process's ``(j, problem)`` list into ``(j, ok)``, accounting on the card."""
+    def _process_read_results(self, fut, group) -> Future:
+        """Turn an I/O process's ``(j, problem, seconds)`` list into ``(j, ok)``, with the
+        statistics and health strikes of each read, as the thread path keeps them."""
         done: Future = Future()
         if fut.exception() is not None:
             logger.error("I/O process failed: %r", fut.exception())
             done.set_result([(g[0], False) for g in group])
             return done
         results = []
-        for (j, path, fkey, _, _, _, card), (_, problem) in zip(group, fut.result()):
-            results.append((j, self.store.cards[card].read_result(fkey, path, problem)))
-        if token is not None:
-            ok = all(r for _, r in results)
-            self.store.stats[token[0]].end(token[1], False, ok, sum(g[4] for g in group))
+        for (j, path, fkey, _, length, _, card), (_, problem, seconds) in zip(group, fut.result()):
+            ok = self.store.cards[card].read_result(fkey, path, problem)
+            self.store.stats[card].record(False, ok, length, seconds)
+            self.store.on_io(card, problem is None or not problem.startswith("I/O error"), seconds)
+            results.append((j, ok))
         done.set_result(results)
         return done
 
@@ -596,7 +716,9 @@ class Gateway:
         peer = self.engines.detach(identity, why)
         if peer is None:
             return
-        self.regions.drop(identity)
+        session = self.sessions_by_peer.pop(identity, None)
+        if session is not None:
+            session.identities.discard(identity)
         if peer.rank is None:
             self.store.unpin(list(peer.pins.elements()))
             return
@@ -611,13 +733,27 @@ class Gateway:
                 self._rank_done(batch, identity, filled_ok=batch.job.op == "GET")
 
     # ---------------------------------------------------------------- stats
-    def stats(self) -> dict:
+    def _collect_stats(self, then, identity: Optional[bytes] = None, msg: Optional[dict] = None) -> None:
+        """``then(stats)`` on the loop: the loop's own state now, the cards' usage from the pool."""
+        snapshot = self._loop_stats()
+        self._offload(self._card_usages, lambda usages: then(self._merge_stats(snapshot, usages)),
+                      identity, msg)
+
+    def _card_usages(self) -> list[CardUsage]:
+        return [card.usage() if active else CardUsage(0, 0, 0)
+                for card, active in zip(self.store.cards, self.store.active)]
+
+    def _merge_stats(self, stats: dict, usages: list[CardUsage]) -> dict:
+        for c, u in zip(stats["cards"], usages):
+            c.update(used_bytes=u.used_bytes, capacity_bytes=u.capacity_bytes, objects=u.objects)
+        return stats
+
+    def _loop_stats(self) -> dict:
+        """Everything STATS shows but the cards' usage (see ``_collect_stats``)."""
         cards = []
         for card, st, active in zip(self.store.cards, self.store.stats, self.store.active):
-            u = card.usage() if active else CardUsage(0, 0, 0)
             cards.append({"serial": card.serial or card.device, "device": card.device, "kind": card.kind,
                           "active": bool(active), "oldest_io_age_s": st.oldest_io_age(),
-                          "used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes, "objects": u.objects,
                           "reads": st.reads, "writes": st.writes, "bytes_read": st.bytes_read,
                           "bytes_written": st.bytes_written, "read_errors": st.read_errors,
                           "write_errors": st.write_errors, "io_seconds": st.io_seconds,
@@ -631,7 +767,8 @@ class Gateway:
             "shared_storage": bool(self.config.shared_storage), "replicas": self.store.replicas,
             "ring_size": self.ring.size, "ring_in_use": self.alloc.in_use,
             "requests_in_flight": len(self.jobs), "pinned": self.store.pinned_count(),
-            "regions": self.regions.count(),
+            "regions": sum(len(s.regions) for s in self.door.sessions.values()),
+            "sessions": len(self.door.sessions),
             "engine": None if engine is None else {"id": engine.engine_id, "world": engine.world,
                                                    "ranks": sorted(engine.ranks), "namespace": engine.namespace},
             "counters": dict(self.counters), "objects": dict(self.store.counters), "cards": cards,
@@ -640,5 +777,40 @@ class Gateway:
     _handlers = {
         "HELLO": _on_hello, "BYE": _on_bye, "PING": _on_ping, "EXIST": _on_exist, "UNLOCK": _on_unlock,
         "DELETE": _on_delete, "CLEAN": _on_clean, "STATS": _on_stats, "GET": _on_data, "PUT": _on_data,
-        "RELEASE": _on_ack, "FILLED": _on_ack, "REGION": _on_region,
+        "RELEASE": _on_ack, "FILLED": _on_ack,
     }
+
+
+def _region_io(region, items: list, into_ring: bool) -> list[tuple[int, bool]]:
+    """Copy ``(j, ring view, file offset)`` items between the ring and a client's region with
+    ``preadv``/``pwritev`` on its descriptor (runs on the pool). The gateway never maps a
+    region: a region the client shrank fails these calls, it cannot fault the gateway. A
+    region shorter now than registered takes nothing (a write would grow the client's file)."""
+    try:
+        size_now = os.fstat(region.fd).st_size
+    except OSError:
+        return [(j, False) for j, _, _ in items]
+    out = []
+    for j, view, place in items:
+        ok = False
+        if place + len(view) <= size_now:
+            try:
+                moved = os.preadv(region.fd, [view], place) if into_ring else os.pwritev(region.fd, [view], place)
+                ok = moved == len(view)
+            except OSError:
+                pass
+        out.append((j, ok))
+    return out
+
+
+def _remove_legacy_ring(port: int) -> None:
+    """Remove the ring file an adpkv gateway before the door left on this port (rings are
+    memfds now). Called only while this gateway holds the port's door lock."""
+    path = os.path.join(SHM_DIR, f"{MEMFD_NAME_PREFIX}{port}")
+    try:
+        os.unlink(path)
+        logger.info("Removed %s, the ring of an older gateway", path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("cannot remove %s, the ring of an older gateway: %s", path, exc)

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Optional
 
-from adpkv_core.ring import ring_path
+from adpkv_core.door import door_path, lock_path
 
 from .control import wait_until_up
 
@@ -67,16 +67,19 @@ class GatewayProcess:
             self.proc = None
 
     def kill(self) -> None:
-        """SIGKILL: a crash. A crashed gateway leaves its ring in /dev/shm (the next gateway
-        on the port replaces it); this tool removes it so test runs do not fill /dev/shm."""
+        """SIGKILL: a crash. A crashed gateway leaves its door and lock files in /dev/shm (the
+        next gateway on the port reclaims them); this tool removes them so test runs do not
+        leave them behind."""
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
-            try:
-                os.unlink(ring_path(self.port))
-            except FileNotFoundError:
-                pass
+            door = self.settings.get("control_socket") or door_path(self.port)
+            for path in (door, lock_path(door)):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
 
     def restart(self, hard: bool = False) -> "GatewayProcess":
         self.kill() if hard else self.stop()

@@ -9,9 +9,8 @@ def _esc(value) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
 
 
-def render_status(gateway) -> str:
-    """Prometheus text exposition of the gateway's state."""
-    s = gateway.stats()
+def render_status(s: dict) -> str:
+    """Prometheus text exposition of the gateway's state (``s``: what STATS answers)."""
     lines = []
 
     def metric(name, value, help_, labels=None, kind="gauge"):

@@ -11,10 +11,11 @@ import uuid
 import pytest
 
 from adpkv_core.client import GatewayClient
+from adpkv_core.door import DoorSession, door_path
 from adpkv_core.regions import shared_file_of
-from adpkv_core.ring import ring_path
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
+from adpkv_gateway.spawn import GatewayProcess
 
 from .rankproc import make_keys
 
@@ -113,33 +114,58 @@ def test_a_corrupt_object_read_into_a_region_is_a_miss(gateway, shm_buffer, tmp_
         c.close()
 
 
-@pytest.mark.parametrize("bad, code", [
-    (lambda p, n: {"path": "/etc/passwd", "offset": 0, "size": 10}, "BAD_REGION"),
-    (lambda p, n: {"path": "/dev/shm/../etc/passwd", "offset": 0, "size": 10}, "BAD_REGION"),
-    (lambda p, n: {"path": "/dev/shm/adpkv-no-such-file", "offset": 0, "size": 10}, "BAD_REGION"),
-    (lambda p, n: {"path": p, "offset": 0, "size": n + 1}, "BAD_REGION"),
-    (lambda p, n: {"path": p, "offset": -1, "size": 10}, "BAD_REGION"),
-    (lambda p, n: {"path": p, "offset": 0, "size": "10"}, "BAD_MESSAGE"),
-], ids=["outside-shm", "dotdot", "missing", "too-long", "negative", "mistyped"])
-def test_bad_regions_are_refused_clearly(gateway, shm_buffer, bad, code):
+def _refusal(port, fd, offset, size):
+    """What the gateway answers a REGION of ``fd`` on a fresh door session of our own."""
+    session = DoorSession(door_path(port), 5.0)
+    try:
+        os.close(session.ring_fd)
+        return session.register_region(fd, offset, size)
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("case", ["not-shared-memory", "too-long", "negative", "read-only", "mistyped"])
+def test_bad_regions_are_refused_clearly(gateway, shm_buffer, tmp_path, case):
     path, arr = shm_buffer
+    plain = tmp_path / "plain-file"
+    plain.write_bytes(bytes(1 << 20))
+    fd = os.open(plain if case == "not-shared-memory" else path,
+                 os.O_RDONLY if case == "read-only" else os.O_RDWR)
+    try:
+        if case == "mistyped":
+            session = DoorSession(door_path(gateway.port), 5.0)
+            try:
+                reply, _ = session.request({"op": "REGION", "offset": 0, "size": "10"}, [fd])
+            finally:
+                session.close()
+            assert reply["code"] == "BAD_MESSAGE", reply
+        else:
+            offset, size = {"too-long": (0, len(arr) + 1), "negative": (-1, 10)}.get(case, (0, 4096))
+            reply = _refusal(gateway.port, fd, offset, size)
+            assert reply["op"] == "ERROR" and reply["code"] == "BAD_REGION", reply
+    finally:
+        os.close(fd)
     c = _client(gateway.port, "region-bad")
     try:
-        reply = c._call({"op": "REGION", **bad(path, len(arr))}, lambda r: r, raw_errors=True).result(5)
-        assert reply["op"] == "ERROR" and reply["code"] == code, reply
+        assert c.register_region("/dev/shm/adpkv-no-such-file", 0, 10).result(5) is None
         assert c.enabled                       # a refused request changes nothing
         assert c.register_region(path, 0, len(arr)).result(5) == 0
     finally:
         c.close()
 
 
-def test_the_ring_and_foreign_ranges_are_refused(gateway, shm_buffer):
+def test_rings_and_foreign_ranges_are_refused(gateway, shm_buffer):
     path, arr = shm_buffer
     c = _client(gateway.port, "region-ring")
     try:
-        reply = c._call({"op": "REGION", "path": ring_path(gateway.port), "offset": 0, "size": 4096},
-                        lambda r: r, raw_errors=True).result(5)
-        assert reply["code"] == "BAD_REGION"
+        assert _refusal(gateway.port, c._ring.fd, 0, 4096)["code"] == "BAD_REGION"    # this gateway's ring
+        with GatewayProcess(str(gateway.card_dirs[0]) + "-other") as other:              # another gateway's
+            other_session = DoorSession(door_path(other.port), 5.0)
+            try:
+                assert _refusal(gateway.port, other_session.ring_fd, 0, 4096)["code"] == "BAD_REGION"
+            finally:
+                os.close(other_session.ring_fd)
+                other_session.close()
         region = c.register_region(path, 0, 1 << 20).result(5)
         keys = make_keys(2)
         for at, reg in (([0, (1 << 20) - OBJ + 1], region), ([0, 0], region + 1)):
@@ -150,5 +176,48 @@ def test_the_ring_and_foreign_ranges_are_refused(gateway, shm_buffer):
                         lambda r: r, raw_errors=True).result(5)
         assert reply["code"] == "BAD_MESSAGE"
         assert _stats(gateway.port)["objects"].get("stored", 0) == 0
+    finally:
+        c.close()
+
+
+def test_a_region_truncated_under_the_gateway_costs_only_its_own_objects(gateway, shm_buffer):
+    """An engine that shrinks its region between REGION and GET/PUT: before the door, the
+    gateway died of SIGBUS; now those objects miss / are not stored and the gateway serves on."""
+    path, arr = shm_buffer
+    keys = make_keys(8)
+    c = _client(gateway.port, "region-truncate")
+    try:
+        region = c.register_region(path, 0, len(arr)).result(5)
+        arr[:4 * OBJ] = b"\x05" * (4 * OBJ)
+        assert list(c.put_from(region, [i * OBJ for i in range(4)], keys[:4], OBJ).result(10)) == [True] * 4
+        os.truncate(path, 0)
+        assert not any(c.put_from(region, [i * OBJ for i in range(4)], keys[4:], OBJ).result(10))
+        assert not any(c.get_into(region, [i * OBJ for i in range(4)], keys[:4], OBJ).result(10))
+        assert gateway.alive() and c.enabled
+        out = []
+        assert c.get(keys[:4], OBJ, lambda b: out.extend(
+            bytes(c.ring[b.offset + j * b.stride:b.offset + j * b.stride + OBJ]) for j in range(b.count))
+        ).result(10) == [True] * 4
+        assert out == [b"\x05" * OBJ] * 4
+        assert os.path.getsize(path) == 0           # the gateway did not grow the engine's file back
+    finally:
+        c.close()
+
+
+def test_the_ring_cannot_be_resized_by_a_client(gateway):
+    """The ring is a sealed memfd: a rank that tries to truncate it gets EPERM, the gateway
+    never sees it change (before, a truncation between BATCH and FILLED killed it)."""
+    c = _client(gateway.port, "ring-truncate")
+    try:
+        for size in (0, c._ring.size * 2):
+            with pytest.raises(PermissionError):
+                os.ftruncate(c._ring.fd, size)
+        keys = make_keys(4)
+
+        def fill(b):
+            for j in range(b.count):
+                c.ring[b.offset + j * b.stride:b.offset + j * b.stride + OBJ] = bytes([b.first + j + 1]) * OBJ
+        assert list(c.put(keys, OBJ, fill).result(10)) == [True] * 4
+        assert gateway.alive()
     finally:
         c.close()

@@ -1,0 +1,121 @@
+"""The door: the gateway's Unix-domain socket, where a local process gets a session.
+
+Control messages travel over ZeroMQ (``tcp://127.0.0.1:<port>``), but nothing on
+that port is served to a process that has not first come through the door:
+
+- the door is a ``SOCK_SEQPACKET`` socket file (``/dev/shm/adpkv-<port>.sock`` by
+  default). Its file permissions decide who may connect at all; the gateway reads
+  the peer's credentials (``SO_PEERCRED``) on every connection;
+- ``SESSION`` answers a random session token (carried by HELLO, STATS and CLEAN on
+  the control port) and the ring itself as an open file descriptor (``SCM_RIGHTS``):
+  a sealed memfd that no one can shrink or grow, so no engine can make the gateway
+  fault on it. There is no ring file to open, replace or link to;
+- ``REGION`` hands the gateway an open descriptor of a buffer of the client's own
+  (an engine's shared-memory file). The gateway never opens a path on a client's
+  behalf: a client reaches through a region only what it could open itself;
+- the connection lives as long as the client: when it closes (the client exited or
+  the gateway died), the other side knows at once.
+
+One message is one packet: a msgpack map (``adpkv_core.protocol``), descriptors in
+its ancillary data.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Optional, Sequence
+
+from . import protocol as P
+
+SHM_DIR = "/dev/shm"
+MAX_PACKET = 1 << 16          # a door message is small: a map of a few fields
+MAX_FDS = 1                   # descriptors per message
+
+
+def door_path(port: int, shm_dir: str = SHM_DIR) -> str:
+    """The door of the gateway serving control port ``port``."""
+    return os.path.join(shm_dir, f"adpkv-{port}.sock")
+
+
+def lock_path(door: str) -> str:
+    """The lock file beside a door: held by the gateway that owns the door (and the port)."""
+    return door + ".lock"
+
+
+def send(sock: socket.socket, msg: dict, fds: Sequence[int] = ()) -> None:
+    """Send one message (and descriptors) as one packet."""
+    socket.send_fds(sock, [P.encode(msg)], list(fds))
+
+
+def recv(sock: socket.socket) -> tuple[dict, list[int]]:
+    """One message and the descriptors that came with it. ``EOFError`` when the other side
+    closed; ``ProtocolError`` for a packet that is not a message (its descriptors are closed)."""
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_PACKET, MAX_FDS)
+    if not data and not fds:
+        raise EOFError("the other side closed the door")
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        _close_all(fds)
+        raise P.ProtocolError(P.BAD_MESSAGE, "a door message is one packet of at most "
+                              f"{MAX_PACKET} bytes with at most {MAX_FDS} descriptor")
+    try:
+        return P.decode(data), fds
+    except P.ProtocolError:
+        _close_all(fds)
+        raise
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class DoorSession:
+    """A client's session at the gateway's door: its token, the ring, its regions.
+
+    Requests on the door are synchronous and serialised by the caller (one at a time);
+    they are rare (once at attach, once per registered region).
+    """
+
+    def __init__(self, path: str, timeout_s: float):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(timeout_s)
+        self.ring_fd: Optional[int] = None
+        try:
+            self.sock.connect(path)
+            reply, fds = self.request({"op": "SESSION"})
+        except BaseException:
+            self.sock.close()
+            raise
+        if reply.get("op") != "OK" or len(fds) != 1:
+            _close_all(fds)
+            self.sock.close()
+            raise ConnectionRefusedError(f"the gateway at {path} refused a session: "
+                                         f"{reply.get('code')} {reply.get('msg')}")
+        self.token: bytes = P.field(reply, "token", bytes)
+        self.ring_size: int = P.field(reply, "ring_size", int)
+        self.gateway_pid: int = P.field(reply, "pid", int)
+        self.ring_fd = fds[0]
+
+    def request(self, msg: dict, fds: Sequence[int] = ()) -> tuple[dict, list[int]]:
+        send(self.sock, msg, fds)
+        return recv(self.sock)
+
+    def register_region(self, fd: int, offset: int, size: int) -> dict:
+        """Hand the gateway ``size`` bytes at ``offset`` of an open file; the reply (OK with
+        ``region``, or ERROR)."""
+        reply, fds = self.request({"op": "REGION", "offset": int(offset), "size": int(size)}, [fd])
+        _close_all(fds)
+        return reply
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        """Close the door connection (the gateway then forgets the session); the ring
+        descriptor is the caller's to close."""
+        self.sock.close()
