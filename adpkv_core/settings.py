@@ -17,10 +17,10 @@ class ClientConfig:
 
     port: int = 5557
     host: str = "127.0.0.1"
+    socket: str = ""                     # the gateway's door; "": /dev/shm/adpkv-<port>.sock
     namespace: str = ""                  # deployment namespace (required on shared cards)
     key_namespace_from_model: bool = False
     affinity_chunks: int = 1             # chunks of the prompt start that make the dialog mark
-    fragment_bytes: int = 0              # informational for adapters; the gateway splits objects
     timeout_s: float = 10.0              # a request without progress for this long turns the cache off
     connect_timeout_s: float = 3.0       # attach deadline at start
     busy_wait_s: float = 10.0            # how long to retry while another engine is still attached
@@ -47,12 +47,34 @@ class ClientConfig:
         return cfg
 
 
+_TRUE = frozenset(("1", "true", "yes", "on"))
+_FALSE = frozenset(("0", "false", "no", "off"))
+
+
+def parse_bool(value: Any, name: str) -> bool:
+    """The one boolean reader of every adpkv setting (gateway flags and YAML, adapter settings).
+
+    Accepts Python bools, the integers 0 and 1, and the strings true/false, 1/0, yes/no,
+    on/off in any case. Anything else (a typo like ``ture``, an empty string, 2) raises
+    ``ValueError`` naming the setting: a misspelt switch is an error, never a silent False.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    raise ValueError(f"setting {name}={value!r} is not a boolean (use true/false, 1/0, yes/no, on/off)")
+
+
 def _coerce(type_name: Any, value: Any, name: str) -> Any:
     kind = {"int": int, "float": float, "str": str, "bool": bool}.get(str(type_name), None)
     if kind is bool:
-        if isinstance(value, str):
-            return value.strip().lower() in ("1", "true", "yes", "on")
-        return bool(value)
+        return parse_bool(value, name)
     try:
         return kind(value) if kind else value
     except (TypeError, ValueError):

@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 import yaml
 
+from adpkv_core.settings import parse_bool
+
 
 @dataclasses.dataclass
 class GatewayConfig:
@@ -32,6 +34,10 @@ class GatewayConfig:
     status_file: str = ""                    # Prometheus text file, rewritten every second
     port: int = 5557
     bind_address: str = "127.0.0.1"
+    control_socket: str = ""                 # the door (Unix socket); "": /dev/shm/adpkv-<port>.sock
+    control_socket_mode: str = "0660"        # its permissions (octal): who may use the gateway at all
+    control_socket_group: str = ""           # its group (name or gid); "": the gateway's own
+    operator_group: str = ""                 # members may CLEAN (root and the gateway's user always may)
     shared_memory_size: int = 1 << 30        # bytes of the ring in /dev/shm
     io_size: int = 1 << 20                   # typical object size, for the max_parallel_ios log line
     thread_pool_size: int = 0                # card I/O threads (0: auto, see default_io_threads)
@@ -61,6 +67,13 @@ class GatewayConfig:
             raise ValueError("replicas must be >= 1")
         if self.fragment_size < 0:
             raise ValueError("fragment_size must be >= 0")
+        try:
+            mode = int(str(self.control_socket_mode), 8)
+        except ValueError:
+            raise ValueError(f"control_socket_mode must be octal permissions like 0660, "
+                             f"not {self.control_socket_mode!r}") from None
+        if not 0 <= mode <= 0o777:
+            raise ValueError("control_socket_mode must be within 0000..0777")
         if self.shared_memory_size < (1 << 20):
             raise ValueError("shared_memory_size must be at least 1 MiB")
         if not 0.0 < self.eviction_watermark <= 1.0 or not 0.0 <= self.eviction_ratio < self.eviction_watermark:
@@ -69,6 +82,11 @@ class GatewayConfig:
             raise ValueError("start_clean: 1 with shared_storage: true would delete other deployments' "
                              "keys; refusing to start")
         return self
+
+
+def socket_mode(config: GatewayConfig) -> int:
+    """The door's permission bits (``control_socket_mode`` is written in octal)."""
+    return int(str(config.control_socket_mode), 8)
 
 
 def default_io_threads() -> int:
@@ -94,18 +112,83 @@ def load_yaml(path: str) -> dict:
     return data
 
 
+# One line of ``adpkv-gateway --help`` per setting (the default is appended). A setting
+# missing here still gets its flag, with its default only; tests/core/test_cli_edges.py
+# checks that every setting has a line.
+HELP: dict[str, str] = {
+    "storage_backend": "card kind: fs (a directory) or resp (a Redis-protocol server)",
+    "storage_devices": "the cards: directories (fs) or redis:// / redis+cluster:// URLs (resp)",
+    "storage_slots": "slots of the key distribution over the cards",
+    "num_dbs": "databases of each card (fragments spread over them)",
+    "key_placement": "dialog (a dialog's blocks on one card) or stripe (spread over all cards)",
+    "key_layout_fingerprint": "refuse to start unless the key layout has this fingerprint (empty: any)",
+    "shared_storage": "the cards are shared with other deployments: nobody may clean",
+    "start_clean": "1: delete every object at start (refused with shared_storage)",
+    "fragment_size": "split objects larger than this many bytes into fragments (0: never)",
+    "fragment_spread_across_dbs": "put the fragments of one object in different databases",
+    "replicas": "cards each object is written to (read from the first one in service)",
+    "io_timeout_ms": "deadline of one card command in ms (0: none)",
+    "io_timeout_strikes": "commands in a row past the deadline or failing before a card leaves service",
+    "status_file": "Prometheus text file rewritten every second (empty: none)",
+    "port": "control port (ZeroMQ); also names the door /dev/shm/adpkv-<port>.sock",
+    "bind_address": "address the control port binds to",
+    "control_socket": "the door: the Unix socket where local processes get a session (empty: from port)",
+    "control_socket_mode": "the door's permissions, octal: who may use the gateway at all",
+    "control_socket_group": "the door's group, name or gid (empty: the gateway's own group)",
+    "operator_group": "members may clean the cards (root and the gateway's user always may)",
+    "shared_memory_size": "bytes of the shared-memory ring",
+    "io_size": "typical object size in bytes (only for the max_parallel_ios log line)",
+    "thread_pool_size": "card I/O threads (0: two per core, 4 to 16)",
+    "io_processes": "fs card reads run in this many processes (0: in the I/O threads)",
+    "capacity_bytes": "capacity of each card in bytes (0: the free space of its file system at start)",
+    "eviction_watermark": "evict (LRU) when usage passes this fraction of capacity",
+    "eviction_ratio": "... down to (eviction_watermark - eviction_ratio) of capacity",
+    "o_direct": "fs card: bypass the page cache (O_DIRECT)",
+    "fsync": "fs card: fsync each object before it becomes visible",
+    "engine_timeout_s": "seconds without a heartbeat before a rank is detached",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "control_socket": "the door: a Unix socket for local control ('': /dev/shm/adpkv-<port>.sock)",
+    "control_socket_mode": "permissions of the door, octal: who may use the gateway at all",
+    "control_socket_group": "group of the door, name or gid ('': the gateway's own)",
+    "operator_group": "members may CLEAN (root and the gateway's user always may)",
+}
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default_factory is not dataclasses.MISSING:   # type: ignore[misc]
+        value = f.default_factory()                     # type: ignore[misc]
+    else:
+        value = f.default
+    if isinstance(value, list):
+        return " ".join(str(v) for v in value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if value == "" else str(value)
+
+
+def _bool_flag(name: str):
+    def parse(text: str) -> bool:
+        try:
+            return parse_bool(text, name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse.__name__ = "boolean"
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config`` and one flag for each setting."""
-    parser.add_argument("--config", help="gateway YAML file")
+    """Add ``--config`` and one flag for each setting (flags win over the YAML)."""
+    parser.add_argument("--config", metavar="YAML", help="gateway YAML file (keys as below; flags win)")
     for name, f in _fields().items():
         flag = "--" + name.replace("_", "-")
+        text = f"{HELP.get(name, name)} (default: {_default_text(f)})".replace("%", "%%")
         if name == "storage_devices":
-            parser.add_argument(flag, nargs="+", default=None, help="card directories (fs) or URLs (resp)")
+            parser.add_argument(flag, nargs="+", default=None, metavar="DEV", help=text)
         elif f.type in ("bool", bool):
-            parser.add_argument(flag, default=None, type=_parse_bool, metavar="{0,1}")
+            parser.add_argument(flag, default=None, type=_bool_flag(name), metavar="BOOL", help=text)
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
-            parser.add_argument(flag, default=None, type=kind)
+            parser.add_argument(flag, default=None, type=kind, metavar=kind.__name__.upper(), help=text)
 
 
 def from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -127,24 +210,13 @@ def make_config(values: Optional[dict] = None) -> GatewayConfig:
     for name, v in list(values.items()):
         kind = str(fields[name].type)
         if kind == "bool":
-            values[name] = _parse_bool(v)
-        elif kind == "int":
-            values[name] = int(v)
-        elif kind == "float":
-            values[name] = float(v)
+            values[name] = parse_bool(v, name)
+        elif kind in ("int", "float"):
+            try:
+                values[name] = int(v) if kind == "int" else float(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"setting {name}={v!r} is not a valid {kind}") from None
         elif name == "storage_devices" and isinstance(v, str):
             values[name] = [v]
     return GatewayConfig(**values).validate()
 
-
-def _parse_bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, (int, float)):
-        return bool(v)
-    s = str(v).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off", ""):
-        return False
-    raise argparse.ArgumentTypeError(f"not a boolean: {v!r}")
