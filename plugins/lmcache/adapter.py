@@ -23,8 +23,11 @@ Objects of a task that differ in size go out as one request per size. Results
 land in per-kind dicts under one lock and the kind's eventfd is signalled;
 each result is handed out once. When the gateway is not there, or stops
 answering, the client turns itself off: lookups and loads miss, stores report
-failure, nothing raises into LMCache; a supervisor thread re-attaches once the
-gateway is back (``reconnect_s``).
+failure, nothing raises into LMCache. The adapter holds its gateway through
+``adpkv_core.attachment.Attachment``: its watcher thread re-attaches once the
+gateway answers again (``reconnect_s``, doubling to 60 s, the policy of every
+adapter) and registers the L1 region on every new attachment before any task
+sees it; a task keeps the attachment it started on to its end.
 
 One adpkv gateway serves one engine: each adapter instance attaches as its own
 engine (``lmcache-<uuid>``, rank 0 of world 1) and sends independent requests
@@ -33,7 +36,6 @@ engine (``lmcache-<uuid>``, rank 0 of world 1) and sends independent requests
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 import uuid
@@ -45,7 +47,8 @@ import torch
 
 from lmcache.logging import init_logger
 
-from adpkv_core.client import GatewayClient, RingBatch
+from adpkv_core.attachment import Attachment, RingView, Session
+from adpkv_core.client import RingBatch
 from adpkv_core.regions import SharedFile, shared_file_of
 from adpkv_core.settings import ClientConfig
 
@@ -63,20 +66,7 @@ from .keys import KeyMapper, MarkBook
 
 logger = init_logger("adpkv_lmcache")
 
-_MAX_BACKOFF_S = 60.0
-
-
 # ---------------------------------------------------------------------------- buffers
-# Copies between the ring and LMCache's buffers use libc memmove through ctypes:
-# it drops the GIL for the copy and runs on the calling thread only. A torch
-# ``copy_`` of 1 MiB spreads over the intra-op pool and, on a small busy host,
-# ran 3-6x slower than one plain memcpy (measured 0.9-2 GB/s vs 5.5 GB/s here).
-_libc = ctypes.CDLL(None)
-_memmove = _libc.memmove
-_memmove.restype = ctypes.c_void_p
-_memmove.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-
-
 def _buffer(obj) -> tuple[int, int, Any]:
     """(address, size, keepalive) of the logical bytes of a MemoryObj (no copy)."""
     size = int(obj.get_size())
@@ -94,63 +84,14 @@ def _buffer(obj) -> tuple[int, int, Any]:
     return arr.ctypes.data, size, arr
 
 
-class _Session:
-    """One attachment to the gateway: the client and the address of its ring."""
-
-    __slots__ = ("client", "ring", "ring_addr", "ring_size", "number", "region")
-
-    def __init__(self, client: GatewayClient, number: int):
-        self.client = client
-        self.number = number
-        self.region: Optional[int] = None     # LMCache's L1 pool, registered with the gateway
-        self.ring: Optional[np.ndarray] = None
-        self.ring_addr = 0
-        self.ring_size = 0
-        if client.enabled and client.ring is not None:
-            # numpy takes a buffer export of the mapping, so the ring cannot be unmapped while
-            # this array lives (torch.frombuffer takes none: a late copy after close would segfault).
-            self.ring = np.frombuffer(client.ring, dtype=np.uint8)
-            self.ring_addr = self.ring.ctypes.data
-            self.ring_size = self.ring.nbytes
-
-    @property
-    def enabled(self) -> bool:
-        return self.ring is not None and self.client.enabled
-
-
-def _check_range(s: _Session, off: int, n: int) -> None:
-    if off < 0 or off + n > s.ring_size:
-        raise IndexError(f"ring range [{off}, {off + n}) outside the ring of {s.ring_size} bytes")
-
-
-def _put_filler(s: _Session, bufs: Sequence[tuple]) -> Callable[[RingBatch], bool]:
-    """Copy objects ``first..first+count-1`` into their ring slots (bufs: (address, size, keepalive))."""
+def _copier(ring: RingView, bufs: Sequence[tuple], op: str) -> Callable[[RingBatch], bool]:
+    """The ``on_batch`` of a ring GET/PUT: objects between the ring slots and LMCache's buffers
+    (bufs: (address, size, keepalive)); the closure keeps the buffers referenced while the
+    request lives."""
     addrs = [b[0] for b in bufs]
-
-    def fill(batch: RingBatch) -> bool:
-        so, n = batch.slice_offset, batch.slice_bytes
-        base = s.ring_addr + batch.offset + so
-        _check_range(s, batch.offset + so + (batch.count - 1) * batch.stride, n)
-        for j in range(batch.count):
-            _memmove(base + j * batch.stride, addrs[batch.first + j] + so, n)
-        return bufs is not None   # keeps the buffers referenced while the request lives
-    return fill
-
-
-def _get_copier(s: _Session, bufs: Sequence[tuple]) -> Callable[[RingBatch], bool]:
-    """Copy the hits among objects ``first..first+count-1`` out of the ring into LMCache's buffers."""
-    addrs = [b[0] for b in bufs]
-
-    def copy_out(batch: RingBatch) -> bool:
-        so, n = batch.slice_offset, batch.slice_bytes
-        base = s.ring_addr + batch.offset + so
-        _check_range(s, batch.offset + so + (batch.count - 1) * batch.stride, n)
-        hits = batch.hits
-        for j in range(batch.count):
-            if hits is None or hits[j]:
-                _memmove(addrs[batch.first + j] + so, base + j * batch.stride, n)
-        return bufs is not None
-    return copy_out
+    if op == "PUT":
+        return lambda batch: ring.fill(batch, addrs) and bufs is not None
+    return lambda batch: ring.drain(batch, addrs) and bufs is not None
 
 
 def _group_by_size(sizes: Sequence[int]) -> dict[int, list[int]]:
@@ -242,43 +183,40 @@ class AdpL2Adapter(L2AdapterInterface):
         self._known: dict[bytes, tuple[str, int]] = {}
         self._usage_cache: Optional[tuple[float, dict]] = None
         self._closed = False
-        self._reconnects = 0
-        self._last_off_reason: Optional[str] = None
-
-        self._session_lock = threading.Lock()
         self._stop = threading.Event()          # set when close() begins: new tasks fail fast
-        self._session = self._connect(0)
-        if not self._session.enabled:
+        layout = {"engine": "lmcache", "lmcache_version": LMCACHE_VERSION, "namespace": self._keys.namespace}
+        if l1_memory_desc is not None:
+            layout["l1_bytes"] = int(getattr(l1_memory_desc, "size", 0) or 0)
+        self._attachment = Attachment(self._client_config, self.engine_id, 0, 1, layout,
+                                      reconnect_s=config.reconnect_s, on_attach=self._on_attach,
+                                      name="adpkv-lmc")
+        first = self._attachment.session
+        if not first.enabled:
             logger.warning("adpkv L2 adapter: no gateway on %s:%d (%s); lookups miss and stores fail until "
                            "it is reachable", config.host, config.port,
-                           self._session.client.attach_error or "no answer")
-        self._supervisor: Optional[threading.Thread] = None
-        if config.reconnect_s > 0:
-            self._supervisor = threading.Thread(target=self._supervise, name="adpkv-lmc-supervisor",
-                                                daemon=True)
-            self._supervisor.start()
+                           first.client.attach_error or "no answer")
         logger.info("AdpL2Adapter %s (lmcache %s): gateway %s:%d, namespace %r, affinity_chunks %d, %s",
                     self.engine_id, LMCACHE_VERSION, config.host, config.port, self._keys.namespace,
-                    config.affinity_chunks, "attached" if self._session.enabled else "NOT attached")
+                    config.affinity_chunks, "attached" if first.enabled else "NOT attached")
 
-    # ------------------------------------------------------------------ sessions
-    def _connect(self, number: int) -> _Session:
-        layout = {"engine": "lmcache", "lmcache_version": LMCACHE_VERSION, "namespace": self._keys.namespace}
-        if self._l1_memory_desc is not None:
-            layout["l1_bytes"] = int(getattr(self._l1_memory_desc, "size", 0) or 0)
-        client = GatewayClient(self._client_config, engine_id=self.engine_id, rank=0, world_size=1,
-                               layout=layout)
-        s = _Session(client, number)
-        if self._l1 is not None and s.enabled:
-            try:
-                s.region = client.register_region(self._l1.path, self._l1.offset,
-                                                  self._l1_memory_desc.size).result(self._config.connect_timeout_s)
-            except Exception:
-                s.region = None
-            if s.region is None:
-                logger.warning("adpkv L2 adapter: the gateway did not map LMCache's L1 pool %s; "
-                               "loads and stores go through the ring", self._l1.path)
-        return s
+    # ------------------------------------------------------------------ attachments
+    def _on_attach(self, s: Session) -> None:
+        """Every new attachment (the first, and each after the gateway came back): pins of an
+        old one are gone with it; LMCache's L1 pool is registered again (regions go with the
+        gateway process)."""
+        with self._lock:
+            self._held.clear()
+        s.state["region"] = None
+        if self._l1 is None:
+            return
+        try:
+            s.state["region"] = s.client.register_region(self._l1.path, self._l1.offset, self._l1_memory_desc.size
+                                                         ).result(self._config.connect_timeout_s)
+        except Exception:
+            s.state["region"] = None
+        if s.state["region"] is None:
+            logger.warning("adpkv L2 adapter: the gateway did not map LMCache's L1 pool %s; "
+                           "loads and stores go through the ring", self._l1.path)
 
     @staticmethod
     def _find_l1_file(desc: Any) -> Optional[SharedFile]:
@@ -294,60 +232,15 @@ class AdpL2Adapter(L2AdapterInterface):
                         "gateway read into L1 directly")
         return found
 
-    def _current(self) -> Optional[_Session]:
-        """The live session, or None once close() has begun."""
-        return None if self._stop.is_set() else self._session
-
-    def _supervise(self) -> None:
-        backoff = self._config.reconnect_s
-        next_try = 0.0
-        while not self._stop.wait(0.25):
-            s = self._session
-            if s.enabled:
-                backoff = self._config.reconnect_s
-                next_try = 0.0
-                continue
-            now = time.monotonic()
-            if next_try == 0.0:
-                next_try = now + backoff
-                continue
-            if now < next_try:
-                continue
-            try:
-                fresh = self._connect(s.number + 1)
-            except Exception as exc:  # never let the supervisor die
-                logger.warning("adpkv L2 adapter: re-attach failed: %s", exc)
-                fresh = None
-            if fresh is not None and fresh.enabled and not self._stop.is_set():
-                with self._session_lock:
-                    old, self._session = self._session, fresh
-                    with self._lock:
-                        self._held.clear()   # pins of the old attachment are gone with it
-                    self._reconnects += 1
-                logger.warning("adpkv L2 adapter %s re-attached to the gateway on %s:%d",
-                               self.engine_id, self._config.host, self._config.port)
-                self._close_session(old)
-                backoff = self._config.reconnect_s
-                next_try = 0.0
-            else:
-                if fresh is not None:
-                    self._close_session(fresh)
-                backoff = min(_MAX_BACKOFF_S, backoff * 2)
-                next_try = time.monotonic() + backoff
-
-    @staticmethod
-    def _close_session(s: _Session) -> None:
-        s.ring = None
-        try:
-            s.client.close()
-        except Exception:
-            logger.debug("closing an adpkv client failed", exc_info=True)
+    def _current(self) -> Optional[Session]:
+        """The session a new task uses to its end, or None once close() has begun."""
+        return None if self._stop.is_set() else self._attachment.session
 
     # ------------------------------------------------------------------ bookkeeping
-    def _in_l1(self, s: _Session, buf: tuple) -> bool:
-        return s.region is not None and 0 <= buf[0] - self._l1_memory_desc.ptr <= self._l1_memory_desc.size - buf[1]
+    def _in_l1(self, s: Session, buf: tuple) -> bool:
+        return s.state.get("region") is not None and 0 <= buf[0] - self._l1_memory_desc.ptr <= self._l1_memory_desc.size - buf[1]
 
-    def _per_size(self, s: _Session, adp: list, bufs: list, op: str) -> list[tuple[list[int], Future]]:
+    def _per_size(self, s: Session, adp: list, bufs: list, op: str) -> list[tuple[list[int], Future]]:
         """One GET or PUT per object size and path (straight to the L1 region, or through the
         ring): ``(indices, future)`` each."""
         marks = self._marks.marks(adp)
@@ -364,10 +257,10 @@ class AdpL2Adapter(L2AdapterInterface):
                 if sub is direct:
                     at = [bufs[i][0] - self._l1_memory_desc.ptr for i in sub]
                     call = s.client.get_into if op == "GET" else s.client.put_from
-                    fut = call(s.region, at, keys, size, marks=sub_marks)
+                    fut = call(s.state["region"], at, keys, size, marks=sub_marks)
                 else:
-                    call, make = (s.client.get, _get_copier) if op == "GET" else (s.client.put, _put_filler)
-                    fut = call(keys, size, make(s, [bufs[i] for i in sub]), marks=sub_marks)
+                    call = s.client.get if op == "GET" else s.client.put
+                    fut = call(keys, size, _copier(s.ring, [bufs[i] for i in sub], op), marks=sub_marks)
                 parts.append((sub, fut))
             with self._lock:
                 self._counters["region_" + ("loaded" if op == "GET" else "stored") + "_keys"] += len(direct)
@@ -498,7 +391,7 @@ class AdpL2Adapter(L2AdapterInterface):
             if hit_idx:
                 bm.batched_set(hit_idx)
             with self._lock:
-                if self._session is s:
+                if self._attachment.session is s:
                     for i in hit_idx:
                         self._held[adp[i]] = self._held.get(adp[i], 0) + 1
                 self._counters["lookups"] += 1
@@ -648,30 +541,31 @@ class AdpL2Adapter(L2AdapterInterface):
                             bytes_by_cache_salt=base.bytes_by_cache_salt)
 
     def report_status(self) -> dict:
-        s = self._session
-        client = s.client
+        s = self._attachment.session
+        attached = s is not None and s.enabled
         with self._lock:
             in_flight = dict(self._in_flight)
             counters = dict(self._counters)
             held = sum(self._held.values())
-        healthy = s.enabled and not self._closed
+        healthy = attached and not self._closed
         status = {
             "is_healthy": healthy,
             "type": "AdpL2Adapter",
             "engine_id": self.engine_id,
             "gateway": f"{self._config.host}:{self._config.port}",
-            "attached": s.enabled,
+            "attached": attached,
             "namespace": self._keys.namespace,
             "affinity_chunks": self._config.affinity_chunks,
-            "reconnects": self._reconnects,
+            "reconnects": self._attachment.reattaches,
             "in_flight": in_flight,
             "pinned_keys": held,
             "known_marks": len(self._marks),
-            "l1_region": self._l1.path if self._l1 is not None and s.region is not None else None,
+            "l1_region": self._l1.path if self._l1 is not None and s is not None and s.state.get("region") is not None
+            else None,
             "counters": counters,
         }
-        if client.attach_error:
-            status["attach_error"] = client.attach_error
+        if s is not None and s.client.attach_error:
+            status["attach_error"] = s.client.attach_error
         if not healthy:
             status["extra_warning"] = ("adpkv gateway not attached: lookups miss and stores fail; "
                                        "LMCache serves from L1")
@@ -682,18 +576,16 @@ class AdpL2Adapter(L2AdapterInterface):
         if self._closed:
             return
         self._stop.set()
-        if self._supervisor is not None:
-            self._supervisor.join(timeout=self._config.connect_timeout_s + 2.0)
-        s = self._session
+        s = self._attachment.session
         with self._lock:
             held = list(self._held)
             self._held.clear()
-        if held and s.enabled:
+        if held and s is not None and s.enabled:
             try:
                 s.client.unlock(held).result(timeout=1.0)
             except Exception:
                 pass
-        self._close_session(s)   # fails what is still in flight: the callbacks record misses
+        self._attachment.close()   # fails what is still in flight: the callbacks record misses
         with self._lock:
             self._closed = True
             self._done_store.clear()
