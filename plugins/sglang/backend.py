@@ -25,8 +25,11 @@ the page hashes before a batch; they give the dialog mark of every key, so a
 dialog's pages stay on one card.
 
 Failures never reach SGLang: without a gateway, ``batch_exists`` says 0, gets
-fail per key and sets report failure; a background attempt re-attaches every
-``reconnect_s``.
+fail per key and sets report failure. The rank holds its gateway through
+``adpkv_core.attachment.Attachment``: its watcher thread re-attaches once the
+gateway answers again (``reconnect_s``, doubling to 60 s, the policy of every
+adapter); each call takes the current attachment at its start and keeps it to
+its end.
 """
 
 from __future__ import annotations
@@ -46,13 +49,13 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from adpkv_core.affinity import dialog_marks
-from adpkv_core.client import GatewayClient, RingBatch
+from adpkv_core.attachment import Attachment, Session
+from adpkv_core.client import RingBatch
 from adpkv_core.keys import KIND_KV, KeyBuilder
 
 from .config import SglangSettings, key_namespace, shard_suffix
 from .pages import (
     PageGeometry,
-    RingView,
     UnsupportedPool,
     copy_pages_to_ring,
     copy_ring_to_pages,
@@ -64,20 +67,6 @@ from .pages import (
 logger = logging.getLogger("adpkv.sglang")
 
 _METRICS_CAP = 10000
-
-
-class _Session:
-    """One attachment: the client and its ring."""
-
-    __slots__ = ("client", "ring")
-
-    def __init__(self, client: GatewayClient):
-        self.client = client
-        self.ring = RingView(client.ring) if client.enabled and client.ring is not None else None
-
-    @property
-    def enabled(self) -> bool:
-        return self.ring is not None and self.client.enabled
 
 
 def _engine_rank(storage_config) -> tuple[int, int]:
@@ -115,12 +104,9 @@ class AdpHiCacheStorage(HiCacheStorage):
         self.page_bytes = 0
         self._logical_pool = False
         self._keys: Optional[KeyBuilder] = None    # once the host pool tells the page format
-        self._session: Optional[_Session] = None
+        self._attachment: Optional[Attachment] = None   # made at the first attach
         self._lock = threading.Lock()
         self._closed = False
-        self._last_attempt = 0.0
-        self._reconnecting = False
-        self._retry_s = self.settings.reconnect_s     # doubles after each failed attempt (max 300 s)
         self.enable_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                          "backup_bandwidth": []}
@@ -160,68 +146,33 @@ class AdpHiCacheStorage(HiCacheStorage):
             info.update(self.geometry.describe())
         return info
 
-    def _attach(self) -> Optional[_Session]:
-        """Attach now (blocking up to connect_timeout_s when no gateway answers)."""
+    def _attach(self) -> Optional[Session]:
+        """Attach now (blocking up to connect_timeout_s when no gateway answers); later calls
+        return the attachment's session (the watcher re-attaches by itself)."""
         with self._lock:
             if self._closed:
                 return None
-            if self._session is not None and self._session.enabled:
-                return self._session
-            self._last_attempt = time.monotonic()
-        client = GatewayClient(self.settings.client, self.settings.engine_id, rank=self.rank,
-                               world_size=self.world, layout=self._layout_info())
-        session = _Session(client)
-        with self._lock:
-            old, self._session = self._session, session
-            closed = self._closed
-        if old is not None:
-            old.client.close()
-        if closed:
-            client.close()
-            return None
-        if session.enabled:
-            self._retry_s = self.settings.reconnect_s
+            a = self._attachment
+            if a is None:
+                a = self._attachment = Attachment(
+                    self.settings.client, self.settings.engine_id, self.rank, self.world,
+                    self._layout_info, reconnect_s=self.settings.reconnect_s, attach_now=False,
+                    name="adpkv-sglang")
+        s = a.attach()
+        if s is not None and s.enabled and s.number == 1:
             logger.info("adpkv: attached to the gateway on port %d as rank %d/%d",
                         self.settings.client.port, self.rank, self.world)
-        else:
-            self._retry_s = min(max(self._retry_s, 0.1) * 2, max(300.0, self.settings.reconnect_s))
-        return session
+        return s
 
-    def _reconnect_in_background(self) -> None:
-        def run():
-            try:
-                self._attach()
-            except Exception:
-                logger.exception("adpkv: re-attaching to the gateway failed")
-            finally:
-                self._reconnecting = False
-        t = threading.Thread(target=run, name="adpkv-sglang-reattach", daemon=True)
-        t.start()
-
-    def _live(self) -> Optional[_Session]:
-        """The attached session, or None (then maybe start a re-attach in the background)."""
-        s = self._session
-        if s is not None and s.enabled:
-            return s
-        if s is None and self.mem_pool_host is None and not self._closed:
-            return self._attach() if self._attach_once() else None   # generic use without a pool
-        if self._closed or self.settings.reconnect_s <= 0:
-            return None
-        now = time.monotonic()
-        with self._lock:
-            if self._reconnecting or now - self._last_attempt < self._retry_s:
+    def _live(self) -> Optional[Session]:
+        """The attached session a call uses to its end, or None (misses)."""
+        if self._attachment is None:
+            if self.mem_pool_host is not None or self._closed:
                 return None
-            self._reconnecting = True
-            self._last_attempt = now
-        self._reconnect_in_background()
-        return None
-
-    def _attach_once(self) -> bool:
-        with self._lock:
-            if self._last_attempt:
-                return False
-            self._last_attempt = time.monotonic()
-        return True
+            self._attach()   # generic use without a host pool: attach at the first call
+        a = self._attachment
+        s = a.refresh() if a is not None else None
+        return s if s is not None and s.enabled else None
 
     # ------------------------------------------------------------------ keys
     def _key_list(self, keys: Sequence[str]) -> list[bytes]:
@@ -504,18 +455,18 @@ class AdpHiCacheStorage(HiCacheStorage):
 
     @property
     def attached(self) -> bool:
-        s = self._session
-        return s is not None and s.enabled
+        a = self._attachment
+        return a is not None and a.enabled
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            s, self._session = self._session, None
-        if s is not None:
+            a = self._attachment
+        if a is not None:
             try:
-                s.client.close()
+                a.close()
             except Exception:
                 logger.exception("adpkv: closing the gateway client failed")
 

@@ -12,7 +12,8 @@ SGLang hands the backend ``HiCacheStorageConfig.extra_config`` (the JSON of
 - ``engine_id``: the id every rank of this server attaches under (default
   ``sglang-<parent pid>``: the scheduler processes of one server share their parent);
 - ``reconnect_s``: seconds before the first attempt to re-attach after the gateway went
-  away, doubling after each failed attempt up to 300 s (0: never; default 10);
+  away, doubling after each failed attempt up to 60 s (0: never; default 5; the policy of
+  every adapter, ``adpkv_core.attachment``);
 - ``skip_existing``: ``batch_set_v1`` asks which pages are stored already and copies only
   the others (default true; one EXIST round trip per batch).
 
@@ -27,6 +28,7 @@ import logging
 import os
 from typing import Any, Mapping, Optional
 
+from adpkv_core.attachment import reconnect_setting
 from adpkv_core.keys import namespace_from_model
 from adpkv_core.settings import ClientConfig
 
@@ -53,7 +55,7 @@ class SglangSettings:
         model_id = _get(extra, "model_id") or getattr(storage_config, "model_name", None) or ""
         revision = str(_get(extra, "revision") or "")
         engine_id = str(_get(extra, "engine_id") or f"sglang-{os.getppid()}")
-        reconnect_s = float(_get(extra, "reconnect_s", 10.0))
+        reconnect_s = reconnect_setting(extra)
         skip = _get(extra, "skip_existing", True)
         skip = skip.strip().lower() in ("1", "true", "yes", "on") if isinstance(skip, str) else bool(skip)
         return cls(client, str(model_id), revision, engine_id, reconnect_s, skip)

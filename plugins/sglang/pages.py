@@ -14,13 +14,13 @@ a Python loop over pages. Segments are put in flat-page order (the only layout
 where the metadata order differs is MHA ``layer_first``: K0 V0 K1 V1 ... in the
 metadata, all K then all V in the flat page).
 
-Copies use libc ``memmove`` through ctypes: one call per segment per page, the
-GIL released during each; no per-byte Python and no temporary buffers.
+Copies go through the ring view of ``adpkv_core.attachment`` (libc ``memmove``: one
+call per segment per page, the GIL released during each; no per-byte Python and no
+temporary buffers).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import numpy as np
@@ -28,11 +28,7 @@ import torch
 
 logger = logging.getLogger("adpkv.sglang")
 
-_libc = ctypes.CDLL(None)
-memmove = _libc.memmove
-memmove.restype = ctypes.c_void_p
-memmove.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-
+from adpkv_core.attachment import RingView
 
 class UnsupportedPool(ValueError):
     """The host pool's pages cannot be described as affine segments."""
@@ -133,50 +129,18 @@ class PageGeometry:
         return ptrs
 
 
-class RingView:
-    """The ring of one gateway client as addresses (numpy keeps the mapping alive)."""
-
-    def __init__(self, ring: memoryview):
-        self.array = np.frombuffer(ring, dtype=np.uint8)
-        self.addr = int(self.array.ctypes.data)
-        self.size = int(self.array.nbytes)
-
-    def check(self, offset: int, nbytes: int) -> None:
-        if offset < 0 or offset + nbytes > self.size:
-            raise IndexError(f"ring range [{offset}, {offset + nbytes}) outside the ring of {self.size} bytes")
-
-    def tensor(self, offset: int, nbytes: int) -> torch.Tensor:
-        self.check(offset, nbytes)
-        return torch.from_numpy(self.array[offset:offset + nbytes])
+def _segments(geo: PageGeometry) -> tuple[list[int], list[int]]:
+    return geo.seg_obj_off.tolist(), geo.seg_size.tolist()
 
 
 def copy_pages_to_ring(geo: PageGeometry, ring: RingView, ptrs: np.ndarray, batch) -> None:
     """PUT: pages ``batch.first ..`` of the request into their ring slots."""
-    ring.check(batch.offset, (batch.count - 1) * batch.stride + geo.page_bytes)
-    seg_size = geo.seg_size.tolist()
-    seg_obj = geo.seg_obj_off.tolist()
-    slot = ring.addr + batch.offset
-    for j in range(batch.count):
-        row = ptrs[batch.first + j].tolist()
-        dst = slot + j * batch.stride
-        for s in range(geo.nseg):
-            memmove(dst + seg_obj[s], row[s], seg_size[s])
+    ring.fill(batch, ptrs, _segments(geo))
 
 
 def copy_ring_to_pages(geo: PageGeometry, ring: RingView, ptrs: np.ndarray, batch) -> None:
     """GET: the hits among objects ``batch.first ..`` out of the ring into the pool."""
-    ring.check(batch.offset, (batch.count - 1) * batch.stride + geo.page_bytes)
-    seg_size = geo.seg_size.tolist()
-    seg_obj = geo.seg_obj_off.tolist()
-    slot = ring.addr + batch.offset
-    hits = batch.hits
-    for j in range(batch.count):
-        if hits is not None and not hits[j]:
-            continue
-        row = ptrs[batch.first + j].tolist()
-        src = slot + j * batch.stride
-        for s in range(geo.nseg):
-            memmove(row[s], src + seg_obj[s], seg_size[s])
+    ring.drain(batch, ptrs, _segments(geo))
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -190,7 +154,7 @@ def copy_tensor_to_ring(t: torch.Tensor, ring: RingView, offset: int) -> None:
     if t.device.type != "cpu":
         t = t.cpu()
     if t.is_contiguous():
-        memmove(ring.addr + offset, t.data_ptr(), n)
+        ring.write(offset, t.data_ptr(), n)
     else:
         dst = ring.tensor(offset, n).view(t.dtype).view(t.shape)
         dst.copy_(t)
@@ -201,7 +165,7 @@ def copy_ring_to_tensor(ring: RingView, offset: int, t: torch.Tensor) -> None:
     n = tensor_nbytes(t)
     ring.check(offset, n)
     if t.device.type == "cpu" and t.is_contiguous():
-        memmove(t.data_ptr(), ring.addr + offset, n)
+        ring.read(offset, t.data_ptr(), n)
     else:
         src = ring.tensor(offset, n).view(t.dtype).view(t.shape)
         t.copy_(src)
