@@ -186,11 +186,14 @@ class DoorServer:
         try:
             self._handle(session, msg, fds)
         except P.ProtocolError as exc:
-            for extra in fds:
-                os.close(extra)
+            _close_quietly(fds)
             logger.warning("Door: refused %s from pid %d (uid %d): %s", msg.get("op"), session.pid,
                            session.uid, exc)
             self._reply(session, P.error(msg.get("id"), exc.code, exc.message))
+        except Exception as exc:        # a bug must not take the gateway down for everyone
+            _close_quietly(fds)
+            logger.exception("Door: internal error on %s", msg.get("op"))
+            self._reply(session, P.error(msg.get("id"), P.INTERNAL, str(exc)))
         return True
 
     def _accept(self) -> None:
@@ -250,27 +253,24 @@ class DoorServer:
             raise P.ProtocolError(P.BAD_REGION, "REGION carries exactly one open descriptor of the buffer")
         fd = fds[0]
         offset, size = P.field(msg, "offset", int), P.field(msg, "size", int)
-        try:
-            if offset < 0 or size <= 0 or offset + size > 1 << 62:
-                raise P.ProtocolError(P.BAD_REGION, f"offset {offset} / size {size} is not a region")
-            if len(session.regions) >= MAX_REGIONS_PER_SESSION:
-                raise P.ProtocolError(P.BAD_REGION, f"at most {MAX_REGIONS_PER_SESSION} regions per session")
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise P.ProtocolError(P.BAD_REGION, "a region must be a regular file (a shared-memory buffer)")
-            if (st.st_ino, st.st_dev) == self._ring_ino or is_ring_fd(fd):
-                raise P.ProtocolError(P.BAD_REGION, "a ring cannot be a region")
-            if not _is_shared_memory(fd):
-                raise P.ProtocolError(P.BAD_REGION, f"a region must be a shared-memory buffer: a file directly "
-                                      f"in {D.SHM_DIR} or a memfd")
-            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
-                raise P.ProtocolError(P.BAD_REGION, "the region's descriptor must be open for reading and writing")
-            if offset + size > st.st_size:
-                raise P.ProtocolError(P.BAD_REGION, f"[{offset}, {offset + size}) is beyond the end of the "
-                                      f"file ({st.st_size} bytes)")
-        except BaseException:
-            os.close(fd)
-            raise
+        # on a refusal the caller (on_readable) closes the descriptor
+        if offset < 0 or size <= 0 or offset + size > 1 << 62:
+            raise P.ProtocolError(P.BAD_REGION, f"offset {offset} / size {size} is not a region")
+        if len(session.regions) >= MAX_REGIONS_PER_SESSION:
+            raise P.ProtocolError(P.BAD_REGION, f"at most {MAX_REGIONS_PER_SESSION} regions per session")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise P.ProtocolError(P.BAD_REGION, "a region must be a regular file (a shared-memory buffer)")
+        if (st.st_ino, st.st_dev) == self._ring_ino or is_ring_fd(fd):
+            raise P.ProtocolError(P.BAD_REGION, "a ring cannot be a region")
+        if not _is_shared_memory(fd):
+            raise P.ProtocolError(P.BAD_REGION, f"a region must be a shared-memory buffer: a file directly "
+                                  f"in {D.SHM_DIR} or a memfd")
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+            raise P.ProtocolError(P.BAD_REGION, "the region's descriptor must be open for reading and writing")
+        if offset + size > st.st_size:
+            raise P.ProtocolError(P.BAD_REGION, f"[{offset}, {offset + size}) is beyond the end of the "
+                                  f"file ({st.st_size} bytes)")
         session.regions.append(Region(fd, offset, size))
         logger.info("pid %d (uid %d) registered region %d (%d bytes); its GET/PUT go straight to it",
                     session.pid, session.uid, len(session.regions) - 1, size)
@@ -283,6 +283,14 @@ class DoorServer:
         self.listener.close()
         try:
             os.unlink(self.path)
+        except OSError:
+            pass
+
+
+def _close_quietly(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
         except OSError:
             pass
 

@@ -49,12 +49,20 @@ class GatewayProcess:
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.close()
-        if wait and not wait_until_up(self.port, timeout_s):
+        if wait and not self._wait_until_up(timeout_s):
             code = self.proc.poll()
             self.kill()
             raise RuntimeError(f"gateway on port {self.port} did not come up (exit code {code}); "
                                f"log:\n{self.log()}")
         return self
+
+    def _wait_until_up(self, timeout_s: float) -> bool:
+        """PING until the gateway answers; False at the deadline or as soon as it exited."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if wait_until_up(self.port, 0.5):
+                return True
+        return False
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM and wait: a graceful stop."""

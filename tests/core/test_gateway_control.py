@@ -13,16 +13,20 @@ import zmq
 
 from adpkv_core import protocol as P
 from adpkv_core.client import TURNED_OFF_MESSAGE, GatewayClient
+from adpkv_core.door import DoorSession, door_path
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 
-from .rankproc import make_keys, run_ranks
+from .rankproc import make_keys, pattern, run_ranks
 
 
 class RawPeer:
-    """A raw DEALER socket: sends whatever bytes a test wants."""
+    """A raw DEALER socket: sends whatever bytes a test wants. It holds a session from the
+    door, added to HELLO, STATS and CLEAN unless the test gives ``session`` itself."""
 
     def __init__(self, port):
+        self.door = DoorSession(door_path(port), 5.0)
+        os.close(self.door.ring_fd)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
@@ -35,10 +39,15 @@ class RawPeer:
     def send(self, **msg) -> dict:
         msg.setdefault("v", P.PROTOCOL_VERSION)
         msg.setdefault("id", 7)
+        if msg.get("op") in ("HELLO", "STATS", "CLEAN"):
+            msg.setdefault("session", self.door.token)
+        if msg.get("session") is None:
+            msg.pop("session", None)
         return self.send_raw(msgpack.packb(msg, use_bin_type=True))
 
     def close(self):
         self.sock.close(0)
+        self.door.close()
 
 
 def test_bad_input_gets_clear_errors_and_changes_nothing(gateway):
@@ -53,6 +62,17 @@ def test_bad_input_gets_clear_errors_and_changes_nothing(gateway):
     assert peer.send(op="GET", keys=keys, obj=8192)["code"] == P.NOT_ATTACHED
     assert peer.send(op="HELLO", engine="raw", rank=3, world=2)["code"] == P.BAD_MESSAGE
     assert peer.send(op="HELLO", engine="raw", rank="0", world=1)["code"] == P.BAD_MESSAGE
+    # no session, a forged one, fields out of bounds: refused, nothing attached
+    assert peer.send(op="HELLO", engine="raw", rank=0, world=1, session=None)["code"] == P.FORBIDDEN
+    assert peer.send(op="HELLO", engine="raw", rank=0, world=1, session=b"x" * 16)["code"] == P.FORBIDDEN
+    assert peer.send(op="STATS", session=None)["code"] == P.FORBIDDEN
+    assert peer.send(op="CLEAN", session=None)["code"] == P.FORBIDDEN
+    for bad in ({"world": (1 << 64) - 1, "rank": 0}, {"world": 1025, "rank": 0}, {"world": 2, "rank": 1 << 63},
+                {"world": 1, "rank": 0, "engine": "e" * 100_000}, {"world": 1, "rank": 0, "engine": "a\nb"},
+                {"world": 1, "rank": 0, "engine": ""}, {"world": 1, "rank": 0, "namespace": "n" * 257},
+                {"world": 1, "rank": 0, "layout": {"x": "y" * 20_000}}):
+        reply = peer.send(op="HELLO", **{"engine": "raw", **bad})
+        assert reply["code"] == P.BAD_MESSAGE and len(reply["msg"]) < 200, reply
     assert peer.send(op="HELLO", engine="raw", rank=0, world=1)["op"] == "OK"
     assert peer.send(op="HELLO", engine="raw", rank=0, world=1)["code"] == P.RANK_TAKEN
     assert peer.send(op="GET", keys=keys, obj=1 << 40)["code"] == P.TOO_LARGE
@@ -122,16 +142,20 @@ time.sleep(60)
     third.close()
 
 
-def test_gateway_down_turns_the_cache_off_once(start_gateway, caplog):
+def test_gateway_down_turns_the_cache_off_once_and_at_once(start_gateway, caplog):
+    """A dead gateway closes its door: the rank knows at once, not after timeout_s (10 s)."""
     gw = start_gateway()
     keys = make_keys(4)
-    client = GatewayClient(ClientConfig(port=gw.port, timeout_s=1.0), "engine")
+    client = GatewayClient(ClientConfig(port=gw.port, timeout_s=10.0), "engine")
     assert client.enabled
     assert client.exist(keys).result(timeout=5) == [False] * 4
-    gw.kill()
     with caplog.at_level(logging.WARNING, logger="adpkv.client"):
+        gw.kill()
+        t0 = time.monotonic()
         hits = client.get(keys, 4096, lambda b: None).result(timeout=10)
+        waited = time.monotonic() - t0
         assert hits == [False] * 4 and not client.enabled
+        assert waited < 2.0, f"a rank waited {waited:.2f} s for a dead gateway"
         t0 = time.monotonic()
         for _ in range(100):
             assert client.exist(keys).result() == [False] * 4
@@ -143,16 +167,17 @@ def test_gateway_down_turns_the_cache_off_once(start_gateway, caplog):
 
 def test_a_quickly_restarted_gateway_turns_the_old_attachment_off(start_gateway, caplog):
     """The new gateway never heard of the rank (nor has it the old ring): the client must not
-    go on sending into a void; it turns off at the first refusal, and a new client attaches."""
+    go on sending into a void; the old gateway's door closed, so it is off before the new
+    gateway is up, and a new client attaches."""
     gw = start_gateway()
     keys = make_keys(3)
     client = GatewayClient(ClientConfig(port=gw.port, timeout_s=5.0), "engine")
     assert client.enabled
-    gw.restart()                          # back before any timeout could notice
     with caplog.at_level(logging.WARNING, logger="adpkv.client"):
+        gw.restart()                          # back before any timeout could notice
         assert client.exist(keys).result(timeout=10) == [False] * 3
         assert not client.enabled
-    assert any("restarted" in r.getMessage() for r in caplog.records)
+    assert any("went away" in r.getMessage() for r in caplog.records)
     client.close()
     fresh = GatewayClient(ClientConfig(port=gw.port, timeout_s=5.0), "engine")
     assert fresh.enabled
@@ -300,7 +325,8 @@ def test_collective_mismatch_and_a_rank_leaving_mid_collective(gateway):
     assert reply["code"] == P.COLLECTIVE_MISMATCH
     assert a.sock.poll(3000) and msgpack.unpackb(a.sock.recv())["code"] == P.COLLECTIVE_MISMATCH
     a.sock.send(msgpack.packb({"v": 1, "op": "GET", "id": 3, "keys": k1, "obj": 4096, "tag": "y"}))
-    time.sleep(0.2)
+    # the gateway serves one connection's messages in order: PING's answer means GET was taken
+    assert a.send(op="PING", id=4)["id"] == 4
     assert b.send(op="BYE")["op"] == "OK"
     assert a.sock.poll(3000), "the waiting rank must be told, not left hanging"
     reply = msgpack.unpackb(a.sock.recv())
@@ -338,3 +364,71 @@ time.sleep(600)
     assert s["objects"].get("stored", 0) == 0, "a batch that was never filled must not be stored"
     (_, stored, _, _), = run_ranks(gw.port, 1, "PUT", make_keys(3), 4096, engine="next")
     assert all(stored)
+
+
+def test_a_second_gateway_on_a_busy_port_refuses_and_touches_nothing(start_gateway, tmp_path):
+    """Before the door, the second gateway replaced the first one's ring file on its way to
+    'Address already in use': engines attaching then stored zeros with valid checksums."""
+    gw = start_gateway()
+    keys = make_keys(6)
+    early = GatewayClient(ClientConfig(port=gw.port), "engine")
+    assert early.enabled
+    second = subprocess.run([sys.executable, "-m", "adpkv_gateway.main", "--storage-devices",
+                             str(tmp_path / "another-card"), "--port", str(gw.port)],
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2
+    assert "another gateway is running on this port" in second.stderr + second.stdout
+    assert gw.alive()
+    late = GatewayClient(ClientConfig(port=gw.port, busy_wait_s=0), "engine", rank=None)
+    assert late.enabled
+
+    def fill(b):
+        for j in range(b.count):
+            early.ring[b.offset + j * b.stride:b.offset + j * b.stride + 8192] = pattern(keys[b.first + j], 0, 8192)
+    assert list(early.put(keys, 8192, fill).result(timeout=10)) == [True] * 6
+    late.close()
+    early.close()
+    gw.restart()
+    (_, hits, exact, _), = run_ranks(gw.port, 1, "GET", keys, 8192, engine="after")
+    assert all(hits) and exact is True
+
+
+def test_a_dead_gateways_door_is_reclaimed(start_gateway, tmp_path):
+    gw = start_gateway()
+    door = door_path(gw.port)
+    gw.proc.kill()                      # a crash: its door and lock files stay behind
+    gw.proc.wait()
+    gw.proc = None
+    assert os.path.exists(door)
+    gw.start()
+    assert GatewayClient(ClientConfig(port=gw.port), "engine").enabled
+
+
+def test_a_ring_of_the_wrong_size_turns_the_cache_off(tmp_path):
+    """A client that gets a ring other than announced turns the cache off on its rank
+    (before: ValueError out of GatewayClient). The door here is the test's own (it hands
+    out a memfd one page short); no gateway could be made to do that."""
+    import socket
+    import threading
+    from adpkv_core import door as D
+    path = str(tmp_path / "door.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+
+    def serve():
+        conn, _ = listener.accept()
+        D.recv(conn)
+        fd = os.memfd_create("short", os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, 1 << 20)
+        D.send(conn, {"op": "OK", "token": b"t" * 16, "ring_size": (1 << 20) + 4096, "pid": 1}, [fd])
+        conn.recv(1)                   # until the client closes
+        conn.close()
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    client = GatewayClient(ClientConfig(port=1, socket=path, connect_timeout_s=2.0), "engine")
+    assert not client.enabled
+    assert client.get(make_keys(2), 4096, lambda b: None).result(timeout=1) == [False, False]
+    client.close()
+    t.join(5)
+    listener.close()
