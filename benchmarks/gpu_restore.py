@@ -279,7 +279,7 @@ def run_geometry(name: str, g: dict, token_counts, args, report: dict) -> None:
         kv_bytes = cache.obj * cache.chunks * g["layers"]
         row["kv_GiB"] = kv_bytes / GiB
         gw = GatewayProcess(card, shared_memory_size=args.ring_gib * GiB, thread_pool_size=args.threads,
-                            io_processes=args.io_processes, io_size=cache.obj,
+                            io_processes=args.io_processes,
                             log_path=card + ".log").start(timeout_s=120)
         try:
             client = GatewayClient(ClientConfig(port=gw.port, timeout_s=600), f"gpu-bench-{tokens}")

@@ -207,7 +207,7 @@ def run(directory: str, sizes: list[int], regimes: list[str], total_bytes: int, 
             if port is None:
                 gw = GatewayProcess(card, o_direct=(regime == "cold"), thread_pool_size=threads,
                                     shared_memory_size=max(256 * MiB, 8 * per_request * align_up(size)),
-                                    io_size=size, log_path=card + ".log").start()
+                                    log_path=card + ".log").start()
             runs = []
             try:
                 for rep in range(repeat):

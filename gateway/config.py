@@ -39,7 +39,6 @@ class GatewayConfig:
     control_socket_group: str = ""           # its group (name or gid); "": the gateway's own
     operator_group: str = ""                 # members may CLEAN (root and the gateway's user always may)
     shared_memory_size: int = 1 << 30        # bytes of the ring in /dev/shm
-    io_size: int = 1 << 20                   # typical object size, for the max_parallel_ios log line
     thread_pool_size: int = 0                # card I/O threads (0: auto, see default_io_threads)
     io_processes: int = 0                    # fs card reads in this many processes (0: in the threads)
     capacity_bytes: int = 0                  # per card; 0: the free space of its file system at start
@@ -47,6 +46,7 @@ class GatewayConfig:
     eviction_ratio: float = 0.10             # ... down to (watermark - ratio) of capacity
     o_direct: bool = False                   # fs card: bypass the page cache
     fsync: bool = False                      # fs card: fsync each object before it becomes visible
+    card_group: str = ""                     # fs card: share files with this group (0640/0750; else 0600/0700)
     engine_timeout_s: float = 5.0            # a rank silent this long is detached
     log_level: str = "INFO"
 
@@ -78,6 +78,8 @@ class GatewayConfig:
             raise ValueError("shared_memory_size must be at least 1 MiB")
         if not 0.0 < self.eviction_watermark <= 1.0 or not 0.0 <= self.eviction_ratio < self.eviction_watermark:
             raise ValueError("need 0 < eviction_watermark <= 1 and 0 <= eviction_ratio < eviction_watermark")
+        if self.card_group and not self.card_group.strip():
+            raise ValueError("card_group must name a group (or be empty)")
         if self.shared_storage and int(self.start_clean):
             raise ValueError("start_clean: 1 with shared_storage: true would delete other deployments' "
                              "keys; refusing to start")
@@ -137,7 +139,6 @@ HELP: dict[str, str] = {
     "control_socket_group": "the door's group, name or gid (empty: the gateway's own group)",
     "operator_group": "members may clean the cards (root and the gateway's user always may)",
     "shared_memory_size": "bytes of the shared-memory ring",
-    "io_size": "typical object size in bytes (only for the max_parallel_ios log line)",
     "thread_pool_size": "card I/O threads (0: two per core, 4 to 16)",
     "io_processes": "fs card reads run in this many processes (0: in the I/O threads)",
     "capacity_bytes": "capacity of each card in bytes (0: the free space of its file system at start)",

@@ -93,9 +93,8 @@ class Gateway:
             logger.info("start_clean: removed %d objects", self.store.clean())
         self.ring = Ring.create(config.port, config.shared_memory_size)
         self.alloc = RingAllocator(self.ring.size)
-        logger.info("Ring %s: %d bytes (a sealed memfd, handed out at the door); io_size %d; "
-                    "max_parallel_ios = %d", self.ring.name, self.ring.size,
-                    config.io_size, max_parallel_ios(self.ring.size, config.io_size))
+        logger.info("Ring %s: %d bytes (a sealed memfd, handed out at the door)", self.ring.name, self.ring.size)
+        self.object_sizes_logged: set[int] = set()
         self.pool = ThreadPoolExecutor(config.thread_pool_size, thread_name_prefix="adpkv-io")
         self.procs = io_procs.start(config.io_processes, self.ring) if config.io_processes else None
         if self.procs:
@@ -366,6 +365,10 @@ class Gateway:
         if obj <= 0:
             raise P.ProtocolError(P.BAD_MESSAGE, "obj (object size) must be positive")
         stride = object_stride(obj)
+        if obj not in self.object_sizes_logged and len(self.object_sizes_logged) < 8:
+            self.object_sizes_logged.add(obj)
+            logger.info("Objects of %d bytes (io_size): max_parallel_ios = %d", obj,
+                        max_parallel_ios(self.ring.size, obj))
         tag = P.field(msg, "tag", str, None)
         region = P.field(msg, "region", int, None)
         if stride > self.max_batch_bytes:
