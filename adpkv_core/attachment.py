@@ -446,15 +446,17 @@ class Attachment:
             self._dispose(old)
 
     def _dispose(self, s: Session) -> None:
+        # the client first: close() joins its I/O thread, so no copy of this session runs
+        # any more when on_detach releases what the copies used (e.g. a CUDA-pinned ring)
+        try:
+            s.client.close()
+        except Exception:
+            logger.debug("closing an adpkv client failed", exc_info=True)
         if self._on_detach is not None:
             try:
                 self._on_detach(s)
             except Exception:
                 logger.exception("%s: releasing an old gateway attachment failed", self.name)
-        try:
-            s.client.close()
-        except Exception:
-            logger.debug("closing an adpkv client failed", exc_info=True)
 
     def _watch(self) -> None:
         while not self._stop.wait(self._watch_s):

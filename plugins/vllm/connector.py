@@ -21,6 +21,11 @@ Failures: a chunk that cannot be read is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes it; a gateway that stops
 answering turns the external cache off on that rank (the client logs
 "External KV cache turned off on this rank" once) and the engine goes on.
+Both roles hold the gateway through ``adpkv_core.attachment.Attachment``: when
+the gateway answers again a fresh attachment is made in the background and put
+to use between engine steps (scheduler: after ``build_connector_meta``; worker:
+at ``bind_connector_metadata``), never inside one; a transfer that started on
+the old attachment ends on it as misses (its blocks are recomputed).
 """
 
 from __future__ import annotations
@@ -45,20 +50,18 @@ except ImportError:  # pragma: no cover - old vLLM
         pass
 
 from adpkv_core.affinity import dialog_marks
+from adpkv_core.attachment import Attachment, Session, reconnect_setting
 from adpkv_core.keys import KeyBuilder
 
 from .common import (
     AdapterSettings,
-    LookupClient,
     check_hash_stability,
     chunk_hashes,
-    close_client,
     ensure_logging,
-    open_rank_client,
     ordered_layer_names,
     resolve_namespace,
 )
-from .copy import PagedLayer, as_index, ring_tensor
+from .copy import PagedLayer, as_index
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -117,6 +120,7 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.block_size = vllm_config.cache_config.block_size
         self.hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
         self.settings = AdapterSettings.from_extra_config(extra, self.block_size)
+        self.reconnect_s = reconnect_setting(extra)
         self.chunk_size = self.settings.chunk_size
         if self.chunk_size % self.hash_block_size:
             raise ValueError(f"adpkv: chunk_size {self.chunk_size} must be a multiple of the hash "
@@ -184,7 +188,10 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
             except Exception:  # pragma: no cover - frozen config
                 logger.warning("adpkv: set kv_load_failure_policy=recompute so that a failed load "
                                "is recomputed rather than failing the request")
-        self._lookup = LookupClient(self.settings.client, self.engine_id, self.tp_size)
+        # a lookup-only peer of the engine (the scheduler is not a rank); re-attached between steps
+        self._lookup = Attachment(self.settings.client, self.engine_id, None, self.tp_size,
+                                  {"role": "vllm-scheduler"}, reconnect_s=self.reconnect_s,
+                                  install="on_refresh", name="adpkv-vllm-scheduler")
         self._lookups: dict[str, tuple[int, Any, list[bytes]]] = {}  # req -> (num_tokens, future, digests)
         self._hits: dict[str, tuple[int, int]] = {}     # req -> (hit chunks, local computed tokens)
         self._reqs: dict[str, _ReqState] = {}
@@ -245,12 +252,13 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         entry = self._lookups.get(req_id)
         if entry is None or entry[0] != request.num_tokens:
             digests = self._digests(request, limit)
-            if not digests or not self._lookup.enabled:
+            s = self._lookup.session
+            if not digests or s is None or not s.enabled:
                 self._hits[req_id] = (0, num_computed_tokens)
                 return 0, False
             marks = self._marks(digests)
             keys = self.keys.keys(digests, self._exist_layers)
-            fut = self._lookup.exist(keys, marks=marks * len(self._exist_layers))
+            fut = s.client.exist(keys, marks=marks * len(self._exist_layers))
             entry = (request.num_tokens, fut, digests)
             self._lookups[req_id] = entry
         _, fut, digests = entry
@@ -359,6 +367,7 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
                     (meta.deferred_saves if decode else meta.saves).append(plan)
                     st.had_saves = True
                 st.saved_chunks = full
+        self._lookup.refresh()   # between steps: a fresh attachment, when one is ready, from now on
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -398,7 +407,9 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ========================================================================== worker
     def _init_worker(self, vllm_config) -> None:
-        self.client = None
+        self._attachment: Optional[Attachment] = None
+        self._session: Optional[Session] = None
+        self.client = None                              # this step's client and ring (see _use)
         self.ring: Optional[torch.Tensor] = None
         self.layers: dict[str, PagedLayer] = {}
         self.rank = 0
@@ -435,15 +446,40 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         layout = {"engine": "vllm", "layers": len(self.layers), "chunk_tokens": self.chunk_size,
                   "page_bytes": first.page_bytes, "page_shape": list(first.page_shape),
                   "dtype": str(first.dtype), "layout": self.layout}
-        self.client = open_rank_client(self.settings.client, self.engine_id, self.rank,
-                                       self.tp_size, layout)
-        self.ring = ring_tensor(self.client)
-        if first.on_gpu and self.ring is not None:
-            from .cuda_ring import pin_ring
-            pin_ring(self.ring)     # DMA copies ring <-> GPU on our stream
+        self._attachment = Attachment(self.settings.client, self.engine_id, self.rank, self.tp_size, layout,
+                                      reconnect_s=self.reconnect_s, install="on_refresh",
+                                      on_attach=self._on_attach, on_detach=self._on_detach,
+                                      name="adpkv-vllm")
+        self._use(self._attachment.session)
         logger.info("adpkv: rank %d registered %d layers, page %s %s (%d bytes), object %d bytes",
                     self.rank, len(self.layers), first.page_shape, first.dtype, first.page_bytes,
                     first.page_bytes * self.blocks_per_chunk * self.tp_size)
+
+    def _on_attach(self, s: Session) -> None:
+        s.state["ring"] = s.ring.tensor() if s.ring is not None else None
+        if s.state["ring"] is not None and self.layers and next(iter(self.layers.values())).on_gpu:
+            from .cuda_ring import pin_ring
+            pin_ring(s.state["ring"])     # DMA copies ring <-> GPU on our stream
+
+    def _on_detach(self, s: Session) -> None:
+        ring = s.state.get("ring")
+        if ring is not None and self._stream is not None:
+            self._stream.synchronize()    # no copy from the old ring is still queued
+            from .cuda_ring import unpin_ring
+            unpin_ring(ring)
+
+    def _use(self, s: Optional[Session]) -> None:
+        self._session = s
+        self.client = s.client if s is not None else None
+        self.ring = s.state.get("ring") if s is not None else None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        a = getattr(self, "_attachment", None)
+        if a is not None:   # a step begins: the one point where a fresh attachment is put to use
+            s = a.refresh()
+            if s is not self._session:
+                self._use(s)
 
     def _active(self) -> bool:
         return self.supported and self.client is not None and self.ring is not None and self.client.enabled
@@ -464,6 +500,7 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._active():
             self._load_errors.update(index.all_blocks)
             return
+        client, ring = self.client, self.ring   # the whole load runs on this step's attachment
         for name in self.layer_names:     # layer 0 first: it is needed first
             layer = self.layers[name]
             obj, sl = self._part(layer)
@@ -473,11 +510,11 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
                 dst, pos = index.batch_blocks(b.first, b.count, b.hits)
                 if dst is None:
                     return True
-                layer.scatter(self.ring, b.offset, b.stride, b.count, sl[0], sl[1], dst, pos,
+                layer.scatter(ring, b.offset, b.stride, b.count, sl[0], sl[1], dst, pos,
                               self.blocks_per_chunk, self._stream)
                 return True
 
-            fut = self.client.get(keys, obj, on_batch, marks=index.marks,
+            fut = client.get(keys, obj, on_batch, marks=index.marks,
                                   tag=self._tag("L", meta.step, name), slice=sl)
             self._load_futs[name] = (fut, index)
 
@@ -553,6 +590,7 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
             tag = f"{kind}{step}:all" if self.tp_size > 1 else None
         keys = self.keys.keys(digests, [self.layer_index[name] for name in layer_names])
         job = _PutJob(len(keys))
+        client, ring = self.client, self.ring
 
         def on_batch(b):
             # objects are layer-major: object i is chunk i % n of layer i // n
@@ -561,13 +599,13 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
                 li, ci = divmod(i, n)
                 run = min(end, (li + 1) * n) - i
                 slot = b.offset + (i - b.first) * b.stride
-                layers[li].gather(self.ring, slot, b.stride, run, sl[0], sl[1],
+                layers[li].gather(ring, slot, b.stride, run, sl[0], sl[1],
                                   blocks[ci * bpc:(ci + run) * bpc], bpc, self._stream, ready)
                 i += run
             job.copied(b.count)
             return True
 
-        fut = self.client.put(keys, obj, on_batch, marks=marks * len(layer_names), tag=tag, slice=sl)
+        fut = client.put(keys, obj, on_batch, marks=marks * len(layer_names), tag=tag, slice=sl)
         fut.add_done_callback(lambda f: job.done())
         with self._lock:
             for r in req_ids:
@@ -611,13 +649,9 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
             for job_list in list(self._jobs_by_req.values()):
                 for job in job_list:
                     job.wait(2.0)
-            if self.ring is not None and self.layers and \
-                    next(iter(self.layers.values())).on_gpu:
-                from .cuda_ring import unpin_ring
-                unpin_ring(self.ring)
-            close_client(self.client)
-            self.client = None
-            self.ring = None
+            if self._attachment is not None:
+                self._attachment.close()      # BYE; on_detach unpins the ring
+            self._use(None)
         elif getattr(self, "_lookup", None) is not None:
             self._lookup.close()
 
