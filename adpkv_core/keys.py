@@ -30,7 +30,6 @@ ChunkHash = Union[bytes, bytearray, memoryview, int, str]
 
 # Cache kinds: which cache of a layer an object holds.
 KIND_KV = 0          # the layer's (K, V) or latent cache as the engine lays it out
-KIND_SECOND = 1      # a second cache of the same layer (e.g. a sparse-attention indexer)
 
 
 def namespace_id(namespace: str) -> bytes:
@@ -70,16 +69,6 @@ class KeyBuilder:
         digests = [chunk_digest(h) for h in chunk_hashes]
         pack, ns = _HEAD.pack, self._ns
         return [pack(KEY_VERSION, ns, d, layer, kind) for layer in layers for d in digests]
-
-
-def parse_key(key: bytes) -> tuple[int, bytes, bytes, int, int]:
-    """Split a key into (version, namespace id, chunk digest, layer, kind)."""
-    if len(key) != KEY_BYTES:
-        raise ValueError(f"an adpkv key is {KEY_BYTES} bytes, got {len(key)}")
-    version, ns, digest, layer, kind = _HEAD.unpack(key)
-    if version != KEY_VERSION:
-        raise ValueError(f"unknown key version {version}")
-    return version, ns, digest, layer, kind
 
 
 MODEL_IDENTITY_FIELDS = ("model", "revision", "kv_dtype", "geometry", "tp_size", "chunk_size", "layout")

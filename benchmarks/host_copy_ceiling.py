@@ -1,13 +1,16 @@
 """How fast can this host move bytes into the ring? The ceilings under a restore from page cache.
 
 A restore from an fs card whose files are in the page cache is one CPU copy per byte (page
-cache -> ring) plus the checksum pass; the GPU then DMAs from the ring. This script measures,
-in P worker processes that each map a /dev/shm ring like the gateway's I/O processes do:
+cache -> ring), with the checksum computed on each piece right after its read while the piece
+is still in the CPU cache; the GPU then DMAs from the ring. This script measures, in P worker
+processes that each map a /dev/shm ring like the gateway's I/O processes do:
 
 * ``memcpy``        anonymous memory -> ring (the host's copy ceiling, no kernel in the way);
 * ``pread``         object files in the page cache -> ring (``preadv`` of header + 1 MiB payload);
-* ``pread+xxh3``    the same and the xxh3 of the payload afterwards (the gateway's read today);
-* ``pread+xxh3/chunked``  read in pieces, each hashed right after its read, while in cache;
+* ``pread+xxh3``    the same and the xxh3 of the whole payload afterwards (a second pass over
+  the bytes: the gateway's earlier read path, kept for comparison);
+* ``pread+xxh3/chunked``  read in pieces, each hashed right after its read, while in cache (the
+  gateway's read path today: ``_read_hashed`` in gateway/cards/fs.py);
 * ``mmap+memcpy``   the file mapped (MAP_POPULATE) and copied to the ring by memmove;
 
 and, where the kernel allows it, the same with the ring on transparent huge pages. With

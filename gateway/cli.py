@@ -105,19 +105,33 @@ def cmd_demo(args) -> int:
     return run_demo(args.dir, args.tokens, args.layers)
 
 
+def _add_gateway_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    def default(value):
+        return argparse.SUPPRESS if suppress else value
+    parser.add_argument("--config", default=default(None), metavar="YAML",
+                        help="the gateway's YAML (its port and bind_address find the gateway)")
+    parser.add_argument("--host", default=default("127.0.0.1"), help="gateway host (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=default(None), help="gateway port (default 5557)")
+    parser.add_argument("--timeout", type=float, default=default(3.0),
+                        help="seconds to wait for the gateway's answer (default 3)")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="adpkv", description="Operate an adpkv gateway.")
-    p.add_argument("--config", help="the gateway's YAML (finds its port)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=None, help="gateway port (default 5557)")
-    p.add_argument("--timeout", type=float, default=3.0)
+    p = argparse.ArgumentParser(prog="adpkv", description="Operate an adpkv gateway. The gateway options "
+                                "(--config, --host, --port, --timeout) go before or after the subcommand.")
+    _add_gateway_options(p, suppress=False)
+    # The same options on every subcommand, with SUPPRESS defaults: given after the subcommand
+    # they land in the namespace, not given they leave the main parser's value alone.
+    shared = argparse.ArgumentParser(add_help=False)
+    _add_gateway_options(shared, suppress=True)
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("status", help="cards, health, fingerprint, usage")
+    s = sub.add_parser("status", parents=[shared], help="cards, health, fingerprint, usage")
     s.add_argument("--json", action="store_true")
-    sub.add_parser("usage", help="bytes and objects stored")
-    c = sub.add_parser("clean", help="delete everything (refused on shared storage)")
+    sub.add_parser("usage", parents=[shared], help="bytes and objects stored")
+    c = sub.add_parser("clean", parents=[shared], help="delete everything (refused on shared storage)")
     c.add_argument("--yes", action="store_true")
-    b = sub.add_parser("bench", help="store/restore through a gateway vs raw file I/O on the same disk")
+    b = sub.add_parser("bench", parents=[shared],
+                       help="store/restore through a gateway vs raw file I/O on the same disk")
     b.add_argument("--sizes", default="128KiB,1MiB,3MiB")
     b.add_argument("--regime", choices=["cold", "hot", "both"], default="both")
     b.add_argument("--ranks", type=int, default=1)
@@ -127,7 +141,7 @@ def main(argv=None) -> int:
                    help="I/O threads of the gateway and of the raw baseline (0: the gateway's default)")
     b.add_argument("--repeat", type=int, default=3, help="runs per size, alternating gateway and raw; median")
     b.add_argument("--dir", default="./adpkv-bench", help="where the bench card and raw files go")
-    d = sub.add_parser("demo", help="start a gateway on ./adpkv-card, store a prompt's KV, restart, restore")
+    d = sub.add_parser("demo", parents=[shared], help="start a gateway on ./adpkv-card, store a prompt's KV, restart, restore")
     d.add_argument("--dir", default="./adpkv-card")
     d.add_argument("--tokens", type=int, default=16384)
     d.add_argument("--layers", type=int, default=8)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
-
 from .cards.base import CardError
 from .store import ObjectStore
 
@@ -27,12 +25,10 @@ CHECK_INTERVAL_S = 1.0
 class HealthMonitor:
     """Watches the cards of a store and flips ``store.active``."""
 
-    def __init__(self, store: ObjectStore, io_timeout_ms: int, io_timeout_strikes: int,
-                 on_change: Callable[[], None] = lambda: None):
+    def __init__(self, store: ObjectStore, io_timeout_ms: int, io_timeout_strikes: int):
         self.store = store
         self.io_timeout_s = io_timeout_ms / 1000.0 if io_timeout_ms > 0 else None
         self.max_strikes = max(1, io_timeout_strikes)
-        self.on_change = on_change
         n = len(store.cards)
         self.strikes = [0] * n
         self.out_since = [0.0] * n
@@ -115,7 +111,6 @@ class HealthMonitor:
             self.out_by_io[i] = by_io
         card = self.store.cards[i]
         logger.warning("Card %s (%s) moved from active to inactive: %s", card.serial, card.device, why)
-        self.on_change()
 
     def _activate(self, i: int) -> None:
         card = self.store.cards[i]
@@ -125,4 +120,3 @@ class HealthMonitor:
             self.strikes[i] = 0
             self.store.active[i] = True
         logger.info("Card %s (%s) moved from inactive to active; Group Health: active", card.serial, card.device)
-        self.on_change()

@@ -70,8 +70,3 @@ class Placement:
 
     def ranking(self, key: bytes, mark: int) -> list[int]:
         return self.rankings[self.slot(key, mark)]
-
-    def card(self, key: bytes, mark: int) -> Optional[int]:
-        """The owner of the key's slot (in service or not)."""
-        r = self.ranking(key, mark)
-        return r[0] if r else None

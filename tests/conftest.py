@@ -51,7 +51,7 @@ def redis_servers(tmp_path):
     """Factory: ``redis_servers(n)`` starts n real redis-server processes (stopped at the end)."""
     from redis_servers import REDIS, RedisServer
     if REDIS is None:
-        pytest.fail("redis-server is not installed (apt-get install -y redis-server; .ci/run does it)")
+        pytest.fail("redis-server is not installed (apt-get install -y redis-server; tools/test.sh does it)")
     started: list[RedisServer] = []
 
     def start(n, **kw):

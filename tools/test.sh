@@ -6,12 +6,46 @@
 #   lmcache  lmcache 0.5.6 + torch 2.13.0 CPU     tests/lmcache
 #   sglang   sglang 0.5.23 + torch 2.14.1 (runs on the CPU; its page hash JIT-compiles: g++, libssl-dev)
 # Usage: bash tools/test.sh [suite ...]   (default: all suites)
+# On a fresh machine it first installs the system packages the suites need (apt-get, as
+# root or through password-less sudo): redis-server (real servers for the resp card tests),
+# g++ and libssl-dev (SGLang's page hash JIT-compiles). ADPKV_NO_SYSTEM_SETUP=1 skips that.
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 export PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false PYTHONUNBUFFERED=1
 suites=("$@")
 [[ ${#suites[@]} -eq 0 ]] && suites=(core vllm lmcache sglang)
+
+system_setup() {
+  local need=() s
+  command -v redis-server >/dev/null || need+=(redis-server)
+  for s in "${suites[@]}"; do
+    if [[ "$s" == sglang ]]; then
+      command -v g++ >/dev/null || need+=(g++)
+      dpkg -s libssl-dev >/dev/null 2>&1 || need+=(libssl-dev)
+    fi
+  done
+  [[ ${#need[@]} -eq 0 ]] && return 0
+  local as=()
+  if [[ $(id -u) -ne 0 ]]; then
+    if command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+      as=(sudo -n)
+    else
+      echo "[test] missing system packages: ${need[*]} (not root and no password-less sudo);" \
+           "install them: apt-get install -y ${need[*]}" >&2
+      return 0
+    fi
+  fi
+  if ! command -v apt-get >/dev/null; then
+    echo "[test] missing system packages: ${need[*]} (no apt-get here: install them by hand)" >&2
+    return 0
+  fi
+  echo "[test] installing ${need[*]} (apt-get)" >&2
+  "${as[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 \
+    && "${as[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null \
+    || echo "[test] could not install ${need[*]}; the tests that need them will fail" >&2
+}
+[[ "${ADPKV_NO_SYSTEM_SETUP:-0}" == 1 ]] || system_setup
 failed=()
 for suite in "${suites[@]}"; do
   if ! ls tests/"$suite"/test_*.py >/dev/null 2>&1; then

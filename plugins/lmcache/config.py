@@ -4,7 +4,7 @@ LMCache finds this class by convention (``<class_name>Config`` in the plugin
 module) and builds it with ``from_dict(adapter_params)``; on a ``ValueError``
 the server prints ``help()`` and exits. The settings are the adpkv vocabulary
 shared by every engine adapter (port, namespace, key_namespace_from_model,
-affinity_chunks, fragment_bytes, timeouts) plus two of this adapter's own.
+affinity_chunks, timeouts) plus a few of this adapter's own.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Any, Mapping
+
+from adpkv_core.settings import parse_bool
 
 from ._compat import L2AdapterConfigBase
 
@@ -50,7 +52,6 @@ FIELDS: tuple[_Field, ...] = (
     _Field("affinity_chunks", int, 1,
            f"leading chunks of a prompt that make its dialog mark (card placement); env {AFFINITY_ENV}",
            _positive),
-    _Field("fragment_bytes", int, 0, "informational: the gateway splits objects into fragments", _non_negative),
     _Field("timeout_s", float, 10.0, "a request without progress this long turns the cache off", _positive),
     _Field("connect_timeout_s", float, 3.0, "deadline to attach to the gateway", _positive),
     _Field("heartbeat_s", float, 1.0, "ping interval while idle", _positive),
@@ -119,8 +120,7 @@ class AdpL2AdapterConfig(L2AdapterConfigBase):
         """The shared adpkv vocabulary, as ``adpkv_core`` ClientConfig.from_settings reads it."""
         return {"port": self.port, "host": self.host, "namespace": self.namespace,
                 "key_namespace_from_model": self.key_namespace_from_model,
-                "affinity_chunks": self.affinity_chunks, "fragment_bytes": self.fragment_bytes,
-                "timeout_s": self.timeout_s, "connect_timeout_s": self.connect_timeout_s,
+                "affinity_chunks": self.affinity_chunks, "timeout_s": self.timeout_s, "connect_timeout_s": self.connect_timeout_s,
                 "heartbeat_s": self.heartbeat_s, "busy_wait_s": self.busy_wait_s}
 
     def as_dict(self) -> dict:
@@ -132,12 +132,7 @@ class AdpL2AdapterConfig(L2AdapterConfigBase):
 
 def _coerce(f: _Field, raw: Any) -> Any:
     if f.kind is bool:
-        if isinstance(raw, bool):
-            value = raw
-        elif isinstance(raw, str) and raw.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            value = raw.strip().lower() in ("1", "true", "yes", "on")
-        else:
-            raise ValueError(f"{f.name} must be a boolean, got {raw!r}")
+        value = parse_bool(raw, f.name)
     elif f.kind is int:
         if isinstance(raw, bool) or not isinstance(raw, (int, str)):
             raise ValueError(f"{f.name} must be an integer, got {raw!r}")

@@ -5,7 +5,7 @@ SGLang hands the backend ``HiCacheStorageConfig.extra_config`` (the JSON of
 
 - the shared adapter vocabulary of ``adpkv_core.settings.ClientConfig``: ``port``,
   ``host``, ``namespace`` (alias ``key_namespace``), ``key_namespace_from_model``,
-  ``affinity_chunks``, ``fragment_bytes``, ``timeout_s``, ``connect_timeout_s``,
+  ``affinity_chunks``, ``timeout_s``, ``connect_timeout_s``,
   ``busy_wait_s`` (each may also be spelled ``adpkv.<name>``);
 - ``model_id``: the model identity in keys (default: SGLang's model name);
 - ``revision``: the model revision, part of the identity (SGLang does not know it);
@@ -30,7 +30,7 @@ from typing import Any, Mapping, Optional
 
 from adpkv_core.attachment import reconnect_setting
 from adpkv_core.keys import namespace_from_model
-from adpkv_core.settings import ClientConfig
+from adpkv_core.settings import ClientConfig, parse_bool
 
 logger = logging.getLogger("adpkv.sglang")
 
@@ -56,8 +56,7 @@ class SglangSettings:
         revision = str(_get(extra, "revision") or "")
         engine_id = str(_get(extra, "engine_id") or f"sglang-{os.getppid()}")
         reconnect_s = reconnect_setting(extra)
-        skip = _get(extra, "skip_existing", True)
-        skip = skip.strip().lower() in ("1", "true", "yes", "on") if isinstance(skip, str) else bool(skip)
+        skip = parse_bool(_get(extra, "skip_existing", True), "skip_existing")
         return cls(client, str(model_id), revision, engine_id, reconnect_s, skip)
 
 

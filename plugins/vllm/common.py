@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import chunk_digest, namespace_from_model
-from adpkv_core.settings import ClientConfig
+from adpkv_core.settings import ClientConfig, parse_bool
 
 logger = logging.getLogger("adpkv.vllm")
 
@@ -67,13 +67,8 @@ class AdapterSettings:
             raise ValueError(f"adpkv: {PREFIX}exist_layers must be 'ends' or 'all', not {exist_layers!r}")
         return cls(client=client, chunk_size=chunk, exist_layers=exist_layers,
                    lookup_wait_s=float(extra.get(PREFIX + "lookup_wait_s", 0.05)),
-                   respect_fail_policy=_as_bool(extra.get(PREFIX + "respect_fail_policy", False)))
-
-
-def _as_bool(v) -> bool:
-    if isinstance(v, str):
-        return v.strip().lower() in ("1", "true", "yes", "on")
-    return bool(v)
+                   respect_fail_policy=parse_bool(extra.get(PREFIX + "respect_fail_policy", False),
+                                                  PREFIX + "respect_fail_policy"))
 
 
 # --------------------------------------------------------------------------- hashing

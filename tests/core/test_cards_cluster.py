@@ -116,9 +116,10 @@ def test_card_loss_costs_only_its_dialogs_and_it_comes_back(redis_servers, start
     # a different, empty server at that address is not taken for the old card
     from redis_servers import RedisServer
     impostor = RedisServer(str(tmp_path / "impostor"), port=victim.port).start()
-    time.sleep(2.5)
+    # the health check reaches the impostor (it logs so only after its check of the card
+    # failed and it read another serial): the card must still be out of service after that
+    assert wait_for(lambda: "another card, left unused" in gw.log(), timeout=10)
     assert not stats(gw.port)["cards"][1]["active"]
-    assert "another card, left unused" in gw.log()
     impostor.kill()
     victim.start()                                      # the same card, with its data
     assert wait_for(lambda: stats(gw.port)["cards"][1]["active"], timeout=20)
@@ -170,7 +171,7 @@ def test_a_fifth_card_moves_about_a_fifth_of_the_dialogs(redis_servers, start_ga
     four = Placement(["A", "B", "C", "D"], 16)
     five = Placement(["A", "B", "C", "D", "E"], 16)
     key = KeyBuilder("n").key(1)
-    moved = sum(four.card(key, m) != five.card(key, m) for m in marks) / len(marks)
+    moved = sum(four.ranking(key, m)[0] != five.ranking(key, m)[0] for m in marks) / len(marks)
     # the fifth card's share is 3 or 4 of 16 slots; balancing moves a few more on average
     assert 0.15 <= moved <= 0.45, f"{moved:.2f} of the dialogs moved"
     assert sorted(collections.Counter(r[0] for r in five.rankings).values()) == [3, 3, 3, 3, 4]

@@ -265,9 +265,12 @@ def test_close_releases_pins_and_fds(lmc_gateway, make_adapter):
     assert store(a, keys, [make_obj(4096) for _ in keys]).is_successful()
     pinned0 = gateway_stats(lmc_gateway.port)["pinned"]
     assert lookup(a, keys).popcount() == 2
-    fd = a.get_store_event_fd()
+    assert gateway_stats(lmc_gateway.port)["pinned"] == pinned0 + 2       # the lookup pinned both
+    assert gateway_stats(lmc_gateway.port)["engine"] is not None
+    fds = (a.get_store_event_fd(), a.get_lookup_and_lock_event_fd(), a.get_load_event_fd())
     import os
-    before = os.fstat(fd)
+    # open eventfds before the close (the numbers may be reused afterwards: checked below by -1)
+    assert [os.readlink(f"/proc/self/fd/{fd}") for fd in fds] == ["anon_inode:[eventfd]"] * 3
     a.close()
     a.close()   # idempotent
     deadline = time.monotonic() + 5
@@ -277,5 +280,4 @@ def test_close_releases_pins_and_fds(lmc_gateway, make_adapter):
     assert gateway_stats(lmc_gateway.port)["engine"] is None     # BYE sent: the gateway is free again
     # the eventfds are closed (LMCache's notifier answers -1 once closed; the number itself may
     # already name another eventfd, e.g. one of ZeroMQ's, so fstat proves nothing)
-    assert before is not None
     assert (a.get_store_event_fd(), a.get_lookup_and_lock_event_fd(), a.get_load_event_fd()) == (-1, -1, -1)

@@ -17,7 +17,7 @@ def test_config_defaults_and_help():
     c = AdpL2AdapterConfig.from_dict({})
     assert (c.port, c.host, c.namespace, c.affinity_chunks) == (5557, "127.0.0.1", "lmcache", 1)
     h = AdpL2AdapterConfig.help()
-    for name in ("port", "namespace", "key_namespace_from_model", "affinity_chunks", "fragment_bytes",
+    for name in ("port", "namespace", "key_namespace_from_model", "affinity_chunks",
                  "timeout_s", "LMC_ADPKV_AFFINITY_CHUNKS"):
         assert name in h
 
@@ -34,12 +34,22 @@ def test_config_values_and_coercion():
 
 @pytest.mark.parametrize("bad", [{"port": 0}, {"port": 70000}, {"port": True}, {"port": "x"},
                                  {"affinity_chunks": 0}, {"namespace": 5}, {"timeout_s": -1},
-                                 {"key_namespace_from_model": "maybe"}, {"prot": 5557}])
+                                 {"key_namespace_from_model": "maybe"}, {"prot": 5557},
+                                 {"fragment_bytes": 131072}])
 def test_config_rejects_bad_values(bad):
     from adpkv_lmcache import AdpL2AdapterConfig
 
     with pytest.raises(ValueError):
         AdpL2AdapterConfig.from_dict(bad)
+
+
+@pytest.mark.parametrize("name", ["key_namespace_from_model", "l1_direct"])
+def test_config_refuses_a_misspelt_switch_naming_it(name):
+    from adpkv_lmcache import AdpL2AdapterConfig
+
+    with pytest.raises(ValueError, match=name):
+        AdpL2AdapterConfig.from_dict({name: "ture"})
+    assert getattr(AdpL2AdapterConfig.from_dict({name: "OFF"}), name) is False
 
 
 def test_affinity_chunks_from_env(monkeypatch):
@@ -107,8 +117,6 @@ def test_key_is_stable_across_processes():
 
 
 def test_key_fields_and_namespaces():
-    from adpkv_core.keys import parse_key
-
     from adpkv_lmcache.keys import KeyMapper
 
     m = KeyMapper("ns-a")
@@ -119,8 +127,8 @@ def test_key_fields_and_namespaces():
     assert len(keys) == 6
     assert KeyMapper("ns-b").key(base) != m.key(base)
     assert KeyMapper("").key(base) == KeyMapper("lmcache").key(base)   # empty = default namespace
-    version, ns, digest, layer, kind = parse_key(m.key(base))
-    assert (layer, kind) == (0, 0)
+    key = m.key(base)      # version:u8 | namespace id:8 | chunk digest:16 | layer:u16 | kind:u8
+    assert (key[0], int.from_bytes(key[25:27], "big"), key[27]) == (1, 0, 0)
     # per-model namespaces
     pm = KeyMapper("ns-a", namespace_from_model=True)
     assert pm.key(base) != m.key(base)

@@ -142,7 +142,10 @@ def test_pins_survive_load_until_explicit_unlock(lmc_gateway, make_adapter):
     assert bits(load(a, [k], [make_obj(4096)])) == [1]
     assert gateway_stats(lmc_gateway.port)["pinned"] == pinned0 + 1
     a.submit_unlock([k])                        # request 1 done
-    time.sleep(0.2)
+    # a barrier, not a sleep: the client sends its requests in order and the gateway answers an
+    # UNLOCK before it reads the next request, so once this lookup (a miss, it pins nothing) is
+    # answered, the first UNLOCK has been applied
+    assert bits(lookup(a, [make_key(2, prefix=p)])) == [0]
     assert gateway_stats(lmc_gateway.port)["pinned"] == pinned0 + 1   # request 2 still holds it
     a.submit_unlock([k])
     deadline = time.monotonic() + 5

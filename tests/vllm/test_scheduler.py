@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 import types
 import uuid
 
@@ -234,10 +235,17 @@ def test_tensor_parallel_ranks_store_and_restore_their_slices(gateway, model_dir
             w.save_kv_layer(n, kv[n], object())
     for w, _ in writers:
         w.wait_for_save()
+    # saves are asynchronous: wait until the gateway reports all 3 chunks x 2 layers stored on
+    # the card (its counter moves when the card write is done), not merely handed to the ring
+    from adpkv_gateway import control
+
+    def objects():
+        return control.request(gateway.port, {"op": "STATS"})["stats"]["objects"]
+    deadline = time.monotonic() + 10
+    while objects().get("stored", 0) < 6 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert (objects().get("stored", 0), objects().get("store_failed", 0)) == (6, 0), objects()
     for w, _ in writers:
-        for jobs in w._jobs_by_req.values():
-            for j in jobs:
-                assert j.wait(10)
         w.clear_connector_metadata()
         w.shutdown()
 
@@ -264,7 +272,6 @@ def test_tensor_parallel_ranks_store_and_restore_their_slices(gateway, model_dir
             assert torch.equal(kv[n][40:46], src[n][0:6])
         w.clear_connector_metadata()
         w.shutdown()
-    from adpkv_gateway import control
     counters = control.request(gateway.port, {"op": "STATS"})["stats"]["counters"]
     # the gateway ran one request per layer each way for both ranks together
     assert counters["put_requests"] == 2 and counters["get_requests"] == 2
