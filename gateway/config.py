@@ -148,10 +148,7 @@ HELP: dict[str, str] = {
     "fsync": "fs card: fsync each object before it becomes visible",
     "engine_timeout_s": "seconds without a heartbeat before a rank is detached",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
-    "control_socket": "the door: a Unix socket for local control ('': /dev/shm/adpkv-<port>.sock)",
-    "control_socket_mode": "permissions of the door, octal: who may use the gateway at all",
-    "control_socket_group": "group of the door, name or gid ('': the gateway's own)",
-    "operator_group": "members may CLEAN (root and the gateway's user always may)",
+    "card_group": "fs card: share its files with this group (0640/0750; empty: 0600/0700, owner only)",
 }
 
 
