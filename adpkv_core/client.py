@@ -79,9 +79,11 @@ BatchCallback = Callable[[RingBatch], Optional[bool]]
 
 
 class _Pending:
-    __slots__ = ("future", "op", "n", "on_batch", "deadline", "ok", "slice")
+    """A request in flight: how its replies decode and where its result goes."""
 
-    def __init__(self, future, op, n, on_batch, deadline, slice_, data=False):
+    __slots__ = ("future", "op", "n", "on_batch", "deadline", "ok", "slice", "replies")
+
+    def __init__(self, future, op, n, on_batch, deadline, slice_, replies: P.ReplyDecoder, data=False):
         self.future = future
         self.op = op
         self.n = n
@@ -90,6 +92,16 @@ class _Pending:
         # per object: copied by this rank (a request into a region has no copies to make)
         self.ok = (bytearray(n) if on_batch is not None else b"\x01" * n) if data else None
         self.slice = slice_
+        self.replies = replies
+
+
+# How the replies to each kind of request decode (an ERROR is always possible).
+_OK = P.ReplyDecoder(P.Ok)
+_HELLO_OK = P.ReplyDecoder(P.HelloOk)
+_EXIST_OK = P.ReplyDecoder(P.ExistOk)
+_DELETE_OK = P.ReplyDecoder(P.DeleteOk)
+_STATS_OK = P.ReplyDecoder(P.StatsOk)
+_DATA = P.ReplyDecoder(P.Batch, P.Done)
 
 
 class StoreFlags(list):
@@ -121,10 +133,16 @@ def gateway_answers(config: ClientConfig, timeout_s: float = 0.3) -> bool:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(f"tcp://{config.host}:{config.port}")
-        sock.send(P.encode({"op": "PING", "id": 0}))
+        sock.send(P.encode(P.Ping(id=0)))
         return bool(sock.poll(int(timeout_s * 1000)))
     finally:
         sock.close(0)
+
+
+def _flags(data: Optional[bytes], n: int) -> list[bool]:
+    """Per-key flags of a reply; all False when they do not describe ``n`` keys."""
+    flags = P.unpack_flags(data or b"")
+    return flags if len(flags) == n else [False] * n
 
 
 def _done(value) -> Future:
@@ -145,7 +163,7 @@ class GatewayClient:
         self.rank = rank
         self.world_size = world_size
         self.ring: Optional[memoryview] = None
-        self.attach_info: dict = {}
+        self._attached = False                   # HELLO answered: heartbeats from now on
         self.attach_error: Optional[str] = None
         self._ring: Optional[Ring] = None
         self._door: Optional[DoorSession] = None
@@ -176,14 +194,12 @@ class GatewayClient:
     def exist(self, keys: Sequence[bytes], marks: Optional[Sequence[int]] = None,
               lock: bool = False) -> "Future[list[bool]]":
         """Which keys are stored (one round trip). ``lock`` pins the hits against eviction."""
-        msg = {"op": "EXIST", "keys": list(keys), "lock": bool(lock)}
-        if marks is not None:
-            msg["marks"] = list(marks)
-        return self._call(msg, lambda r: P.unpack_flags(r["hits"]), [False] * len(keys))
+        msg = P.Exist(keys=list(keys), marks=None if marks is None else list(marks), lock=bool(lock))
+        return self._call(msg, _EXIST_OK, lambda r: _flags(r.hits, len(keys)), [False] * len(keys))
 
     def unlock(self, keys: Sequence[bytes]) -> "Future[None]":
         """Release pins taken by ``exist(lock=True)``."""
-        return self._call({"op": "UNLOCK", "keys": list(keys)}, lambda r: None)
+        return self._call(P.Unlock(keys=list(keys)), _OK, lambda r: None)
 
     def get(self, keys: Sequence[bytes], object_bytes: int, on_batch: BatchCallback,
             marks: Optional[Sequence[int]] = None, tag: Optional[str] = None,
@@ -221,10 +237,10 @@ class GatewayClient:
             return _done(None)
         finally:
             os.close(fd)
-        if reply.get("op") != "OK":
-            logger.warning("The gateway refused region %s: %s %s", path, reply.get("code"), reply.get("msg"))
+        if isinstance(reply, P.Error):
+            logger.warning("The gateway refused region %s: %s %s", path, reply.code, reply.msg)
             return _done(None)
-        return _done(int(reply["region"]))
+        return _done(reply.region)
 
     def get_into(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
                  marks: Optional[Sequence[int]] = None, unlock: bool = False) -> "Future[list[bool]]":
@@ -238,17 +254,16 @@ class GatewayClient:
 
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]] = None) -> "Future[int]":
         """Remove objects; resolves with how many existed."""
-        msg = {"op": "DELETE", "keys": list(keys)}
-        if marks is not None:
-            msg["marks"] = list(marks)
-        return self._call(msg, lambda r: r.get("deleted", 0), 0)
+        msg = P.Delete(keys=list(keys), marks=None if marks is None else list(marks))
+        return self._call(msg, _DELETE_OK, lambda r: r.deleted, 0)
 
-    def clean(self) -> "Future[dict]":
-        """Ask the gateway to delete everything (refused on shared storage)."""
-        return self._call({"op": "CLEAN"}, lambda r: r, {"op": "ERROR", "code": "OFF"}, raw_errors=True)
+    def clean(self) -> "Future[Optional[int]]":
+        """Ask the gateway to delete everything; resolves with how many objects it deleted, or
+        None when it refused (shared storage, requests in flight, not an operator: logged)."""
+        return self._call(P.Clean(), _DELETE_OK, lambda r: r.deleted, None)
 
     def stats(self) -> "Future[dict]":
-        return self._call({"op": "STATS"}, lambda r: r.get("stats", {}), {})
+        return self._call(P.Stats(), _STATS_OK, lambda r: r.stats, {})
 
     def close(self) -> None:
         """Detach from the gateway and stop the I/O thread."""
@@ -256,7 +271,7 @@ class GatewayClient:
             return
         if self._enabled:
             try:
-                self._call({"op": "BYE"}, lambda r: None).result(timeout=1.0)
+                self._call(P.Bye(), _OK, lambda r: None).result(timeout=1.0)
             except Exception:
                 pass
         self._closed = True
@@ -291,35 +306,38 @@ class GatewayClient:
             os.close(session.ring_fd)
         self._door = session
         self._wake()          # the I/O thread starts watching the door
-        hello = {"op": "HELLO", "session": session.token, "engine": self.engine_id, "world": self.world_size,
-                 "namespace": self.config.namespace, "layout": layout}
-        if self.rank is None:
-            hello["role"] = "lookup"
-        else:
-            hello["rank"] = self.rank
+        try:
+            hello = P.Hello(session=session.token, engine=self.engine_id, world=self.world_size,
+                            rank=self.rank, role="rank" if self.rank is not None else "lookup",
+                            namespace=self.config.namespace, layout=layout)
+        except (ValueError, TypeError) as exc:
+            if ring is not None:
+                ring.close()
+            self._turn_off(f"this engine cannot attach: {exc}")
+            return
         busy_until = time.monotonic() + self.config.busy_wait_s
         while True:
-            fut = self._call(dict(hello), lambda r: r, None, raw_errors=True)
+            fut = self._call(hello, _HELLO_OK, lambda r: r, None, raw_errors=True)
             try:
                 reply = fut.result(timeout=self.config.connect_timeout_s)
             except Exception:
                 reply = None
             # The engine before us may have died a moment ago: the gateway frees it
             # once its heartbeats stop, so wait a little rather than give up.
-            if reply is None or reply.get("code") != P.ENGINE_BUSY or time.monotonic() > busy_until:
+            if not isinstance(reply, P.Error) or reply.code != P.ENGINE_BUSY or time.monotonic() > busy_until:
                 break
             time.sleep(0.5)
-        if (reply is None or reply.get("op") == "ERROR") and ring is not None:
+        if not isinstance(reply, P.HelloOk) and ring is not None:
             ring.close()
         if reply is None:
             self._turn_off(f"no gateway answered on {self.config.host}:{self.config.port}")
             return
-        if reply.get("op") == "ERROR":
-            self.attach_error = f"{reply.get('code')}: {reply.get('msg')}"
+        if isinstance(reply, P.Error):
+            self.attach_error = f"{reply.code}: {reply.msg}"
             logger.error("Gateway on port %d refused this engine: %s", self.config.port, self.attach_error)
             self._turn_off(self.attach_error)
             return
-        self.attach_info = reply
+        self._attached = True
         if self.rank is None:
             logger.info("Attached to the adpkv gateway on port %d for lookups", self.config.port)
             return
@@ -334,22 +352,17 @@ class GatewayClient:
             return _done([] if op == "GET" else StoreFlags([]))
         if not self._enabled or self.rank is None:
             return _done([False] * n if op == "GET" else StoreFlags([False] * n))
-        msg = {"op": op, "keys": list(keys), "obj": int(object_bytes)}
-        if unlock:
-            msg["unlock"] = True
-        if marks is not None:
-            msg["marks"] = list(marks)
-        if tag is not None:
-            msg["tag"] = str(tag)
-        if into is not None:
-            msg["region"], msg["at"] = into
+        region, at = into if into is not None else (None, None)
+        fields = dict(keys=list(keys), obj=int(object_bytes), marks=None if marks is None else list(marks),
+                      tag=None if tag is None else str(tag), region=region, at=at)
+        msg = P.Get(unlock=bool(unlock), **fields) if op == "GET" else P.Put(**fields)
         return self._submit(msg, _Pending(Future(), op, n, on_batch, 0.0,
-                                          slice_ or (0, int(object_bytes)), data=True))
+                                          slice_ or (0, int(object_bytes)), _DATA, data=True))
 
-    def _call(self, msg, convert, miss: Any = None, raw_errors: bool = False):
+    def _call(self, msg: P.Message, replies: P.ReplyDecoder, convert, miss: Any = None, raw_errors: bool = False):
         """One control request. Resolves with ``convert(reply)``, or with ``miss`` when the
         cache is off, the gateway does not answer, refuses (unless ``raw_errors``: then the
-        ERROR reply itself) or answers something malformed."""
+        ``Error`` reply itself) or answers something malformed."""
         if not self._enabled:
             return _done(miss)
         fut: Future = Future()
@@ -359,25 +372,25 @@ class GatewayClient:
             reply = f.result()
             if reply is None:
                 outer.set_result(miss)
-            elif reply.get("op") == "ERROR" and not raw_errors:
-                logger.warning("Gateway error on %s: %s %s", msg["op"], reply.get("code"), reply.get("msg"))
+            elif isinstance(reply, P.Error) and not raw_errors:
+                logger.warning("Gateway error on %s: %s %s", msg.op, reply.code, reply.msg)
                 outer.set_result(miss)
             else:
                 try:
                     outer.set_result(convert(reply))
                 except Exception as exc:  # a malformed reply is a miss, never a crash
-                    logger.warning("Bad gateway reply to %s: %s", msg["op"], exc)
+                    logger.warning("Bad gateway reply to %s: %s", msg.op, exc)
                     outer.set_result(miss)
 
         fut.add_done_callback(finish)
-        return self._submit(msg, _Pending(fut, msg["op"], 0, None, 0.0, None), outer)
+        return self._submit(msg, _Pending(fut, msg.op, 0, None, 0.0, None, replies), outer)
 
     def _submit(self, msg, pending: _Pending, returned: Optional[Future] = None) -> Future:
         if self._closed:                        # a call racing close(): answer it as a miss
             self._fail(pending)
             return returned if returned is not None else pending.future
         req_id = next(self._ids)
-        msg["id"] = req_id
+        msg.id = req_id
         pending.deadline = time.monotonic() + self.config.timeout_s
         self._outbox.append((req_id, pending, msg))
         self._wake()
@@ -389,7 +402,7 @@ class GatewayClient:
         except (BlockingIOError, OSError):
             pass
 
-    def _send(self, msg: dict) -> None:
+    def _send(self, msg: P.Message) -> None:
         self._sock.send(P.encode(msg), zmq.NOBLOCK)
 
     def _run(self) -> None:
@@ -446,55 +459,56 @@ class GatewayClient:
             if now > pending.deadline:
                 self._turn_off(f"{pending.op} got no answer within {self.config.timeout_s:.1f} s")
                 return
-        if self.attach_info and now - self._last_recv > self.config.heartbeat_s \
+        if self._attached and now - self._last_recv > self.config.heartbeat_s \
                 and now - self._last_ping > self.config.heartbeat_s:
             self._last_ping = now
             ping_id = next(self._ids)
-            self._pending[ping_id] = _Pending(Future(), "PING", 0, None, now + self.config.timeout_s, None)
+            self._pending[ping_id] = _Pending(Future(), "PING", 0, None, now + self.config.timeout_s, None, _OK)
             try:
-                self._send({"op": "PING", "id": ping_id})
+                self._send(P.Ping(id=ping_id))
             except zmq.ZMQError as exc:
                 self._turn_off(f"send failed: {exc}")
 
     def _handle(self, frame: bytes) -> None:
         try:
-            msg = P.decode(frame)
+            op, req_id = P.envelope(frame)
+            pending = self._pending.get(req_id)
+            msg = (pending.replies if pending is not None else _OK).decode(frame)
         except P.ProtocolError as exc:
             logger.warning("Ignoring a bad message from the gateway: %s", exc)
             return
-        if msg["op"] == "ERROR" and msg.get("code") == P.NOT_ATTACHED:
+        if isinstance(msg, P.Error) and msg.code == P.NOT_ATTACHED:
             # a restarted gateway: it has never heard of this rank (its ring is a new one too)
             self._turn_off("the gateway does not know this rank any more (it restarted)")
             return
-        pending = self._pending.get(msg.get("id"))
         if pending is None:
             return
         pending.deadline = time.monotonic() + self.config.timeout_s
-        op = msg["op"]
-        if op == "BATCH" and pending.on_batch is not None:
-            self._run_batch(msg, pending)
+        if isinstance(msg, P.Batch):
+            if pending.on_batch is not None:
+                self._run_batch(msg, pending)
             return
-        del self._pending[msg["id"]]
+        del self._pending[req_id]
         if pending.ok is None:          # a control call
             pending.future.set_result(msg)
             return
-        if op == "DONE":
-            flags = P.unpack_flags(msg.get("hits") or msg.get("stored") or b"")
-            if len(flags) != pending.n:
-                flags = [False] * pending.n
+        if isinstance(msg, P.Done):
+            flags = _flags(msg.hits if pending.op == "GET" else msg.stored, pending.n)
             flags = [f and bool(c) for f, c in zip(flags, pending.ok)]
             if pending.op == "PUT":
-                existed = P.unpack_flags(msg.get("existed") or b"")
-                flags = StoreFlags(flags, existed if len(existed) == pending.n else None)
+                flags = StoreFlags(flags, _flags(msg.existed, pending.n))
             pending.future.set_result(flags)
         else:
-            logger.warning("Gateway refused %s: %s %s", pending.op, msg.get("code"), msg.get("msg"))
-            pending.future.set_result([False] * pending.n)
+            logger.warning("Gateway refused %s: %s %s", pending.op, msg.code, msg.msg)
+            pending.future.set_result([False] * pending.n if pending.op == "GET" else StoreFlags([False] * pending.n))
 
-    def _run_batch(self, msg: dict, pending: _Pending) -> None:
-        first, count = msg["first"], msg["count"]
-        hits = P.unpack_flags(msg["hits"]) if "hits" in msg else None
-        batch = RingBatch(first, count, msg["offset"], msg["stride"], msg["obj"],
+    def _run_batch(self, msg: P.Batch, pending: _Pending) -> None:
+        first, count = msg.first, msg.count
+        if first < 0 or count < 0 or first + count > pending.n:
+            logger.warning("Ignoring a batch outside the request (%d + %d of %d objects)", first, count, pending.n)
+            return
+        hits = _flags(msg.hits, count) if msg.hits is not None else None
+        batch = RingBatch(first, count, msg.offset, msg.stride, msg.obj,
                           pending.slice[0], pending.slice[1], hits)
         ok = True
         if pending.op == "GET" and hits is not None and not any(hits):
@@ -507,8 +521,7 @@ class GatewayClient:
                 ok = False
         if ok:
             pending.ok[first:first + count] = b"\x01" * count
-        reply = {"op": "RELEASE" if pending.op == "GET" else "FILLED", "id": msg["id"],
-                 "batch": msg["batch"], "ok": ok}
+        reply = (P.Release if pending.op == "GET" else P.Filled)(id=msg.id, batch=msg.batch, ok=ok)
         try:
             self._send(reply)
         except zmq.ZMQError as exc:

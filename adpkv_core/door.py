@@ -43,14 +43,15 @@ def lock_path(door: str) -> str:
     return door + ".lock"
 
 
-def send(sock: socket.socket, msg: dict, fds: Sequence[int] = ()) -> None:
+def send(sock: socket.socket, msg: P.Message, fds: Sequence[int] = ()) -> None:
     """Send one message (and descriptors) as one packet."""
     socket.send_fds(sock, [P.encode(msg)], list(fds))
 
 
-def recv(sock: socket.socket) -> tuple[dict, list[int]]:
-    """One message and the descriptors that came with it. ``EOFError`` when the other side
-    closed; ``ProtocolError`` for a packet that is not a message (its descriptors are closed)."""
+def recv(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One packet and the descriptors that came with it (the receiver decodes it as the
+    message it expects). ``EOFError`` when the other side closed; ``ProtocolError`` for a
+    packet larger than a message or with too many descriptors (those are closed)."""
     data, fds, flags, _ = socket.recv_fds(sock, MAX_PACKET, MAX_FDS)
     if not data and not fds:
         raise EOFError("the other side closed the door")
@@ -58,11 +59,11 @@ def recv(sock: socket.socket) -> tuple[dict, list[int]]:
         _close_all(fds)
         raise P.ProtocolError(P.BAD_MESSAGE, "a door message is one packet of at most "
                               f"{MAX_PACKET} bytes with at most {MAX_FDS} descriptor")
-    try:
-        return P.decode(data), fds
-    except P.ProtocolError:
-        _close_all(fds)
-        raise
+    return data, fds
+
+
+_SESSION_REPLY = P.ReplyDecoder(P.SessionOk)
+_REGION_REPLY = P.ReplyDecoder(P.RegionOk)
 
 
 def _close_all(fds) -> None:
@@ -87,28 +88,34 @@ class DoorSession:
         self.ring_fd: Optional[int] = None
         try:
             self.sock.connect(path)
-            reply, fds = self.request({"op": "SESSION"})
+            reply, fds = self.request(P.SessionRequest(), _SESSION_REPLY)
         except BaseException:
             self.sock.close()
             raise
-        if reply.get("op") != "OK" or len(fds) != 1:
+        if not isinstance(reply, P.SessionOk) or len(fds) != 1:
             _close_all(fds)
             self.sock.close()
             raise ConnectionRefusedError(f"the gateway at {path} refused a session: "
-                                         f"{reply.get('code')} {reply.get('msg')}")
-        self.token: bytes = P.field(reply, "token", bytes)
-        self.ring_size: int = P.field(reply, "ring_size", int)
-        self.gateway_pid: int = P.field(reply, "pid", int)
+                                         f"{getattr(reply, 'code', '')} {getattr(reply, 'msg', '')}")
+        self.token: bytes = reply.token
+        self.ring_size: int = reply.ring_size
+        self.gateway_pid: int = reply.pid
         self.ring_fd = fds[0]
 
-    def request(self, msg: dict, fds: Sequence[int] = ()) -> tuple[dict, list[int]]:
+    def request(self, msg: P.Message, replies: P.ReplyDecoder, fds: Sequence[int] = ()) -> tuple[P.Message, list[int]]:
+        """Send ``msg`` (with ``fds``); the reply, decoded by ``replies``, and its descriptors."""
         send(self.sock, msg, fds)
-        return recv(self.sock)
+        data, got = recv(self.sock)
+        try:
+            return replies.decode(data), got
+        except P.ProtocolError:
+            _close_all(got)
+            raise
 
-    def register_region(self, fd: int, offset: int, size: int) -> dict:
-        """Hand the gateway ``size`` bytes at ``offset`` of an open file; the reply (OK with
-        ``region``, or ERROR)."""
-        reply, fds = self.request({"op": "REGION", "offset": int(offset), "size": int(size)}, [fd])
+    def register_region(self, fd: int, offset: int, size: int) -> P.Message:
+        """Hand the gateway ``size`` bytes at ``offset`` of an open file; the reply
+        (``RegionOk`` or ``Error``)."""
+        reply, fds = self.request(P.RegionRequest(offset=int(offset), size=int(size)), _REGION_REPLY, [fd])
         _close_all(fds)
         return reply
 

@@ -1,15 +1,16 @@
-"""The control protocol between engine ranks and the gateway (ZeroMQ, msgpack).
+"""The control protocol between engine ranks and the gateway: one typed message per exchange.
 
-Every message is one msgpack map with ``v`` (protocol version), ``op`` and,
-for requests, ``id`` (chosen by the client, echoed in every reply). Data never
-travels here: it moves through the ring, and messages only name ring offsets.
+Every message is one msgpack map with ``v`` (protocol version), ``op`` (the message
+type) and, for requests, ``id`` (chosen by the client, echoed in every reply). Data
+never travels here: it moves through the ring, and messages only name ring offsets.
+Both ends use the types below (``msgspec`` structs): a frame is decoded and checked —
+field types and bounds included — in one place, ``decode_request``, and a bad frame
+fails there with one code.
 
-Requests (client → gateway)::
+Requests (client → gateway, ZeroMQ)::
 
-    HELLO  session, engine, rank, world, namespace, layout  -> OK ring_size max_batch_bytes
-           (role="lookup" and no rank: a lookup-only peer of the engine, e.g. vLLM's scheduler)
-    BYE                                                -> OK
-    PING                                               -> OK
+    HELLO  session, engine, world, rank | role=lookup, namespace, layout  -> OK ring_size max_batch_bytes
+    BYE | PING                                         -> OK
     EXIST  keys, marks?, lock?                         -> OK hits
     UNLOCK keys                                        -> OK
     GET    keys, marks?, obj, tag?, unlock?            -> BATCH* (hits), then DONE hits
@@ -17,35 +18,42 @@ Requests (client → gateway)::
     GET/PUT ... region, at  (no tag)                   -> DONE only: the gateway moves each object
            between the card and ``at[i]`` of a region the session handed over at the door
            (``adpkv_core.door``), the engine copies nothing
-    RELEASE id, batch    (after copying a GET batch out of the ring)
-    FILLED  id, batch, ok (after copying a PUT batch into the ring)
-    DELETE keys                                        -> OK deleted
+    RELEASE batch        (after copying a GET batch out of the ring)
+    FILLED  batch, ok    (after copying a PUT batch into the ring)
+    DELETE keys, marks?                                -> OK deleted
     CLEAN  session                                     -> OK deleted | ERROR CLEAN_REFUSED / FORBIDDEN
     STATS  session                                     -> OK stats
 
-``session`` is the token a process got at the gateway's door (``adpkv_core.door``):
-nothing but PING is served without one. HELLO binds the connection to it; an
-engine belongs to the uid of the session that attached it first.
+Door requests (client → gateway, Unix socket, ``adpkv_core.door``)::
 
+    SESSION                                            -> OK token ring_size pid operator  + ring fd
+    REGION  offset, size   + one fd                    -> OK region
 
-``hits``/``stored`` are bytes with one 0/1 byte per key. A ``BATCH`` names
-objects ``first .. first+count-1`` of the request at ring ``offset`` with
-``stride`` bytes between them.
+``session`` is the token a process got at the gateway's door: nothing but PING is
+served without one. HELLO binds the connection to it; an engine belongs to the uid
+of the session that attached it first. ``hits``/``stored``/``existed`` are bytes with
+one 0/1 byte per key. A ``BATCH`` names objects ``first .. first+count-1`` of the
+request at ring ``offset`` with ``stride`` bytes between them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Optional, Union
 
-import msgpack
+import msgspec
+from msgspec import Meta, Struct
+
+from .keys import KEY_BYTES
 
 PROTOCOL_VERSION = 1
 
-REQUEST_OPS = frozenset({"HELLO", "BYE", "PING", "EXIST", "UNLOCK", "GET", "PUT",
-                         "RELEASE", "FILLED", "DELETE", "CLEAN", "STATS"})
+MAX_KEYS = 1 << 20             # keys in one request
+MAX_WORLD = 1024               # ranks of one engine
+MAX_NAME = 256                 # characters of an engine id, a namespace or a tag
+MAX_LAYOUT_BYTES = 16 << 10    # an engine's layout map, encoded
 
 # Error codes of an ERROR reply.
-BAD_MESSAGE = "BAD_MESSAGE"          # not a msgpack map, or a field of the wrong type
+BAD_MESSAGE = "BAD_MESSAGE"          # not a msgpack map, or a field of the wrong type or out of bounds
 BAD_VERSION = "BAD_VERSION"          # another protocol version
 UNKNOWN_OP = "UNKNOWN_OP"
 NOT_ATTACHED = "NOT_ATTACHED"        # a request before HELLO
@@ -58,7 +66,7 @@ CLEAN_REFUSED = "CLEAN_REFUSED"      # shared_storage: nothing was deleted
 BAD_REGION = "BAD_REGION"            # a region that cannot be used, or a range outside it
 FORBIDDEN = "FORBIDDEN"              # no session, another user's engine, or not an operator
 CARD_ERROR = "CARD_ERROR"            # the cards did not answer a metadata request
-INTERNAL = "INTERNAL"
+INTERNAL = "INTERNAL"                # a bug in the gateway; never an answer to bad input
 
 
 class ProtocolError(Exception):
@@ -70,44 +78,311 @@ class ProtocolError(Exception):
         self.message = message
 
 
-def encode(msg: dict) -> bytes:
-    """Serialise one message (adds the protocol version)."""
-    msg.setdefault("v", PROTOCOL_VERSION)
-    return msgpack.packb(msg, use_bin_type=True)
+# ---------------------------------------------------------------- field types (with their bounds)
+Key = Annotated[bytes, Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
+Keys = Annotated[list[Key], Meta(max_length=MAX_KEYS)]
+Marks = Optional[Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_KEYS)]]   # uint64 (msgpack holds no more)
+Name = Annotated[str, Meta(max_length=MAX_NAME)]
+ObjectBytes = Annotated[int, Meta(gt=0, lt=1 << 48)]
+Offset = Annotated[int, Meta(ge=0, lt=1 << 62)]
+Flags = bytes            # one 0/1 byte per key
 
 
-def decode(frame: bytes) -> dict:
-    """Parse and check one message; raises ProtocolError with a clear code."""
+class Message(Struct, tag_field="op", kw_only=True):
+    """Base of every message: the version and the request id it belongs to. Fields without a
+    default are required; unknown fields are ignored (a newer peer may add some)."""
+
+    v: int = PROTOCOL_VERSION
+    id: Any = None
+
+    @property
+    def op(self) -> str:
+        return self.__struct_config__.tag
+
+
+def _op(name: str) -> dict:
+    """The struct options of message type ``name`` (its ``op`` on the wire)."""
+    return {"tag": name, "kw_only": True}
+
+
+# ---------------------------------------------------------------- requests (client → gateway)
+class Hello(Message, **_op("HELLO")):
+    """Attach a rank (``rank``) or a lookup-only peer (``role="lookup"``, no rank) of an engine."""
+
+    engine: Name
+    world: Annotated[int, Meta(ge=1, le=MAX_WORLD)]
+    rank: Optional[Annotated[int, Meta(ge=0, lt=MAX_WORLD)]] = None
+    role: str = "rank"
+    namespace: Name = ""
+    layout: dict = {}
+    session: Optional[bytes] = None
+
+    def __post_init__(self):
+        if not self.engine or not self.engine.isprintable() or not self.namespace.isprintable():
+            raise ValueError(f"engine (1 to {MAX_NAME}) and namespace (at most {MAX_NAME}) must be printable "
+                             "characters")
+        if self.role not in ("rank", "lookup"):
+            raise ValueError("role must be rank or lookup")
+        if (self.role == "rank") != (self.rank is not None):
+            raise ValueError("a rank has a rank number, a lookup peer none")
+        if self.rank is not None and self.rank >= self.world:
+            raise ValueError(f"need 0 <= rank < world <= {MAX_WORLD}")
+        if len(msgspec.msgpack.encode(self.layout)) > MAX_LAYOUT_BYTES:
+            raise ValueError(f"layout is larger than {MAX_LAYOUT_BYTES} bytes")
+
+
+class Bye(Message, **_op("BYE")):
+    """Detach this connection."""
+
+
+class Ping(Message, **_op("PING")):
+    """Liveness; served without a session."""
+
+
+class Exist(Message, **_op("EXIST")):
+    """Which keys are stored; ``lock`` pins the hits against eviction."""
+
+    keys: Keys
+    marks: Marks = None
+    lock: bool = False
+
+
+class Unlock(Message, **_op("UNLOCK")):
+    keys: Keys
+
+
+class _Data(Message, kw_only=True):
+    keys: Keys
+    marks: Marks = None
+    obj: ObjectBytes
+    tag: Optional[Name] = None
+    region: Optional[Annotated[int, Meta(ge=0)]] = None
+    at: Optional[Annotated[list[Offset], Meta(max_length=MAX_KEYS)]] = None
+
+    def __post_init__(self):
+        if self.marks is not None and len(self.marks) != len(self.keys):
+            raise ValueError("marks and keys differ in length")
+        if self.region is not None:
+            if self.tag is not None:
+                raise ValueError("a request into a region is one rank's own (no tag)")
+            if self.at is None or len(self.at) != len(self.keys):
+                raise ValueError("at and keys differ in length")
+
+
+class Get(_Data, **_op("GET")):
+    """Read objects into the ring (BATCH per ring extent, then DONE) or into a region (DONE)."""
+
+    unlock: bool = False
+
+
+class Put(_Data, **_op("PUT")):
+    """Store objects from the ring (BATCH to fill per ring extent, then DONE) or from a region."""
+
+
+class Release(Message, **_op("RELEASE")):
+    """A GET batch is copied out of the ring."""
+
+    batch: int
+    ok: bool = True
+
+
+class Filled(Message, **_op("FILLED")):
+    """A PUT batch is in the ring (``ok`` False: it is not, store none of it)."""
+
+    batch: int
+    ok: bool = True
+
+
+class Delete(Message, **_op("DELETE")):
+    keys: Keys
+    marks: Marks = None
+
+    def __post_init__(self):
+        if self.marks is not None and len(self.marks) != len(self.keys):
+            raise ValueError("marks and keys differ in length")
+
+
+class Clean(Message, **_op("CLEAN")):
+    """Delete every object (operators only; refused on shared storage)."""
+
+    session: Optional[bytes] = None
+
+
+class Stats(Message, **_op("STATS")):
+    session: Optional[bytes] = None
+
+
+Request = Union[Hello, Bye, Ping, Exist, Unlock, Get, Put, Release, Filled, Delete, Clean, Stats]
+REQUEST_OPS = frozenset(t.__struct_config__.tag for t in Request.__args__)
+
+# ---------------------------------------------------------------- replies (gateway → client)
+
+
+class Ok(Message, **_op("OK")):
+    """Done, nothing to say (BYE, PING, UNLOCK)."""
+
+
+class HelloOk(Message, **_op("OK")):
+    ring_size: int = 0
+    max_batch_bytes: int = 0
+
+
+class ExistOk(Message, **_op("OK")):
+    hits: Flags = b""
+
+
+class DeleteOk(Message, **_op("OK")):
+    deleted: int = 0
+
+
+class StatsOk(Message, **_op("OK")):
+    stats: dict = {}
+
+
+class Batch(Message, **_op("BATCH")):
+    """Objects ``first .. first+count-1`` of a request at ring ``offset`` (``stride`` apart).
+    A GET batch carries ``hits``; the rank answers RELEASE (GET) or FILLED (PUT)."""
+
+    batch: int = 0
+    first: int = 0
+    count: int = 0
+    offset: int = 0
+    stride: int = 0
+    obj: int = 0
+    hits: Optional[Flags] = None
+
+
+class Done(Message, **_op("DONE")):
+    """A data request is complete: ``hits`` (GET) or ``stored`` and ``existed`` (PUT)."""
+
+    hits: Optional[Flags] = None
+    stored: Optional[Flags] = None
+    existed: Optional[Flags] = None
+
+
+class Error(Message, **_op("ERROR")):
+    code: str = INTERNAL
+    msg: str = ""
+
+
+# ---------------------------------------------------------------- door messages
+class SessionRequest(Message, **_op("SESSION")):
+    """Open a session (door); the reply carries the ring's descriptor."""
+
+
+class RegionRequest(Message, **_op("REGION")):
+    """Hand over one open descriptor of a shared-memory buffer (door)."""
+
+    offset: Annotated[int, Meta(ge=0, lt=1 << 62)] = 0
+    size: Annotated[int, Meta(gt=0, lt=1 << 62)] = 1
+
+
+class SessionOk(Message, **_op("OK")):
+    token: bytes = b""
+    ring_size: int = 0
+    pid: int = 0
+    operator: bool = False
+
+
+class RegionOk(Message, **_op("OK")):
+    region: int = 0
+
+
+DoorRequest = Union[SessionRequest, RegionRequest]
+
+# ---------------------------------------------------------------- encoding and decoding
+_encoder = msgspec.msgpack.Encoder()
+_raw = msgspec.msgpack.Decoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_door_decoder = msgspec.msgpack.Decoder(DoorRequest)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def _classify(frame: bytes, ops, exc: Exception) -> ProtocolError:
+    """Why a frame did not decode, as the error code a sender can act on."""
     try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several types for garbage
-        raise ProtocolError(BAD_MESSAGE, f"not a msgpack message ({type(exc).__name__})") from None
-    if not isinstance(msg, dict):
-        raise ProtocolError(BAD_MESSAGE, "a message must be a map")
-    if msg.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(BAD_VERSION, f"protocol version {msg.get('v')!r}, this side speaks {PROTOCOL_VERSION}")
-    op = msg.get("op")
+        raw = _raw.decode(frame)
+    except msgspec.DecodeError:
+        return ProtocolError(BAD_MESSAGE, "not a msgpack message")
+    if not isinstance(raw, dict):
+        return ProtocolError(BAD_MESSAGE, "a message must be a map")
+    if raw.get("v") != PROTOCOL_VERSION:
+        return ProtocolError(BAD_VERSION, f"protocol version {str(raw.get('v'))[:20]}, "
+                             f"this side speaks {PROTOCOL_VERSION}")
+    op = raw.get("op")
     if not isinstance(op, str):
-        raise ProtocolError(BAD_MESSAGE, "missing op")
+        return ProtocolError(BAD_MESSAGE, "missing op")
+    if op not in ops:
+        return ProtocolError(UNKNOWN_OP, f"unknown op {op[:40]!r}")
+    return ProtocolError(BAD_MESSAGE, f"{op}: {str(exc)[:200]}")
+
+
+def request_id(frame: bytes) -> Any:
+    """The ``id`` of a frame that failed to decode, to echo in the ERROR reply (None if none)."""
+    try:
+        raw = _raw.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    rid = raw.get("id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, (int, str)) and not isinstance(rid, bool) else None
+
+
+def decode_request(frame: bytes) -> Request:
+    """One request, checked; ``ProtocolError`` with the code that says what is wrong."""
+    try:
+        msg = _request_decoder.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _classify(frame, REQUEST_OPS, exc) from None
+    if msg.v != PROTOCOL_VERSION:
+        raise ProtocolError(BAD_VERSION, f"protocol version {msg.v}, this side speaks {PROTOCOL_VERSION}")
     return msg
 
 
-def field(msg: dict, name: str, kind: type | tuple, default: Any = ...) -> Any:
-    """A typed field of a message; raises BAD_MESSAGE when missing or mistyped."""
-    if name not in msg or msg[name] is None:
-        if default is ...:
-            raise ProtocolError(BAD_MESSAGE, f"{msg.get('op')}: missing field {name!r}")
-        return default
-    value = msg[name]
-    if isinstance(value, bool) and kind in (int, (int,)):
-        raise ProtocolError(BAD_MESSAGE, f"{msg.get('op')}: field {name!r} must be int")
-    if not isinstance(value, kind):
-        raise ProtocolError(BAD_MESSAGE, f"{msg.get('op')}: field {name!r} has the wrong type")
-    return value
+def decode_door_request(frame: bytes) -> Union[SessionRequest, RegionRequest]:
+    try:
+        msg = _door_decoder.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _classify(frame, {"SESSION", "REGION"}, exc) from None
+    if msg.v != PROTOCOL_VERSION:
+        raise ProtocolError(BAD_VERSION, f"protocol version {msg.v}, this side speaks {PROTOCOL_VERSION}")
+    return msg
 
 
-def error(req_id: Any, code: str, message: str) -> dict:
-    return {"op": "ERROR", "id": req_id, "code": code, "msg": message}
+class ReplyDecoder:
+    """Decodes the replies to one kind of request: ``expected`` or an ``Error``."""
+
+    def __init__(self, *expected: type):
+        self._decoder = msgspec.msgpack.Decoder(Union[(*expected, Error)] if expected else Error)
+
+    def decode(self, frame: bytes) -> Message:
+        try:
+            return self._decoder.decode(frame)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise ProtocolError(BAD_MESSAGE, f"a reply that is not what was asked for: {str(exc)[:200]}") from None
+
+
+class _Envelope(Struct, forbid_unknown_fields=False):
+    op: str = ""
+    id: Any = None
+
+
+_envelope = msgspec.msgpack.Decoder(_Envelope)
+
+
+def envelope(frame: bytes) -> tuple[str, Any]:
+    """``(op, id)`` of a reply, to find the request it answers before decoding it whole."""
+    try:
+        env = _envelope.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(BAD_MESSAGE, f"not a reply: {str(exc)[:200]}") from None
+    return env.op, env.id
+
+
+def error(req_id: Any, code: str, message: str) -> Error:
+    return Error(id=req_id, code=code, msg=message)
 
 
 def pack_flags(flags) -> bytes:

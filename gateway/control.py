@@ -1,7 +1,9 @@
 """Talk to a running gateway from tools (the ``adpkv`` CLI, tests): one request, one reply.
 
 A request other than PING needs a session: ``request`` opens one at the gateway's door
-(``adpkv_core.door``) for the call, with the caller's own credentials.
+(``adpkv_core.door``) for the call, with the caller's own credentials. Requests and
+replies are plain maps here (what the CLI prints and tests inspect); the request is
+checked against its ``adpkv_core.protocol`` type before it is sent.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import time
 from typing import Optional
 
+import msgspec
 import zmq
 
 from adpkv_core import protocol as P
@@ -30,7 +33,7 @@ def request(port: int, msg: dict, host: str = "127.0.0.1", timeout_s: float = 3.
             session = DoorSession(door or door_path(port), timeout_s)
         except (OSError, ValueError) as exc:
             if isinstance(exc, PermissionError):
-                return P.error(None, P.FORBIDDEN, f"no permission to open the gateway's door: {exc}")
+                return {"op": "ERROR", "code": P.FORBIDDEN, "msg": f"no permission to open the gateway's door: {exc}"}
             return None
         msg["session"] = session.token
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -38,10 +41,13 @@ def request(port: int, msg: dict, host: str = "127.0.0.1", timeout_s: float = 3.
     try:
         sock.connect(f"tcp://{host}:{port}")
         msg.setdefault("id", next(_ids))
-        sock.send(P.encode(msg))
+        msg.setdefault("v", P.PROTOCOL_VERSION)
+        frame = msgspec.msgpack.encode(msg)
+        P.decode_request(frame)              # a tool's own mistake fails here, not at the gateway
+        sock.send(frame)
         if not sock.poll(int(timeout_s * 1000)):
             return None
-        return P.decode(sock.recv())
+        return msgspec.msgpack.decode(sock.recv())
     finally:
         sock.close(0)
         if session is not None:

@@ -170,7 +170,7 @@ class DoorServer:
         if session is None:
             return False
         try:
-            msg, fds = D.recv(session.conn)
+            frame, fds = D.recv(session.conn)
         except (EOFError, ConnectionError):
             self._close(fd)
             return True
@@ -183,17 +183,18 @@ class DoorServer:
             logger.warning("Door: a receive failed (%s); closing that session", exc)
             self._close(fd)
             return True
+        msg = None
         try:
+            msg = P.decode_door_request(frame)
             self._handle(session, msg, fds)
         except P.ProtocolError as exc:
             _close_quietly(fds)
-            logger.warning("Door: refused %s from pid %d (uid %d): %s", msg.get("op"), session.pid,
-                           session.uid, exc)
-            self._reply(session, P.error(msg.get("id"), exc.code, exc.message))
+            logger.warning("Door: refused a request from pid %d (uid %d): %s", session.pid, session.uid, exc)
+            self._reply(session, P.error(msg.id if msg else P.request_id(frame), exc.code, exc.message))
         except Exception as exc:        # a bug must not take the gateway down for everyone
             _close_quietly(fds)
-            logger.exception("Door: internal error on %s", msg.get("op"))
-            self._reply(session, P.error(msg.get("id"), P.INTERNAL, str(exc)))
+            logger.exception("Door: internal error")
+            self._reply(session, P.error(msg.id if msg else None, P.INTERNAL, str(exc)))
         return True
 
     def _accept(self) -> None:
@@ -227,35 +228,30 @@ class DoorServer:
         self._on_session_closed(session)
         session.close()
 
-    def _reply(self, session: Session, msg: dict, fds=()) -> None:
+    def _reply(self, session: Session, msg: P.Message, fds=()) -> None:
         try:
             D.send(session.conn, msg, fds)
         except OSError as exc:
             logger.debug("Door: a reply to pid %d was dropped: %s", session.pid, exc)
 
     # ------------------------------------------------------------------ requests
-    def _handle(self, session: Session, msg: dict, fds: list[int]) -> None:
-        op = msg["op"]
-        if op == "SESSION":
+    def _handle(self, session: Session, msg: P.DoorRequest, fds: list[int]) -> None:
+        if isinstance(msg, P.SessionRequest):
             if fds:
                 raise P.ProtocolError(P.BAD_MESSAGE, "SESSION takes no descriptor")
-            self._reply(session, {"op": "OK", "id": msg.get("id"), "token": session.token,
-                                  "ring_size": self.ring.size, "pid": os.getpid(),
-                                  "operator": session.operator}, [self.ring.fd])
-        elif op == "REGION":
-            region = self._region(session, msg, fds)
-            self._reply(session, {"op": "OK", "id": msg.get("id"), "region": region})
+            self._reply(session, P.SessionOk(id=msg.id, token=session.token, ring_size=self.ring.size,
+                                             pid=os.getpid(), operator=session.operator), [self.ring.fd])
         else:
-            raise P.ProtocolError(P.UNKNOWN_OP, f"the door serves SESSION and REGION, not {op!r}")
+            region = self._region(session, msg, fds)
+            self._reply(session, P.RegionOk(id=msg.id, region=region))
 
-    def _region(self, session: Session, msg: dict, fds: list[int]) -> int:
+    def _region(self, session: Session, msg: P.RegionRequest, fds: list[int]) -> int:
+        """Take the buffer behind ``fds[0]`` as a region of the session; its id. On a refusal
+        the caller (``on_readable``) closes the descriptor."""
         if len(fds) != 1:
             raise P.ProtocolError(P.BAD_REGION, "REGION carries exactly one open descriptor of the buffer")
         fd = fds[0]
-        offset, size = P.field(msg, "offset", int), P.field(msg, "size", int)
-        # on a refusal the caller (on_readable) closes the descriptor
-        if offset < 0 or size <= 0 or offset + size > 1 << 62:
-            raise P.ProtocolError(P.BAD_REGION, f"offset {offset} / size {size} is not a region")
+        offset, size = msg.offset, msg.size
         if len(session.regions) >= MAX_REGIONS_PER_SESSION:
             raise P.ProtocolError(P.BAD_REGION, f"at most {MAX_REGIONS_PER_SESSION} regions per session")
         st = os.fstat(fd)

@@ -11,10 +11,6 @@ from adpkv_core import protocol as P
 
 logger = logging.getLogger("adpkv.gateway")
 
-MAX_WORLD = 1024               # ranks of one engine
-MAX_NAME = 256                 # characters of an engine id or a namespace
-MAX_LAYOUT_BYTES = 16 << 10    # the layout map, encoded
-
 
 class Peer:
     """One attached connection: a rank (``rank`` >= 0) or a lookup-only peer (``rank`` None),
@@ -51,21 +47,10 @@ class EngineRegistry:
         self.engine: Optional[EngineSession] = None
         self.peers: dict[bytes, Peer] = {}
 
-    def attach(self, identity: bytes, msg: dict, uid: int) -> Peer:
-        """Attach a connection of the session of user ``uid`` (HELLO); BAD_MESSAGE for a field
-        out of bounds, FORBIDDEN for another user's engine."""
-        engine_id = _name(msg, "engine", P.field(msg, "engine", str), allow_empty=False)
-        role = P.field(msg, "role", str, "rank")
-        if role not in ("rank", "lookup"):
-            raise P.ProtocolError(P.BAD_MESSAGE, "role must be rank or lookup")
-        rank = P.field(msg, "rank", int) if role == "rank" else None
-        world = P.field(msg, "world", int)
-        namespace = _name(msg, "namespace", P.field(msg, "namespace", str, ""), allow_empty=True)
-        layout = P.field(msg, "layout", dict, {})
-        if len(P.encode(dict(layout))) > MAX_LAYOUT_BYTES:
-            raise P.ProtocolError(P.BAD_MESSAGE, f"layout is larger than {MAX_LAYOUT_BYTES} bytes")
-        if not 1 <= world <= MAX_WORLD or (rank is not None and not 0 <= rank < world):
-            raise P.ProtocolError(P.BAD_MESSAGE, f"need 0 <= rank < world <= {MAX_WORLD}")
+    def attach(self, identity: bytes, msg: P.Hello, uid: int) -> Peer:
+        """Attach a connection of the session of user ``uid`` (a HELLO, its fields already
+        checked by the protocol); FORBIDDEN for another user's engine."""
+        engine_id, rank, world, namespace, layout = msg.engine, msg.rank, msg.world, msg.namespace, msg.layout
         if identity in self.peers:
             raise P.ProtocolError(P.RANK_TAKEN, "this connection is attached already")
         engine = self.engine
@@ -115,13 +100,6 @@ class EngineRegistry:
         """Identities silent for longer than the timeout."""
         limit = time.monotonic() - self.timeout_s
         return [ident for ident, peer in self.peers.items() if peer.last_seen < limit]
-
-
-def _name(msg: dict, field: str, value: str, allow_empty: bool) -> str:
-    if len(value) > MAX_NAME or not value.isprintable() or (not value and not allow_empty):
-        raise P.ProtocolError(P.BAD_MESSAGE, f"{field} must be 1 to {MAX_NAME} printable characters"
-                              if not allow_empty else f"{field} must be at most {MAX_NAME} printable characters")
-    return value
 
 
 def _who(peer: Peer) -> str:

@@ -20,12 +20,11 @@ import queue
 import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
+from typing import Optional, Union
 
 import zmq
 
 from adpkv_core import protocol as P
-from adpkv_core.keys import KEY_BYTES
 from adpkv_core.door import SHM_DIR, door_path
 from adpkv_core.ring import MEMFD_NAME_PREFIX, Ring, max_parallel_ios, object_stride
 
@@ -42,8 +41,7 @@ from .store import ObjectStore
 
 logger = logging.getLogger("adpkv.gateway")
 
-MAX_KEYS_PER_REQUEST = 1 << 20
-MAX_FRAME_BYTES = 128 << 20   # a request of MAX_KEYS_PER_REQUEST keys with marks fits
+MAX_FRAME_BYTES = 128 << 20   # a request of protocol.MAX_KEYS keys with marks fits
 IO_TASK_ITEMS = 16        # fragments (reads) or objects (writes) per thread-pool task
 
 
@@ -194,7 +192,7 @@ class Gateway:
         logger.info("Gateway stopped")
 
     # ================================================================ messages
-    def _send(self, identity: bytes, msg: dict) -> None:
+    def _send(self, identity: bytes, msg: P.Message) -> None:
         try:
             self.sock.send_multipart([identity, P.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -208,15 +206,16 @@ class Gateway:
         identity, frame = frames
         req_id = None
         try:
-            msg = P.decode(frame)
-            req_id = msg.get("id")
-            handler = self._handlers.get(msg["op"])
-            if handler is None:
-                raise P.ProtocolError(P.UNKNOWN_OP, f"unknown op {msg['op']!r}")
+            try:
+                msg = P.decode_request(frame)
+            except P.ProtocolError:
+                req_id = P.request_id(frame)
+                raise
+            req_id = msg.id
             peer = self.engines.seen(identity)
-            if peer is None and msg["op"] not in ("HELLO", "PING", "STATS", "CLEAN"):
-                raise P.ProtocolError(P.NOT_ATTACHED, f"{msg['op']} before HELLO")
-            handler(self, identity, peer, msg)
+            if peer is None and not isinstance(msg, (P.Hello, P.Ping, P.Stats, P.Clean)):
+                raise P.ProtocolError(P.NOT_ATTACHED, f"{msg.op} before HELLO")
+            self._handlers[type(msg)](self, identity, peer, msg)
         except zmq.ZMQError:
             raise
         except P.ProtocolError as exc:
@@ -227,74 +226,53 @@ class Gateway:
             logger.exception("Internal error on a request")
             self._send(identity, P.error(req_id, P.INTERNAL, str(exc)))
 
-    def _ok(self, identity: bytes, msg: dict, **fields) -> None:
-        self._send(identity, {"op": "OK", "id": msg.get("id"), **fields})
-
-    def _session(self, identity: bytes, msg: dict) -> Session:
+    def _session(self, identity: bytes, msg: Union[P.Hello, P.Stats, P.Clean]) -> Session:
         """The door session behind a request: the one its connection attached with, or the
         one its ``session`` token names. FORBIDDEN without one."""
         session = self.sessions_by_peer.get(identity)
         if session is not None:
             return session
-        token = P.field(msg, "session", bytes, None)
-        session = self.door.by_token.get(token) if token is not None else None
+        session = self.door.by_token.get(msg.session) if msg.session is not None else None
         if session is None:
-            raise P.ProtocolError(P.FORBIDDEN, f"{msg['op']} needs a session: connect through the door "
+            raise P.ProtocolError(P.FORBIDDEN, f"{msg.op} needs a session: connect through the door "
                                   f"{self.door_file} first (its permissions say who may)")
         return session
 
-    def _on_hello(self, identity, peer, msg):
+    def _on_hello(self, identity, peer, msg: P.Hello):
         session = self._session(identity, msg)
         self.engines.attach(identity, msg, session.uid)
         self.sessions_by_peer[identity] = session
         session.identities.add(identity)
-        self._ok(identity, msg, ring_size=self.ring.size, max_batch_bytes=self.max_batch_bytes)
+        self._send(identity, P.HelloOk(id=msg.id, ring_size=self.ring.size, max_batch_bytes=self.max_batch_bytes))
 
     def _on_session_closed(self, session: Session) -> None:
         """A client's door closed (it exited, or closed its client): what it attached goes now."""
         for identity in list(session.identities):
             self._detach(identity, "its process closed its session")
 
-    def _on_bye(self, identity, peer, msg):
-        self._ok(identity, msg)
+    def _on_bye(self, identity, peer, msg: P.Bye):
+        self._send(identity, P.Ok(id=msg.id))
         self._detach(identity, "closed")
 
-    def _on_ping(self, identity, peer, msg):
-        self._ok(identity, msg)
+    def _on_ping(self, identity, peer, msg: P.Ping):
+        self._send(identity, P.Ok(id=msg.id))
 
-    def _keys(self, msg) -> tuple[list[bytes], Optional[list[int]]]:
-        keys = P.field(msg, "keys", list)
-        if len(keys) > MAX_KEYS_PER_REQUEST:
-            raise P.ProtocolError(P.BAD_MESSAGE, f"{len(keys)} keys in one request (limit {MAX_KEYS_PER_REQUEST})")
-        for k in keys:
-            if not isinstance(k, bytes) or len(k) != KEY_BYTES:
-                raise P.ProtocolError(P.BAD_MESSAGE, f"a key must be {KEY_BYTES} bytes")
-        marks = P.field(msg, "marks", list, None)
-        if marks is not None:
-            if len(marks) != len(keys):
-                raise P.ProtocolError(P.BAD_MESSAGE, "marks and keys differ in length")
-            if not all(isinstance(m, int) and not isinstance(m, bool) and 0 <= m < 1 << 64 for m in marks):
-                raise P.ProtocolError(P.BAD_MESSAGE, "a mark must be an unsigned 64-bit integer")
-        return keys, marks
-
-    def _on_exist(self, identity, peer: Peer, msg):
-        keys, marks = self._keys(msg)
-        lock = P.field(msg, "lock", bool, False)
+    def _on_exist(self, identity, peer: Peer, msg: P.Exist):
+        keys = msg.keys
         self.counters["exist_requests"] += 1
 
         def answer(hits):
-            if lock and self.engines.peers.get(identity) is peer:
+            if msg.lock and self.engines.peers.get(identity) is peer:
                 locked = [k for k, h in zip(keys, hits) if h]
                 self.store.pin(locked)
                 peer.pins.update(locked)
-            self._ok(identity, msg, hits=P.pack_flags(hits))
+            self._send(identity, P.ExistOk(id=msg.id, hits=P.pack_flags(hits)))
 
-        self._offload(lambda: self.store.exists(keys, marks), answer, identity, msg)
+        self._offload(lambda: self.store.exists(keys, msg.marks), answer, identity, msg)
 
-    def _on_unlock(self, identity, peer: Peer, msg):
-        keys, _ = self._keys(msg)
-        self._release_pins(peer, keys)
-        self._ok(identity, msg)
+    def _on_unlock(self, identity, peer: Peer, msg: P.Unlock):
+        self._release_pins(peer, msg.keys)
+        self._send(identity, P.Ok(id=msg.id))
 
     def _release_pins(self, peer: Peer, keys) -> None:
         mine = [k for k in keys if peer.pins.get(k)]
@@ -304,12 +282,11 @@ class Gateway:
                 del peer.pins[k]
         self.store.unpin(mine)
 
-    def _on_delete(self, identity, peer, msg):
-        keys, marks = self._keys(msg)
-        self._offload(lambda: self.store.delete(keys, marks),
-                      lambda deleted: self._ok(identity, msg, deleted=deleted), identity, msg)
+    def _on_delete(self, identity, peer, msg: P.Delete):
+        self._offload(lambda: self.store.delete(msg.keys, msg.marks),
+                      lambda deleted: self._send(identity, P.DeleteOk(id=msg.id, deleted=deleted)), identity, msg)
 
-    def _on_clean(self, identity, peer, msg):
+    def _on_clean(self, identity, peer, msg: P.Clean):
         session = self._session(identity, msg)
         if not session.operator:
             raise P.ProtocolError(P.FORBIDDEN, "only an operator cleans (root, the gateway's user, or "
@@ -322,11 +299,11 @@ class Gateway:
 
         def cleaned(deleted):
             logger.info("CLEAN by uid %d: %d objects deleted", session.uid, deleted)
-            self._ok(identity, msg, deleted=deleted)
+            self._send(identity, P.DeleteOk(id=msg.id, deleted=deleted))
 
         self._offload(self.store.clean, cleaned, identity, msg)
 
-    def _on_stats(self, identity, peer, msg):
+    def _on_stats(self, identity, peer, msg: P.Stats):
         session = self._session(identity, msg)
         engine = self.engines.engine
         shows_engine = session.operator or (engine is not None and engine.uid == session.uid)
@@ -335,12 +312,12 @@ class Gateway:
             if not shows_engine and stats["engine"] is not None:
                 stats["engine"] = {"id": "(another user's)", "world": stats["engine"]["world"],
                                    "ranks": stats["engine"]["ranks"], "namespace": "(another user's)"}
-            self._ok(identity, msg, stats=stats)
+            self._send(identity, P.StatsOk(id=msg.id, stats=stats))
 
         self._collect_stats(answer, identity, msg)
 
     # ================================================================ the pool, for card metadata
-    def _offload(self, work, then, identity: Optional[bytes] = None, msg: Optional[dict] = None) -> None:
+    def _offload(self, work, then, identity: Optional[bytes] = None, msg: Optional[P.Message] = None) -> None:
         """Run ``work()`` on the I/O pool; ``then(result)`` back on the loop. When ``work``
         fails, the request (``identity``, ``msg``), if any, gets an ERROR reply."""
         def done(fut: Future):
@@ -352,48 +329,37 @@ class Gateway:
         if exc is not None:
             logger.error("card metadata request failed: %r", exc)
             if identity is not None:
-                self._send(identity, P.error(msg.get("id"), P.CARD_ERROR, f"the cards did not answer: {exc}"))
+                self._send(identity, P.error(msg.id, P.CARD_ERROR, f"the cards did not answer: {exc}"))
             return
         then(fut.result())
 
     # ================================================================ data requests
-    def _on_data(self, identity, peer: Peer, msg):
+    def _on_data(self, identity, peer: Peer, msg: Union[P.Get, P.Put]):
         if peer.rank is None:
-            raise P.ProtocolError(P.BAD_MESSAGE, f"a lookup peer cannot {msg['op']}; attach as a rank")
-        keys, marks = self._keys(msg)
-        obj = P.field(msg, "obj", int)
-        if obj <= 0:
-            raise P.ProtocolError(P.BAD_MESSAGE, "obj (object size) must be positive")
+            raise P.ProtocolError(P.BAD_MESSAGE, f"a lookup peer cannot {msg.op}; attach as a rank")
+        keys, marks, obj, tag, region = msg.keys, msg.marks, msg.obj, msg.tag, msg.region
+        unlock = isinstance(msg, P.Get) and msg.unlock
         stride = object_stride(obj)
         if obj not in self.object_sizes_logged and len(self.object_sizes_logged) < 8:
             self.object_sizes_logged.add(obj)
             logger.info("Objects of %d bytes (io_size): max_parallel_ios = %d", obj,
                         max_parallel_ios(self.ring.size, obj))
-        tag = P.field(msg, "tag", str, None)
-        region = P.field(msg, "region", int, None)
         if stride > self.max_batch_bytes:
             raise P.ProtocolError(P.TOO_LARGE, f"an object of {obj} bytes does not fit half the ring "
                                   f"({self.max_batch_bytes} bytes); raise shared_memory_size")
         if region is not None:
-            if tag is not None:
-                raise P.ProtocolError(P.BAD_MESSAGE, "a request into a region is one rank's own (no tag)")
-            at = P.field(msg, "at", list)
-            if len(at) != len(keys):
-                raise P.ProtocolError(P.BAD_MESSAGE, "at and keys differ in length")
             regions = self.sessions_by_peer[identity].regions
-            if not 0 <= region < len(regions):
+            if region >= len(regions):
                 raise P.ProtocolError(P.BAD_REGION, f"region {region} is not registered by this session")
-            job = DataJob(msg["op"], keys, marks, obj, stride, [Participant(identity, msg["id"])],
-                          P.field(msg, "unlock", bool, False))
+            job = DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock)
             job.region = regions[region]
-            job.places = job.region.places(at, obj)
+            job.places = job.region.places(msg.at, obj)
             self.counters[job.op.lower() + "_region_requests"] += 1
             self._start(job)
             return
         engine = self.engines.engine
         if tag is None or engine is None or engine.world == 1:
-            self._start(DataJob(msg["op"], keys, marks, obj, stride, [Participant(identity, msg["id"])],
-                                P.field(msg, "unlock", bool, False)))
+            self._start(DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock))
             return
         parts = self.collectives.setdefault(tag, {})
         if peer.rank in parts:
@@ -406,16 +372,15 @@ class Gateway:
         del self.collectives[tag]
         first = parts[0][1] if 0 in parts else next(iter(parts.values()))[1]
         for ident, m in parts.values():
-            if m["op"] != first["op"] or m["keys"] != first["keys"] or m["obj"] != first["obj"]:
+            if type(m) is not type(first) or m.keys != first.keys or m.obj != first.obj:
                 self._fail_collective(parts, f"ranks sent different requests for tag {tag!r}")
                 return
-        self._start(DataJob(msg["op"], keys, marks, obj, stride,
-                            [Participant(ident, m["id"]) for ident, m in parts.values()],
-                            P.field(msg, "unlock", bool, False)))
+        self._start(DataJob(msg.op, keys, marks, obj, stride,
+                            [Participant(ident, m.id) for ident, m in parts.values()], unlock))
 
     def _fail_collective(self, parts, why: str) -> None:
         for ident, m in parts.values():
-            self._send(ident, P.error(m.get("id"), P.COLLECTIVE_MISMATCH, why))
+            self._send(ident, P.error(m.id, P.COLLECTIVE_MISMATCH, why))
 
     def _start(self, job: DataJob) -> None:
         self.counters[job.op.lower() + "_requests"] += 1
@@ -447,13 +412,10 @@ class Gateway:
             if job.finished():
                 self._finish(job)
 
-    def _batch_msg(self, batch: Batch, participant: Participant, with_hits: bool) -> dict:
-        msg = {"op": "BATCH", "id": participant.req_id, "batch": batch.id, "first": batch.first,
-               "count": batch.count, "offset": batch.offset, "stride": batch.job.stride,
-               "obj": batch.job.object_bytes}
-        if with_hits:
-            msg["hits"] = bytes(batch.flags)
-        return msg
+    def _batch_msg(self, batch: Batch, participant: Participant, with_hits: bool) -> P.Batch:
+        return P.Batch(id=participant.req_id, batch=batch.id, first=batch.first, count=batch.count,
+                       offset=batch.offset, stride=batch.job.stride, obj=batch.job.object_bytes,
+                       hits=bytes(batch.flags) if with_hits else None)
 
     # ---------------------------------------------------------------- GET
     def _read_batch(self, batch: Batch) -> None:
@@ -606,15 +568,15 @@ class Gateway:
         self._retire(batch)
 
     # ---------------------------------------------------------------- RELEASE / FILLED
-    def _on_ack(self, identity, peer, msg):
-        batch_id = P.field(msg, "batch", int)
-        batch = self.batches.get(batch_id)
+    def _on_ack(self, identity, peer, msg: Union[P.Release, P.Filled]):
+        batch = self.batches.get(msg.batch)
         if batch is None or identity not in batch.waiting:
-            raise P.ProtocolError(P.UNKNOWN_BATCH, f"batch {batch_id} is not waiting for this rank")
-        want = "RELEASE" if batch.job.op == "GET" else "FILLED"
-        if msg["op"] != want:
-            raise P.ProtocolError(P.BAD_MESSAGE, f"batch {batch_id} of a {batch.job.op} wants {want}")
-        self._rank_done(batch, identity, msg["op"] == "RELEASE" or P.field(msg, "ok", bool, True))
+            raise P.ProtocolError(P.UNKNOWN_BATCH, f"batch {msg.batch} is not waiting for this rank")
+        want = P.Release if batch.job.op == "GET" else P.Filled
+        if not isinstance(msg, want):
+            raise P.ProtocolError(P.BAD_MESSAGE, f"batch {msg.batch} of a {batch.job.op} wants "
+                                  f"{want.__struct_config__.tag}")
+        self._rank_done(batch, identity, isinstance(msg, P.Release) or msg.ok)
 
     def _rank_done(self, batch: Batch, identity: bytes, filled_ok: bool) -> None:
         """A rank is done with a batch (released it, filled it, or left); once none is left
@@ -642,15 +604,15 @@ class Gateway:
     def _finish(self, job: DataJob) -> None:
         if self.jobs.pop(id(job), None) is None:
             return  # finished already
-        field = "hits" if job.op == "GET" else "stored"
         for p in job.participants:
             if p.identity in self.engines.peers:
                 if job.op == "GET" and job.unlock:
                     self._release_pins(self.engines.peers[p.identity], job.keys)
-                done = {"op": "DONE", "id": p.req_id, field: bytes(job.results)}
-                if job.op == "PUT":
-                    done["existed"] = bytes(job.existed)
-                self._send(p.identity, done)
+                if job.op == "GET":
+                    self._send(p.identity, P.Done(id=p.req_id, hits=bytes(job.results)))
+                else:
+                    self._send(p.identity, P.Done(id=p.req_id, stored=bytes(job.results),
+                                                  existed=bytes(job.existed)))
 
     # ---------------------------------------------------------------- completions
     def _complete(self, item) -> None:
@@ -778,9 +740,9 @@ class Gateway:
         }
 
     _handlers = {
-        "HELLO": _on_hello, "BYE": _on_bye, "PING": _on_ping, "EXIST": _on_exist, "UNLOCK": _on_unlock,
-        "DELETE": _on_delete, "CLEAN": _on_clean, "STATS": _on_stats, "GET": _on_data, "PUT": _on_data,
-        "RELEASE": _on_ack, "FILLED": _on_ack,
+        P.Hello: _on_hello, P.Bye: _on_bye, P.Ping: _on_ping, P.Exist: _on_exist, P.Unlock: _on_unlock,
+        P.Delete: _on_delete, P.Clean: _on_clean, P.Stats: _on_stats, P.Get: _on_data, P.Put: _on_data,
+        P.Release: _on_ack, P.Filled: _on_ack,
     }
 
 

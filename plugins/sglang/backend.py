@@ -416,13 +416,11 @@ class AdpHiCacheStorage(HiCacheStorage):
             if s is None:
                 logger.warning("adpkv: clear: no gateway; nothing was deleted")
                 return False
-            reply = s.client.clean().result()
-            if not isinstance(reply, dict) or reply.get("op") == "ERROR":
-                code = reply.get("code") if isinstance(reply, dict) else None
-                logger.warning("adpkv: clear refused by the gateway (%s: %s); nothing was deleted",
-                               code, reply.get("msg") if isinstance(reply, dict) else reply)
+            deleted = s.client.clean().result()
+            if deleted is None:        # the client logged the gateway's reason
+                logger.warning("adpkv: clear refused by the gateway; nothing was deleted")
                 return False
-            logger.info("adpkv: cleared the gateway's cards (%s objects)", reply.get("deleted"))
+            logger.info("adpkv: cleared the gateway's cards (%d objects)", deleted)
             return True
         except Exception:
             logger.exception("adpkv: clear failed")

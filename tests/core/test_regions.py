@@ -6,12 +6,15 @@ import ctypes
 import mmap
 import os
 import random
+import socket
 import uuid
 
+import msgspec
 import pytest
 
 from adpkv_core.client import GatewayClient
-from adpkv_core.door import DoorSession, door_path
+from adpkv_core import protocol as P
+from adpkv_core.door import DoorSession, door_path, recv
 from adpkv_core.regions import shared_file_of
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
@@ -135,14 +138,16 @@ def test_bad_regions_are_refused_clearly(gateway, shm_buffer, tmp_path, case):
         if case == "mistyped":
             session = DoorSession(door_path(gateway.port), 5.0)
             try:
-                reply, _ = session.request({"op": "REGION", "offset": 0, "size": "10"}, [fd])
+                frame = msgspec.msgpack.encode({"v": 1, "op": "REGION", "offset": 0, "size": "10"})
+                socket.send_fds(session.sock, [frame], [fd])
+                reply = msgspec.msgpack.decode(recv(session.sock)[0])
             finally:
                 session.close()
             assert reply["code"] == "BAD_MESSAGE", reply
         else:
             offset, size = {"too-long": (0, len(arr) + 1), "negative": (-1, 10)}.get(case, (0, 4096))
             reply = _refusal(gateway.port, fd, offset, size)
-            assert reply["op"] == "ERROR" and reply["code"] == "BAD_REGION", reply
+            assert reply.code == ("BAD_MESSAGE" if case == "negative" else "BAD_REGION"), reply
     finally:
         os.close(fd)
     c = _client(gateway.port, "region-bad")
@@ -158,23 +163,23 @@ def test_rings_and_foreign_ranges_are_refused(gateway, shm_buffer):
     path, arr = shm_buffer
     c = _client(gateway.port, "region-ring")
     try:
-        assert _refusal(gateway.port, c._ring.fd, 0, 4096)["code"] == "BAD_REGION"    # this gateway's ring
+        assert _refusal(gateway.port, c._ring.fd, 0, 4096).code == "BAD_REGION"    # this gateway's ring
         with GatewayProcess(str(gateway.card_dirs[0]) + "-other") as other:              # another gateway's
             other_session = DoorSession(door_path(other.port), 5.0)
             try:
-                assert _refusal(gateway.port, other_session.ring_fd, 0, 4096)["code"] == "BAD_REGION"
+                assert _refusal(gateway.port, other_session.ring_fd, 0, 4096).code == "BAD_REGION"
             finally:
                 os.close(other_session.ring_fd)
                 other_session.close()
         region = c.register_region(path, 0, 1 << 20).result(5)
         keys = make_keys(2)
         for at, reg in (([0, (1 << 20) - OBJ + 1], region), ([0, 0], region + 1)):
-            reply = c._call({"op": "GET", "keys": keys, "obj": OBJ, "region": reg, "at": at},
-                            lambda r: r, raw_errors=True).result(5)
-            assert reply["code"] == "BAD_REGION", reply
-        reply = c._call({"op": "PUT", "keys": keys, "obj": OBJ, "region": region, "at": [0]},
-                        lambda r: r, raw_errors=True).result(5)
-        assert reply["code"] == "BAD_MESSAGE"
+            reply = control.request(gateway.port, {"op": "GET", "keys": keys, "obj": OBJ, "region": reg, "at": at})
+            assert reply["code"] in ("BAD_REGION", "NOT_ATTACHED"), reply
+            assert c.get_into(reg, at, keys, OBJ).result(5) == [False, False]
+        assert c.enabled
+        with pytest.raises(P.ProtocolError, match="at and keys differ"):
+            control.request(gateway.port, {"op": "PUT", "keys": keys, "obj": OBJ, "region": region, "at": [0]})
         assert _stats(gateway.port)["objects"].get("stored", 0) == 0
     finally:
         c.close()

@@ -155,7 +155,7 @@ def _region_attempts(port, secret_path, own_path):
     seen["enabled"] = client.enabled
     seen["secret_region"] = client.register_region(secret_path, 0, 4096).result(5)
     # a descriptor it can get is its own file's; the ring it was handed is refused
-    seen["ring_region"] = DoorSession(door_path(port), 3.0).register_region(client._ring.fd, 0, 4096)["code"]
+    seen["ring_region"] = DoorSession(door_path(port), 3.0).register_region(client._ring.fd, 0, 4096).code
     region = client.register_region(own_path, 0, 1 << 20).result(5)
     seen["own_region"] = region
     keys = make_keys(2, namespace="nobody")

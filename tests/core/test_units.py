@@ -122,13 +122,31 @@ def test_gateway_config_validation():
 
 
 def test_protocol_decode_errors():
-    with pytest.raises(P.ProtocolError) as e:
-        P.decode(b"\xc1")
-    assert e.value.code == P.BAD_MESSAGE
-    with pytest.raises(P.ProtocolError) as e:
-        P.decode(P.encode({"op": "PING", "v": 2}))
-    assert e.value.code == P.BAD_VERSION
-    assert P.decode(P.encode({"op": "PING"}))["op"] == "PING"
+    """One place decodes and checks a request; each kind of bad frame gets its own code."""
+    import msgspec
+    raw = msgspec.msgpack.encode
+    key = b"k" * KEY_BYTES
+    cases = [
+        (b"\xc1", P.BAD_MESSAGE),
+        (raw([1, 2]), P.BAD_MESSAGE),
+        (raw({"op": "PING", "v": 2}), P.BAD_VERSION),
+        (raw({"op": "FROB", "v": 1}), P.UNKNOWN_OP),
+        (raw({"v": 1}), P.BAD_MESSAGE),
+        (raw({"op": "GET", "v": 1, "keys": [key], "obj": 0}), P.BAD_MESSAGE),            # obj must be > 0
+        (raw({"op": "GET", "v": 1, "keys": [b"short"], "obj": 4}), P.BAD_MESSAGE),
+        (raw({"op": "GET", "v": 1, "keys": [key], "obj": 4, "marks": [1, 2]}), P.BAD_MESSAGE),
+        (raw({"op": "GET", "v": 1, "keys": [key], "obj": 4, "tag": "t", "region": 0, "at": [0]}), P.BAD_MESSAGE),
+        (raw({"op": "HELLO", "v": 1, "engine": "e", "world": 2, "rank": 2}), P.BAD_MESSAGE),
+        (raw({"op": "HELLO", "v": 1, "engine": "e", "world": True, "rank": 0}), P.BAD_MESSAGE),
+        (raw({"op": "RELEASE", "v": 1}), P.BAD_MESSAGE),                                  # batch is required
+    ]
+    for frame, code in cases:
+        with pytest.raises(P.ProtocolError) as e:
+            P.decode_request(frame)
+        assert e.value.code == code, (frame, e.value)
+    msg = P.decode_request(P.encode(P.Get(id=9, keys=[key], obj=4, unlock=True)))
+    assert isinstance(msg, P.Get) and msg.op == "GET" and msg.id == 9 and msg.unlock
+    assert P.request_id(raw({"op": "GET", "v": 1, "id": 5})) == 5
     assert P.unpack_flags(P.pack_flags([True, False, True])) == [True, False, True]
 
 
