@@ -4,6 +4,12 @@ cards in service, replicas, pins and I/O counters.
 The server asks it where an object's fragments live and runs their I/O on its
 thread pool; the store does the card calls, keeps the statistics and reports
 transport failures to the health monitor.
+
+An object lives and dies whole: it is present on a card only when every fragment
+is there at its size (the head records the object's size for lookups that do not
+know it); a read that finds a fragment missing or corrupt removes the whole object
+from that card (the next PUT stores it again) and reads the fragment from the next
+replica; a write that fails halfway removes what it wrote.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Callable, Optional, Sequence
 
 from adpkv_core.fragments import fragment_db, fragment_extents, fragment_key
 
-from .cards.base import Card, CardIOError
+from .cards.base import Card, CardIOError, object_key
 from .placement import Placement, key_layout_fingerprint
 
 logger = logging.getLogger("adpkv.gateway.store")
@@ -31,6 +37,21 @@ class Fragment:
     fkey: bytes
     offset: int     # within the object
     length: int
+    object_bytes: int = 0                 # size of the whole object
+    others: tuple[int, ...] = ()          # replica cards to read it from when ``card`` misses
+
+
+class Holder(int):
+    """The card index ``holders`` found an object on (what the server hands back to
+    ``read_plan``), carrying the other replica cards a read may fall back on."""
+
+    others: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, card: int, others: Sequence[int]) -> "Holder":
+        h = cls(card)
+        h.others = tuple(others)
+        return h
 
 
 class CardStats:
@@ -123,8 +144,11 @@ class ObjectStore:
         return frags[1:] + frags[:1]          # fragment 0 last: written last
 
     def read_plan(self, card: int, key: bytes, object_bytes: int) -> list[Fragment]:
-        """The fragments to read an object from on ``card`` (the one ``holders`` found)."""
-        return self._frags(card, key, object_bytes)
+        """The fragments to read an object from on ``card`` (the one ``holders`` found; its
+        other replica cards ride along for ``read_many`` to fall back on)."""
+        others = getattr(card, "others", ())
+        return [dataclasses.replace(f, object_bytes=object_bytes, others=others)
+                for f in self._frags(int(card), key, object_bytes)]
 
     def write_plans(self, key: bytes, mark: int, object_bytes: int) -> list[list[Fragment]]:
         """One fragment list per replica (cards in service, in placement order)."""
@@ -132,6 +156,10 @@ class ObjectStore:
 
     # ------------------------------------------------------------------ I/O (thread pool)
     def read(self, frag: Fragment, buf: memoryview) -> bool:
+        return self._read(frag, buf)[0]
+
+    def _read(self, frag: Fragment, buf: memoryview) -> tuple[bool, bool]:
+        """(read ok, transport ok) of one fragment."""
         card = self.cards[frag.card]
         token = self.stats[frag.card].begin()
         transport_ok, ok = True, False
@@ -144,11 +172,39 @@ class ObjectStore:
             logger.exception("read from card %s failed", card.serial)
         seconds = self.stats[frag.card].end(token, False, ok, len(buf))
         self.on_io(frag.card, transport_ok, seconds)
-        return ok
+        return ok, transport_ok
 
     def read_many(self, items) -> list[tuple[int, bool]]:
-        """Read ``(j, fragment, view)`` items in turn; ``(j, ok)`` for each."""
-        return [(j, self.read(frag, view)) for j, frag, view in items]
+        """Read ``(j, fragment, view)`` items in turn; ``(j, ok)`` for each. A fragment that
+        misses on its card is read from the object's next replica in service, and an object
+        found missing or corrupt on a card is removed from that card, whole."""
+        out = []
+        broken: dict[tuple[int, bytes], int] = {}
+        for j, frag, view in items:
+            ok, transport_ok = self._read(frag, view)
+            if not ok and frag.object_bytes:
+                if transport_ok:
+                    broken[(frag.card, object_key(frag.fkey))] = frag.object_bytes
+                for alt in frag.others:
+                    if not self.active[alt]:
+                        continue
+                    ok, transport_ok = self._read(dataclasses.replace(frag, card=alt, others=()), view)
+                    if ok:
+                        break
+                    if transport_ok:
+                        broken[(alt, object_key(frag.fkey))] = frag.object_bytes
+            out.append((j, ok))
+        for (card, key), object_bytes in broken.items():
+            self._remove_object(card, key, object_bytes)
+        return out
+
+    def _remove_object(self, card: int, key: bytes, object_bytes: int) -> None:
+        """Remove every fragment of an object from one card (what is left of it)."""
+        frags = self._frags(card, key, object_bytes)
+        try:
+            self.cards[card].delete_many([(f.db, f.fkey) for f in frags])
+        except CardIOError as exc:
+            logger.warning("%s", exc)
 
     def write_many(self, items) -> list[tuple[int, bool]]:
         """Write ``(j, replica plans, object view)`` items in turn; ``(j, ok)`` for each."""
@@ -159,12 +215,15 @@ class ObjectStore:
         return any([self._write_object(frags, obj) for frags in plans])
 
     def _write_object(self, frags: Sequence[Fragment], obj: memoryview) -> bool:
+        """Write an object's fragments, head last (it records the object's size); one that
+        fails removes what was written, so no part of the object is left behind."""
         for frag in frags:
             card = self.cards[frag.card]
             token = self.stats[frag.card].begin()
             transport_ok, ok = True, False
             try:
-                ok = card.write(frag.db, frag.fkey, obj[frag.offset:frag.offset + frag.length])
+                ok = card.write(frag.db, frag.fkey, obj[frag.offset:frag.offset + frag.length],
+                                object_bytes=len(obj) if frag.offset == 0 else 0)
             except CardIOError as exc:
                 transport_ok = False
                 logger.warning("%s", exc)
@@ -173,53 +232,91 @@ class ObjectStore:
             seconds = self.stats[frag.card].end(token, True, ok, frag.length)
             self.on_io(frag.card, transport_ok, seconds)
             if not ok:
+                if transport_ok:
+                    self._remove_object(frag.card, object_key(frag.fkey), len(obj))
                 return False
         return True
 
     # ------------------------------------------------------------------ metadata
     def exists(self, keys: Sequence[bytes], marks: Optional[Sequence[int]],
                object_bytes: Optional[int] = None) -> list[bool]:
-        """Whether each object's head fragment is on the card that would serve it
-        (and, given ``object_bytes``, holds an object of that size)."""
+        """Whether each object is whole on a card in service that would serve it."""
         return [card is not None for card in self.holders(keys, marks, object_bytes)]
 
     def holders(self, keys: Sequence[bytes], marks: Optional[Sequence[int]],
                 object_bytes: Optional[int] = None) -> list[Optional[int]]:
-        """For each object, the card in service that holds its head fragment (of the size
-        ``object_bytes`` when given), or None: where a read of it would go."""
-        head_len = None
-        if object_bytes is not None:
-            head_len = fragment_extents(object_bytes, self.fragment_size)[0][1]
+        """For each object, the first of its replica cards in service that holds all of it
+        (every fragment, at the sizes ``object_bytes`` gives, or else the size its head
+        records), or None: where a read of it goes. The card comes as a ``Holder`` that
+        also names the other replica cards, for ``read_plan``."""
         out: list[Optional[int]] = [None] * len(keys)
-        by_card: dict[int, list[tuple[int, int, bytes]]] = collections.defaultdict(list)
-        for i, key in enumerate(keys):
-            t = self.targets(key, marks[i] if marks else 0, 1)
-            if t:
-                by_card[t[0]].append((i, fragment_db(key, 0, self.num_dbs, self.spread), fragment_key(key, 0)))
-        for card, items in by_card.items():
-            try:
-                found = self.cards[card].contains_many([(db, fk) for _, db, fk in items],
-                                                       None if head_len is None else [head_len] * len(items))
-            except CardIOError as exc:
-                logger.warning("%s", exc)
-                self.on_io(card, False, 0.0)
-                continue
-            for (i, _, _), hit in zip(items, found):
-                out[i] = card if hit else None
+        candidates = [self.targets(key, marks[i] if marks else 0, self.replicas) for i, key in enumerate(keys)]
+        pending = list(range(len(keys)))
+        for r in range(self.replicas):
+            by_card: dict[int, list[int]] = collections.defaultdict(list)
+            for i in pending:
+                if r < len(candidates[i]):
+                    by_card[candidates[i][r]].append(i)
+            if not by_card:
+                break
+            for card, idx in by_card.items():
+                found = self._whole(card, [keys[i] for i in idx], object_bytes)
+                for i, hit in zip(idx, found):
+                    if hit:
+                        out[i] = Holder.of(card, candidates[i][r + 1:])
+            pending = [i for i in pending if out[i] is None]
         return out
 
+    def _whole(self, card: int, keys: Sequence[bytes], object_bytes: Optional[int]) -> list[bool]:
+        """Whether each object has all its fragments on ``card`` (a card that fails to
+        answer holds none of them)."""
+        c = self.cards[card]
+        heads = [(fragment_db(k, 0, self.num_dbs, self.spread), fragment_key(k, 0)) for k in keys]
+        try:
+            sizes = [object_bytes] * len(keys) if object_bytes is not None else c.object_sizes(heads)
+            items: list[tuple[int, bytes]] = []
+            lengths: list[Optional[int]] = []
+            spans = []
+            for key, head, size in zip(keys, heads, sizes):
+                start = len(items)
+                if size is None:
+                    pass                          # no head: not there
+                elif size == 0:
+                    items.append(head)            # a head that records no size (older objects)
+                    lengths.append(None)
+                else:
+                    for f in self._frags(card, key, size):
+                        items.append((f.db, f.fkey))
+                        lengths.append(f.length)
+                spans.append((start, len(items)))
+            found = c.contains_many(items, lengths) if items else []
+        except CardIOError as exc:
+            logger.warning("%s", exc)
+            self.on_io(card, False, 0.0)
+            return [False] * len(keys)
+        return [b > a and all(found[a:b]) for a, b in spans]
+
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]]) -> int:
+        """Remove objects (all their fragments) from their replica cards; how many existed."""
         deleted = 0
         for i, key in enumerate(keys):
             for card_index in self.targets(key, marks[i] if marks else 0, self.replicas):
                 card = self.cards[card_index]
-                index, found = 0, False
+                head = (fragment_db(key, 0, self.num_dbs, self.spread), fragment_key(key, 0))
                 try:
-                    while card.delete(fragment_db(key, index, self.num_dbs, self.spread), fragment_key(key, index)):
-                        found = True
-                        index += 1
+                    size, = card.object_sizes([head])
+                    if size:
+                        frags = self._frags(card_index, key, size)
+                        found = card.delete_many([(f.db, f.fkey) for f in frags]) > 0
+                    else:
+                        index, found = 0, False
+                        while card.delete(fragment_db(key, index, self.num_dbs, self.spread),
+                                          fragment_key(key, index)):
+                            found = True
+                            index += 1
                 except CardIOError as exc:
                     logger.warning("%s", exc)
+                    found = False
                 deleted += found
         return deleted
 

@@ -30,7 +30,8 @@ def open_cards(config, is_pinned: Callable[[bytes], bool]) -> list[Card]:
         else:
             card = FsCard(device, num_dbs=config.num_dbs, capacity_bytes=config.capacity_bytes,
                           eviction_watermark=config.eviction_watermark, eviction_ratio=config.eviction_ratio,
-                          o_direct=config.o_direct, fsync=config.fsync, is_pinned=is_pinned)
+                          o_direct=config.o_direct, fsync=config.fsync, is_pinned=is_pinned,
+                          card_group=getattr(config, "card_group", ""))
         try:
             card.open()
         except CardUnavailable as exc:

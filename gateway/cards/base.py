@@ -5,6 +5,11 @@ A card stores fragments (the unit of storage, see ``adpkv_core.fragments``) in
 called from many I/O threads at once. A read that cannot return exactly the
 bytes that were written (missing, truncated, corrupt, foreign) returns False:
 a miss, never wrong data.
+
+A fragment key is its object's key followed by a 2-byte fragment index
+(``adpkv_core.fragments.fragment_key``); fragment 0, the head, is written last
+and records the size of the whole object. An object lives and dies whole: a card
+that evicts, deletes or drops a fragment drops every fragment of its object.
 """
 
 from __future__ import annotations
@@ -34,6 +39,16 @@ class CardIOError(Exception):
     against the card's health, unlike a plain miss."""
 
 
+def object_key(fkey: bytes) -> bytes:
+    """The key of the object a fragment key belongs to."""
+    return fkey[:-2]
+
+
+def is_head(fkey: bytes) -> bool:
+    """Whether a fragment key names its object's head (fragment 0)."""
+    return fkey[-2:] == b"\0\0"
+
+
 class Card(abc.ABC):
     """One storage backend instance with a stable serial number."""
 
@@ -52,23 +67,29 @@ class Card(abc.ABC):
         """Fill ``buf`` (exactly its length) with the fragment; False on any miss."""
 
     @abc.abstractmethod
-    def write(self, db: int, fkey: bytes, buf: memoryview) -> bool:
-        """Store ``buf`` atomically under ``fkey``; False if it could not be stored."""
+    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0) -> bool:
+        """Store ``buf`` atomically under ``fkey``; False if it could not be stored.
+        ``object_bytes``: the size of the whole object, recorded in its head fragment."""
 
     @abc.abstractmethod
-    def contains(self, db: int, fkey: bytes) -> bool:
-        """Whether the fragment is stored (cheap; may be stale, a later read decides)."""
+    def contains_many(self, items: list[tuple[int, bytes]],
+                      lengths: Optional[list[Optional[int]]] = None) -> list[bool]:
+        """Whether each ``(db, fragment key)`` is stored (cheap, batched; may be stale, a
+        later read decides). With ``lengths``, a fragment only counts when it holds that
+        many payload bytes (None: any)."""
 
-    def contains_many(self, items: list[tuple[int, bytes]], lengths: Optional[list[int]] = None) -> list[bool]:
-        """``contains`` of many fragments (a card may batch them into one round trip).
-
-        With ``lengths``, a fragment only counts when it holds that many payload bytes.
-        """
-        return [self.contains(db, fkey) for db, fkey in items]
+    @abc.abstractmethod
+    def object_sizes(self, heads: list[tuple[int, bytes]]) -> list[Optional[int]]:
+        """For each ``(db, head fragment key)``: the object size its head records, 0 for a
+        head that records none (written before sizes were recorded), None for no head."""
 
     @abc.abstractmethod
     def delete(self, db: int, fkey: bytes) -> bool:
-        """Remove one fragment; True if it existed."""
+        """Remove a fragment (fs: with every fragment of its object); True if it existed."""
+
+    def delete_many(self, items: list[tuple[int, bytes]]) -> int:
+        """Remove many fragments; how many of them existed."""
+        return sum(self.delete(db, fkey) for db, fkey in items)
 
     @abc.abstractmethod
     def clean(self) -> int:

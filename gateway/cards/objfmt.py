@@ -1,8 +1,11 @@
 """The self-describing object header every card stores in front of a fragment.
 
 96 bytes: magic, format, key length, payload length, xxh3-64 of the payload,
-the fragment's full key, and an xxh3-64 of the header itself. A reader that
-checks it never returns a truncated, corrupt or foreign object.
+the fragment's full key, the size of the whole object (recorded in an object's
+head fragment, fragment 0; 0 in the other fragments and in heads written before
+it was recorded) and an xxh3-64 of the header itself. A reader that checks it
+never returns a truncated, corrupt or foreign object; the recorded object size
+lets a card tell whether all fragments of an object are there.
 """
 
 from __future__ import annotations
@@ -11,36 +14,50 @@ import struct
 
 import xxhash
 
+from typing import Optional
+
 from adpkv_core.checksum import xxh3_64
 
 MAGIC = b"ADPKVOBJ"
 FORMAT = 1
 HEADER_CORE = 96
-MAX_KEY = 64
 _HEAD = struct.Struct(">8sHHQQ")           # 28 bytes
 _SUM_AT = HEADER_CORE - 8
+_OBJECT_AT = _SUM_AT - 8                   # u64: size of the whole object (head fragment only)
+MAX_KEY = _OBJECT_AT - _HEAD.size          # 52 bytes (fragment keys are 30)
 
 
-def fill_header(header, fkey: bytes, payload) -> None:
-    """Write the header of ``payload`` stored under ``fkey`` into ``header[:HEADER_CORE]``."""
+def fill_header(header, fkey: bytes, payload, object_bytes: int = 0) -> None:
+    """Write the header of ``payload`` stored under ``fkey`` into ``header[:HEADER_CORE]``;
+    ``object_bytes`` is the size of the whole object when ``fkey`` is its head fragment."""
     if len(fkey) > MAX_KEY:
         raise ValueError("fragment key too long")
     header[:HEADER_CORE] = bytes(HEADER_CORE)
     _HEAD.pack_into(header, 0, MAGIC, FORMAT, len(fkey), len(payload), xxh3_64(payload))
     header[_HEAD.size:_HEAD.size + len(fkey)] = fkey
+    struct.pack_into(">Q", header, _OBJECT_AT, object_bytes)
     struct.pack_into(">Q", header, _SUM_AT, xxhash.xxh3_64_intdigest(memoryview(header)[:_SUM_AT]))
+
+
+def read_header(header, fkey: bytes) -> Optional[tuple[int, int]]:
+    """``(payload length, object size)`` of a valid header of ``fkey`` (object size 0:
+    not recorded), or None when ``header`` is short, corrupt or another key's."""
+    if len(header) < HEADER_CORE:
+        return None
+    magic, fmt, klen, plen, _ = _HEAD.unpack_from(header)
+    if magic != MAGIC or fmt != FORMAT or klen != len(fkey):
+        return None
+    if struct.unpack_from(">Q", header, _SUM_AT)[0] != xxhash.xxh3_64_intdigest(memoryview(header)[:_SUM_AT]):
+        return None
+    if bytes(header[_HEAD.size:_HEAD.size + klen]) != fkey:
+        return None
+    return plen, struct.unpack_from(">Q", header, _OBJECT_AT)[0]
 
 
 def check_header(header, fkey: bytes, payload_len: int) -> bool:
     """Whether ``header`` describes ``payload_len`` bytes stored under ``fkey``."""
-    if len(header) < HEADER_CORE:
-        return False
-    magic, fmt, klen, plen, _ = _HEAD.unpack_from(header)
-    if magic != MAGIC or fmt != FORMAT or klen != len(fkey) or plen != payload_len:
-        return False
-    if struct.unpack_from(">Q", header, _SUM_AT)[0] != xxhash.xxh3_64_intdigest(memoryview(header)[:_SUM_AT]):
-        return False
-    return bytes(header[_HEAD.size:_HEAD.size + klen]) == fkey
+    parsed = read_header(header, fkey)
+    return parsed is not None and parsed[0] == payload_len
 
 
 def payload_ok(header, payload) -> bool:
@@ -51,7 +68,3 @@ def payload_ok(header, payload) -> bool:
 def payload_checksum(header) -> int:
     """The xxh3-64 of the payload recorded in ``header``."""
     return _HEAD.unpack_from(header)[4]
-
-
-def payload_length(header) -> int:
-    return _HEAD.unpack_from(header)[3]

@@ -17,7 +17,7 @@ import uuid
 from typing import Optional
 
 from . import objfmt
-from .base import Card, CardIOError, CardUnavailable, CardUsage
+from .base import Card, CardIOError, CardUnavailable, CardUsage, is_head
 from .resp_conn import RespConnection, RespError
 
 logger = logging.getLogger("adpkv.gateway.resp")
@@ -126,9 +126,9 @@ class RespCard(Card):
             return False
         return True
 
-    def write(self, db: int, fkey: bytes, buf: memoryview) -> bool:
+    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0) -> bool:
         header = self._header_buf()
-        objfmt.fill_header(header, fkey, buf)
+        objfmt.fill_header(header, fkey, buf, object_bytes if is_head(fkey) else 0)
         try:
             self._io(lambda c: c.set_value(self._key(db, fkey), [header, buf]))
         except RespError as exc:
@@ -142,20 +142,35 @@ class RespCard(Card):
             h = self._local.header = memoryview(bytearray(objfmt.HEADER_CORE))
         return h
 
-    def contains(self, db: int, fkey: bytes) -> bool:
-        return bool(self._io(lambda c: c.command(b"EXISTS", self._key(db, fkey))))
-
     def contains_many(self, items, lengths=None):
         if not items:
             return []
-        if lengths is None:
-            replies = self._io(lambda c: c.pipeline([(b"EXISTS", self._key(db, k)) for db, k in items]))
-            return [r == 1 for r in replies]
         replies = self._io(lambda c: c.pipeline([(b"STRLEN", self._key(db, k)) for db, k in items]))
-        return [r == objfmt.HEADER_CORE + n for r, n in zip(replies, lengths)]
+        if lengths is None:
+            lengths = [None] * len(items)
+        return [isinstance(r, int) and (r > objfmt.HEADER_CORE if n is None else r == objfmt.HEADER_CORE + n)
+                for r, n in zip(replies, lengths)]
+
+    def object_sizes(self, heads):
+        """The object sizes the heads record: one pipelined GETRANGE of each head's header."""
+        if not heads:
+            return []
+        last = str(objfmt.HEADER_CORE - 1).encode()
+        replies = self._io(lambda c: c.pipeline([(b"GETRANGE", self._key(db, k), b"0", last) for db, k in heads]))
+        out: list[Optional[int]] = []
+        for (_, fkey), r in zip(heads, replies):
+            parsed = objfmt.read_header(r, fkey) if isinstance(r, bytes) else None
+            out.append(None if parsed is None else parsed[1])
+        return out
 
     def delete(self, db: int, fkey: bytes) -> bool:
         return bool(self._io(lambda c: c.command(b"DEL", self._key(db, fkey))))
+
+    def delete_many(self, items) -> int:
+        if not items:
+            return 0
+        replies = self._io(lambda c: c.pipeline([(b"DEL", self._key(db, k)) for db, k in items]))
+        return sum(r for r in replies if isinstance(r, int))
 
     def clean(self) -> int:
         def run(c: RespConnection) -> int:
