@@ -1,0 +1,282 @@
+"""Card integrity: an object (all its fragments) lives and dies whole, replicas are read,
+crash leftovers never block a card, fsync covers the directory, card files are private."""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import stat
+import time
+
+import pytest
+
+from adpkv_core.client import GatewayClient
+from adpkv_core.settings import ClientConfig
+from adpkv_gateway import control
+from adpkv_gateway.cards import fs as fs_mod
+from adpkv_gateway.cards.base import CardError
+from adpkv_gateway.cards.fs import FsCard
+
+from .rankproc import make_keys, pattern
+
+HEADER = fs_mod.HEADER_BYTES
+
+
+def stats(port):
+    return control.request(port, {"op": "STATS"})["stats"]
+
+
+class Client:
+    """One engine rank in this process: put/get/exist with exact-byte checks."""
+
+    def __init__(self, port, engine="t"):
+        self.c = GatewayClient(ClientConfig(port=port, timeout_s=20.0, busy_wait_s=5), engine)
+        assert self.c.enabled, self.c.attach_error
+
+    def put(self, keys, nbytes, marks=None):
+        c = self.c
+
+        def fill(b):
+            for j in range(b.count):
+                o = b.offset + j * b.stride
+                c.ring[o:o + nbytes] = pattern(keys[b.first + j], 0, nbytes)
+        flags = c.put(keys, nbytes, fill, marks=marks).result(timeout=30)
+        return list(flags), list(flags.existed)
+
+    def get(self, keys, nbytes, marks=None):
+        c, wrong = self.c, []
+
+        def check(b):
+            for j in range(b.count):
+                if b.hits[j]:
+                    o = b.offset + j * b.stride
+                    if bytes(c.ring[o:o + nbytes]) != pattern(keys[b.first + j], 0, nbytes):
+                        wrong.append(b.first + j)
+        hits = c.get(keys, nbytes, check, marks=marks).result(timeout=30)
+        assert not wrong, f"wrong bytes restored for objects {wrong}"
+        return list(hits)
+
+    def exist(self, keys):
+        return list(self.c.exist(keys).result(timeout=30))
+
+    def close(self):
+        self.c.close()
+
+
+def _files(card_dir):
+    out = {}
+    for d in os.listdir(card_dir):
+        if d.startswith("db"):
+            for n in os.listdir(os.path.join(card_dir, d)):
+                out[n] = os.path.join(card_dir, d, n)
+    return out
+
+
+def _frag_path(card_dir, key, index):
+    return _files(card_dir).get((key + index.to_bytes(2, "big")).hex())
+
+
+# ---------------------------------------------------------------- whole objects
+def test_eviction_with_fragments_never_leaves_an_object_present_but_unreadable(start_gateway):
+    obj = 80 * 1024                                 # 5 fragments of 16 KiB
+    on_disk = obj + 5 * HEADER
+    capacity = 12 * on_disk
+    gw = start_gateway(fragment_size=16 * 1024, num_dbs=4, capacity_bytes=capacity,
+                       eviction_watermark=0.9, eviction_ratio=0.13)
+    c = Client(gw.port)
+    keys = make_keys(60, salt=b"ev")
+    for start in range(0, len(keys), 3):
+        c.put(keys[start:start + 3], obj)
+        seen = keys[:start + 3]
+        present = c.exist(seen)
+        hits = c.get(seen, obj)
+        assert hits == present, ("EXIST and GET disagree after eviction: "
+                                 f"{[i for i, (p, h) in enumerate(zip(present, hits)) if p != h]}")
+    assert stats(gw.port)["cards"][0]["evicted"] > 0
+    # the oldest objects are gone: a re-PUT stores them again and they read back exactly
+    first = keys[:3]
+    assert c.exist(first) == [False] * 3
+    assert c.put(first, obj) == ([True] * 3, [False] * 3)
+    assert c.get(first, obj) == [True] * 3
+    # usage is exactly the bytes on disk
+    used = stats(gw.port)["cards"][0]["used_bytes"]
+    assert used == sum(os.path.getsize(p) for p in _files(gw.card_dirs[0]).values())
+    c.close()
+
+
+def test_corrupt_non_head_fragment_is_a_miss_and_a_reput_stores_it_again(start_gateway):
+    gw = start_gateway(fragment_size=64 * 1024, num_dbs=8)
+    obj = 300 * 1024                                # 5 fragments
+    keys = make_keys(2, salt=b"corrupt")
+    c = Client(gw.port)
+    assert c.put(keys, obj)[0] == [True, True]
+    path = _frag_path(gw.card_dirs[0], keys[0], 2)
+    with open(path, "r+b") as fh:
+        fh.seek(HEADER + 1000)
+        fh.write(b"flipped!")
+    assert c.get(keys, obj) == [False, True]
+    assert c.exist(keys) == [False, True], "an object with a bad fragment must not be present"
+    files = _files(gw.card_dirs[0])
+    assert not any(n.startswith(keys[0].hex()) for n in files), "the whole object must be removed"
+    stored, existed = c.put(keys, obj)
+    assert stored == [True, True] and existed == [False, True], "the re-PUT must write the object again"
+    assert c.get(keys, obj) == [True, True]
+    c.close()
+
+
+def test_truncated_file_is_absent_after_a_restart(start_gateway):
+    gw = start_gateway()
+    obj = 64 * 1024
+    keys = make_keys(3, salt=b"trunc")
+    c = Client(gw.port)
+    c.put(keys, obj)
+    c.close()
+    gw.stop()
+    path = _frag_path(gw.card_dirs[0], keys[1], 0)
+    os.truncate(path, HEADER + obj // 2)
+    gw.start()
+    c = Client(gw.port, "t2")
+    assert c.exist(keys) == [True, False, True]
+    assert c.get(keys, obj) == [True, False, True]
+    stored, existed = c.put(keys, obj)
+    assert existed == [True, False, True] and all(stored)
+    assert c.get(keys, obj) == [True, True, True]
+    used = stats(gw.port)["cards"][0]["used_bytes"]
+    assert used == sum(os.path.getsize(p) for p in _files(gw.card_dirs[0]).values())
+    c.close()
+
+
+def test_resp_card_object_with_a_lost_fragment_is_absent(redis_servers, start_gateway):
+    """Redis's own LRU may drop one fragment key of an object: the object is then absent."""
+    server, = redis_servers(1)
+    gw = start_gateway(card_dirs=[server.url], storage_backend="resp", fragment_size=16 * 1024, num_dbs=4)
+    obj = 50 * 1024                                 # 4 fragments
+    keys = make_keys(2, salt=b"resp")
+    c = Client(gw.port)
+    assert c.put(keys, obj)[0] == [True, True]
+    from adpkv_gateway.cards.resp_conn import RespConnection
+    conn = RespConnection(server.url, 5.0)
+    frag = keys[0] + (2).to_bytes(2, "big")
+    victims = [k for k in conn.command(b"KEYS", b"adpkv:*") if k.endswith(frag)]
+    assert len(victims) == 1
+    conn.command(b"DEL", victims[0])
+    assert c.exist(keys) == [False, True]
+    assert c.get(keys, obj) == [False, True]
+    stored, existed = c.put(keys, obj)
+    assert stored == [True, True] and existed == [False, True]
+    assert c.get(keys, obj) == [True, True]
+    conn.close()
+    c.close()
+
+
+# ---------------------------------------------------------------- replicas
+def test_a_read_falls_back_to_the_next_replica(start_gateway, tmp_path):
+    dirs = [str(tmp_path / "r0"), str(tmp_path / "r1")]
+    gw = start_gateway(card_dirs=dirs, replicas=2, fragment_size=16 * 1024, num_dbs=4, key_placement="stripe")
+    obj = 40 * 1024                                 # 3 fragments
+    keys = make_keys(16, salt=b"rep")
+    c = Client(gw.port)
+    assert c.put(keys, obj)[0] == [True] * 16
+    # card 0 loses its copy of every object: half the files removed, the other half corrupted
+    for i, (name, path) in enumerate(sorted(_files(dirs[0]).items())):
+        if i % 2:
+            os.unlink(path)
+        else:
+            with open(path, "r+b") as fh:
+                fh.seek(HEADER + 10)
+                fh.write(b"XXXX")
+    assert c.get(keys, obj) == [True] * 16, "a replica on the other card must serve every object"
+    assert c.exist(keys) == [True] * 16
+    assert c.get(keys, obj) == [True] * 16
+    c.close()
+
+
+# ---------------------------------------------------------------- crash leftovers
+def test_leftover_card_file_tmp_of_a_crashed_first_start_is_cleaned(start_gateway, tmp_path):
+    """The leftover is cleaned and the card starts; an unreadable card file still refuses."""
+    card = tmp_path / "fresh"
+    card.mkdir()
+    (card / "adpkv-card.json.tmp").write_text('{"serial": "FS12')      # cut short by the crash
+    gw = start_gateway(card_dirs=[str(card)])
+    assert not (card / "adpkv-card.json.tmp").exists()
+    assert json.loads((card / "adpkv-card.json").read_text())["serial"].startswith("FS")
+    c = Client(gw.port)
+    keys = make_keys(2, salt=b"tmp")
+    assert c.put(keys, 4096)[0] == [True, True]
+    c.close()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adpkv-card.json").write_text("{not json")
+    (bad / "adpkv-card.json.tmp").write_text("{}")
+    with pytest.raises(CardError, match="unreadable"):
+        FsCard(str(bad)).open()
+
+
+# ---------------------------------------------------------------- fsync
+def test_fsync_covers_the_directory_and_the_card_file(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        st = os.fstat(fd)
+        synced.append((st.st_dev, st.st_ino))
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+
+    def ident(path):
+        st = os.stat(path)
+        return (st.st_dev, st.st_ino)
+    root = tmp_path / "card"
+    card = FsCard(str(root), num_dbs=2, fsync=True)
+    card.open()
+    assert ident(root / "adpkv-card.json") in synced
+    assert ident(root) in synced, "the card's directory was not fsynced after adding adpkv-card.json"
+    synced.clear()
+    key = b"k" * 28 + b"\0\0"
+    assert card.write(1, key, memoryview(b"x" * 5000))
+    path = root / "db001" / key.hex()
+    assert ident(path) in synced, "the object file was not fsynced"
+    assert ident(root / "db001") in synced, "the database directory was not fsynced after the rename"
+    card.close()
+
+
+# ---------------------------------------------------------------- permissions
+def _mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_card_files_are_private_by_default(start_gateway, tmp_path):
+    old = os.umask(0o022)
+    try:
+        gw = start_gateway(card_dirs=[str(tmp_path / "priv")])
+    finally:
+        os.umask(old)
+    c = Client(gw.port)
+    keys = make_keys(2, salt=b"mode")
+    assert c.put(keys, 8192)[0] == [True, True]
+    c.close()
+    root = gw.card_dirs[0]
+    assert _mode(root) == 0o700
+    assert _mode(os.path.join(root, "adpkv-card.json")) == 0o600
+    for d in os.listdir(root):
+        if d.startswith("db"):
+            assert _mode(os.path.join(root, d)) == 0o700, d
+    files = _files(root)
+    assert len(files) == 2
+    assert all(_mode(p) == 0o600 for p in files.values())
+
+
+def test_card_group_shares_the_card_with_a_group(start_gateway, tmp_path):
+    group = grp.getgrgid(os.getgid()).gr_name
+    gw = start_gateway(card_dirs=[str(tmp_path / "shared")], card_group=group)
+    c = Client(gw.port)
+    keys = make_keys(1, salt=b"grp")
+    assert c.put(keys, 8192)[0] == [True]
+    c.close()
+    root = gw.card_dirs[0]
+    assert _mode(root) & 0o777 == 0o750
+    assert _mode(os.path.join(root, "adpkv-card.json")) == 0o640
+    path, = _files(root).values()
+    assert _mode(path) == 0o640 and os.stat(path).st_gid == os.getgid()
+    assert _mode(os.path.dirname(path)) & 0o777 == 0o750
