@@ -1,21 +1,29 @@
-"""``AdpHiCacheStorage``: adpkv as SGLang's HiCache L3 storage (the ``dynamic`` backend).
+"""``AdpHiCacheStorage``: adpkv as SGLang's HiCache L3 storage (the ``dynamic`` backend; the facade).
 
 SGLang builds it as ``AdpHiCacheStorage(storage_config, kwargs)`` and hands it the
 host KV pool through ``register_mem_pool_host``. Each scheduler rank has its own
 instance and attaches to the gateway as one rank of the server's engine
 (``engine_id``, default ``sglang-<parent pid>``), with independent requests.
 
-Zero-copy path (``interface_v1``), what SGLang's cache controller calls with
-batches of at most 128 pages:
+This module is SGLang's ``HiCacheStorage`` interface: set-up (pool geometry, key
+namespace, attachment), keys and dialog marks, and the turning of every failure into
+SGLang's miss/failure values. The work is in:
 
-- ``batch_exists``: one EXIST request; the number of consecutive hits from the start;
-- ``batch_get_v1``: one GET request; the gateway reads the pages into ring slots and
-  each ring batch is copied straight into the pool pages (``pages.PageGeometry``);
-- ``batch_set_v1``: one PUT request; the pool pages are copied into ring slots and the
-  gateway writes them to the card.
+- ``transfers``: the data paths. v1 (``interface_v1``, what SGLang's cache controller
+  calls with batches of at most 128 pages): ``batch_get_v1`` is one GET whose ring
+  batches are copied straight into the pool pages (``pages.PageGeometry``),
+  ``batch_set_v1`` one PUT filled from the pool pages (after one EXIST that skips
+  pages stored already, with ``skip_existing``). The generic path (``get``/``set``/``batch_get``/``batch_set``) moves the same
+  objects (flat data pages) as tensors. ``batch_exists`` is one EXIST: the number of
+  consecutive hits from the start.
+- ``housekeeping``: counters, SGLang's ``StorageMetrics``, ``clear``.
+- ``pages``: where a page's bytes lie in the host pool; ``config``: settings, namespace.
 
-The generic path (``get``/``set``/``batch_get``/``batch_set``/``exists``) moves the
-same objects (flat data pages) through the same requests.
+Threads: SGLang calls ``batch_exists`` on its prefetch thread, ``batch_get_v1`` on the
+prefetch I/O thread, ``batch_set_v1`` on the backup thread; each call blocks until its
+requests resolved (bounded by the client's ``timeout_s``) and never returns while a
+copy into or out of the pool could still run. The copies themselves run on the
+client's I/O thread (``transfers``).
 
 Keys: ``KeyBuilder(namespace).key(page_hash + shard, layer=0)``; the namespace holds
 the model identity and the page format, the shard the TP rank for MHA (every rank
@@ -36,8 +44,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from concurrent.futures import Future
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -50,23 +56,13 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from adpkv_core.affinity import dialog_marks
 from adpkv_core.attachment import Attachment, Session
-from adpkv_core.client import RingBatch
 from adpkv_core.keys import KIND_KV, KeyBuilder
 
+from . import housekeeping, transfers
 from .config import SglangSettings, key_namespace, shard_suffix
-from .pages import (
-    PageGeometry,
-    UnsupportedPool,
-    copy_pages_to_ring,
-    copy_ring_to_pages,
-    copy_ring_to_tensor,
-    copy_tensor_to_ring,
-    tensor_nbytes,
-)
+from .pages import PageGeometry, UnsupportedPool
 
 logger = logging.getLogger("adpkv.sglang")
-
-_METRICS_CAP = 10000
 
 
 def _engine_rank(storage_config) -> tuple[int, int]:
@@ -107,11 +103,8 @@ class AdpHiCacheStorage(HiCacheStorage):
         self._attachment: Optional[Attachment] = None   # made at the first attach
         self._lock = threading.Lock()
         self._closed = False
-        self.enable_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
-        self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
-                         "backup_bandwidth": []}
-        self.counters = {"exist_requests": 0, "get_requests": 0, "put_requests": 0,
-                         "pages_read": 0, "pages_written": 0, "pages_skipped_nonwriter": 0}
+        self._tally = housekeeping.Tally(bool(getattr(storage_config, "enable_storage_metrics", False)))
+        self.counters = self._tally.counters
         logger.info("adpkv HiCache backend: rank %d/%d of engine %s, gateway %s:%d, %s%s",
                     self.rank, self.world, self.settings.engine_id, self.settings.client.host,
                     self.settings.client.port, "MLA" if self.is_mla else "MHA",
@@ -205,7 +198,7 @@ class AdpHiCacheStorage(HiCacheStorage):
             s = self._live()
             if s is None:
                 return 0
-            self.counters["exist_requests"] += 1
+            self._tally.count("exist_requests")
             hits = s.client.exist(self._key_list(keys), self._marks(keys, extra_info)).result()
             n = 0
             for h in hits:
@@ -229,21 +222,8 @@ class AdpHiCacheStorage(HiCacheStorage):
             s = self._live()
             if geo is None or s is None:
                 return [False] * n
-            ptrs = geo.pointers(geo.page_starts(host_indices, n))
-            ring = s.ring
-
-            def copy_out(batch: RingBatch) -> bool:
-                copy_ring_to_pages(geo, ring, ptrs, batch)
-                return True
-
-            t0 = time.perf_counter()
-            self.counters["get_requests"] += 1
-            hits = s.client.get(self._key_list(keys), geo.page_bytes, copy_out,
-                                self._marks(keys, extra_info)).result()
-            got = sum(1 for h in hits if h)
-            self.counters["pages_read"] += got
-            self._record("prefetch", got, time.perf_counter() - t0)
-            return [bool(h) for h in hits]
+            return transfers.get_pages(s, geo, host_indices, self._key_list(keys),
+                                       self._marks(keys, extra_info), self._tally)
         except Exception:
             logger.exception("adpkv: batch_get_v1 of %d pages failed", n)
             return [False] * n
@@ -257,45 +237,15 @@ class AdpHiCacheStorage(HiCacheStorage):
             return [True] * n
         if not self.is_writer:
             # MLA: the storage-writer rank stores the (replicated) page for everyone
-            self.counters["pages_skipped_nonwriter"] += n
+            self._tally.count("pages_skipped_nonwriter", n)
             return [True] * n
         try:
             geo = self.geometry
             s = self._live()
             if geo is None or s is None:
                 return [False] * n
-            ptrs = geo.pointers(geo.page_starts(host_indices, n))
-            ring = s.ring
-            key_bytes = self._key_list(keys)
-            marks = self._marks(keys, extra_info)
-            result = [False] * n
-            todo = list(range(n))
-            if self.settings.skip_existing:
-                # pages stored already (by an earlier backup, another replica) are not copied again
-                have = s.client.exist(key_bytes, marks).result()
-                todo = [i for i in range(n) if not have[i]]
-                for i in range(n):
-                    result[i] = bool(have[i])
-                if not todo:
-                    return result
-                if len(todo) < n:
-                    ptrs = ptrs[todo]
-                    key_bytes = [key_bytes[i] for i in todo]
-                    marks = None if marks is None else [marks[i] for i in todo]
-
-            def fill(batch: RingBatch) -> bool:
-                copy_pages_to_ring(geo, ring, ptrs, batch)
-                return True
-
-            t0 = time.perf_counter()
-            self.counters["put_requests"] += 1
-            flags = s.client.put(key_bytes, geo.page_bytes, fill, marks).result()
-            stored = sum(1 for f in flags if f)
-            self.counters["pages_written"] += stored
-            self._record("backup", stored, time.perf_counter() - t0)
-            for i, f in zip(todo, flags):
-                result[i] = bool(f)
-            return result
+            return transfers.set_pages(s, geo, host_indices, self._key_list(keys), self._marks(keys, extra_info),
+                                       self.settings.skip_existing, self._tally)
         except Exception:
             logger.exception("adpkv: batch_set_v1 of %d pages failed", n)
             return [False] * n
@@ -325,32 +275,7 @@ class AdpHiCacheStorage(HiCacheStorage):
             s = self._live()
             if s is None:
                 return [None] * n
-            results: List[Optional[torch.Tensor]] = [None] * n
-            by_size: dict[int, list[int]] = {}
-            for i, t in enumerate(targets):
-                by_size.setdefault(tensor_nbytes(t), []).append(i)
-            marks = self._marks(keys, None)
-            key_bytes = self._key_list(keys)
-            futures = []
-            for size, idx in by_size.items():
-                ring = s.ring
-
-                def copy_out(batch: RingBatch, idx=idx) -> bool:
-                    for j in range(batch.count):
-                        if batch.hits is None or batch.hits[j]:
-                            copy_ring_to_tensor(ring, batch.offset + j * batch.stride,
-                                                targets[idx[batch.first + j]])
-                    return True
-
-                self.counters["get_requests"] += 1
-                futures.append((idx, s.client.get([key_bytes[i] for i in idx], size, copy_out,
-                                                  None if marks is None else [marks[i] for i in idx])))
-            for idx, f in futures:
-                for i, hit in zip(idx, f.result()):
-                    if hit:
-                        results[i] = targets[i]
-                        self.counters["pages_read"] += 1
-            return results
+            return transfers.get_values(s, self._key_list(keys), targets, self._tally)
         except Exception:
             logger.exception("adpkv: batch_get of %d keys failed", n)
             return [None] * n
@@ -365,7 +290,7 @@ class AdpHiCacheStorage(HiCacheStorage):
         if n == 0:
             return True
         if not self.is_writer:
-            self.counters["pages_skipped_nonwriter"] += n
+            self._tally.count("pages_skipped_nonwriter", n)
             return True
         try:
             vals = list(values) if values is not None else []
@@ -374,27 +299,7 @@ class AdpHiCacheStorage(HiCacheStorage):
             s = self._live()
             if s is None:
                 return False
-            by_size: dict[int, list[int]] = {}
-            for i, v in enumerate(vals):
-                by_size.setdefault(tensor_nbytes(v), []).append(i)
-            key_bytes = self._key_list(keys)
-            futures: list[Future] = []
-            for size, idx in by_size.items():
-                ring = s.ring
-
-                def fill(batch: RingBatch, idx=idx) -> bool:
-                    for j in range(batch.count):
-                        copy_tensor_to_ring(vals[idx[batch.first + j]], ring, batch.offset + j * batch.stride)
-                    return True
-
-                self.counters["put_requests"] += 1
-                futures.append(s.client.put([key_bytes[i] for i in idx], size, fill))
-            ok = True
-            for f in futures:
-                flags = f.result()
-                self.counters["pages_written"] += sum(1 for x in flags if x)
-                ok = ok and all(flags)
-            return ok
+            return transfers.set_values(s, self._key_list(keys), vals, self._tally)
         except Exception:
             logger.exception("adpkv: batch_set of %d keys failed", n)
             return False
@@ -411,40 +316,11 @@ class AdpHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------------ housekeeping
     def clear(self) -> bool:
         """Delete every object on the gateway's cards (refused on shared storage)."""
-        try:
-            s = self._live()
-            if s is None:
-                logger.warning("adpkv: clear: no gateway; nothing was deleted")
-                return False
-            deleted = s.client.clean().result()
-            if deleted is None:        # the client logged the gateway's reason
-                logger.warning("adpkv: clear refused by the gateway; nothing was deleted")
-                return False
-            logger.info("adpkv: cleared the gateway's cards (%d objects)", deleted)
-            return True
-        except Exception:
-            logger.exception("adpkv: clear failed")
-            return False
-
-    def _record(self, kind: str, pages: int, seconds: float) -> None:
-        if not self.enable_metrics or pages <= 0:
-            return
-        pgs, bw = self._metrics[kind + "_pgs"], self._metrics[kind + "_bandwidth"]
-        if len(pgs) < _METRICS_CAP:
-            pgs.append(pages)
-            bw.append(pages * self.page_bytes / (1 << 30) / max(seconds, 1e-9))
+        return housekeeping.clear(self._live)
 
     def get_stats(self):
         """SGLang's ``StorageMetrics`` since the last call (pages per batch, GiB/s)."""
-        try:
-            from sglang.srt.observability.metrics_collector import StorageMetrics
-        except Exception:
-            return None
-        m = StorageMetrics()
-        for name, values in self._metrics.items():
-            getattr(m, name).extend(values)
-            values.clear()
-        return m
+        return self._tally.storage_metrics()
 
     def gateway_stats(self) -> dict:
         """The gateway's own STATS (cards, objects, counters); {} without a gateway."""
