@@ -44,7 +44,7 @@ def test_same_engine_restores_again_after_the_gateway_restarts(start_gateway, mo
         h.scheduler.reset_prefix_cache()          # vLLM's own cache must not answer
 
         gw.restart(hard=hard)                     # the engine keeps running
-        worker_session = h.worker._session
+        worker_session = h.worker.connector_worker.session
         deadline = time.monotonic() + 30
         attempts = 0
         while True:
@@ -61,8 +61,9 @@ def test_same_engine_restores_again_after_the_gateway_restarts(start_gateway, mo
                 break
             time.sleep(0.1)                       # polling with a deadline
         assert attempts >= 1
-        assert h.worker._session is not worker_session      # the worker re-attached, same connector
-        assert h.worker._attachment.reattaches == 1 and h.connector._lookup.reattaches == 1
+        assert h.worker.connector_worker.session is not worker_session      # the worker re-attached, same connector
+        assert h.worker.connector_worker.attachment.reattaches == 1
+        assert h.connector.connector_scheduler.lookup.reattaches == 1
         # and once more, after everything settled: a full restore, exact bytes
         req = h.add(toks)
         so, meta = h.step()

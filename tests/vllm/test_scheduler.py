@@ -80,8 +80,8 @@ def test_hit_stops_at_the_first_missing_chunk(gateway, model_dir):
     h = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK)
     try:
         digests = chunk_hashes(stored.block_hashes, CHUNK // 32, 10)
-        keys = h.worker.keys.keys([digests[3]], [0, 1])
-        assert h.worker.client.delete(keys).result(5) == 2
+        keys = h.worker.config.keys.keys([digests[3]], [0, 1])
+        assert h.worker.connector_worker.client.delete(keys).result(5) == 2
         req = h.add(toks)
         so, meta = h.step()
         assert sum(len(p.digests) for p in meta.loads) == 3
@@ -120,7 +120,8 @@ def test_a_failed_layer_load_is_recomputed_and_saved_again(gateway, model_dir3):
         # EXIST looks at the first and the last layer: a lost middle-layer object is only
         # found by the GET, which must report its blocks so that vLLM recomputes them.
         digests = chunk_hashes(stored.block_hashes, CHUNK // 32, 10)
-        assert h.worker.client.delete(h.worker.keys.keys([digests[2]], [1])).result(5) == 1
+        keys = h.worker.config.keys.keys([digests[2]], [1])
+        assert h.worker.connector_worker.client.delete(keys).result(5) == 1
         req = h.add(toks, max_tokens=4)
         so, meta = h.step()
         assert sum(len(p.digests) for p in meta.loads) == 7
@@ -183,7 +184,7 @@ def test_no_gateway_means_no_hits_and_requests_complete(model_dir, caplog):
     h = Harness(model_dir, free_port(), namespace="none", chunk_size=CHUNK,
                 extra={"adpkv.connect_timeout_s": 0.5})
     try:
-        assert not h.worker.client.enabled
+        assert not h.worker.connector_worker.client.enabled
         req = h.add(tokens(300, 8))
         so, meta = h.step()
         assert not meta.loads and so.num_scheduled_tokens[req.request_id] == 300
@@ -225,7 +226,7 @@ def test_tensor_parallel_ranks_store_and_restore_their_slices(gateway, model_dir
     writers = []
     for r in range(2):
         w = AdpKVConnector(h.vllm_config, KVConnectorRole.WORKER, h.kv_cache_config)
-        w.tp_size = 2
+        w.config.tp_size = 2
         kv = {n: torch.randn(256, 1, 32, 128) for n in h.layer_names}
         _register_as_rank(w, kv, r)
         writers.append((w, kv))
@@ -255,7 +256,7 @@ def test_tensor_parallel_ranks_store_and_restore_their_slices(gateway, model_dir
     readers = []
     for r in range(2):
         w = AdpKVConnector(h.vllm_config, KVConnectorRole.WORKER, h.kv_cache_config)
-        w.tp_size = 2
+        w.config.tp_size = 2
         kv = {n: torch.zeros(256, 1, 32, 128) for n in h.layer_names}
         _register_as_rank(w, kv, r)
         readers.append((w, kv))
@@ -286,4 +287,4 @@ def _register_as_rank(w, kv, rank):
         w.register_kv_caches(kv)
     finally:
         ps.get_tensor_model_parallel_rank = orig
-    assert w.rank == rank and w.client.enabled
+    assert w.connector_worker.rank == rank and w.connector_worker.client.enabled

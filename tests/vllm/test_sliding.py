@@ -67,13 +67,13 @@ class _Geometry:
     """The connector's hit rule without an engine (block 32, chunk 256 = 8 blocks)."""
 
     def __init__(self, window):
-        from adpkv_vllm.connector import AdpKVConnector
-        self.c = object.__new__(AdpKVConnector)
-        self.c.sliding_window, self.c.block_size = window, 32
-        self.c.chunk_size, self.c.blocks_per_chunk = CHUNK, 8
+        import types
+        self.cfg = types.SimpleNamespace(sliding_window=window, block_size=32, chunk_size=CHUNK,
+                                         blocks_per_chunk=8)
 
     def hit(self, present, local=0):
-        return self.c._hit_chunks(present, local)
+        from adpkv_vllm.scheduler import hit_chunks
+        return hit_chunks(self.cfg, present, local)
 
 
 def test_hit_rule():

@@ -1,0 +1,295 @@
+"""The scheduler role of ``AdpKVConnector``: which chunks of a prompt are stored,
+and each step's load and save plans.
+
+``get_num_new_matched_tokens`` asks the gateway once per prompt (one EXIST over
+the chunk keys of the first and the last layer, or of every layer) which chunks
+are stored, from the start up to the first missing one (``hit_chunks``); vLLM
+counts them as computed and reserves blocks. ``build_connector_meta`` hands the
+workers a load plan (chunks to restore into which blocks) and a save plan
+(chunks that became full this step); ``update_connector_output`` plans a chunk
+whose load failed for saving again once vLLM recomputed it.
+
+The scheduler is not a rank: it attaches as a lookup-only peer of the engine
+(``Attachment(rank=None)``), re-attached between steps only (after
+``build_connector_meta``), never while a lookup is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from adpkv_core.affinity import dialog_marks
+from adpkv_core.attachment import Attachment
+
+from .common import chunk_hashes
+from .metadata import AdpConnectorMetadata, ChunkPlan, ConnectorConfig
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("adpkv.vllm")
+
+# vLLM's BlockPool hands out block 0 as the null block: the block-table entry of a block that
+# was never allocated or was freed (sliding window: blocks that left the window)
+NULL_BLOCK_ID = 0
+
+
+# =============================================================================== hit rule
+def skipped_blocks(cfg: ConnectorConfig, num_computed_tokens: int) -> int:
+    """Blocks at the start of a request that vLLM may have freed (null blocks) once
+    ``num_computed_tokens`` are computed: those wholly before the sliding window.
+    vLLM's SlidingWindowManager frees ``(n - window + 1) // block_size`` blocks or fewer
+    (it may retain extra tokens), so this is an upper bound; 0 for full attention."""
+    if cfg.sliding_window is None:
+        return 0
+    return max(0, num_computed_tokens - cfg.sliding_window + 1) // cfg.block_size
+
+
+def hit_chunks(cfg: ConnectorConfig, present: list[bool], local: int) -> int:
+    """The longest restorable run of chunks given which chunks are stored.
+
+    Full attention: chunks from the start up to the first missing one. Sliding window:
+    the largest hit whose chunks inside the window at the hit boundary (and past vLLM's
+    own hit ``local``) are all stored; the chunks before the window are never read
+    (vLLM gives them null blocks), so they need not be stored."""
+    n = len(present)
+    if cfg.sliding_window is None:
+        hit = 0
+        while hit < n and present[hit]:
+            hit += 1
+        return hit
+    first_local = local // cfg.chunk_size
+    for h in range(n, first_local, -1):
+        first = max(skipped_blocks(cfg, h * cfg.chunk_size) // cfg.blocks_per_chunk, first_local)
+        if all(present[first:h]):
+            return h
+    return 0
+
+
+@dataclass
+class _ReqState:
+    block_ids: list[int] = field(default_factory=list)
+    saved_chunks: int = 0          # chunks stored or planned for saving
+    had_saves: bool = False
+    load: Optional[tuple[int, int, int]] = None   # (first chunk, end chunk, blocks to skip in first)
+
+
+# =============================================================================== role
+class AdpConnectorScheduler:
+    """The scheduler-side half of ``AdpKVConnector`` (one per engine, in the EngineCore process)."""
+
+    def __init__(self, cfg: ConnectorConfig, kv_transfer_config):
+        self.cfg = cfg
+        if (getattr(kv_transfer_config, "kv_load_failure_policy", "recompute") == "fail"
+                and not cfg.settings.respect_fail_policy):
+            # A best-effort cache must never fail a request: a chunk that cannot be
+            # read is recomputed. (adpkv.respect_fail_policy=true keeps "fail".)
+            try:
+                kv_transfer_config.kv_load_failure_policy = "recompute"
+                logger.info("adpkv: kv_load_failure_policy set to 'recompute' (a load that fails "
+                            "is recomputed, never an error)")
+            except Exception:  # pragma: no cover - frozen config
+                logger.warning("adpkv: set kv_load_failure_policy=recompute so that a failed load "
+                               "is recomputed rather than failing the request")
+        # a lookup-only peer of the engine (the scheduler is not a rank); re-attached between steps
+        self.lookup = Attachment(cfg.settings.client, cfg.engine_id, None, cfg.tp_size,
+                                 {"role": "vllm-scheduler"}, reconnect_s=cfg.reconnect_s,
+                                 install="on_refresh", name="adpkv-vllm-scheduler")
+        self._lookups: dict[str, tuple[int, Any, list[bytes]]] = {}  # req -> (num_tokens, future, digests)
+        self._hits: dict[str, tuple[int, int]] = {}     # req -> (hit chunks, local computed tokens)
+        self._reqs: dict[str, _ReqState] = {}
+        self._requests: dict[str, "Request"] = {}
+        self._step = 0
+        self._last_step_loads: dict[str, list[int]] = {}
+        last = len(cfg.layer_names) - 1
+        self._exist_layers = sorted({0, last} if cfg.settings.exist_layers == "ends" else range(last + 1))
+
+    def _digests(self, request: "Request", limit_chunks: int) -> list[bytes]:
+        return chunk_hashes(request.block_hashes, self.cfg.hashes_per_chunk, limit_chunks)
+
+    def _marks(self, digests: list[bytes]) -> list[int]:
+        return dialog_marks(digests, self.cfg.settings.client.affinity_chunks)
+
+    # ------------------------------------------------------------------ lookups
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        """Tokens past vLLM's own hit that the gateway holds; None: ask again next step
+        (the EXIST has not answered within ``lookup_wait_s``)."""
+        cfg = self.cfg
+        if not cfg.supported or not cfg.layer_names:
+            return 0, False
+        req_id = request.request_id
+        # A prompt of N tokens hits at most floor((N-1)/C)*C tokens: vLLM must compute
+        # at least one token itself.
+        limit = (request.num_tokens - 1) // cfg.chunk_size
+        if limit * cfg.chunk_size <= num_computed_tokens:
+            self._hits[req_id] = (0, num_computed_tokens)
+            return 0, False
+        entry = self._lookups.get(req_id)
+        if entry is None or entry[0] != request.num_tokens:
+            digests = self._digests(request, limit)
+            s = self.lookup.session
+            if not digests or s is None or not s.enabled:
+                self._hits[req_id] = (0, num_computed_tokens)
+                return 0, False
+            marks = self._marks(digests)
+            keys = cfg.keys.keys(digests, self._exist_layers)
+            fut = s.client.exist(keys, marks=marks * len(self._exist_layers))
+            entry = (request.num_tokens, fut, digests)
+            self._lookups[req_id] = entry
+        _, fut, digests = entry
+        try:
+            flags = fut.result(timeout=cfg.settings.lookup_wait_s)
+        except Exception:  # not answered yet: ask again at the next step
+            if fut.done():
+                flags = [False] * (len(digests) * len(self._exist_layers))
+            else:
+                return None, False
+        n = len(digests)
+        present = [all(flags[li * n + c] for li in range(len(self._exist_layers))) for c in range(n)]
+        hit = hit_chunks(cfg, present, num_computed_tokens)
+        self._hits[req_id] = (hit, num_computed_tokens)
+        ext = hit * cfg.chunk_size - num_computed_tokens
+        return (ext if ext > 0 else 0), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        cfg = self.cfg
+        req_id = request.request_id
+        st = self._reqs.setdefault(req_id, _ReqState())
+        self._requests[req_id] = request
+        ids = blocks.get_block_ids()
+        if ids:
+            st.block_ids = list(ids[0])
+        hit, local = self._hits.pop(req_id, (0, 0))
+        self._lookups.pop(req_id, None)
+        st.saved_chunks = max(st.saved_chunks, hit)
+        if num_external_tokens > 0 and cfg.supported:
+            end_chunk = (local + num_external_tokens) // cfg.chunk_size
+            first_chunk = local // cfg.chunk_size
+            skip = (local % cfg.chunk_size) // cfg.block_size
+            st.load = (first_chunk, end_chunk, skip)
+
+    # ------------------------------------------------------------------ step plans
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> AdpConnectorMetadata:
+        self._step += 1
+        meta = AdpConnectorMetadata(step=self._step)
+        meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.setdefault(new.req_id, _ReqState())
+            if new.block_ids:
+                st.block_ids = list(new.block_ids[0])
+            computed[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.setdefault(req_id, _ReqState())
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
+            computed[req_id] = cached.num_computed_tokens[i]
+
+        self._last_step_loads = {}
+        for req_id, before in computed.items():
+            st = self._reqs[req_id]
+            request = self._requests.get(req_id)
+            if request is None or not self.cfg.supported:
+                continue
+            if st.load is not None:
+                self._plan_load(meta, req_id, request, st, before)
+            self._plan_save(meta, scheduler_output, req_id, request, st, before)
+        self.lookup.refresh()   # between steps: a fresh attachment, when one is ready, from now on
+        return meta
+
+    def _plan_load(self, meta: AdpConnectorMetadata, req_id: str, request: "Request",
+                   st: _ReqState, before: int) -> None:
+        bpc = self.cfg.blocks_per_chunk
+        c0, c1, skip = st.load
+        st.load = None
+        digests = self._digests(request, c1)
+        if len(digests) != c1 or len(st.block_ids) < c1 * bpc:
+            return
+        marks = self._marks(digests)
+        # blocks to write: past vLLM's own hit and inside the sliding window (the
+        # blocks before it are null blocks: vLLM never allocates them)
+        first_block = max(c0 * bpc + skip, skipped_blocks(self.cfg, before))
+        dst, pos, objs = [], [], []
+        for c in range(c0, c1):
+            blocks = [b for b in range(max(first_block - c * bpc, 0), bpc)
+                      if st.block_ids[c * bpc + b] != NULL_BLOCK_ID]
+            if not blocks:
+                continue
+            for b in blocks:
+                dst.append(st.block_ids[c * bpc + b])
+                pos.append(len(objs) * bpc + b)
+            objs.append(c)
+        if objs:
+            whole = len(dst) == len(objs) * bpc
+            meta.loads.append(ChunkPlan(req_id, [digests[c] for c in objs], [marks[c] for c in objs],
+                                        dst, None if whole else pos))
+            self._last_step_loads[req_id] = dst
+
+    def _plan_save(self, meta: AdpConnectorMetadata, scheduler_output: "SchedulerOutput", req_id: str,
+                   request: "Request", st: _ReqState, before: int) -> None:
+        """Chunks that are full once this step has run."""
+        cfg = self.cfg
+        bpc = cfg.blocks_per_chunk
+        n_sched = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        n_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+        after = before + n_sched - n_spec
+        full = min(after // cfg.chunk_size, len(request.block_hashes) // cfg.hashes_per_chunk,
+                   len(st.block_ids) // bpc)
+        if full <= st.saved_chunks:
+            return
+        digests = self._digests(request, full)
+        marks = self._marks(digests)
+        # sliding window: a chunk with a block vLLM may already have freed (before the
+        # window at the start of this step) cannot be read any more: it is not saved
+        c0 = max(st.saved_chunks, -(-skipped_blocks(cfg, before) // bpc))
+        if full > c0:
+            ids = st.block_ids[c0 * bpc: full * bpc]
+            plan = ChunkPlan(req_id, digests[c0:full], marks[c0:full], ids)
+            decode = before >= request.num_prompt_tokens
+            (meta.deferred_saves if decode else meta.saves).append(plan)
+            st.had_saves = True
+        st.saved_chunks = full
+
+    def update_connector_output(self, connector_output) -> None:
+        """Chunks whose load failed are saved again once vLLM has recomputed them."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        for req_id, dst in self._last_step_loads.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            for b in dst:
+                if b in invalid:
+                    # the chunk holding this block (and the ones after) must be saved again
+                    try:
+                        c = st.block_ids.index(b) // self.cfg.blocks_per_chunk
+                    except ValueError:
+                        c = 0
+                    st.saved_chunks = min(st.saved_chunks, c)
+                    break
+
+    # ------------------------------------------------------------------ end of a request
+    def request_finished(self, request: "Request") -> tuple[bool, Optional[dict]]:
+        """True: vLLM keeps the request's blocks until the workers report it in
+        ``get_finished`` (its pages are then in the ring)."""
+        req_id = request.request_id
+        self._lookups.pop(req_id, None)
+        self._hits.pop(req_id, None)
+        self._requests.pop(req_id, None)
+        st = self._reqs.pop(req_id, None)
+        return (st is not None and st.had_saves), None
+
+    def shutdown(self) -> None:
+        self.lookup.close()

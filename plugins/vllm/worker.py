@@ -1,0 +1,352 @@
+"""The worker role of ``AdpKVConnector``: moves one step's chunks between the
+KV blocks of this rank and the gateway.
+
+``start_load_kv`` sends one GET per layer (collective over the TP ranks: each
+rank reads its heads' slice of every object); ``wait_for_layer_load`` fences
+that layer only, so later layers load while earlier ones compute.
+``save_kv_layer`` PUTs the new full chunks of a layer (the copy into the ring
+runs in the client's I/O thread, from the blocks); decode-step chunks go out
+in one request per step from ``wait_for_save``. Nothing waits for storage; a
+finished request keeps its blocks until their pages are in the ring
+(``get_finished``). A chunk that cannot be read is reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes it.
+
+The rank holds the gateway through ``adpkv_core.attachment.Attachment``; a
+fresh attachment is put to use only at ``bind`` (a step begins), and a step
+runs wholly on the attachment it began with: a transfer started on the old one
+ends on it as misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Optional
+
+import torch
+
+from adpkv_core.attachment import Attachment, Session
+
+from .copy import PagedLayer, as_index
+from .metadata import AdpConnectorMetadata, ChunkPlan, ConnectorConfig
+
+logger = logging.getLogger("adpkv.vllm")
+
+
+class AdpConnectorWorker:
+    """The worker-side half of ``AdpKVConnector`` (one per rank)."""
+
+    def __init__(self, cfg: ConnectorConfig, num_blocks: int):
+        self.cfg = cfg
+        self.supported = cfg.supported         # False also when a layer has no KV tensor
+        self.attachment: Optional[Attachment] = None
+        self.session: Optional[Session] = None
+        self.client = None                     # this step's client and ring (see _use)
+        self.ring: Optional[torch.Tensor] = None
+        self.layers: dict[str, PagedLayer] = {}
+        self.rank = 0
+        self._layer_index = cfg.layer_index
+        self._num_blocks = num_blocks
+        self._load_futs: dict[str, tuple[Any, ChunkPlanIndex]] = {}
+        self._load_errors: set[int] = set()
+        self._saved_layers: set[str] = set()
+        self._jobs_by_req: dict[str, list[_PutJob]] = {}
+        self._finished_waiting: set[str] = set()
+        self._had_saves: set[str] = set()    # requests the scheduler keeps blocks for
+        self._step_jobs: list[_PutJob] = []  # sliding window: PUTs of this step (see wait_for_save)
+        self._lock = threading.Lock()
+        self._stream = None
+
+    # ------------------------------------------------------------------ attachment
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Map the layers' KV tensors and attach this rank to the gateway."""
+        cfg = self.cfg
+        if not self.supported:
+            return
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            self.rank = get_tensor_model_parallel_rank()
+        except Exception:
+            self.rank = 0
+        for name in cfg.layer_names:
+            kv = kv_caches.get(name)
+            if kv is None or not isinstance(kv, torch.Tensor):
+                logger.warning("adpkv: layer %s has no KV tensor; external cache disabled", name)
+                self.supported = False
+                return
+            self.layers[name] = PagedLayer(name, kv, self._num_blocks or kv.shape[0])
+        first = self.layers[cfg.layer_names[0]]
+        if first.on_gpu:
+            self._stream = torch.cuda.Stream(device=first.device)
+        layout = {"engine": "vllm", "layers": len(self.layers), "chunk_tokens": cfg.chunk_size,
+                  "page_bytes": first.page_bytes, "page_shape": list(first.page_shape),
+                  "dtype": str(first.dtype), "layout": cfg.layout}
+        self.attachment = Attachment(cfg.settings.client, cfg.engine_id, self.rank, cfg.tp_size, layout,
+                                     reconnect_s=cfg.reconnect_s, install="on_refresh",
+                                     on_attach=self._on_attach, on_detach=self._on_detach,
+                                     name="adpkv-vllm")
+        self._use(self.attachment.session)
+        logger.info("adpkv: rank %d registered %d layers, page %s %s (%d bytes), object %d bytes",
+                    self.rank, len(self.layers), first.page_shape, first.dtype, first.page_bytes,
+                    first.page_bytes * cfg.blocks_per_chunk * cfg.tp_size)
+
+    def _on_attach(self, s: Session) -> None:
+        s.state["ring"] = s.ring.tensor() if s.ring is not None else None
+        if s.state["ring"] is not None and self.layers and next(iter(self.layers.values())).on_gpu:
+            from .cuda_ring import pin_ring
+            pin_ring(s.state["ring"])     # DMA copies ring <-> GPU on our stream
+
+    def _on_detach(self, s: Session) -> None:
+        ring = s.state.get("ring")
+        if ring is not None and self._stream is not None:
+            self._stream.synchronize()    # no copy from the old ring is still queued
+            from .cuda_ring import unpin_ring
+            unpin_ring(ring)
+
+    def _use(self, s: Optional[Session]) -> None:
+        self.session = s
+        self.client = s.client if s is not None else None
+        self.ring = s.state.get("ring") if s is not None else None
+
+    def bind(self) -> None:
+        """A step begins: the one point where a fresh attachment is put to use."""
+        if self.attachment is not None:
+            s = self.attachment.refresh()
+            if s is not self.session:
+                self._use(s)
+
+    def _active(self) -> bool:
+        return self.supported and self.client is not None and self.ring is not None and self.client.enabled
+
+    def _part(self, layer: PagedLayer) -> tuple[int, tuple[int, int]]:
+        part = layer.page_bytes * self.cfg.blocks_per_chunk
+        return part * self.cfg.tp_size, (self.rank * part, part)
+
+    def _tag(self, kind: str, step: int, layer: str) -> Optional[str]:
+        return f"{kind}{step}:{self._layer_index[layer]}" if self.cfg.tp_size > 1 else None
+
+    # ------------------------------------------------------------------ loads
+    def start_load_kv(self, meta: Any) -> None:
+        if not isinstance(meta, AdpConnectorMetadata) or not meta.loads:
+            return
+        cfg = self.cfg
+        index = ChunkPlanIndex(meta.loads, cfg.blocks_per_chunk)
+        if not self._active():
+            self._load_errors.update(index.all_blocks)
+            return
+        client, ring = self.client, self.ring   # the whole load runs on this step's attachment
+        for name in cfg.layer_names:     # layer 0 first: it is needed first
+            layer = self.layers[name]
+            obj, sl = self._part(layer)
+            keys = cfg.keys.keys(index.digests, (self._layer_index[name],))
+
+            def on_batch(b, layer=layer, sl=sl):
+                dst, pos = index.batch_blocks(b.first, b.count, b.hits)
+                if dst is None:
+                    return True
+                layer.scatter(ring, b.offset, b.stride, b.count, sl[0], sl[1], dst, pos,
+                              cfg.blocks_per_chunk, self._stream)
+                return True
+
+            fut = client.get(keys, obj, on_batch, marks=index.marks,
+                             tag=self._tag("L", meta.step, name), slice=sl)
+            self._load_futs[name] = (fut, index)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        entry = self._load_futs.pop(layer_name, None)
+        if entry is not None:
+            self._settle_load(*entry)
+
+    def _settle_load(self, fut, index: "ChunkPlanIndex") -> None:
+        try:
+            hits = fut.result()
+        except Exception:
+            hits = [False] * len(index.digests)
+        for i, h in enumerate(hits):
+            if not h:
+                self._load_errors.update(index.object_blocks(i))
+
+    # ------------------------------------------------------------------ saves
+    def save_kv_layer(self, meta: Any, layer_name: str) -> None:
+        if not isinstance(meta, AdpConnectorMetadata) or not meta.saves:
+            return
+        if layer_name not in self.layers or layer_name in self._saved_layers:
+            return
+        self._saved_layers.add(layer_name)
+        if self._active():
+            self._put(meta.saves, [layer_name], meta.step, "S")
+
+    def wait_for_save(self, meta: Any) -> None:
+        # every GET of this step is settled before the step ends (errors are reported now)
+        for name in list(self._load_futs):
+            self._settle_load(*self._load_futs.pop(name))
+        if isinstance(meta, AdpConnectorMetadata):
+            with self._lock:
+                self._had_saves.update(p.req_id for p in meta.saves)
+                self._had_saves.update(p.req_id for p in meta.deferred_saves)
+            if meta.saves and self._active():
+                missing = [n for n in self.cfg.layer_names if n not in self._saved_layers]
+                if missing:   # layers whose save hook did not run (e.g. no attention metadata)
+                    self._put(meta.saves, missing, meta.step, "S")
+            if meta.deferred_saves and self._active():
+                self._put(meta.deferred_saves, self.cfg.layer_names, meta.step, "D")
+        self._saved_layers.clear()
+        if self._step_jobs:
+            # Sliding window: vLLM frees the blocks that leave the window when it schedules the
+            # next step (or finishes the request), whatever request_finished returns, and may
+            # hand them to another request at once. So this step's pages must be in the ring
+            # before the step ends. This waits for ring slots and one copy, never for storage.
+            jobs, self._step_jobs = self._step_jobs, []
+            for job in jobs:
+                job.wait(self.cfg.settings.client.timeout_s * 2)
+
+    def _put(self, plans: list[ChunkPlan], layer_names: list[str], step: int, kind: str) -> None:
+        cfg = self.cfg
+        bpc = cfg.blocks_per_chunk
+        digests = [d for p in plans for d in p.digests]
+        marks = [m for p in plans for m in p.marks]
+        blocks = as_index([b for p in plans for b in p.block_ids])
+        n = len(digests)
+        if n == 0:
+            return
+        req_ids = {p.req_id for p in plans}
+        layers = [self.layers[name] for name in layer_names]
+        obj, sl = self._part(layers[0])
+        ready = None
+        if layers[0].on_gpu:
+            ready = torch.cuda.Event()
+            ready.record()
+        if len(layers) == 1:
+            tag = self._tag(kind, step, layer_names[0])
+        else:
+            tag = f"{kind}{step}:all" if cfg.tp_size > 1 else None
+        keys = cfg.keys.keys(digests, [self._layer_index[name] for name in layer_names])
+        job = _PutJob(len(keys))
+        client, ring = self.client, self.ring
+
+        def on_batch(b):
+            # objects are layer-major: object i is chunk i % n of layer i // n
+            i, end = b.first, b.first + b.count
+            while i < end:
+                li, ci = divmod(i, n)
+                run = min(end, (li + 1) * n) - i
+                slot = b.offset + (i - b.first) * b.stride
+                layers[li].gather(ring, slot, b.stride, run, sl[0], sl[1],
+                                  blocks[ci * bpc:(ci + run) * bpc], bpc, self._stream, ready)
+                i += run
+            job.copied(b.count)
+            return True
+
+        fut = client.put(keys, obj, on_batch, marks=marks * len(layer_names), tag=tag, slice=sl)
+        fut.add_done_callback(lambda f: job.done())
+        with self._lock:
+            for r in req_ids:
+                self._jobs_by_req.setdefault(r, []).append(job)
+        if cfg.sliding_window is not None:
+            self._step_jobs.append(job)
+
+    # ------------------------------------------------------------------ completion
+    def handle_preemptions(self, meta: Any) -> None:
+        """A preempted request's blocks are reused now: its pages must be in the ring first."""
+        for req_id in getattr(meta, "preempted", None) or ():
+            with self._lock:
+                jobs = self._jobs_by_req.pop(req_id, [])
+            for job in jobs:
+                job.wait(self.cfg.settings.client.timeout_s * 2)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """Finished requests whose blocks the scheduler kept for our saves, once their
+        pages are in the ring (the storage write itself is not awaited)."""
+        done: set[str] = set()
+        with self._lock:
+            self._finished_waiting.update(r for r in finished_req_ids if r in self._had_saves)
+            for req_id in list(self._finished_waiting):
+                jobs = self._jobs_by_req.get(req_id, [])
+                if all(j.is_copied() for j in jobs):
+                    self._jobs_by_req.pop(req_id, None)
+                    self._finished_waiting.discard(req_id)
+                    self._had_saves.discard(req_id)
+                    done.add(req_id)
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        for job_list in list(self._jobs_by_req.values()):
+            for job in job_list:
+                job.wait(2.0)
+        if self.attachment is not None:
+            self.attachment.close()      # BYE; on_detach unpins the ring
+        self._use(None)
+
+
+# =============================================================================== helpers
+class ChunkPlanIndex:
+    """The objects of one step's loads, in request order, and where their blocks go."""
+
+    def __init__(self, plans: list[ChunkPlan], blocks_per_chunk: int):
+        self.bpc = blocks_per_chunk
+        self.digests: list[bytes] = []
+        self.marks: list[int] = []
+        dst: list[int] = []
+        pos: list[int] = []       # global block position: object*bpc + block in object
+        self._obj_blocks: list[list[int]] = []
+        obj = 0
+        for p in plans:
+            positions = p.positions if p.positions is not None else list(range(len(p.digests) * self.bpc))
+            per_obj: list[list[int]] = [[] for _ in p.digests]
+            for b, q in zip(p.block_ids, positions):
+                dst.append(b)
+                pos.append(obj * self.bpc + q)
+                per_obj[q // self.bpc].append(b)
+            self._obj_blocks.extend(per_obj)
+            self.digests.extend(p.digests)
+            self.marks.extend(p.marks)
+            obj += len(p.digests)
+        self.dst = torch.as_tensor(dst, dtype=torch.long)
+        self.pos = torch.as_tensor(pos, dtype=torch.long)
+        self.all_blocks = dst
+        self.full = len(dst) == obj * self.bpc   # every block of every object is written
+
+    def object_blocks(self, i: int) -> list[int]:
+        return self._obj_blocks[i]
+
+    def batch_blocks(self, first: int, count: int, hits) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(destination block ids, positions within the batch or None) for a ring batch."""
+        lo, hi = first * self.bpc, (first + count) * self.bpc
+        if self.full and (hits is None or all(hits)):
+            return self.dst[lo:hi], None
+        sel = (self.pos >= lo) & (self.pos < hi)
+        if hits is not None and not all(hits):
+            hit_obj = torch.as_tensor([bool(h) for h in hits], dtype=torch.bool)
+            sel &= hit_obj[((self.pos - lo) // self.bpc).clamp(0, count - 1)]
+        if not bool(sel.any()):
+            return None, None
+        return self.dst[sel], self.pos[sel] - lo
+
+
+class _PutJob:
+    """One PUT: when all its pages are in the ring, the blocks may be reused."""
+
+    __slots__ = ("n", "_copied", "_event")
+
+    def __init__(self, n: int):
+        self.n = n
+        self._copied = 0
+        self._event = threading.Event()
+
+    def copied(self, count: int) -> None:
+        self._copied += count
+        if self._copied >= self.n:
+            self._event.set()
+
+    def done(self) -> None:
+        self._event.set()
+
+    def is_copied(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)
