@@ -1,19 +1,17 @@
 """What the vLLM KV connector and the OffloadingSpec backend share: settings,
-namespace, layer numbering, chunk hashes and the gateway client of a process.
+namespace, layer numbering, chunk hashes, logging.
 
-Nothing here touches a KV tensor (see ``copy.py`` for that).
+Nothing here touches a KV tensor (see ``copy.py``) or the gateway (both hold it
+through ``adpkv_core.attachment``).
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
-from adpkv_core.client import GatewayClient
 from adpkv_core.keys import chunk_digest, namespace_from_model
 from adpkv_core.settings import ClientConfig, parse_bool
 
@@ -154,100 +152,3 @@ def _kv_dtype(vllm_config) -> str:
     if cd and cd != "auto":
         return str(cd)
     return str(vllm_config.model_config.dtype)
-
-
-# --------------------------------------------------------------------------- clients
-_clients_lock = threading.Lock()
-_rank_clients: dict[str, GatewayClient] = {}     # engine id -> rank 0 client of this process
-_all_clients: list[GatewayClient] = []
-
-
-def _close_all():
-    for c in list(_all_clients):
-        try:
-            c.close()
-        except Exception:
-            pass
-
-
-atexit.register(_close_all)
-
-
-def open_rank_client(cfg: ClientConfig, engine_id: str, rank: int, world: int, layout: dict) -> GatewayClient:
-    client = GatewayClient(cfg, engine_id=engine_id, rank=rank, world_size=world, layout=layout)
-    with _clients_lock:
-        _all_clients.append(client)
-        if rank == 0:
-            _rank_clients[engine_id] = client
-    return client
-
-
-def close_client(client: Optional[GatewayClient]) -> None:
-    if client is None:
-        return
-    with _clients_lock:
-        if client in _all_clients:
-            _all_clients.remove(client)
-        for k, v in list(_rank_clients.items()):
-            if v is client:
-                del _rank_clients[k]
-    client.close()
-
-
-class LookupClient:
-    """EXIST for the scheduler process, which is not a rank of the engine.
-
-    Attaches a lookup-only peer of the engine (``GatewayClient(rank=None)``):
-    the scheduler of ``vllm serve`` lives in the EngineCore process, the ranks
-    in worker processes. If the gateway refuses it (an older gateway) and a
-    rank-0 client lives in this process, that one answers instead; otherwise
-    every lookup is a miss (logged once) and saves still happen.
-    """
-
-    def __init__(self, cfg: ClientConfig, engine_id: str, world: int):
-        self.cfg = cfg
-        self.engine_id = engine_id
-        self.world = world
-        self._own: Optional[GatewayClient] = None
-        self._warned = False
-        try:
-            self._own = GatewayClient(cfg, engine_id=engine_id, rank=None, world_size=world,
-                                      layout={"role": "vllm-scheduler"})
-            with _clients_lock:
-                _all_clients.append(self._own)
-        except Exception as exc:  # never take the engine down for the cache
-            logger.warning("adpkv: the scheduler's lookup client failed to start: %s", exc)
-            self._own = None
-
-    def client(self) -> Optional[GatewayClient]:
-        own = self._own
-        if own is not None and (own.enabled or not own.attach_error):
-            return own
-        c = _rank_clients.get(self.engine_id)
-        if c is not None:
-            return c
-        if not self._warned:
-            self._warned = True
-            logger.warning("adpkv: the scheduler cannot ask the gateway which chunks are stored "
-                           "(%s): every lookup is a miss; saves still happen",
-                           own.attach_error if own is not None else "no lookup client")
-        return own
-
-    @property
-    def enabled(self) -> bool:
-        c = self.client()
-        return c is not None and c.enabled
-
-    def exist(self, keys, marks=None):
-        c = self.client()
-        if c is None:
-            from concurrent.futures import Future
-            f: Future = Future()
-            f.set_result([False] * len(keys))
-            return f
-        return c.exist(keys, marks=marks)
-
-    def close(self):
-        if self._own is not None:
-            close_client(self._own)
-            self._own = None

@@ -42,14 +42,14 @@ def test_gateway_down_the_engine_keeps_serving(model_dir, baseline, start_gatewa
 
 
 # ----------------------------------------------------------------------------- manager + worker
-def _config(port, world=1):
+def _config(port, world=1, **extra):
     from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig,
                                            OffloadingGroupConfig, OffloadingModelConfig,
                                            OffloadingParallelConfig)
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),),
         worker_kv_bytes_per_block=2 * 4096, enable_kv_cache_events=False,
-        extra_config={"adpkv.port": port, "adpkv.namespace": "unit", "adpkv.timeout_s": 2.0},
+        extra_config={"adpkv.port": port, "adpkv.namespace": "unit", "adpkv.timeout_s": 2.0, **extra},
         engine_id=f"unit-{os.getpid()}-{time.monotonic_ns()}",
         model=OffloadingModelConfig(name="tiny", dtype="float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=2),
@@ -81,7 +81,7 @@ def _lookup_all(manager, keys, ctx, timeout=10):
 def test_missing_middle_chunk_restores_only_the_prefix(gateway):
     from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext, make_offload_key
 
-    from adpkv_vllm.offloading import AdpOffloadingSpec, _digest
+    from adpkv_vllm.offloading import AdpOffloadingSpec, object_digest
 
     spec = AdpOffloadingSpec(_config(gateway.port))
     src, caches = _caches(seed=1)
@@ -95,7 +95,7 @@ def test_missing_middle_chunk_restores_only_the_prefix(gateway):
         worker.wait({1})
         assert [r.success for r in worker.get_finished()] == [True]
         # lose layer 1 of chunk 2 on the card
-        assert worker.client.delete([worker.keys.key(_digest(keys[2]), 1)]).result(5) == 1
+        assert worker.client.delete([worker.keys.key(object_digest(keys[2]), 1)]).result(5) == 1
 
         ctx = ReqContext("r1")
         res = _lookup_all(manager, keys, ctx)
