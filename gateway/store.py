@@ -198,6 +198,13 @@ class ObjectStore:
             self._remove_object(card, key, object_bytes)
         return out
 
+    def read_from_replicas(self, items) -> list[tuple[int, bool]]:
+        """Read ``(j, fragment, view)`` items that missed on their card (e.g. in an I/O
+        process) from the object's other replicas; ``(j, ok)`` for each."""
+        out = [(j, False) for j, frag, _ in items if not frag.others]
+        return out + self.read_many([(j, dataclasses.replace(frag, card=frag.others[0], others=frag.others[1:]), view)
+                                     for j, frag, view in items if frag.others])
+
     def _remove_object(self, card: int, key: bytes, object_bytes: int) -> None:
         """Remove every fragment of an object from one card (what is left of it)."""
         frags = self._frags(card, key, object_bytes)

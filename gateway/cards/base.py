@@ -91,6 +91,16 @@ class Card(abc.ABC):
         """Remove many fragments; how many of them existed."""
         return sum(self.delete(db, fkey) for db, fkey in items)
 
+    def process_read(self, fkey: bytes):
+        """A picklable task that reads the fragment in an I/O process (``task.read_into(view)``
+        returns None or what is wrong), False when the card knows it is not stored, or None
+        when this card's reads cannot run in another process."""
+        return None
+
+    def process_read_result(self, task, problem: Optional[str]) -> bool:
+        """Account for the outcome of a ``process_read`` task (in the gateway's process)."""
+        return problem is None
+
     @abc.abstractmethod
     def clean(self) -> int:
         """Remove every object of the card; returns how many were removed."""

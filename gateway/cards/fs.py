@@ -153,6 +153,30 @@ def read_object_file(path: str, fkey: bytes, buf: memoryview, o_direct: bool, sc
     return None
 
 
+_process_scratch: Optional[_Scratch] = None
+
+
+class FileRead:
+    """A read of one object file, handed to an I/O process (picklable)."""
+
+    __slots__ = ("path", "fkey", "o_direct")
+
+    def __init__(self, path: str, fkey: bytes, o_direct: bool):
+        self.path, self.fkey, self.o_direct = path, fkey, o_direct
+
+    def __getstate__(self):
+        return (self.path, self.fkey, self.o_direct)
+
+    def __setstate__(self, state):
+        self.path, self.fkey, self.o_direct = state
+
+    def read_into(self, buf: memoryview) -> Optional[str]:
+        global _process_scratch
+        if _process_scratch is None:
+            _process_scratch = _Scratch()
+        return read_object_file(self.path, self.fkey, buf, self.o_direct, _process_scratch)
+
+
 class _Object:
     """The fragment files of one object in the index."""
 
@@ -442,6 +466,13 @@ class FsCard(Card):
                 return None
             self._objects.move_to_end(okey)
         return self._path(entry[0], fkey)
+
+    def process_read(self, fkey: bytes):
+        path = self.locate(fkey)
+        return False if path is None else FileRead(path, fkey, self.o_direct)
+
+    def process_read_result(self, task, problem: Optional[str]) -> bool:
+        return self.read_result(task.fkey, task.path, problem)
 
     def read_result(self, fkey: bytes, path: str, problem: Optional[str]) -> bool:
         """Account for the outcome of ``read_object_file`` (here or in an I/O process): a
