@@ -57,6 +57,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from adpkv_core.affinity import dialog_marks
 from adpkv_core.attachment import Attachment, Session
 from adpkv_core.keys import KIND_KV, KeyBuilder
+from adpkv_core.settings import parse_bool
 
 from . import housekeeping, transfers
 from .config import SglangSettings, key_namespace, shard_suffix
@@ -94,7 +95,7 @@ class AdpHiCacheStorage(HiCacheStorage):
         # SGLang's generic path (no interface_v1) calls batch_get/batch_set without prefix keys:
         # marks then would differ between writes and lookups, so dialog marks only with interface_v1
         extra = storage_config.extra_config or {}
-        self.use_marks = str(extra.get("interface_v1", 0)).strip().lower() in ("1", "true", "yes", "on")
+        self.use_marks = parse_bool(extra.get("interface_v1", False), "interface_v1")
         self.mem_pool_host = None
         self.geometry: Optional[PageGeometry] = None
         self.page_bytes = 0
