@@ -18,7 +18,7 @@ import json
 import logging
 import struct
 import uuid
-from typing import Iterable, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 logger = logging.getLogger(__name__)
 
@@ -71,25 +71,56 @@ class KeyBuilder:
         return [pack(KEY_VERSION, ns, d, layer, kind) for layer in layers for d in digests]
 
 
+DEFAULT_NAMESPACE = "default"
 MODEL_IDENTITY_FIELDS = ("model", "revision", "kv_dtype", "geometry", "tp_size", "chunk_size", "layout")
 
 
-def namespace_from_model(**fields) -> str:
-    """A namespace derived from a model identity.
+def key_namespace(namespace: str = "", identity: Optional[Mapping[str, Any]] = None, *,
+                  from_model: bool = False, private_to: str = "") -> str:
+    """The namespace of an adapter's keys: the one rule of every adapter.
 
-    The fields ``model, revision, kv_dtype, geometry, tp_size, chunk_size,
-    layout`` are required (extra fields are included too). If any is empty or
-    unknown, the result is a fresh random namespace: the deployment gets a cold
-    cache rather than a chance of reading another model's objects.
+    ``namespace`` is the deployment namespace (setting ``namespace``), ``from_model``
+    the setting ``key_namespace_from_model``, ``identity`` what the adapter knows of
+    the model identity (``MODEL_IDENTITY_FIELDS``: model, revision, KV dtype, KV
+    geometry, TP size, chunk size, layout) and of the format of its objects (any
+    other field the adapter adds, e.g. SGLang's attention kind).
+
+    - No ``identity`` and not ``from_model``: ``namespace`` exactly as given
+      (``default`` when empty). The operator names the deployment and keeps
+      deployments that share cards apart.
+    - Otherwise ``model-<hash>`` of the identity and, when set, the deployment
+      namespace (as the field ``deployment``): the same identity gives the same
+      namespace in every process and every run; any field changed gives another.
+      The deployment namespace always counts: two deployments never share keys.
+    - ``from_model`` requires the whole model identity: every field of
+      ``MODEL_IDENTITY_FIELDS``. **Any model-identity field unknown** (absent with
+      ``from_model``; ``None``, empty when given) gives a new namespace — a miss,
+      never a wrong hit (logged). It is private to ``private_to`` (an id that every
+      process of one engine shares, so its scheduler and workers still agree) or,
+      without one, random for this call.
     """
-    missing = [f for f in MODEL_IDENTITY_FIELDS if fields.get(f) in (None, "", [], (), {})]
-    if missing:
-        fresh = "fresh-" + uuid.uuid4().hex
-        logger.warning("Model identity lacks %s: using a fresh namespace %s (no hits from earlier runs)",
-                       ", ".join(missing), fresh)
+    if identity is None and not from_model:
+        return namespace or DEFAULT_NAMESPACE
+    fields = dict(identity or {})
+    if namespace:
+        fields.setdefault("deployment", namespace)
+    required = MODEL_IDENTITY_FIELDS if from_model else ()
+    unknown = [f for f in MODEL_IDENTITY_FIELDS
+               if (f in fields and _unknown(fields[f])) or (f in required and f not in fields)]
+    if unknown:
+        if private_to:
+            fresh = "private-" + hashlib.sha256(private_to.encode()).hexdigest()[:32]
+        else:
+            fresh = "fresh-" + uuid.uuid4().hex
+        logger.warning("Model identity lacks %s: using a new namespace %s (no hits from other runs or "
+                       "engines; a miss, never a wrong hit)", ", ".join(unknown), fresh)
         return fresh
     canon = json.dumps({k: _canon(v) for k, v in fields.items()}, sort_keys=True, separators=(",", ":"))
     return "model-" + hashlib.sha256(canon.encode()).hexdigest()[:32]
+
+
+def _unknown(value: Any) -> bool:
+    return value is None or value in ("", [], (), {})
 
 
 def _canon(value):

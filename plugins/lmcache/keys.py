@@ -26,7 +26,7 @@ import threading
 from typing import Iterable, Optional, Sequence
 
 from adpkv_core.affinity import dialog_marks
-from adpkv_core.keys import KeyBuilder, namespace_id  # noqa: F401
+from adpkv_core.keys import KeyBuilder, key_namespace, namespace_id  # noqa: F401
 
 from .config import DEFAULT_NAMESPACE
 
@@ -67,35 +67,30 @@ def _stream(key) -> tuple:
 
 
 class KeyMapper:
-    """Maps ObjectKeys to adpkv keys (thread-safe, stateless but for the builders)."""
+    """Maps ObjectKeys to adpkv keys (thread-safe, stateless but for the builder).
+
+    The namespace is ``adpkv_core.keys.key_namespace`` of ``namespace`` (empty: the
+    default ``lmcache``). ``ObjectKey.model_name`` is inside every key's digest, so two
+    models never share a key. LMCache tells the adapter no more of the model identity
+    (no revision, KV dtype or geometry): with ``key_namespace_from_model`` that identity is
+    unknown, so this adapter gets a new namespace (a cold cache, never a wrong hit).
+    """
 
     def __init__(self, namespace: str = DEFAULT_NAMESPACE, namespace_from_model: bool = False):
-        self.namespace = namespace or DEFAULT_NAMESPACE
         self.namespace_from_model = bool(namespace_from_model)
+        self.namespace = key_namespace(namespace or DEFAULT_NAMESPACE, None,
+                                       from_model=self.namespace_from_model)
         self._builder = KeyBuilder(self.namespace)
-        self._per_model: dict[str, KeyBuilder] = {}
-        self._lock = threading.Lock()
 
     def builder_for(self, model_name: str) -> KeyBuilder:
-        if not self.namespace_from_model:
-            return self._builder
-        b = self._per_model.get(model_name)
-        if b is None:
-            with self._lock:
-                b = self._per_model.get(model_name)
-                if b is None:
-                    b = KeyBuilder(f"{self.namespace}/model:{model_name}")
-                    self._per_model[model_name] = b
-        return b
+        return self._builder
 
     def key(self, key) -> bytes:
-        return self.builder_for(key.model_name).key(object_digest(key), 0)
+        return self._builder.key(object_digest(key), 0)
 
     def keys(self, keys: Iterable) -> list[bytes]:
-        if not self.namespace_from_model:
-            b = self._builder.key
-            return [b(object_digest(k), 0) for k in keys]
-        return [self.key(k) for k in keys]
+        b = self._builder.key
+        return [b(object_digest(k), 0) for k in keys]
 
 
 class MarkBook:

@@ -29,7 +29,7 @@ import os
 from typing import Any, Mapping, Optional
 
 from adpkv_core.attachment import reconnect_setting
-from adpkv_core.keys import namespace_from_model
+from adpkv_core.keys import key_namespace as core_key_namespace
 from adpkv_core.settings import ClientConfig, parse_bool
 
 logger = logging.getLogger("adpkv.sglang")
@@ -73,11 +73,10 @@ def key_namespace(settings: SglangSettings, storage_config, geometry: Optional[d
 
     It always holds the deployment namespace, the model id and the page format
     (layout, dtype, geometry, page size, TP size for MHA, PP stage), so two
-    models, or one model laid out differently, never share a key. With
-    ``key_namespace_from_model`` the identity goes through
-    ``adpkv_core.keys.namespace_from_model``: a missing field (no model id, no
-    revision) gives a fresh namespace (a cold cache, never a wrong hit).
-    Without it a missing model id gives a fresh namespace too.
+    models, or one model laid out differently, never share a key
+    (``adpkv_core.keys.key_namespace``). An unknown model id gives a new
+    namespace (a cold cache, never a wrong hit); with ``key_namespace_from_model``
+    an unknown revision too.
     """
     geo = dict(geometry or {})
     mla = bool(getattr(storage_config, "is_mla_model", False))
@@ -93,18 +92,13 @@ def key_namespace(settings: SglangSettings, storage_config, geometry: Optional[d
     dtype = geo.pop("dtype", "")
     page_size = geo.pop("page_size", "")
     tp_size = "replicated" if mla else int(getattr(storage_config, "tp_size", 1))
-    if settings.client.key_namespace_from_model:
-        return namespace_from_model(model=settings.model_id, revision=settings.revision,
-                                    kv_dtype=dtype, geometry=geo, tp_size=tp_size,
-                                    chunk_size=page_size, layout=layout, **fields)
-    model = settings.model_id or ""
-    if not model:
-        # no identity at all: never share with anybody (namespace_from_model logs it)
-        return namespace_from_model(model="", revision="", kv_dtype=dtype, geometry=geo,
-                                    tp_size=tp_size, chunk_size=page_size, layout=layout)
-    return namespace_from_model(model=model, revision=settings.revision or "-", kv_dtype=dtype,
-                                geometry=geo, tp_size=tp_size, chunk_size=page_size, layout=layout,
-                                **fields)
+    from_model = settings.client.key_namespace_from_model
+    # without key_namespace_from_model the revision is not required: "-" stands for "not part of
+    # this identity" (and keeps the keys of earlier versions); an empty model id is unknown
+    revision = settings.revision if from_model else (settings.revision or "-")
+    fields.update(model=settings.model_id or "", revision=revision, kv_dtype=dtype, geometry=geo,
+                  tp_size=tp_size, chunk_size=page_size, layout=layout)
+    return core_key_namespace(settings.client.namespace, fields, from_model=from_model)
 
 
 def shard_suffix(storage_config) -> str:

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from adpkv_core.keys import chunk_digest, namespace_from_model
+from adpkv_core.keys import chunk_digest, key_namespace
 from adpkv_core.settings import ClientConfig, parse_bool
 
 logger = logging.getLogger("adpkv.vllm")
@@ -113,42 +113,46 @@ def ordered_layer_names(layer_names: Sequence[str]) -> list[str]:
 
 # --------------------------------------------------------------------------- namespace
 def resolve_namespace(vllm_config, settings: AdapterSettings, layout: str, engine_id: str) -> str:
-    """The key namespace of this deployment.
+    """The key namespace of the KV connector (``adpkv_core.keys.key_namespace``).
 
-    ``adpkv.namespace`` wins; with ``adpkv.key_namespace_from_model`` the namespace
-    is derived from the model identity (model, revision, KV dtype, geometry, TP
-    size, chunk size, layout). An unknown field gives a namespace private to this
-    engine (a cold cache, never a wrong hit); it is the same in the scheduler and
-    the workers because it derives from the engine id they share.
+    ``adpkv.namespace`` as given; with ``adpkv.key_namespace_from_model`` derived from it
+    and the model identity (model, revision, KV dtype, geometry, TP size, chunk size,
+    layout). An unknown field gives a namespace private to this engine (a cold cache,
+    never a wrong hit); it is the same in the scheduler and the workers because it
+    derives from the engine id they share.
     """
     cfg = settings.client
-    if cfg.namespace:
-        return cfg.namespace
-    if not cfg.key_namespace_from_model:
-        return "default"
-    mc = vllm_config.model_config
-    pc = vllm_config.parallel_config
-    hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
-    try:
-        geometry = [getattr(hf, "num_hidden_layers", None), mc.get_total_num_kv_heads(),
-                    mc.get_head_size(), vllm_config.cache_config.block_size]
-    except Exception:
-        geometry = None
-    fields = dict(model=mc.model, revision=mc.revision, kv_dtype=_kv_dtype(vllm_config),
-                  geometry=geometry if geometry and None not in geometry else None,
-                  tp_size=pc.tensor_parallel_size, chunk_size=settings.chunk_size, layout=layout)
-    missing = [k for k, v in fields.items() if v in (None, "", [], ())]
-    if missing:
-        ns = f"engine-{engine_id}"
-        logger.warning("adpkv: model identity lacks %s; using a namespace private to this engine "
-                       "(%s): no hits from other runs. Pass a revision or set adpkv.namespace.",
-                       ", ".join(missing), ns)
-        return ns
-    return namespace_from_model(**fields)
+    identity = None
+    if cfg.key_namespace_from_model:
+        mc = vllm_config.model_config
+        hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+        try:
+            geometry = [getattr(hf, "num_hidden_layers", None), mc.get_total_num_kv_heads(),
+                        mc.get_head_size(), vllm_config.cache_config.block_size]
+        except Exception:
+            geometry = None
+        identity = dict(model=mc.model, revision=mc.revision, kv_dtype=kv_dtype(vllm_config),
+                        geometry=geometry if geometry and None not in geometry else None,
+                        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                        chunk_size=settings.chunk_size, layout=layout)
+    return key_namespace(cfg.namespace, identity, from_model=cfg.key_namespace_from_model,
+                         private_to=f"vllm-{engine_id}")
 
 
-def _kv_dtype(vllm_config) -> str:
+def kv_dtype(vllm_config) -> str:
     cd = vllm_config.cache_config.cache_dtype
     if cd and cd != "auto":
         return str(cd)
     return str(vllm_config.model_config.dtype)
+
+
+def kv_cache_layout(cache_layout) -> str:
+    """The KV cache layout vLLM runs with (``cache_config.kv_cache_layout``, or the
+    layout the attention backend picks when that is unset)."""
+    if cache_layout:
+        return str(getattr(cache_layout, "name", cache_layout))
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+        return str(get_kv_connector_cache_layout())
+    except Exception:
+        return "default"

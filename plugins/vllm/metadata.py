@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from adpkv_core.attachment import reconnect_setting
 from adpkv_core.keys import KeyBuilder
 
-from .common import AdapterSettings, ordered_layer_names, resolve_namespace
+from .common import AdapterSettings, kv_cache_layout, ordered_layer_names, resolve_namespace
 
 logger = logging.getLogger("adpkv.vllm")
 
@@ -102,7 +102,8 @@ class ConnectorConfig:
         window = None
         if supported and type(groups[0].kv_cache_spec).__name__ == "SlidingWindowSpec":
             window = int(groups[0].kv_cache_spec.sliding_window)
-        layout = f"{vllm_config.device_config.device_type}:{_kv_layout(vllm_config)}"
+        cache_layout = kv_cache_layout(getattr(vllm_config.cache_config, "kv_cache_layout", None))
+        layout = f"{vllm_config.device_config.device_type}:{cache_layout}"
         namespace = resolve_namespace(vllm_config, settings, layout, engine_id)
         return cls(settings=settings, reconnect_s=reconnect_setting(extra), block_size=block_size,
                    hash_block_size=hash_block_size, chunk_size=chunk, engine_id=f"vllm-{engine_id}",
@@ -127,14 +128,3 @@ def _supported(vllm_config, kv_cache_config) -> tuple[bool, str]:
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         return False, "pipeline parallelism > 1 is not supported"
     return True, ""
-
-
-def _kv_layout(vllm_config) -> str:
-    layout = getattr(vllm_config.cache_config, "kv_cache_layout", None)
-    if layout:
-        return str(getattr(layout, "name", layout))
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
-        return str(get_kv_connector_cache_layout())
-    except Exception:
-        return "default"

@@ -14,11 +14,12 @@ and pins) and ``get_worker(CanonicalKVCaches)`` (each worker:
 
 Keys: one object per (offloaded chunk, KV tensor, TP rank):
 ``keys_for_rank(rank).key(object_digest(offload_key), tensor)``. The offload key
-is vLLM's hash of the chunk's last block + KV cache group; the namespace
-is made of the deployment namespace, the model, the KV dtype and the page
-geometry, and each TP rank stores its
-part of a chunk under its own keys: two models of the same geometry, or two TP
-layouts, never read each other's objects.
+is vLLM's hash of the chunk's last block + KV cache group; the namespace comes
+from ``adpkv_core.keys.key_namespace`` over the deployment namespace and the
+model identity the spec knows (``model_identity``: model, KV dtype, page
+geometry, chunk, TP size, layout), and each TP rank stores its part of a chunk
+under its own keys: two models of the same geometry, or two TP layouts, never
+read each other's objects.
 
 Both halves hold the gateway through ``adpkv_core.attachment.Attachment`` (the
 manager as a lookup-only peer, each worker as its rank) and re-attach by
@@ -50,7 +51,6 @@ failed load must be recomputed.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import TYPE_CHECKING, Optional
 
@@ -70,7 +70,7 @@ except ImportError as exc:  # pragma: no cover - depends on the vLLM version
         "connector instead: kv_connector=AdpKVConnector, kv_connector_module_path=adpkv_vllm") from exc
 
 from adpkv_core.attachment import reconnect_setting
-from adpkv_core.keys import KeyBuilder, chunk_digest
+from adpkv_core.keys import KeyBuilder, chunk_digest, key_namespace
 from adpkv_core.settings import ClientConfig
 
 from .common import ensure_logging
@@ -82,13 +82,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger("adpkv.vllm")
 
 
-def _namespace(config, base: str) -> str:
-    """Deployment namespace + model + KV dtype + page geometry (not the rank: see keys_for_rank)."""
-    groups = [(g.tokens_per_block, len(g.layer_names)) for g in config.groups]
-    ident = (f"{base}|{config.model.name}|{config.model.dtype}|{groups}|"
-             f"{config.worker_kv_bytes_per_block}|{config.cache.blocks_per_chunk}|"
-             f"{config.kv_cache_layout}")
-    return "offload-" + hashlib.sha256(ident.encode()).hexdigest()[:32]
+def model_identity(config) -> dict:
+    """What the spec knows of the model and of its objects' format, for ``key_namespace``:
+    vLLM's offloading config carries no revision, so ``key_namespace_from_model`` (which
+    requires one) gives a namespace private to this engine."""
+    return dict(model=config.model.name, kv_dtype=config.model.dtype,
+                geometry={"groups": [[g.tokens_per_block, len(g.layer_names)] for g in config.groups],
+                          "kv_bytes_per_block": config.worker_kv_bytes_per_block},
+                chunk_size=config.cache.blocks_per_chunk, tp_size=config.parallel.tp_size,
+                # unset: the attention backend's default (asked in neither process, so the
+                # manager and the workers agree)
+                layout=str(config.kv_cache_layout or "backend-default"))
 
 
 def object_digest(offload_key: bytes) -> bytes:
@@ -139,7 +143,9 @@ class AdpOffloadingSpec(OffloadingSpec):
         self.world = max(1, int(config.parallel.world_size))
         if int(config.parallel.pp_size) != 1:
             raise ValueError("adpkv: AdpOffloadingSpec supports pipeline parallel size 1")
-        self.namespace = _namespace(config, self.client_config.namespace or "default")
+        self.namespace = key_namespace(self.client_config.namespace, model_identity(config),
+                                       from_model=self.client_config.key_namespace_from_model,
+                                       private_to=self.engine_id)
         self._manager: Optional["AdpOffloadingManager"] = None
         self._worker: Optional["AdpOffloadingWorker"] = None
 

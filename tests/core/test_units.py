@@ -1,4 +1,4 @@
-"""Keys, namespaces, dialog marks, fragments, ring allocation, settings, protocol."""
+"""Keys (namespaces: test_namespace.py), dialog marks, fragments, ring allocation, settings, protocol."""
 
 from __future__ import annotations
 
@@ -7,15 +7,12 @@ import pytest
 from adpkv_core import protocol as P
 from adpkv_core.affinity import dialog_mark, dialog_marks
 from adpkv_core.fragments import fragment_db, fragment_extents, fragment_key
-from adpkv_core.keys import KEY_BYTES, KeyBuilder, namespace_id, namespace_from_model
+from adpkv_core.keys import KEY_BYTES, KeyBuilder, namespace_id
 from adpkv_core.ring import max_parallel_ios, object_stride
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.config import make_config
 from adpkv_gateway.placement import Placement, key_layout_fingerprint
 from adpkv_gateway.ring_alloc import RingAllocator
-
-IDENTITY = dict(model="m", revision="r1", kv_dtype="bf16", geometry=[32, 8, 128], tp_size=1, chunk_size=256,
-                layout="NHD")
 
 
 def test_key_layout_and_separation():
@@ -28,14 +25,6 @@ def test_key_layout_and_separation():
     assert k != a.key(b"\x01" * 32, 4, 1) and k != a.key(b"\x01" * 32, 5, 0)
     assert a.key(12345) == KeyBuilder("ns-a").key(12345), "keys must not depend on the process"
     assert a.keys([1, 2], layers=[0, 1]) == [a.key(1, 0), a.key(2, 0), a.key(1, 1), a.key(2, 1)]
-
-
-def test_namespace_from_model_is_stable_and_empty_fields_never_share():
-    assert namespace_from_model(**IDENTITY) == namespace_from_model(**IDENTITY)
-    assert namespace_from_model(**{**IDENTITY, "tp_size": 2}) != namespace_from_model(**IDENTITY)
-    missing = {**IDENTITY, "revision": ""}
-    first, second = namespace_from_model(**missing), namespace_from_model(**missing)
-    assert first != second and first.startswith("fresh-")
 
 
 def test_dialog_marks():

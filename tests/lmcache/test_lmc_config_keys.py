@@ -133,6 +133,10 @@ def test_key_fields_and_namespaces():
     pm = KeyMapper("ns-a", namespace_from_model=True)
     assert pm.key(base) != m.key(base)
     assert pm.keys([base, make_key(7, model="m2")]) == [pm.key(base), pm.key(make_key(7, model="m2"))]
+    # changed meaning (adpkv_core.keys.key_namespace): LMCache gives the adapter no revision, KV dtype
+    # or geometry, so with key_namespace_from_model the identity is unknown and every adapter gets a
+    # new namespace (a cold cache, never a wrong hit); it was "<namespace>/model:<model_name>"
+    assert KeyMapper("ns-a", namespace_from_model=True).key(base) != pm.key(base)
 
 
 def test_dialog_marks_follow_the_prompt_and_are_remembered():

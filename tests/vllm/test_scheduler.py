@@ -288,3 +288,32 @@ def _register_as_rank(w, kv, rank):
     finally:
         ps.get_tensor_model_parallel_rank = orig
     assert w.connector_worker.rank == rank and w.connector_worker.client.enabled
+
+
+def test_namespace_settings():
+    """adpkv.namespace alone is the namespace; adpkv.key_namespace_from_model derives it from the
+    model identity (adpkv_core.keys.key_namespace). Changed meaning: with both set, the identity
+    now counts too (an explicit adpkv.namespace used to replace it). An unknown field (a local
+    model without --revision) gives a namespace private to the engine: its scheduler and workers
+    agree, nobody else shares it."""
+    from adpkv_vllm.common import AdapterSettings, resolve_namespace
+
+    mc = types.SimpleNamespace(model="/models/llama", revision="abc", dtype="bfloat16",
+                               hf_text_config=types.SimpleNamespace(num_hidden_layers=2),
+                               get_total_num_kv_heads=lambda: 2, get_head_size=lambda: 64)
+    vc = types.SimpleNamespace(model_config=mc, parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
+                               cache_config=types.SimpleNamespace(block_size=32, cache_dtype="auto"))
+
+    def ns(engine="e1", **extra):
+        return resolve_namespace(vc, AdapterSettings.from_extra_config(extra, 32), "cpu:NHD", engine)
+
+    assert ns() == "default" and ns(**{"adpkv.namespace": "llama-tp1"}) == "llama-tp1"
+    derived = ns(**{"adpkv.key_namespace_from_model": True})
+    assert derived.startswith("model-") and derived == ns("e2", **{"adpkv.key_namespace_from_model": True})
+    both = ns(**{"adpkv.key_namespace_from_model": True, "adpkv.namespace": "llama-tp1"})
+    assert both.startswith("model-") and both not in (derived, "llama-tp1")
+    assert derived != ns(**{"adpkv.key_namespace_from_model": True, "adpkv.chunk_size": 64})
+    mc.revision = None
+    private = ns(**{"adpkv.key_namespace_from_model": True})
+    assert private.startswith("private-") and private == ns(**{"adpkv.key_namespace_from_model": True})
+    assert private != ns("e2", **{"adpkv.key_namespace_from_model": True})
