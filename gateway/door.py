@@ -20,7 +20,7 @@ import secrets
 import socket
 import stat
 import struct
-from typing import Callable, Optional
+from typing import Callable
 
 from adpkv_core import door as D
 from adpkv_core import protocol as P

@@ -1,10 +1,12 @@
-"""fs card reads in worker processes.
+"""Card reads in worker processes.
 
 Python threads share one GIL: on a host with many cores the gateway's I/O
 threads spend much of a page-cache read waiting for it. With ``io_processes: N``
-the reads of fs cards run in N processes, each with its own GIL, that map the
-same ring and read object files straight into their ring slots. The gateway
-keeps every decision (index, LRU, placement, corrupt files) in its own process.
+the reads that a card can hand out as a task (``Card.process_read``: the fs card
+does) run in N processes, each with its own GIL, that map the same ring and read
+straight into their ring slots. The gateway keeps every decision (index, LRU,
+placement, corrupt files, statistics, health) in its own process
+(``Card.process_read_result``).
 """
 
 from __future__ import annotations
@@ -17,24 +19,21 @@ from typing import Optional
 
 from adpkv_core.ring import Ring
 
-from .cards.fs import _Scratch, read_object_file
-
 _ring: Optional[Ring] = None
-_scratch: Optional[_Scratch] = None
 
 
 def _init(ring_path: str, ring_size: int) -> None:
-    global _ring, _scratch
+    global _ring
     _ring = Ring.attach(ring_path, ring_size)
-    _scratch = _Scratch()
 
 
 def read_files(items: list) -> list:
-    """``(j, path, fkey, ring offset, length, o_direct)`` items → ``(j, problem or None, seconds)``."""
+    """``(j, task, ring offset, length)`` items → ``(j, problem or None, seconds)``; ``task``
+    is what the card's ``process_read`` gave (it reads itself into a view of the ring)."""
     out = []
-    for j, path, fkey, offset, length, o_direct in items:
+    for j, task, offset, length in items:
         t0 = time.monotonic()
-        problem = read_object_file(path, fkey, _ring.buf[offset:offset + length], o_direct, _scratch)
+        problem = task.read_into(_ring.buf[offset:offset + length])
         out.append((j, problem, time.monotonic() - t0))
     return out
 

@@ -1,4 +1,5 @@
-"""Data requests in flight: a GET or PUT job, split into batches of ring slots.
+"""Data requests in flight: a GET or PUT job, split into batches of ring slots (the
+state; ``transfers`` moves it).
 
 A job serves one request: one rank's own (independent) or every rank's part of
 a collective one. The server hands it ring extents batch by batch (at most
@@ -27,10 +28,11 @@ class Participant:
 
 
 class Batch:
-    """Objects ``first .. first+count-1`` of a job placed at ring ``offset``."""
+    """Objects ``first .. first+count-1`` of a job placed at ring ``offset`` (see
+    ``transfers`` for its stages)."""
 
-    __slots__ = ("id", "job", "first", "count", "offset", "nbytes", "io_left",
-                 "flags", "waiting", "fill_ok")
+    __slots__ = ("id", "job", "first", "count", "offset", "nbytes", "stage", "pending",
+                 "flags", "waiting", "filled")
 
     def __init__(self, batch_id: int, job: "DataJob", first: int, count: int, offset: int, nbytes: int):
         self.id = batch_id
@@ -39,10 +41,11 @@ class Batch:
         self.count = count
         self.offset = offset
         self.nbytes = nbytes
-        self.io_left = 0                       # thread-pool tasks still running
-        self.flags = bytearray(count)          # per object: found (GET) / stored (PUT)
-        self.waiting: set[bytes] = set()       # identities that still have to RELEASE / FILL
-        self.fill_ok = True
+        self.stage = None                      # transfers.Stage
+        self.pending = 0                       # pool / process tasks of the stage still running
+        self.flags = bytearray(count)          # per object: found / still good (GET), in the ring / stored (PUT)
+        self.waiting: set[bytes] = set()       # ranks that still have to RELEASE / FILL
+        self.filled = True                     # PUT: every rank filled its part
 
     def object_offset(self, j: int) -> int:
         return self.offset + j * self.job.stride

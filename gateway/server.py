@@ -13,13 +13,12 @@ and only an operator cleans.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
 import queue
 import signal
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Union
 
 import zmq
@@ -29,15 +28,15 @@ from adpkv_core.door import SHM_DIR, door_path
 from adpkv_core.ring import MEMFD_NAME_PREFIX, Ring, max_parallel_ios, object_stride
 
 from . import io_procs
-from .cards import CardUsage, FsCard, open_cards
+from .cards import CardUsage, open_cards
 from .config import GatewayConfig, socket_mode
 from .door import DoorServer, Session, claim_door
 from .engines import EngineRegistry, Peer
 from .health import HealthMonitor
-from .jobs import Batch, DataJob, Participant
-from .ring_alloc import RingAllocator
+from .jobs import DataJob, Participant
 from .status import render_status, write_status_file
 from .store import ObjectStore
+from .transfers import Transfers
 
 logger = logging.getLogger("adpkv.gateway")
 
@@ -90,7 +89,6 @@ class Gateway:
         if int(config.start_clean):
             logger.info("start_clean: removed %d objects", self.store.clean())
         self.ring = Ring.create(config.port, config.shared_memory_size)
-        self.alloc = RingAllocator(self.ring.size)
         logger.info("Ring %s: %d bytes (a sealed memfd, handed out at the door)", self.ring.name, self.ring.size)
         self.object_sizes_logged: set[int] = set()
         self.pool = ThreadPoolExecutor(config.thread_pool_size, thread_name_prefix="adpkv-io")
@@ -112,13 +110,13 @@ class Gateway:
                                register=lambda fd: self.poller.register(fd, zmq.POLLIN),
                                unregister=self.poller.unregister, on_session_closed=self._on_session_closed)
         self.status_writing = False
-        self.jobs: "collections.OrderedDict[int, DataJob]" = collections.OrderedDict()
-        self.batches: dict[int, Batch] = {}
-        self.collectives: dict[str, dict[int, tuple[bytes, dict]]] = {}
-        self.ids = itertools.count(1)
+        self.transfers = Transfers(self.ring, self.store, self.pool, self.procs, config.thread_pool_size,
+                                   run=self._run, send=self._send, attached=lambda ident: ident in self.engines.peers,
+                                   unpin=lambda ident, keys: self._release_pins(self.engines.peers[ident], keys))
+        self.max_batch_bytes = self.transfers.max_batch_bytes
+        self.collectives: dict[str, dict[int, tuple[bytes, P.Message]]] = {}
         self.counters = collections.Counter()
         self.stopping = False
-        self.max_batch_bytes = self.ring.size // 2
         logger.info("Gateway listening on %s:%d", config.bind_address, config.port)
 
     # ================================================================ the loop
@@ -168,7 +166,9 @@ class Gateway:
             except OSError as exc:
                 logger.warning("cannot write the status file %s: %s", self.config.status_file, exc)
 
-        self._offload(write, lambda _: setattr(self, "status_writing", False))
+        def done(_):
+            self.status_writing = False
+        self._run(self.pool, write, done, done)
 
     def _shutdown(self) -> None:
         logger.info("Gateway stopping: finishing card I/O in flight")
@@ -294,7 +294,7 @@ class Gateway:
         if self.config.shared_storage:
             logger.warning("CLEAN refused: shared_storage is set; nothing was deleted")
             raise P.ProtocolError(P.CLEAN_REFUSED, "shared_storage: the cards are shared, nothing was deleted")
-        if self.jobs:
+        if self.transfers.jobs:
             raise P.ProtocolError(P.CLEAN_REFUSED, "requests are in flight; nothing was deleted")
 
         def cleaned(deleted):
@@ -316,22 +316,11 @@ class Gateway:
 
         self._collect_stats(answer, identity, msg)
 
-    # ================================================================ the pool, for card metadata
-    def _offload(self, work, then, identity: Optional[bytes] = None, msg: Optional[P.Message] = None) -> None:
-        """Run ``work()`` on the I/O pool; ``then(result)`` back on the loop. When ``work``
-        fails, the request (``identity``, ``msg``), if any, gets an ERROR reply."""
-        def done(fut: Future):
-            self._complete(("call", (then, identity, msg), fut))
-        self.pool.submit(work).add_done_callback(done)
-
-    def _call_done(self, then, identity, msg, fut: Future) -> None:
-        exc = fut.exception()
-        if exc is not None:
-            logger.error("card metadata request failed: %r", exc)
-            if identity is not None:
-                self._send(identity, P.error(msg.id, P.CARD_ERROR, f"the cards did not answer: {exc}"))
-            return
-        then(fut.result())
+    def _offload(self, work, then, identity: bytes, msg: P.Message) -> None:
+        """Card metadata for a request: ``work()`` on the pool, ``then(result)`` back on the
+        loop; the request gets CARD_ERROR when the cards fail it."""
+        self._run(self.pool, work, then,
+                  lambda exc: self._send(identity, P.error(msg.id, P.CARD_ERROR, f"the cards did not answer: {exc}")))
 
     # ================================================================ data requests
     def _on_data(self, identity, peer: Peer, msg: Union[P.Get, P.Put]):
@@ -384,238 +373,18 @@ class Gateway:
 
     def _start(self, job: DataJob) -> None:
         self.counters[job.op.lower() + "_requests"] += 1
-        self.jobs[id(job)] = job
-        self._pump()
+        self.transfers.start(job)
 
-    def _open_batch(self, job: DataJob, count: int, offset: int, nbytes: int) -> Batch:
-        """The job's next ``count`` objects as a batch at ring ``offset``."""
-        batch = Batch(next(self.ids), job, job.next, count, offset, nbytes)
-        job.next += count
-        job.batches[batch.id] = batch
-        self.batches[batch.id] = batch
-        return batch
-
-    def _pump(self) -> None:
-        """Give ring extents to jobs that want them, oldest first."""
-        for job in list(self.jobs.values()):
-            while job.wants_more():
-                largest = self.alloc.largest_free()
-                count = min(job.n - job.next, self.max_batch_bytes // job.stride, largest // job.stride)
-                if count <= 0:
-                    return  # the ring is busy: wait for a release, keep the order
-                nbytes = count * job.stride
-                batch = self._open_batch(job, count, self.alloc.alloc(nbytes), nbytes)
-                if job.op == "GET":
-                    self._read_batch(batch)
-                else:
-                    self._offer_batch(batch)
-            if job.finished():
-                self._finish(job)
-
-    def _batch_msg(self, batch: Batch, participant: Participant, with_hits: bool) -> P.Batch:
-        return P.Batch(id=participant.req_id, batch=batch.id, first=batch.first, count=batch.count,
-                       offset=batch.offset, stride=batch.job.stride, obj=batch.job.object_bytes,
-                       hits=bytes(batch.flags) if with_hits else None)
-
-    # ---------------------------------------------------------------- GET
-    def _read_batch(self, batch: Batch) -> None:
-        """Find the batch's objects on the pool, then read them (``_plan_reads``)."""
-        job = batch.job
-        batch.io_left += 1        # the lookup: nothing retires the batch meanwhile
-        self._offload(lambda: self.store.holders(job.keys[batch.first:batch.first + batch.count],
-                                                 job.marks[batch.first:batch.first + batch.count]
-                                                 if job.marks else None, job.object_bytes),
-                      lambda holders: self._plan_reads(batch, holders))
-
-    def _plan_reads(self, batch: Batch, holders: list) -> None:
-        job = batch.job
-        batch.io_left -= 1
-        reads = []
-        for j, card in enumerate(holders):
-            if card is None:
-                continue
-            frags = self.store.read_plan(card, job.keys[batch.first + j], job.object_bytes)
-            batch.flags[j] = 1
-            reads.extend((j, frag, self._slot(batch, j, frag.offset, frag.length)) for frag in frags)
-        if self.procs:
-            reads = self._read_in_processes(batch, reads)
-        self._submit_io(batch, "read", self.store.read_many, reads)
-        if batch.io_left == 0:
-            self._read_done(batch)
-
-    def _slot(self, batch: Batch, j: int, offset: int, length: int) -> memoryview:
-        """Where bytes ``offset..offset+length`` of object ``j`` of a batch live in the ring."""
-        return self.ring.slot(batch.object_offset(j) + offset, length)
-
-    def _read_in_processes(self, batch: Batch, reads: list) -> list:
-        """Hand the fs card reads of a batch to the I/O processes; return the other reads."""
-        rest, items = [], []
-        for j, frag, view in reads:
-            card = self.store.cards[frag.card]
-            if not isinstance(card, FsCard):
-                rest.append((j, frag, view))
-                continue
-            path = card.locate(frag.fkey)
-            if path is None:
-                batch.flags[j] = 0
-                continue
-            offset = batch.object_offset(j) + frag.offset
-            items.append((j, path, frag.fkey, offset, frag.length, card.o_direct, frag.card))
-        for group in self._io_groups(items):
-            batch.io_left += 1
-            fut = self.procs.submit(io_procs.read_files, [g[:6] for g in group])
-            fut.add_done_callback(lambda f, b=batch, g=group: self._complete(("pread", b, (f, g))))
-        return rest
-
-    def _submit_io(self, batch: Batch, kind: str, run, items: list) -> None:
-        """Run ``run(group)`` on the thread pool for each group of a batch's I/O items."""
-        for group in self._io_groups(items):
-            batch.io_left += 1
-            fut = self.pool.submit(run, group)
-            fut.add_done_callback(lambda f, b=batch: self._complete((kind, b, f)))
-
-    def _io_groups(self, items: list) -> list[list]:
-        """Split a batch's I/O into one task per thread (at most IO_TASK_ITEMS items each):
-        few tasks keep the loop and the GIL out of the way of the I/O itself."""
-        if not items:
-            return []
-        per = min(IO_TASK_ITEMS, -(-len(items) // self.config.thread_pool_size))
-        return [items[k:k + per] for k in range(0, len(items), per)]
-
-    def _read_done(self, batch: Batch) -> None:
-        job = batch.job
-        hits = sum(batch.flags)
-        self.store.counters["hits"] += hits
-        self.store.counters["misses"] += batch.count - hits
-        if job.region is not None:
-            # the gateway copies the hits from the ring into the engine's region itself
-            items = [(j, self._slot(batch, j, 0, job.object_bytes), job.places[batch.first + j])
-                     for j in range(batch.count) if batch.flags[j]]
-            self._submit_io(batch, "to_region", lambda group: _region_io(job.region, group, False), items)
-            if batch.io_left == 0:
-                self._region_copied(batch)
-            return
-        job.results[batch.first:batch.first + batch.count] = batch.flags
-        batch.waiting = {p.identity for p in job.participants if p.identity in self.engines.peers}
-        for p in job.participants:
-            if p.identity in batch.waiting:
-                self._send(p.identity, self._batch_msg(batch, p, with_hits=True))
-        if not batch.waiting:
-            self._retire(batch)
-
-    # ---------------------------------------------------------------- PUT
-    def _region_copied(self, batch: Batch) -> None:
-        """A GET batch is in the engine's region (``flags``: the objects that got there)."""
-        batch.job.results[batch.first:batch.first + batch.count] = batch.flags
-        self._retire(batch)
-
-    def _offer_batch(self, batch: Batch) -> None:
-        job = batch.job
-        if job.region is not None:
-            # the gateway copies the objects from the engine's region into the ring itself
-            items = [(j, self._slot(batch, j, 0, job.object_bytes), job.places[batch.first + j])
-                     for j in range(batch.count)]
-            self._submit_io(batch, "from_region", lambda group: _region_io(job.region, group, True), items)
-            return
-        batch.waiting = {p.identity for p in job.participants if p.identity in self.engines.peers}
-        for p in job.participants:
-            if p.identity in batch.waiting:
-                self._send(p.identity, self._batch_msg(batch, p, with_hits=False))
-        if not batch.waiting:
-            batch.fill_ok = False
-            self._write_batch(batch)
-
-    def _write_batch(self, batch: Batch) -> None:
-        job = batch.job
-        if not batch.fill_ok:
-            batch.flags[:] = bytes(batch.count)
-            self._write_done(batch)
-            return
-        batch.io_left += 1        # the lookup: nothing retires the batch meanwhile
-        self._offload(lambda: self.store.exists(job.keys[batch.first:batch.first + batch.count],
-                                                job.marks[batch.first:batch.first + batch.count]
-                                                if job.marks else None, job.object_bytes),
-                      lambda existing: self._plan_writes(batch, existing))
-
-    def _plan_writes(self, batch: Batch, existing: list) -> None:
-        job = batch.job
-        batch.io_left -= 1
-        writes = []
-        # from_region: only the objects the gateway copied in from the region are in the ring
-        filled = bytes(batch.flags) if job.region is not None else b"\x01" * batch.count
-        batch.flags[:] = bytes(batch.count)
-        for j in range(batch.count):
-            i = batch.first + j
-            if not filled[j]:
-                continue
-            if existing[j]:
-                # keys name content: an object stored under this key already holds these bytes
-                batch.flags[j] = 1
-                job.existed[i] = 1
-                continue
-            plans = self.store.write_plans(job.keys[i], job.mark(i), job.object_bytes)
-            if plans:         # else no card in service for this key: not stored
-                writes.append((j, plans, self._slot(batch, j, 0, job.object_bytes)))
-        self._submit_io(batch, "write", self.store.write_many, writes)
-        if batch.io_left == 0:
-            self._write_done(batch)
-
-    def _write_done(self, batch: Batch) -> None:
-        stored = sum(batch.flags)
-        self.store.counters["stored"] += stored
-        self.store.counters["store_failed"] += batch.count - stored
-        batch.job.results[batch.first:batch.first + batch.count] = batch.flags
-        self._retire(batch)
-
-    # ---------------------------------------------------------------- RELEASE / FILLED
     def _on_ack(self, identity, peer, msg: Union[P.Release, P.Filled]):
-        batch = self.batches.get(msg.batch)
-        if batch is None or identity not in batch.waiting:
-            raise P.ProtocolError(P.UNKNOWN_BATCH, f"batch {msg.batch} is not waiting for this rank")
-        want = P.Release if batch.job.op == "GET" else P.Filled
-        if not isinstance(msg, want):
-            raise P.ProtocolError(P.BAD_MESSAGE, f"batch {msg.batch} of a {batch.job.op} wants "
-                                  f"{want.__struct_config__.tag}")
-        self._rank_done(batch, identity, isinstance(msg, P.Release) or msg.ok)
+        self.transfers.ack(identity, msg)
 
-    def _rank_done(self, batch: Batch, identity: bytes, filled_ok: bool) -> None:
-        """A rank is done with a batch (released it, filled it, or left); once none is left
-        waiting, a GET batch frees its ring extent and a PUT batch goes to the cards."""
-        batch.waiting.discard(identity)
-        if not filled_ok:
-            batch.fill_ok = False
-        if not batch.waiting:
-            if batch.job.op == "GET":
-                self._retire(batch)
-            else:
-                self._write_batch(batch)
+    # ---------------------------------------------------------------- the pool
+    def _run(self, executor, work, then, fail) -> None:
+        """Run ``work()`` on ``executor``; ``then(result)`` — or ``fail(exc)`` — back on the loop."""
+        executor.submit(work).add_done_callback(lambda fut: self._complete((then, fail, fut)))
 
-    def _retire(self, batch: Batch) -> None:
-        """The batch is done with the ring: free its extent and move its job on."""
-        job = batch.job
-        if batch.nbytes:
-            self.alloc.free(batch.offset, batch.nbytes)
-        del job.batches[batch.id]
-        del self.batches[batch.id]
-        self._pump()
-        if job.finished() and id(job) in self.jobs:
-            self._finish(job)
-
-    def _finish(self, job: DataJob) -> None:
-        if self.jobs.pop(id(job), None) is None:
-            return  # finished already
-        for p in job.participants:
-            if p.identity in self.engines.peers:
-                if job.op == "GET" and job.unlock:
-                    self._release_pins(self.engines.peers[p.identity], job.keys)
-                if job.op == "GET":
-                    self._send(p.identity, P.Done(id=p.req_id, hits=bytes(job.results)))
-                else:
-                    self._send(p.identity, P.Done(id=p.req_id, stored=bytes(job.results),
-                                                  existed=bytes(job.existed)))
-
-    # ---------------------------------------------------------------- completions
     def _complete(self, item) -> None:
+        """From any thread: hand a finished task to the loop and wake it."""
         self.done_q.put(item)
         try:
             os.write(self.wake_w, b"x")
@@ -630,51 +399,15 @@ class Gateway:
             pass
         while True:
             try:
-                kind, batch, fut = self.done_q.get_nowait()
+                then, fail, fut = self.done_q.get_nowait()
             except queue.Empty:
                 return
-            if kind == "call":
-                self._call_done(*batch, fut)
-                continue
-            if kind == "pread":
-                kind, fut = "read", self._process_read_results(*fut)
-            batch.io_left -= 1
-            if fut.exception() is not None:
-                logger.error("card I/O task failed: %r", fut.exception())
-                results = []
+            exc = fut.exception()
+            if exc is not None:
+                logger.error("a task on the I/O pool failed: %r", exc)
+                fail(exc)
             else:
-                results = fut.result()
-            if kind in ("read", "to_region"):
-                # a failed task clears all its batch's flags: nothing it touched counts
-                for j, ok in results:
-                    if not ok:
-                        batch.flags[j] = 0
-                if fut.exception() is not None:
-                    batch.flags[:] = bytes(batch.count)
-                if batch.io_left == 0:
-                    (self._read_done if kind == "read" else self._region_copied)(batch)
-            else:     # write, from_region: the flags say which objects made it
-                for j, ok in results:
-                    batch.flags[j] = 1 if ok else 0
-                if batch.io_left == 0:
-                    (self._write_done if kind == "write" else self._write_batch)(batch)
-
-    def _process_read_results(self, fut, group) -> Future:
-        """Turn an I/O process's ``(j, problem, seconds)`` list into ``(j, ok)``, with the
-        statistics and health strikes of each read, as the thread path keeps them."""
-        done: Future = Future()
-        if fut.exception() is not None:
-            logger.error("I/O process failed: %r", fut.exception())
-            done.set_result([(g[0], False) for g in group])
-            return done
-        results = []
-        for (j, path, fkey, _, length, _, card), (_, problem, seconds) in zip(group, fut.result()):
-            ok = self.store.cards[card].read_result(fkey, path, problem)
-            self.store.stats[card].record(False, ok, length, seconds)
-            self.store.on_io(card, problem is None or not problem.startswith("I/O error"), seconds)
-            results.append((j, ok))
-        done.set_result(results)
-        return done
+                then(fut.result())
 
     # ---------------------------------------------------------------- detach
     def _detach(self, identity: bytes, why: str) -> None:
@@ -693,16 +426,18 @@ class Gateway:
             del self.collectives[tag]
             self._fail_collective({r: v for r, v in parts.items() if v[0] != identity},
                                   f"rank {peer.rank} left before the collective {tag!r} was complete")
-        for batch in list(self.batches.values()):
-            if identity in batch.waiting:
-                self._rank_done(batch, identity, filled_ok=batch.job.op == "GET")
+        self.transfers.rank_left(identity)
 
     # ---------------------------------------------------------------- stats
-    def _collect_stats(self, then, identity: Optional[bytes] = None, msg: Optional[dict] = None) -> None:
-        """``then(stats)`` on the loop: the loop's own state now, the cards' usage from the pool."""
+    def _collect_stats(self, then, identity: Optional[bytes] = None, msg: Optional[P.Message] = None) -> None:
+        """``then(stats)`` on the loop: the loop's own state now, the cards' usage from the pool
+        (for the status file, no request: a failure leaves the file as it was)."""
         snapshot = self._loop_stats()
-        self._offload(self._card_usages, lambda usages: then(self._merge_stats(snapshot, usages)),
-                      identity, msg)
+        merged = lambda usages: then(self._merge_stats(snapshot, usages))   # noqa: E731
+        if identity is not None:
+            self._offload(self._card_usages, merged, identity, msg)
+        else:
+            self._run(self.pool, self._card_usages, merged, lambda exc: setattr(self, "status_writing", False))
 
     def _card_usages(self) -> list[CardUsage]:
         return [card.usage() if active else CardUsage(0, 0, 0)
@@ -730,8 +465,8 @@ class Gateway:
             "fingerprint": self.store.fingerprint, "placement": self.config.key_placement,
             "storage_slots": self.config.storage_slots, "num_dbs": self.config.num_dbs,
             "shared_storage": bool(self.config.shared_storage), "replicas": self.store.replicas,
-            "ring_size": self.ring.size, "ring_in_use": self.alloc.in_use,
-            "requests_in_flight": len(self.jobs), "pinned": self.store.pinned_count(),
+            "ring_size": self.ring.size, "ring_in_use": self.transfers.alloc.in_use,
+            "requests_in_flight": len(self.transfers.jobs), "pinned": self.store.pinned_count(),
             "regions": sum(len(s.regions) for s in self.door.sessions.values()),
             "sessions": len(self.door.sessions),
             "engine": None if engine is None else {"id": engine.engine_id, "world": engine.world,
@@ -744,28 +479,6 @@ class Gateway:
         P.Delete: _on_delete, P.Clean: _on_clean, P.Stats: _on_stats, P.Get: _on_data, P.Put: _on_data,
         P.Release: _on_ack, P.Filled: _on_ack,
     }
-
-
-def _region_io(region, items: list, into_ring: bool) -> list[tuple[int, bool]]:
-    """Copy ``(j, ring view, file offset)`` items between the ring and a client's region with
-    ``preadv``/``pwritev`` on its descriptor (runs on the pool). The gateway never maps a
-    region: a region the client shrank fails these calls, it cannot fault the gateway. A
-    region shorter now than registered takes nothing (a write would grow the client's file)."""
-    try:
-        size_now = os.fstat(region.fd).st_size
-    except OSError:
-        return [(j, False) for j, _, _ in items]
-    out = []
-    for j, view, place in items:
-        ok = False
-        if place + len(view) <= size_now:
-            try:
-                moved = os.preadv(region.fd, [view], place) if into_ring else os.pwritev(region.fd, [view], place)
-                ok = moved == len(view)
-            except OSError:
-                pass
-        out.append((j, ok))
-    return out
 
 
 def _remove_legacy_ring(port: int) -> None:

@@ -442,15 +442,10 @@ def test_client_kill9_mid_transfer(start_gateway, writers, tmp_path):
 
 
 # ---------------------------------------------------------------------------- eviction with fragments
-class FragmentEvictionBug(AssertionError):
-    """The known fs-card bug this test is marked for (any other failure fails the test)."""
+class PresentButUnreadable(AssertionError):
+    """An object the gateway calls present does not read back (fragments evicted apart)."""
 
 
-@pytest.mark.xfail(strict=True, raises=FragmentEvictionBug, reason=(
-    "fs card evicts single fragments (gateway/cards/fs.py FsCard._reserve pops LRU entries per "
-    "fragment key): a partly evicted object keeps its head fragment, so EXIST says present while "
-    "GET misses, and a re-PUT is answered 'existed' and never rewritten (gateway/server.py "
-    "_write_batch trusts store.exists, i.e. the head). Remove this mark when whole-object eviction lands."))
 def test_eviction_with_fragments_under_load(start_gateway, writers, tmp_path):
     """64 KiB fragments of 256 KiB objects on a card of ~40 objects, flooded with PUTs and GETs
     (rounds of twice the capacity): nothing is ever served wrong, nothing is
@@ -513,8 +508,8 @@ def test_eviction_with_fragments_under_load(start_gateway, writers, tmp_path):
     assert fig["wrong_bytes"] == 0 and fig["wrong_bytes_seen_by_writer"] == 0, "wrong bytes served"
     assert fig["usage_mismatches"] == 0 and fig["over_capacity"] == 0, fig
     if fig["present_unreadable"]:
-        raise FragmentEvictionBug(f"{fig['present_unreadable']} objects EXIST but do not read back "
+        raise PresentButUnreadable(f"{fig['present_unreadable']} objects EXIST but do not read back "
                                   f"(round, index): {unreadable_seen[:10]}")
     if fig["reput_not_readable"]:
-        raise FragmentEvictionBug(f"re-PUT of {fig['reput']} evicted keys: {fig['reput_answered_existed']} "
+        raise PresentButUnreadable(f"re-PUT of {fig['reput']} evicted keys: {fig['reput_answered_existed']} "
                                   f"answered 'existed', {fig['reput_not_readable']} not readable afterwards")

@@ -1,0 +1,350 @@
+"""Transfers: the life of GET and PUT jobs, batch by batch, between the cards and the ring.
+
+A job (``jobs.DataJob``) is one request of one rank, or of every rank of a collective.
+It runs as batches of ring extents (at most half the ring each, two in flight per job),
+so the ring never limits a request. Each batch goes through its stages in order; one
+stage ends when its work (card I/O, the ranks' copies, a region copy) is all done, and
+``_advance`` then starts the next — the only place that moves a batch on:
+
+    GET:  LOOKUP (which card holds each object) -> READ (card -> ring, checked)
+          -> TO_RANKS (BATCH; every rank copies out and RELEASEs)
+             or TO_REGION (the gateway pwrites into the engine's region)  -> RETIRED
+    PUT:  FILL (BATCH; every rank fills and answers FILLED)
+             or FROM_REGION (the gateway preads from the engine's region)
+          -> LOOKUP (which objects exist already) -> WRITE (ring -> cards)  -> RETIRED
+
+``batch.flags`` carries one byte per object through the stages: found / still good
+(GET), in the ring / stored (PUT). At RETIRED they become the job's results, the ring
+extent is freed, waiting jobs get extents, and a job with no batch left and none to
+open answers DONE to its participants (``_finish``, reached from ``_retire`` only).
+
+Everything here runs on the gateway loop's thread; card I/O runs on the pool (or the
+I/O processes) through ``run`` and comes back to ``_io_done`` on the loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+import itertools
+import logging
+import os
+from concurrent.futures import Executor
+from typing import Callable, Optional
+
+from adpkv_core import protocol as P
+from adpkv_core.ring import Ring
+
+from . import io_procs
+from .jobs import Batch, DataJob
+from .ring_alloc import RingAllocator
+from .store import ObjectStore
+
+logger = logging.getLogger("adpkv.gateway")
+
+IO_TASK_ITEMS = 16        # fragments (reads) or objects (writes) per pool task
+
+
+class Stage(enum.Enum):
+    LOOKUP = "lookup"
+    READ = "read"
+    TO_RANKS = "to_ranks"
+    TO_REGION = "to_region"
+    FILL = "fill"
+    FROM_REGION = "from_region"
+    WRITE = "write"
+    RETIRED = "retired"
+
+
+# How a stage's per-object I/O results combine into the batch's flags.
+_CLEARS = {Stage.READ, Stage.TO_REGION}        # an object that failed is no longer good
+_SETS = {Stage.FROM_REGION, Stage.WRITE}       # the result says whether the object made it
+
+
+class Transfers:
+    """The jobs and batches in flight, and the ring extents they hold.
+
+    ``run(executor, work, then, fail)`` runs ``work()`` on an executor and calls ``then(result)``
+    (or ``fail(exc)``) back on the loop; ``send(identity, message)`` replies to a rank;
+    ``attached(identity)`` says whether a rank is still there; ``unpin(identity, keys)``
+    drops a rank's pins on keys (a GET with ``unlock``).
+    """
+
+    def __init__(self, ring: Ring, store: ObjectStore, pool: Executor, procs: Optional[Executor], io_threads: int,
+                 run: Callable, send: Callable[[bytes, P.Message], None], attached: Callable[[bytes], bool],
+                 unpin: Callable[[bytes, list], None]):
+        self.ring = ring
+        self.alloc = RingAllocator(ring.size)
+        self.max_batch_bytes = ring.size // 2
+        self.store = store
+        self.pool = pool
+        self.procs = procs
+        self.io_threads = io_threads
+        self._run = run
+        self._send = send
+        self._attached = attached
+        self._unpin = unpin
+        self.jobs: "collections.OrderedDict[int, DataJob]" = collections.OrderedDict()
+        self.batches: dict[int, Batch] = {}
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ entry points
+    def start(self, job: DataJob) -> None:
+        self.jobs[id(job)] = job
+        self._pump()
+
+    def ack(self, identity: bytes, msg) -> None:
+        """A rank's RELEASE (GET) or FILLED (PUT) of a batch it was given."""
+        batch = self.batches.get(msg.batch)
+        if batch is None or identity not in batch.waiting:
+            raise P.ProtocolError(P.UNKNOWN_BATCH, f"batch {msg.batch} is not waiting for this rank")
+        want = P.Release if batch.job.op == "GET" else P.Filled
+        if not isinstance(msg, want):
+            raise P.ProtocolError(P.BAD_MESSAGE, f"batch {msg.batch} of a {batch.job.op} wants "
+                                  f"{want.__struct_config__.tag}")
+        self._rank_done(batch, identity, isinstance(msg, P.Release) or msg.ok)
+
+    def rank_left(self, identity: bytes) -> None:
+        """A rank detached: no batch waits for it any more (a PUT it did not fill stores nothing)."""
+        for batch in list(self.batches.values()):
+            if identity in batch.waiting:
+                self._rank_done(batch, identity, filled=batch.job.op == "GET")
+
+    # ------------------------------------------------------------------ ring extents
+    def _pump(self) -> None:
+        """Give ring extents to jobs that want them, oldest first."""
+        for job in list(self.jobs.values()):
+            while job.wants_more():
+                count = min(job.n - job.next, self.max_batch_bytes // job.stride,
+                            self.alloc.largest_free() // job.stride)
+                if count <= 0:
+                    return  # the ring is busy: wait for a release, keep the order
+                nbytes = count * job.stride
+                batch = Batch(next(self._ids), job, job.next, count, self.alloc.alloc(nbytes), nbytes)
+                job.next += count
+                job.batches[batch.id] = batch
+                self.batches[batch.id] = batch
+                self._enter(batch, Stage.LOOKUP if job.op == "GET" else
+                            Stage.FROM_REGION if job.region is not None else Stage.FILL)
+
+    def _slot(self, batch: Batch, j: int, offset: int = 0, length: Optional[int] = None) -> memoryview:
+        """Bytes ``offset..offset+length`` of object ``j`` of a batch, in the ring."""
+        return self.ring.slot(batch.object_offset(j) + offset,
+                              batch.job.object_bytes if length is None else length)
+
+    # ------------------------------------------------------------------ stages
+    def _enter(self, batch: Batch, stage: Stage) -> None:
+        """Start ``stage`` of a batch; a stage with nothing to wait for advances at once."""
+        batch.stage = stage
+        job = batch.job
+        keys = job.keys[batch.first:batch.first + batch.count]
+        marks = job.marks[batch.first:batch.first + batch.count] if job.marks else None
+        if stage is Stage.LOOKUP:
+            batch.pending += 1
+            lookup = self.store.holders if job.op == "GET" else self.store.exists
+            self._run(self.pool, lambda: lookup(keys, marks, job.object_bytes),
+                      lambda found: self._looked_up(batch, found), lambda exc: self._looked_up(batch, None))
+        elif stage in (Stage.TO_RANKS, Stage.FILL):
+            batch.waiting = {p.identity for p in job.participants if self._attached(p.identity)}
+            if stage is Stage.FILL and not batch.waiting:
+                batch.filled = False
+            for p in job.participants:
+                if p.identity in batch.waiting:
+                    self._send(p.identity, P.Batch(id=p.req_id, batch=batch.id, first=batch.first,
+                                                   count=batch.count, offset=batch.offset, stride=job.stride,
+                                                   obj=job.object_bytes,
+                                                   hits=bytes(batch.flags) if job.op == "GET" else None))
+        elif stage is Stage.TO_REGION:
+            items = [(j, self._slot(batch, j), job.places[batch.first + j])
+                     for j in range(batch.count) if batch.flags[j]]
+            self._submit(batch, lambda group: _region_io(job.region, group, into_ring=False), items)
+        elif stage is Stage.FROM_REGION:
+            items = [(j, self._slot(batch, j), job.places[batch.first + j]) for j in range(batch.count)]
+            self._submit(batch, lambda group: _region_io(job.region, group, into_ring=True), items)
+        if batch.pending == 0 and not batch.waiting:
+            self._advance(batch)
+
+    def _advance(self, batch: Batch) -> None:
+        """The batch's current stage is complete: go on to the next."""
+        job, stage = batch.job, batch.stage
+        if stage is Stage.READ:
+            hits = sum(batch.flags)
+            self.store.counters["hits"] += hits
+            self.store.counters["misses"] += batch.count - hits
+            self._enter(batch, Stage.TO_REGION if job.region is not None else Stage.TO_RANKS)
+        elif stage in (Stage.FILL, Stage.FROM_REGION):
+            if stage is Stage.FILL and batch.filled:
+                batch.flags[:] = b"\x01" * batch.count
+            elif stage is Stage.FILL:
+                batch.flags[:] = bytes(batch.count)      # a rank did not fill its part: store none
+            if any(batch.flags):
+                self._enter(batch, Stage.LOOKUP)
+            else:
+                self._retire(batch)
+        elif stage in (Stage.TO_RANKS, Stage.TO_REGION, Stage.WRITE):
+            self._retire(batch)
+
+    def _looked_up(self, batch: Batch, found: Optional[list]) -> None:
+        """LOOKUP is done: ``found`` per object (GET: the card holding it; PUT: whether it
+        exists), or None when the lookup failed (GET: all miss; PUT: store nothing)."""
+        batch.pending -= 1
+        job = batch.job
+        if job.op == "GET":
+            reads = []
+            for j, card in enumerate(found or [None] * batch.count):
+                if card is None:
+                    continue
+                batch.flags[j] = 1
+                reads.extend((j, frag, self._slot(batch, j, frag.offset, frag.length))
+                             for frag in self.store.read_plan(card, job.keys[batch.first + j], job.object_bytes))
+            batch.stage = Stage.READ
+            if self.procs:
+                reads = self._read_in_processes(batch, reads)
+            self._submit(batch, self.store.read_many, reads)
+        else:
+            writes = []
+            in_ring = bytes(batch.flags)
+            batch.flags[:] = bytes(batch.count)
+            for j in range(batch.count):
+                i = batch.first + j
+                if not in_ring[j] or found is None:
+                    continue
+                if found[j]:
+                    # keys name content: an object stored under this key already holds these bytes
+                    batch.flags[j] = 1
+                    job.existed[i] = 1
+                    continue
+                plans = self.store.write_plans(job.keys[i], job.mark(i), job.object_bytes)
+                if plans:         # else no card in service for this key: not stored
+                    writes.append((j, plans, self._slot(batch, j)))
+            batch.stage = Stage.WRITE
+            self._submit(batch, self.store.write_many, writes)
+        if batch.pending == 0:
+            self._advance(batch)
+
+    def _rank_done(self, batch: Batch, identity: bytes, filled: bool) -> None:
+        """A rank is done with a batch (released it, filled it, or left)."""
+        batch.waiting.discard(identity)
+        if not filled:
+            batch.filled = False
+        if not batch.waiting and batch.pending == 0:
+            self._advance(batch)
+
+    def _retire(self, batch: Batch) -> None:
+        """The batch is done with the ring: its flags become results, its extent is freed,
+        and its job moves on (or finishes)."""
+        job = batch.job
+        batch.stage = Stage.RETIRED
+        job.results[batch.first:batch.first + batch.count] = batch.flags
+        if job.op == "PUT":
+            stored = sum(batch.flags)
+            self.store.counters["stored"] += stored
+            self.store.counters["store_failed"] += batch.count - stored
+        self.alloc.free(batch.offset, batch.nbytes)
+        del job.batches[batch.id]
+        del self.batches[batch.id]
+        self._pump()
+        if job.finished() and id(job) in self.jobs:
+            self._finish(job)
+
+    def _finish(self, job: DataJob) -> None:
+        del self.jobs[id(job)]
+        for p in job.participants:
+            if not self._attached(p.identity):
+                continue
+            if job.op == "GET":
+                if job.unlock:
+                    self._unpin(p.identity, job.keys)
+                self._send(p.identity, P.Done(id=p.req_id, hits=bytes(job.results)))
+            else:
+                self._send(p.identity, P.Done(id=p.req_id, stored=bytes(job.results), existed=bytes(job.existed)))
+
+    # ------------------------------------------------------------------ I/O on the pool
+    def _submit(self, batch: Batch, work, items: list) -> None:
+        """Run ``work(group)`` on the pool for each group of a batch's I/O items: few tasks,
+        one per thread at most ``IO_TASK_ITEMS`` items, keep the loop and the GIL out of the
+        way of the I/O itself."""
+        if not items:
+            return
+        per = min(IO_TASK_ITEMS, -(-len(items) // self.io_threads))
+        for k in range(0, len(items), per):
+            group = items[k:k + per]
+            batch.pending += 1
+            self._run(self.pool, lambda g=group: work(g), lambda results: self._io_done(batch, results),
+                      lambda exc, g=group: self._io_done(batch, [(item[0], False) for item in g]))
+
+    def _io_done(self, batch: Batch, results: list) -> None:
+        """One I/O task of the batch's stage finished with ``(j, ok)`` per object."""
+        batch.pending -= 1
+        if batch.stage in _CLEARS:
+            for j, ok in results:
+                if not ok:
+                    batch.flags[j] = 0
+        elif batch.stage in _SETS:
+            for j, ok in results:
+                batch.flags[j] = 1 if ok else 0
+        if batch.pending == 0 and not batch.waiting:
+            self._advance(batch)
+
+    def _read_in_processes(self, batch: Batch, reads: list) -> list:
+        """Hand the reads that a card can do in the I/O processes to them (fs cards);
+        return the others for the pool."""
+        rest, items = [], []
+        for j, frag, view in reads:
+            task = self.store.cards[frag.card].process_read(frag.fkey)
+            if task is None:
+                rest.append((j, frag, view))
+                continue
+            if task is False:        # the card knows the object is gone
+                batch.flags[j] = 0
+                continue
+            items.append((j, frag, task, batch.object_offset(j) + frag.offset))
+        per = min(IO_TASK_ITEMS, -(-len(items) // max(1, self.io_threads))) if items else 1
+        for k in range(0, len(items), per):
+            group = items[k:k + per]
+            batch.pending += 1
+            self._run(self.procs,
+                      functools.partial(io_procs.read_files, [(j, task, off, frag.length) for j, frag, task, off in group]),
+                      lambda results, g=group: self._process_reads_done(batch, g, results),
+                      lambda exc, g=group: self._io_done(batch, [(item[0], False) for item in g]))
+        return rest
+
+    def _process_reads_done(self, batch: Batch, group: list, results: list) -> None:
+        """An I/O process's ``(j, problem, seconds)`` per read, accounted as the thread path
+        does (the card's own bookkeeping, statistics, health strikes). A read that missed
+        goes to the object's next replica on the pool, as ``store.read_many`` does there."""
+        done, again = [], []
+        for (j, frag, task, offset), (_, problem, seconds) in zip(group, results):
+            ok = self.store.cards[frag.card].process_read_result(task, problem)
+            self.store.stats[frag.card].record(False, ok, frag.length, seconds)
+            self.store.on_io(frag.card, problem is None or not problem.startswith("I/O error"), seconds)
+            if not ok and frag.others:
+                again.append((j, frag, self.ring.slot(offset, frag.length)))
+            else:
+                done.append((j, ok))
+        if again:
+            self._submit(batch, self.store.read_from_replicas, again)
+        self._io_done(batch, done)
+
+
+def _region_io(region, items: list, into_ring: bool) -> list[tuple[int, bool]]:
+    """Copy ``(j, ring view, file offset)`` items between the ring and a client's region with
+    ``preadv``/``pwritev`` on its descriptor (runs on the pool). The gateway never maps a
+    region: a region the client shrank fails these calls, it cannot fault the gateway. A
+    region shorter now than registered takes nothing (a write would grow the client's file)."""
+    try:
+        size_now = os.fstat(region.fd).st_size
+    except OSError:
+        return [(j, False) for j, _, _ in items]
+    out = []
+    for j, view, place in items:
+        ok = False
+        if place + len(view) <= size_now:
+            try:
+                moved = os.preadv(region.fd, [view], place) if into_ring else os.pwritev(region.fd, [view], place)
+                ok = moved == len(view)
+            except OSError:
+                pass
+        out.append((j, ok))
+    return out
