@@ -326,6 +326,8 @@ class Gateway:
     def _on_data(self, identity, peer: Peer, msg: Union[P.Get, P.Put]):
         if peer.rank is None:
             raise P.ProtocolError(P.BAD_MESSAGE, f"a lookup peer cannot {msg.op}; attach as a rank")
+        if not msg.keys:         # a job of no object never finishes: no answer, and CLEAN refused for good
+            raise P.ProtocolError(P.BAD_MESSAGE, f"{msg.op} names no key")
         keys, marks, obj, tag, region = msg.keys, msg.marks, msg.obj, msg.tag, msg.region
         unlock = isinstance(msg, P.Get) and msg.unlock
         stride = object_stride(obj)
