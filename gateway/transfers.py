@@ -16,7 +16,8 @@ stage ends when its work (card I/O, the ranks' copies, a region copy) is all don
 ``batch.flags`` carries one byte per object through the stages: found / still good
 (GET), in the ring / stored (PUT). At RETIRED they become the job's results, the ring
 extent is freed, waiting jobs get extents, and a job with no batch left and none to
-open answers DONE to its participants (``_finish``, reached from ``_retire`` only).
+open answers DONE to its participants (``_finish``, from ``_pump``: after ``start`` and
+``_retire``).
 
 Everything here runs on the gateway loop's thread; card I/O runs on the pool (or the
 I/O processes) through ``run`` and comes back to ``_io_done`` on the loop.
@@ -127,6 +128,8 @@ class Transfers:
                 self.batches[batch.id] = batch
                 self._enter(batch, Stage.LOOKUP if job.op == "GET" else
                             Stage.FROM_REGION if job.region is not None else Stage.FILL)
+            if job.finished() and id(job) in self.jobs:
+                self._finish(job)         # a request of no keys has no batch to retire
 
     def _slot(self, batch: Batch, j: int, offset: int = 0, length: Optional[int] = None) -> memoryview:
         """Bytes ``offset..offset+length`` of object ``j`` of a batch, in the ring."""

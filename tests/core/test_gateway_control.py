@@ -432,3 +432,15 @@ def test_a_ring_of_the_wrong_size_turns_the_cache_off(tmp_path):
     client.close()
     t.join(5)
     listener.close()
+
+
+def test_a_request_of_no_keys_is_answered(gateway):
+    """Found by the fuzzer: a GET/PUT with an empty key list was never answered (the job had
+    no batch whose retirement would finish it); the rank waited for timeout_s. Now it is
+    refused at once (the client never sends one)."""
+    peer = RawPeer(gateway.port)
+    assert peer.send(op="HELLO", engine="e", rank=0, world=1)["op"] == "OK"
+    for op in ("PUT", "GET"):
+        reply = peer.send(op=op, id=11, keys=[], obj=100)
+        assert reply["code"] == P.BAD_MESSAGE and reply["id"] == 11
+    peer.close()
