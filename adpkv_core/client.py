@@ -11,6 +11,7 @@ the engine keeps serving from its own memory.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import os
@@ -104,13 +105,18 @@ _STATS_OK = P.ReplyDecoder(P.StatsOk)
 _DATA = P.ReplyDecoder(P.Batch, P.Done)
 
 
-class StoreFlags(list):
-    """The result of a PUT: stored flags per key; ``existed[i]`` marks keys that were
-    stored already (same key, same content) and were not written again."""
+@dataclasses.dataclass(frozen=True)
+class StoreResult:
+    """The result of a PUT: per key, ``stored[i]`` (the card holds it now) and ``existed[i]``
+    (it held it already — a key names its content — and it was not written again)."""
 
-    def __init__(self, flags, existed=None):
-        super().__init__(flags)
-        self.existed = list(existed) if existed is not None else [False] * len(flags)
+    stored: list[bool]
+    existed: list[bool]
+
+    @classmethod
+    def none(cls, n: int) -> "StoreResult":
+        """Nothing stored: the answer when the cache is off or the request failed."""
+        return cls([False] * n, [False] * n)
 
 
 def door_of(config: ClientConfig) -> str:
@@ -213,7 +219,7 @@ class GatewayClient:
     def put(self, keys: Sequence[bytes], object_bytes: int, on_batch: BatchCallback,
             marks: Optional[Sequence[int]] = None, tag: Optional[str] = None,
             slice: Optional[tuple[int, int]] = None) -> "Future[list[bool]]":
-        """``on_batch`` fills ring slots, the gateway stores them. Resolves with ``StoreFlags``."""
+        """``on_batch`` fills ring slots, the gateway stores them. Resolves with a ``StoreResult``."""
         return self._data("PUT", keys, object_bytes, on_batch, marks, tag, slice)
 
     def register_region(self, path: str, offset: int, size: int) -> "Future[Optional[int]]":
@@ -249,7 +255,7 @@ class GatewayClient:
 
     def put_from(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
                  marks: Optional[Sequence[int]] = None) -> "Future[list[bool]]":
-        """Store object ``i`` from ``at[i]`` of a registered region. Resolves with ``StoreFlags``."""
+        """Store object ``i`` from ``at[i]`` of a registered region. Resolves with a ``StoreResult``."""
         return self._data("PUT", keys, object_bytes, None, marks, None, None, False, (region, list(at)))
 
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]] = None) -> "Future[int]":
@@ -349,9 +355,9 @@ class GatewayClient:
     def _data(self, op, keys, object_bytes, on_batch, marks, tag, slice_, unlock=False, into=None):
         n = len(keys)
         if n == 0:
-            return _done([] if op == "GET" else StoreFlags([]))
+            return _done([] if op == "GET" else StoreResult.none(0))
         if not self._enabled or self.rank is None:
-            return _done([False] * n if op == "GET" else StoreFlags([False] * n))
+            return _done([False] * n if op == "GET" else StoreResult.none(n))
         region, at = into if into is not None else (None, None)
         fields = dict(keys=list(keys), obj=int(object_bytes), marks=None if marks is None else list(marks),
                       tag=None if tag is None else str(tag), region=region, at=at)
@@ -496,11 +502,11 @@ class GatewayClient:
             flags = _flags(msg.hits if pending.op == "GET" else msg.stored, pending.n)
             flags = [f and bool(c) for f, c in zip(flags, pending.ok)]
             if pending.op == "PUT":
-                flags = StoreFlags(flags, _flags(msg.existed, pending.n))
+                flags = StoreResult(flags, _flags(msg.existed, pending.n))
             pending.future.set_result(flags)
         else:
             logger.warning("Gateway refused %s: %s %s", pending.op, msg.code, msg.msg)
-            pending.future.set_result([False] * pending.n if pending.op == "GET" else StoreFlags([False] * pending.n))
+            pending.future.set_result([False] * pending.n if pending.op == "GET" else StoreResult.none(pending.n))
 
     def _run_batch(self, msg: P.Batch, pending: _Pending) -> None:
         first, count = msg.first, msg.count
@@ -533,7 +539,7 @@ class GatewayClient:
         if pending.ok is None:
             pending.future.set_result(None)
         elif pending.op == "PUT":
-            pending.future.set_result(StoreFlags([False] * pending.n))
+            pending.future.set_result(StoreResult.none(pending.n))
         else:
             pending.future.set_result([False] * pending.n)
 

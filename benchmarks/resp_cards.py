@@ -94,7 +94,7 @@ def through_gateway(urls, placement: str, replicas: int, obj: int, chunks: int, 
 
         t0 = time.perf_counter()
         futs = [c.put(keys[i:i + per], obj, fill, marks=marks[i:i + per]) for i in range(0, len(keys), per)]
-        assert all(all(f.result()) for f in futs)
+        assert all(all(f.result().stored) for f in futs)
         t_store = time.perf_counter() - t0
         dst = memoryview(bytearray(obj * per))
 

@@ -106,7 +106,7 @@ def _rank_run(port, rank, ranks, size, count, per_request, engine_id, barrier, r
     sl_arg = (rank * sl, sl)
     barrier.wait()
     futs = [client.put(k, size, filler(g), tag=f"p{g}", slice=sl_arg) for g, k in groups]
-    stored = all(all(f.result()) for f in futs)
+    stored = all(all(f.result().stored) for f in futs)
     barrier.wait()
     barrier.wait()
     futs = [client.get(k, size, copier(g), tag=f"g{g}", slice=sl_arg) for g, k in groups]

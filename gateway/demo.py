@@ -57,7 +57,7 @@ def run_demo(directory: str, tokens: int, layers: int) -> int:
             def fill(b, layer=layer):
                 a.ring[b.offset:b.offset + b.count * obj] = kv[layer][b.first * obj:(b.first + b.count) * obj]
             futs.append(a.put(kb.keys(hashes, [layer]), obj, fill, marks=marks))
-        stored = sum(sum(f.result()) for f in futs)
+        stored = sum(sum(f.result().stored) for f in futs)
         t_store = time.perf_counter() - t0
         a.close()
         total = obj * n * layers

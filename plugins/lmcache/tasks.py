@@ -27,6 +27,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
+from adpkv_core.client import StoreResult
+
 from ._compat import L2TaskId, create_event_notifier
 
 KINDS = ("store", "lookup", "load")
@@ -129,7 +131,8 @@ def flags(f: Future, n: int) -> list[bool]:
         r = f.result(timeout=0)
     except Exception:
         return [False] * n
-    r = getattr(r, "stored", r)      # a PUT result: its stored flags
+    if isinstance(r, StoreResult):    # a PUT result: its stored flags
+        r = r.stored
     if not isinstance(r, (list, tuple)) or len(r) != n:
         return [False] * n
     return [bool(x) for x in r]
@@ -138,7 +141,8 @@ def flags(f: Future, n: int) -> list[bool]:
 def existed(f: Future, n: int) -> list[bool]:
     """PUT only: which keys the gateway held already and did not write again."""
     try:
-        ex = getattr(f.result(timeout=0), "existed", None)
+        r = f.result(timeout=0)
+        ex = r.existed if isinstance(r, StoreResult) else None
     except Exception:
         ex = None
     if not isinstance(ex, (list, tuple)) or len(ex) != n:

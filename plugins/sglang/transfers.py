@@ -29,7 +29,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 from adpkv_core.attachment import Session
-from adpkv_core.client import RingBatch
+from adpkv_core.client import RingBatch, StoreResult
 from adpkv_core.grouping import group_by_size
 
 from .housekeeping import Tally
@@ -43,9 +43,9 @@ from .pages import (
 )
 
 
-def stored_flags(result: Any) -> list:
-    """The per-key stored flags of a PUT's result (``StoreFlags`` is itself the list)."""
-    return list(getattr(result, "stored", result))
+def stored_flags(result: StoreResult) -> list:
+    """The per-key stored flags of a PUT's result."""
+    return list(result.stored)
 
 
 def _pick(seq: Optional[Sequence], idx: Sequence[int]) -> Optional[list]:

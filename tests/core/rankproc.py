@@ -49,7 +49,8 @@ def rank_job(port, engine, rank, world, op, keys, slice_bytes, tag, out_q, timeo
                         wrong.append(b.first + j)
 
         call = client.put if op == "PUT" else client.get
-        flags = call(keys, obj, fill if op == "PUT" else check, tag=tag, slice=sl).result()
+        result = call(keys, obj, fill if op == "PUT" else check, tag=tag, slice=sl).result()
+        flags = result.stored if op == "PUT" else result
         out_q.put((rank, flags, not wrong, client.enabled))
         client.close()
     except Exception:

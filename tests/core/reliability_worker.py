@@ -120,7 +120,7 @@ def main(argv=None) -> int:
         fut = client.put(keys, obj, fill)
 
         def done(f):
-            flags = f.result()
+            flags = f.result().stored
             log.write("A", first, "".join("1" if x else "0" for x in flags), f"{time.monotonic():.6f}",
                       int(client.enabled))
             with acked_lock:

@@ -228,7 +228,7 @@ def test_real_gateway_restart_brings_a_real_client_back(start_gateway, caplog):
         payload = bytes(range(256)) * 16
         buf = (ctypes.c_char * len(payload)).from_buffer_copy(payload)
         put = s1.client.put([key], len(payload), lambda b: s1.ring.fill(b, [ctypes.addressof(buf)]))
-        assert list(put.result(10)) == [True]
+        assert put.result(10).stored == [True]
         gw.restart(hard=True)
         deadline = time.monotonic() + 20
         while a.session is s1 or not a.enabled:

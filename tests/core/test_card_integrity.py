@@ -42,7 +42,7 @@ class Client:
                 o = b.offset + j * b.stride
                 c.ring[o:o + nbytes] = pattern(keys[b.first + j], 0, nbytes)
         flags = c.put(keys, nbytes, fill, marks=marks).result(timeout=30)
-        return list(flags), list(flags.existed)
+        return flags.stored, flags.existed
 
     def get(self, keys, nbytes, marks=None):
         c, wrong = self.c, []

@@ -43,7 +43,7 @@ class Dialogs:
                 for j in range(b.count):
                     o = b.offset + j * b.stride
                     c.ring[o:o + OBJ] = pattern(keys[b.first + j], 0, OBJ)
-            out.append(all(c.put(keys, OBJ, fill, marks=marks).result(timeout=30)))
+            out.append(all(c.put(keys, OBJ, fill, marks=marks).result(timeout=30).stored))
         c.close()
         return out
 

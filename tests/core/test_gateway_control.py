@@ -12,7 +12,7 @@ import msgpack
 import zmq
 
 from adpkv_core import protocol as P
-from adpkv_core.client import TURNED_OFF_MESSAGE, GatewayClient
+from adpkv_core.client import TURNED_OFF_MESSAGE, GatewayClient, StoreResult
 from adpkv_core.door import DoorSession, door_path
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
@@ -159,7 +159,7 @@ def test_gateway_down_turns_the_cache_off_once_and_at_once(start_gateway, caplog
         t0 = time.monotonic()
         for _ in range(100):
             assert client.exist(keys).result() == [False] * 4
-            assert client.put(keys, 4096, lambda b: None).result() == [False] * 4
+            assert client.put(keys, 4096, lambda b: None).result() == StoreResult.none(4)
         assert time.monotonic() - t0 < 0.5, "calls after turn-off must be fast"
     assert sum(TURNED_OFF_MESSAGE in r.getMessage() for r in caplog.records) == 1
     client.close()
@@ -270,9 +270,9 @@ def test_lookup_peer_pins_and_duplicate_puts(gateway):
             o = b.offset + j * b.stride
             rank.ring[o:o + 4096] = bytes([b.first + j]) * 4096
     first = rank.put(keys[:2], 4096, fill).result(timeout=10)
-    assert first == [True, True] and first.existed == [False, False]
+    assert first == StoreResult([True, True], [False, False])
     again = rank.put(keys, 4096, fill).result(timeout=10)
-    assert again == [True] * 4 and again.existed == [True, True, False, False]
+    assert again == StoreResult([True] * 4, [True, True, False, False])
     assert lookup.exist(keys).result(timeout=5) == [True] * 4
     assert lookup.get(keys, 4096, lambda b: None).result(timeout=1) == [False] * 4, "lookup peers move no data"
     # pins: taken by EXIST(lock), kept across a plain GET, released by UNLOCK
@@ -298,7 +298,7 @@ def test_put_over_an_object_of_another_size_rewrites_it(gateway):
             for j in range(b.count):
                 c.ring[b.offset + j * b.stride:b.offset + j * b.stride + size] = bytes([byte]) * size
         flags = c.put(keys, size, fill).result(timeout=10)
-        assert flags == [True, True] and flags.existed == [False, False]
+        assert flags == StoreResult([True, True], [False, False])
     out = []
     assert c.get(keys, 12288, lambda b: out.append(bytes(c.ring[b.offset:b.offset + 12288]))).result(timeout=10) \
         == [True, True]
@@ -312,7 +312,7 @@ def test_calls_after_close_resolve_at_once(gateway):
     c.close()
     assert c.exist(make_keys(2)).result(timeout=1) == [False, False]
     assert c.get(make_keys(2), 4096, lambda b: None).result(timeout=1) == [False, False]
-    assert c.put(make_keys(2), 4096, lambda b: None).result(timeout=1) == [False, False]
+    assert c.put(make_keys(2), 4096, lambda b: None).result(timeout=1) == StoreResult.none(2)
 
 
 def test_collective_mismatch_and_a_rank_leaving_mid_collective(gateway):
@@ -385,7 +385,7 @@ def test_a_second_gateway_on_a_busy_port_refuses_and_touches_nothing(start_gatew
     def fill(b):
         for j in range(b.count):
             early.ring[b.offset + j * b.stride:b.offset + j * b.stride + 8192] = pattern(keys[b.first + j], 0, 8192)
-    assert list(early.put(keys, 8192, fill).result(timeout=10)) == [True] * 6
+    assert early.put(keys, 8192, fill).result(timeout=10).stored == [True] * 6
     late.close()
     early.close()
     gw.restart()

@@ -214,7 +214,7 @@ class Checker:
             for j in range(b.count):
                 o = b.offset + j * b.stride
                 self.c.ring[o:o + obj] = payload(keys[b.first + j], obj)
-        return self.c.put(keys, obj, fill).result(timeout=60)
+        return self.c.put(keys, obj, fill).result(timeout=60)     # a StoreResult
 
     def verify(self, keys: list[bytes], obj: int, acked: set[int] = frozenset()) -> dict:
         """Every object the gateway calls present reads back exact; nothing acknowledged is lost."""
@@ -417,7 +417,7 @@ def test_client_kill9_mid_transfer(start_gateway, writers, tmp_path):
             fresh = [key_of(f"second-{cycle}", i) for i in range(16)]
             flags = checker.put(fresh, OBJ)
             hits, wrong = checker.get(fresh, OBJ)
-            exact = all(flags) and all(hits) and not wrong
+            exact = all(flags.stored) and all(hits) and not wrong
         finally:
             checker.close()
         totals["second_client_exact"] += exact
@@ -500,7 +500,7 @@ def test_eviction_with_fragments_under_load(start_gateway, writers, tmp_path):
         fig["reput_not_readable"] += sum(1 for j, h in enumerate(hits) if not h or j in wrong)
         print(f"[reliability] eviction round {r + 1}: {_public(res)}; usage {ud['usage_bytes']} B / disk "
               f"{ud['disk_bytes']} B; re-PUT {len(again)} evicted (of them present-but-unreadable "
-              f"{len(unreadable)}): stored {sum(flags)}, answered existed {sum(flags.existed)}, read back {sum(hits)}")
+              f"{len(unreadable)}): stored {sum(flags.stored)}, answered existed {sum(flags.existed)}, read back {sum(hits)}")
     fig["evicted_fragments"] = stats(gw.port)["cards"][0]["evicted"]
     fig["capacity_bytes"] = capacity
     _figures("eviction_fragments", **fig)
