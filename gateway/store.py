@@ -22,12 +22,18 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
-from adpkv_core.fragments import fragment_db, fragment_extents, fragment_key
+from .fragments import fragment_db, fragment_extents, fragment_key
 
-from .cards.base import Card, CardIOError, object_key
+from .cards.base import Card, CardIOError, NodeIOError, object_key
 from .placement import Placement, key_layout_fingerprint
 
 logger = logging.getLogger("adpkv.gateway.store")
+
+
+def _log_io_error(exc: CardIOError) -> None:
+    """A node of a cluster card that does not answer is logged once by the card; the
+    failed commands (many, until the cluster fails over) only at debug level."""
+    logger.log(logging.DEBUG if isinstance(exc, NodeIOError) else logging.WARNING, "%s", exc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,16 +168,16 @@ class ObjectStore:
         """(read ok, transport ok) of one fragment."""
         card = self.cards[frag.card]
         token = self.stats[frag.card].begin()
-        transport_ok, ok = True, False
+        transport_ok, ok, strike = True, False, True
         try:
             ok = card.read(frag.db, frag.fkey, buf)
         except CardIOError as exc:
-            transport_ok = False
-            logger.warning("%s", exc)
+            transport_ok, strike = False, not isinstance(exc, NodeIOError)
+            _log_io_error(exc)
         except Exception:
             logger.exception("read from card %s failed", card.serial)
         seconds = self.stats[frag.card].end(token, False, ok, len(buf))
-        self.on_io(frag.card, transport_ok, seconds)
+        self.on_io(frag.card, transport_ok or not strike, seconds)
         return ok, transport_ok
 
     def read_many(self, items) -> list[tuple[int, bool]]:
@@ -227,17 +233,17 @@ class ObjectStore:
         for frag in frags:
             card = self.cards[frag.card]
             token = self.stats[frag.card].begin()
-            transport_ok, ok = True, False
+            transport_ok, ok, strike = True, False, True
             try:
                 ok = card.write(frag.db, frag.fkey, obj[frag.offset:frag.offset + frag.length],
                                 object_bytes=len(obj) if frag.offset == 0 else 0)
             except CardIOError as exc:
-                transport_ok = False
-                logger.warning("%s", exc)
+                transport_ok, strike = False, not isinstance(exc, NodeIOError)
+                _log_io_error(exc)
             except Exception:
                 logger.exception("write to card %s failed", card.serial)
             seconds = self.stats[frag.card].end(token, True, ok, frag.length)
-            self.on_io(frag.card, transport_ok, seconds)
+            self.on_io(frag.card, transport_ok or not strike, seconds)
             if not ok:
                 if transport_ok:
                     self._remove_object(frag.card, object_key(frag.fkey), len(obj))
@@ -298,8 +304,8 @@ class ObjectStore:
                 spans.append((start, len(items)))
             found = c.contains_many(items, lengths) if items else []
         except CardIOError as exc:
-            logger.warning("%s", exc)
-            self.on_io(card, False, 0.0)
+            _log_io_error(exc)
+            self.on_io(card, isinstance(exc, NodeIOError), 0.0)
             return [False] * len(keys)
         return [b > a and all(found[a:b]) for a, b in spans]
 

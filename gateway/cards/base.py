@@ -1,13 +1,13 @@
 """The card interface: one storage backend instance behind the gateway.
 
-A card stores fragments (the unit of storage, see ``adpkv_core.fragments``) in
+A card stores fragments (the unit of storage, see ``adpkv_gateway.fragments``) in
 ``num_dbs`` databases. Only the gateway talks to cards. Every method may be
 called from many I/O threads at once. A read that cannot return exactly the
 bytes that were written (missing, truncated, corrupt, foreign) returns False:
 a miss, never wrong data.
 
 A fragment key is its object's key followed by a 2-byte fragment index
-(``adpkv_core.fragments.fragment_key``); fragment 0, the head, is written last
+(``adpkv_gateway.fragments.fragment_key``); fragment 0, the head, is written last
 and records the size of the whole object. An object lives and dies whole: a card
 that evicts, deletes or drops a fragment drops every fragment of its object.
 """
@@ -37,6 +37,12 @@ class CardUnavailable(CardError):
 class CardIOError(Exception):
     """A transport failure (timeout, lost connection, I/O error): counts as a strike
     against the card's health, unlike a plain miss."""
+
+
+class NodeIOError(CardIOError):
+    """A transport failure of one node of a card made of several (a Redis Cluster): the
+    fragment is unavailable for now, a miss that removes nothing, but the card as a whole
+    answers, so it is no strike against the card's health."""
 
 
 def object_key(fkey: bytes) -> bytes:
@@ -100,6 +106,11 @@ class Card(abc.ABC):
     def process_read_result(self, task, problem: Optional[str]) -> bool:
         """Account for the outcome of a ``process_read`` task (in the gateway's process)."""
         return problem is None
+
+    def details(self) -> dict:
+        """Extra facts for STATS and the status file, cached by the card (no I/O: called on
+        the control loop), e.g. a cluster's state and its nodes' roles."""
+        return {}
 
     @abc.abstractmethod
     def clean(self) -> int:

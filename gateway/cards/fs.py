@@ -34,8 +34,8 @@ import time
 import uuid
 from typing import Callable, Optional
 
-from adpkv_core.checksum import Xxh3Stream
-from adpkv_core.fragments import fragment_extents
+from ..checksum import Xxh3Stream
+from ..fragments import fragment_extents
 from adpkv_core.keys import KEY_BYTES
 
 from . import objfmt

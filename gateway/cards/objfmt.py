@@ -16,7 +16,7 @@ import xxhash
 
 from typing import Optional
 
-from adpkv_core.checksum import xxh3_64
+from ..checksum import xxh3_64
 
 MAGIC = b"ADPKVOBJ"
 FORMAT = 1

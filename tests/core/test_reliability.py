@@ -24,7 +24,7 @@ import zlib
 import pytest
 
 from adpkv_core.client import GatewayClient
-from adpkv_core.fragments import fragment_extents
+from adpkv_gateway.fragments import fragment_extents
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 

@@ -6,7 +6,7 @@ import pytest
 
 from adpkv_core import protocol as P
 from adpkv_core.affinity import dialog_mark, dialog_marks
-from adpkv_core.fragments import fragment_db, fragment_extents, fragment_key
+from adpkv_gateway.fragments import fragment_db, fragment_extents, fragment_key
 from adpkv_core.keys import KEY_BYTES, KeyBuilder, namespace_id
 from adpkv_core.ring import max_parallel_ios, object_stride
 from adpkv_core.settings import ClientConfig
@@ -144,7 +144,7 @@ def test_gil_free_checksum_matches_xxhash():
 
     import xxhash
 
-    from adpkv_core.checksum import xxh3_64
+    from adpkv_gateway.checksum import xxh3_64
     data = bytearray(os.urandom(300_000))
     for view in (data, memoryview(data)[7:250_007], bytes(data[:5000]), memoryview(bytes(data))):
         assert xxh3_64(view) == xxhash.xxh3_64_intdigest(view)
@@ -155,7 +155,7 @@ def test_streamed_checksum_matches_one_shot_in_any_pieces():
 
     import xxhash
 
-    from adpkv_core.checksum import Xxh3Stream
+    from adpkv_gateway.checksum import Xxh3Stream
     data = bytearray(os.urandom(1_000_003))
     h = Xxh3Stream()
     for cuts in ([], [1], [4096, 262144, 262145], list(range(0, len(data), 65536))):
