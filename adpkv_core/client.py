@@ -98,7 +98,6 @@ class _Pending:
 
 # How the replies to each kind of request decode (an ERROR is always possible).
 _OK = P.ReplyDecoder(P.Ok)
-_HELLO_OK = P.ReplyDecoder(P.HelloOk)
 _EXIST_OK = P.ReplyDecoder(P.ExistOk)
 _DELETE_OK = P.ReplyDecoder(P.DeleteOk)
 _STATS_OK = P.ReplyDecoder(P.StatsOk)
@@ -323,7 +322,7 @@ class GatewayClient:
             return
         busy_until = time.monotonic() + self.config.busy_wait_s
         while True:
-            fut = self._call(hello, _HELLO_OK, lambda r: r, None, raw_errors=True)
+            fut = self._call(hello, _OK, lambda r: r, None, raw_errors=True)
             try:
                 reply = fut.result(timeout=self.config.connect_timeout_s)
             except Exception:
@@ -333,7 +332,7 @@ class GatewayClient:
             if not isinstance(reply, P.Error) or reply.code != P.ENGINE_BUSY or time.monotonic() > busy_until:
                 break
             time.sleep(0.5)
-        if not isinstance(reply, P.HelloOk) and ring is not None:
+        if not isinstance(reply, P.Ok) and ring is not None:
             ring.close()
         if reply is None:
             self._turn_off(f"no gateway answered on {self.config.host}:{self.config.port}")

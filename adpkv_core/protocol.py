@@ -9,7 +9,7 @@ fails there with one code.
 
 Requests (client → gateway, ZeroMQ)::
 
-    HELLO  session, engine, world, rank | role=lookup, namespace, layout  -> OK ring_size max_batch_bytes
+    HELLO  session, engine, world, rank | role=lookup, namespace, layout  -> OK
     BYE | PING                                         -> OK
     EXIST  keys, marks?, lock?                         -> OK hits
     UNLOCK keys                                        -> OK
@@ -219,12 +219,7 @@ REQUEST_OPS = frozenset(t.__struct_config__.tag for t in Request.__args__)
 
 
 class Ok(Message, **_op("OK")):
-    """Done, nothing to say (BYE, PING, UNLOCK)."""
-
-
-class HelloOk(Message, **_op("OK")):
-    ring_size: int = 0
-    max_batch_bytes: int = 0
+    """Done, nothing to say (HELLO, BYE, PING, UNLOCK)."""
 
 
 class ExistOk(Message, **_op("OK")):

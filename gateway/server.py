@@ -243,7 +243,7 @@ class Gateway:
         self.engines.attach(identity, msg, session.uid)
         self.sessions_by_peer[identity] = session
         session.identities.add(identity)
-        self._send(identity, P.HelloOk(id=msg.id, ring_size=self.ring.size, max_batch_bytes=self.max_batch_bytes))
+        self._send(identity, P.Ok(id=msg.id))
 
     def _on_session_closed(self, session: Session) -> None:
         """A client's door closed (it exited, or closed its client): what it attached goes now."""
