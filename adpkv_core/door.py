@@ -56,7 +56,7 @@ def recv(sock: socket.socket) -> tuple[bytes, list[int]]:
     if not data and not fds:
         raise EOFError("the other side closed the door")
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-        _close_all(fds)
+        close_fds(fds)
         raise P.ProtocolError(P.BAD_MESSAGE, "a door message is one packet of at most "
                               f"{MAX_PACKET} bytes with at most {MAX_FDS} descriptor")
     return data, fds
@@ -66,7 +66,8 @@ _SESSION_REPLY = P.ReplyDecoder(P.SessionOk)
 _REGION_REPLY = P.ReplyDecoder(P.RegionOk)
 
 
-def _close_all(fds) -> None:
+def close_fds(fds) -> None:
+    """Close descriptors received with a message (a refused or unwanted one), quietly."""
     for fd in fds:
         try:
             os.close(fd)
@@ -93,7 +94,7 @@ class DoorSession:
             self.sock.close()
             raise
         if not isinstance(reply, P.SessionOk) or len(fds) != 1:
-            _close_all(fds)
+            close_fds(fds)
             self.sock.close()
             raise ConnectionRefusedError(f"the gateway at {path} refused a session: "
                                          f"{getattr(reply, 'code', '')} {getattr(reply, 'msg', '')}")
@@ -109,14 +110,14 @@ class DoorSession:
         try:
             return replies.decode(data), got
         except P.ProtocolError:
-            _close_all(got)
+            close_fds(got)
             raise
 
     def register_region(self, fd: int, offset: int, size: int) -> P.Message:
         """Hand the gateway ``size`` bytes at ``offset`` of an open file; the reply
         (``RegionOk`` or ``Error``)."""
         reply, fds = self.request(P.RegionRequest(offset=int(offset), size=int(size)), _REGION_REPLY, [fd])
-        _close_all(fds)
+        close_fds(fds)
         return reply
 
     def fileno(self) -> int:

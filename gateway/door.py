@@ -188,11 +188,11 @@ class DoorServer:
             msg = P.decode_door_request(frame)
             self._handle(session, msg, fds)
         except P.ProtocolError as exc:
-            _close_quietly(fds)
+            D.close_fds(fds)
             logger.warning("Door: refused a request from pid %d (uid %d): %s", session.pid, session.uid, exc)
             self._reply(session, P.error(msg.id if msg else P.request_id(frame), exc.code, exc.message))
         except Exception as exc:        # a bug must not take the gateway down for everyone
-            _close_quietly(fds)
+            D.close_fds(fds)
             logger.exception("Door: internal error")
             self._reply(session, P.error(msg.id if msg else None, P.INTERNAL, str(exc)))
         return True
@@ -279,14 +279,6 @@ class DoorServer:
         self.listener.close()
         try:
             os.unlink(self.path)
-        except OSError:
-            pass
-
-
-def _close_quietly(fds) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
         except OSError:
             pass
 
