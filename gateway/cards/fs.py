@@ -378,7 +378,8 @@ class FsCard(Card):
     def _rebuild_index(self) -> None:
         """Index every object (oldest first). A file whose header does not match its size
         (truncated, corrupt) is removed, and so is every file of an object whose head
-        records a size its fragments do not add up to. Leftovers of interrupted writes go."""
+        records a size its fragments do not add up to, or that has no head (a fragmented write
+        cut short). Leftovers of interrupted writes go."""
         t0 = time.monotonic()
         header = memoryview(bytearray(objfmt.HEADER_CORE))
         groups: dict[bytes, dict[bytes, tuple]] = collections.defaultdict(dict)
@@ -414,7 +415,8 @@ class FsCard(Card):
         entries = []
         for okey, parts in groups.items():
             head = parts.get(okey + HEAD_SUFFIX)
-            if head is not None and head[4] and not self._complete(okey, parts, head):
+            if head is None or (head[4] and not self._complete(okey, parts, head)):
+                # no head: a fragmented write cut short (the head goes last); it can never be read
                 logger.warning("fs card %s: object %s lacks fragments; removing it", self.root, okey.hex())
                 self._unlink([self._path(p[0], fk) for fk, p in parts.items()])
                 bad += 1
