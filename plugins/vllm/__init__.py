@@ -1,16 +1,20 @@
-"""adpkv for vLLM: the KV connector ``AdpKVConnector`` and the OffloadingSpec
-backend ``AdpOffloadingSpec``.
+"""adpkv for vLLM: the KV connector ``AdpKVConnector``, the OffloadingSpec
+backend ``AdpOffloadingSpec`` and ``AdpSecondaryTier``, a secondary tier of
+vLLM's ``TieringOffloadingSpec`` (behind vLLM's own CPU tier).
 
 vLLM loads them by name from this module::
 
     --kv-transfer-config '{"kv_connector":"AdpKVConnector","kv_connector_module_path":"adpkv_vllm",...}'
     --kv-transfer-config '{"kv_connector":"OffloadingConnector",...,"kv_connector_extra_config":
                            {"spec_name":"AdpOffloadingSpec","spec_module_path":"adpkv_vllm",...}}'
+    --kv-transfer-config '{"kv_connector":"OffloadingConnector",...,"kv_connector_extra_config":
+                           {"spec_name":"TieringOffloadingSpec","cpu_bytes_to_use":N,"secondary_tiers":
+                            [{"type":"AdpSecondaryTier","module_path":"adpkv_vllm","port":5557}]}}'
 
 The classes import vLLM lazily, so ``import adpkv_vllm`` works without vLLM.
 """
 
-__all__ = ["AdpKVConnector", "AdpOffloadingSpec"]
+__all__ = ["AdpKVConnector", "AdpOffloadingSpec", "AdpSecondaryTier"]
 
 
 def __getattr__(name):
@@ -20,4 +24,7 @@ def __getattr__(name):
     if name == "AdpOffloadingSpec":
         from .offloading import AdpOffloadingSpec
         return AdpOffloadingSpec
+    if name == "AdpSecondaryTier":
+        from .tier import AdpSecondaryTier
+        return AdpSecondaryTier
     raise AttributeError(name)
