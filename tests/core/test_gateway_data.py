@@ -186,3 +186,19 @@ def test_reads_in_io_processes(start_gateway):
     restored = run_ranks(gw.port, 2, "GET", keys[:3], obj // 2, engine="r2")
     assert all(hits == [False, True, True] and exact is True for _, hits, exact, _ in restored)
     assert "checksum mismatch" in gw.log()
+
+
+def test_reads_in_io_processes_are_counted_on_every_card(start_gateway, tmp_path):
+    """A group of reads that spans two cards, read in the I/O processes: each card's read
+    statistics count them (before, such a group was counted on no card at all)."""
+    gw = start_gateway(card_dirs=[str(tmp_path / "pa"), str(tmp_path / "pb")], io_processes=1,
+                       key_placement="stripe")
+    keys = make_keys(32)
+    assert all(all(f) for _, f, _, _ in run_ranks(gw.port, 1, "PUT", keys, 8192, engine="w"))
+    before = [c["reads"] for c in stats(gw.port)["cards"]]
+    (_, hits, exact, _), = run_ranks(gw.port, 1, "GET", keys, 8192, engine="r")
+    assert all(hits) and exact is True
+    cards = stats(gw.port)["cards"]
+    per_card = [c["reads"] - b for c, b in zip(cards, before)]
+    assert sum(per_card) == 32 and all(n > 0 for n in per_card), per_card
+    assert all(c["bytes_read"] > 0 and c["read_errors"] == 0 for c in cards)
