@@ -231,7 +231,7 @@ class GatewayClient:
             return _done(None)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:      # ValueError: a path with a NUL byte
             logger.warning("Cannot open %s as a region: %s", path, exc)
             return _done(None)
         try:

@@ -153,6 +153,7 @@ def test_bad_regions_are_refused_clearly(gateway, shm_buffer, tmp_path, case):
     c = _client(gateway.port, "region-bad")
     try:
         assert c.register_region("/dev/shm/adpkv-no-such-file", 0, 10).result(5) is None
+        assert c.register_region("/dev/shm/adpkv-\0nul", 0, 10).result(5) is None     # was INTERNAL
         assert c.enabled                       # a refused request changes nothing
         assert c.register_region(path, 0, len(arr)).result(5) == 0
     finally:
