@@ -55,6 +55,10 @@ def cmd_status(args) -> int:
         print(f"card {c['serial']}  {c['kind']} {c['device']}  {'active' if c['active'] else 'INACTIVE'}  "
               f"{c['used_bytes'] / MiB:.1f}/{c['capacity_bytes'] / MiB:.0f} MiB  {c['objects']} objects  "
               f"io errors {c['read_errors'] + c['write_errors']}")
+        if "cluster_state" in c:
+            nodes = c.get("cluster_nodes", [])
+            print(f"  cluster_state {c['cluster_state']}  " + "  ".join(
+                f"{n['node']} {n['role']}{'' if n['answers'] and not n['failed'] else ' DOWN'}" for n in nodes))
     return 0
 
 

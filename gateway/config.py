@@ -31,6 +31,7 @@ class GatewayConfig:
     replicas: int = 1                        # cards each object is written to (read from the first in service)
     io_timeout_ms: int = 0                   # deadline of one card command (0: none)
     io_timeout_strikes: int = 3              # commands past it in a row before a card leaves service
+    resp_wait_ms: int = 0                    # cluster cards: WAIT 1 <ms> after each object (0: off)
     status_file: str = ""                    # Prometheus text file, rewritten every second
     port: int = 5557
     bind_address: str = "127.0.0.1"
@@ -67,6 +68,8 @@ class GatewayConfig:
             raise ValueError("replicas must be >= 1")
         if self.fragment_size < 0:
             raise ValueError("fragment_size must be >= 0")
+        if self.resp_wait_ms < 0:
+            raise ValueError("resp_wait_ms must be >= 0 (0: no WAIT after writes)")
         try:
             mode = int(str(self.control_socket_mode), 8)
         except ValueError:
@@ -131,6 +134,8 @@ HELP: dict[str, str] = {
     "replicas": "cards each object is written to (read from the first one in service)",
     "io_timeout_ms": "deadline of one card command in ms (0: none)",
     "io_timeout_strikes": "commands in a row past the deadline or failing before a card leaves service",
+    "resp_wait_ms": "redis+cluster:// cards: after each object, WAIT 1 <ms> for a replica to hold it; "
+                    "an object no replica acknowledged in time is reported not stored (0: off)",
     "status_file": "Prometheus text file rewritten every second (empty: none)",
     "port": "control port (ZeroMQ); also names the door /dev/shm/adpkv-<port>.sock",
     "bind_address": "address the control port binds to",

@@ -460,7 +460,7 @@ class Gateway:
                           "bytes_written": st.bytes_written, "read_errors": st.read_errors,
                           "write_errors": st.write_errors, "io_seconds": st.io_seconds,
                           "io_count": st.io_count, "io_max_seconds": st.io_max_s,
-                          "evicted": getattr(card, "evicted", 0)})
+                          "evicted": getattr(card, "evicted", 0), **card.details()})
         engine = self.engines.engine
         return {
             "port": self.config.port, "uptime_s": time.time() - self.started,

@@ -38,6 +38,16 @@ def render_status(s: dict) -> str:
         avg = c["io_seconds"] / c["io_count"] if c["io_count"] else 0.0
         metric(p + "storage_io_latency_avg_seconds", f"{avg:.6f}", "Mean card I/O latency", g)
         metric(p + "storage_io_latency_max_seconds", f"{c['io_max_seconds']:.6f}", "Max card I/O latency", g)
+    for c in s["cards"]:
+        if "cluster_state" not in c:
+            continue
+        g = {"group": c["serial"]}
+        metric(p + "cluster_state_ok", int(c["cluster_state"] == "ok"),
+               "The cluster card's cluster_state is ok (1) or not (0)", g)
+        for n in c.get("cluster_nodes", []):
+            metric(p + "cluster_node_up", int(n["answers"] and not n["failed"]),
+                   "A node of the cluster answers the gateway and is not flagged failed",
+                   {**g, "node": n["node"], "role": n["role"]})
     metric(p + "worker_oldest_io_age_seconds", f"{max([c['oldest_io_age_s'] for c in s['cards']] or [0]):.3f}",
            "Age of the oldest card I/O in flight")
     o = s["objects"]

@@ -5,28 +5,34 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from .base import Card, CardError, CardIOError, CardUnavailable, CardUsage
+from .base import Card, CardError, CardIOError, CardUnavailable, CardUsage, NodeIOError
 from .fs import FsCard
 from .resp import RespCard
+from .resp_cluster import SCHEMES as CLUSTER_SCHEMES, ClusterCard
 
-__all__ = ["Card", "CardError", "CardIOError", "CardUnavailable", "CardUsage", "FsCard", "RespCard",
-           "open_cards"]
+__all__ = ["Card", "CardError", "CardIOError", "CardUnavailable", "CardUsage", "ClusterCard", "FsCard",
+           "NodeIOError", "RespCard", "open_cards"]
 
 
 def open_cards(config, is_pinned: Callable[[bytes], bool]) -> list[Card]:
     """Open every card of ``config.storage_devices``.
 
-    A ``redis://`` device is a resp card, anything else a directory (fs card), so
-    both kinds can be mixed. A card that does not answer yet is returned without a
+    A ``redis://`` device is a resp card, a ``redis+cluster://`` device a cluster card
+    (a whole Redis Cluster), anything else a directory (fs card), so the kinds can be
+    mixed. A card that does not answer yet is returned without a
     serial (the health monitor lets it join later); a misconfigured one raises
     CardError with a clear reason.
     """
     cards: list[Card] = []
     for device in config.storage_devices:
-        if str(device).startswith(("redis://", "tcp://")):
-            card: Card = RespCard(device, io_timeout_s=config.io_timeout_ms / 1000.0 if config.io_timeout_ms else None)
+        timeout_s = config.io_timeout_ms / 1000.0 if config.io_timeout_ms else None
+        if str(device).startswith(CLUSTER_SCHEMES):
+            card: Card = ClusterCard(device, io_timeout_s=timeout_s, wait_ms=getattr(config, "resp_wait_ms", 0))
+        elif str(device).startswith(("redis://", "tcp://")):
+            card = RespCard(device, io_timeout_s=timeout_s)
         elif config.storage_backend == "resp":
-            raise CardError(f"storage_backend resp needs redis://host:port devices, not {device!r}")
+            raise CardError(f"storage_backend resp needs redis://host:port or redis+cluster://host:port[,...] "
+                            f"devices, not {device!r}")
         else:
             card = FsCard(device, num_dbs=config.num_dbs, capacity_bytes=config.capacity_bytes,
                           eviction_watermark=config.eviction_watermark, eviction_ratio=config.eviction_ratio,

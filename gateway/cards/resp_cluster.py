@@ -1,0 +1,596 @@
+"""The cluster card: a whole Redis Cluster protocol deployment (Redis 7, Valkey, Kvrocks
+cluster) as one card, ``redis+cluster://host:port[,host:port...]`` (seed nodes).
+
+The cluster owns its 16384 slots, moves them live and promotes a replica when a
+primary dies; the card stands on that:
+
+- It learns the slot map (``CLUSTER SLOTS``) from any node that answers and sends
+  each command to the primary of the key's slot. ``MOVED`` updates that slot and
+  refreshes the map; ``ASK`` is followed by one ``ASKING`` and the command again
+  on the node named (a slot being migrated).
+- Keys are ``adpkv:{<tag>}:<db>:<fragment key>``: the hash tag (16 hex digits of
+  an xxh3 of the object key) puts every fragment of one object in one slot, so
+  an object lives on one node, is read from one node and is replicated in
+  order by one replication stream; different objects spread over all slots.
+- Health is per node, not per card: a node that does not answer (refused,
+  reset, timed out, ``CLUSTERDOWN``, ``LOADING``) makes the commands for its
+  slots fail with ``NodeIOError`` — a miss that removes nothing and no strike
+  against the card — and the map is refreshed (at most every 0.2 s, and every
+  second by the health check) until the cluster has failed over; every other
+  slot keeps working. The card leaves service only when no node answers or the
+  cluster holds another card's serial.
+- Values are those of the resp card (96-byte object header + payload), so a
+  fragment lost, half-written or replicated partly before a failover is a miss
+  (the header's key and checksums are checked on every read, wherever a
+  redirection sent it), never wrong data.
+- ``wait_ms`` (``resp_wait_ms``): after an object's head (its last fragment,
+  written on the same connection as the others) ``WAIT 1 <ms>``; an object no
+  replica acknowledged in time is reported not stored.
+
+The client is adpkv's own ``RespConnection`` (reads ``recv_into`` the ring slot,
+writes one ``sendmsg`` from it), one connection per I/O thread per node; see
+docs/gateway.md for why not redis-py's ``RedisCluster``.
+"""
+
+from __future__ import annotations
+
+import binascii
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Callable, Optional
+
+import xxhash
+
+from . import objfmt
+from .base import Card, CardError, CardIOError, CardUnavailable, CardUsage, NodeIOError, is_head, object_key
+from .resp_conn import RespConnection, RespError
+
+logger = logging.getLogger("adpkv.gateway.resp_cluster")
+
+SCHEMES = ("redis+cluster://", "rediss+cluster://")
+SERIAL_KEY = b"adpkv:card:serial"
+KEY_PREFIX = b"adpkv:{"
+SLOTS = 16384
+MAX_REDIRECTS = 5
+REFRESH_MIN_INTERVAL_S = 0.2
+NODE_RETRY_S = 0.5            # a node that failed is not tried again before this (fail fast)
+_TRANSPORT = (OSError, ConnectionError, socket.timeout)
+_NODE_ERRORS = ("CLUSTERDOWN", "LOADING", "TRYAGAIN", "MASTERDOWN")
+
+Addr = tuple[str, int]
+
+
+def key_slot(key: bytes) -> int:
+    """The cluster slot of a key (CRC16/XMODEM of its hash tag, or of the whole key)."""
+    s = key.find(b"{")
+    if s >= 0:
+        e = key.find(b"}", s + 1)
+        if e > s + 1:
+            key = key[s + 1:e]
+    return binascii.crc_hqx(key, 0) % SLOTS
+
+
+def parse_cluster_url(url: str) -> tuple[list[Addr], Optional[str]]:
+    """Seed nodes and password of ``redis+cluster://[:password@]host:port[,host:port...]``."""
+    if url.startswith("rediss+cluster://"):
+        raise CardError(f"{url}: TLS (rediss+cluster://) is not supported yet; use redis+cluster:// "
+                        "on a trusted network or a TLS tunnel")
+    if not url.startswith("redis+cluster://"):
+        raise CardError(f"a cluster card is redis+cluster://host:port[,host:port...], not {url!r}")
+    rest = url[len("redis+cluster://"):].split("/", 1)[0].split("?", 1)[0]
+    password = None
+    if "@" in rest:
+        cred, rest = rest.rsplit("@", 1)
+        password = cred.split(":", 1)[1] if ":" in cred else cred
+        from urllib.parse import unquote
+        password = unquote(password) or None
+    seeds: list[Addr] = []
+    for part in rest.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        host, _, port = part.rpartition(":")
+        if not host:
+            host, port = part, "6379"
+        try:
+            seeds.append((host.strip("[]"), int(port)))
+        except ValueError:
+            raise CardError(f"{url}: {part!r} is not host:port") from None
+    if not seeds:
+        raise CardError(f"{url}: names no seed node")
+    if password is None:
+        password = os.environ.get("ADPKV_RESP_PASSWORD") or None
+        path = os.environ.get("ADPKV_RESP_PASSWORD_FILE")
+        if password is None and path:
+            with open(path, "r", encoding="utf-8") as fh:
+                password = fh.read().strip() or None
+    return seeds, password
+
+
+def _fmt(addr: Addr) -> str:
+    return f"{addr[0]}:{addr[1]}"
+
+
+class _Redirect(Exception):
+    def __init__(self, kind: str, slot: int, addr: Addr):
+        super().__init__(kind)
+        self.kind, self.slot, self.addr = kind, slot, addr
+
+
+def _redirect(err: RespError) -> Optional[_Redirect]:
+    """A MOVED/ASK error reply as a redirection (None for any other error)."""
+    text = str(err)
+    if text.startswith(("MOVED ", "ASK ")):
+        kind, slot, where = text.split()[:3]
+        host, _, port = where.rpartition(":")
+        return _Redirect(kind, int(slot), (host, int(port)))
+    return None
+
+
+class ClusterCard(Card):
+    """A card that is a whole Redis Cluster."""
+
+    kind = "resp-cluster"
+
+    def __init__(self, device: str, io_timeout_s: Optional[float] = None, wait_ms: int = 0):
+        super().__init__(device)
+        self.seeds, self.password = parse_cluster_url(device)
+        self.timeout_s = io_timeout_s or 5.0
+        self.wait_ms = int(wait_ms)
+        self._local = threading.local()
+        self._generation = 0
+        self._conns: list[RespConnection] = []
+        self._conns_lock = threading.Lock()
+        self._map_lock = threading.Lock()
+        self._slots: list[Optional[Addr]] = [None] * SLOTS
+        self._replicas: dict[Addr, list[Addr]] = {}
+        self._refreshed = 0.0
+        self._down_until: dict[Addr, float] = {}
+        self._down_logged: set[Addr] = set()
+        self.counters = {"moved": 0, "ask": 0, "node_errors": 0, "map_refreshes": 0, "wait_short": 0}
+        self._status: dict = {"cluster_state": "unknown", "cluster_nodes": []}
+
+    # ------------------------------------------------------------------ connections
+    def _connect(self, addr: Addr, timeout: Optional[float]) -> RespConnection:
+        conn = RespConnection(f"redis://{addr[0]}:{addr[1]}", timeout)
+        try:
+            if self.password:
+                conn.command(b"AUTH", self.password.encode())
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _conn(self, addr: Addr) -> RespConnection:
+        local = self._local
+        if getattr(local, "gen", -1) != self._generation:
+            local.conns, local.gen = {}, self._generation
+        conn = local.conns.get(addr)
+        if conn is None:
+            until = self._down_until.get(addr, 0.0)
+            if until and time.monotonic() < until:
+                self._refresh()            # rate-limited: learns a failover as soon as it happened
+                raise NodeIOError(f"cluster card {self.device}: node {_fmt(addr)} is down")
+            conn = self._connect(addr, self.timeout_s)
+            local.conns[addr] = conn
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    def _drop(self, addr: Addr) -> None:
+        conn = getattr(self._local, "conns", {}).pop(addr, None)
+        if conn is not None:
+            conn.close()
+            with self._conns_lock:
+                if conn in self._conns:
+                    self._conns.remove(conn)
+
+    def _node_failed(self, addr: Addr, exc: BaseException) -> NodeIOError:
+        """A node did not answer: fail fast on it for a while, refresh the map, and the
+        error the command raises (a miss, no strike against the card)."""
+        self._drop(addr)
+        self.counters["node_errors"] += 1
+        self._down_until[addr] = time.monotonic() + NODE_RETRY_S
+        if addr not in self._down_logged:
+            self._down_logged.add(addr)
+            logger.warning("cluster card %s: node %s does not answer (%s); its slots are misses until "
+                           "it answers or the cluster fails over", self.device, _fmt(addr), exc)
+        self._refresh()
+        return NodeIOError(f"cluster card {self.device}: node {_fmt(addr)}: {exc}")
+
+    def _node_ok(self, addr: Addr) -> None:
+        if addr in self._down_until:
+            self._down_until.pop(addr, None)
+        if addr in self._down_logged:
+            self._down_logged.discard(addr)
+            logger.info("cluster card %s: node %s answers again", self.device, _fmt(addr))
+
+    def reset_connections(self) -> None:
+        self._generation += 1
+        with self._conns_lock:
+            conns, self._conns = self._conns, []
+        for c in conns:
+            c.close()
+
+    # ------------------------------------------------------------------ the slot map
+    def _known_nodes(self) -> list[Addr]:
+        seen: dict[Addr, None] = {}
+        for addr in self._slots:
+            if addr is not None:
+                seen.setdefault(addr)
+        for reps in self._replicas.values():
+            for r in reps:
+                seen.setdefault(r)
+        for s in self.seeds:
+            seen.setdefault(s)
+        now = time.monotonic()
+        return sorted(seen, key=lambda a: self._down_until.get(a, 0.0) > now)   # answering nodes first
+
+    def _refresh(self, force: bool = False) -> bool:
+        """Learn the slot map from the first node that answers (rate-limited)."""
+        if not self._map_lock.acquire(blocking=force):
+            return True                    # another thread is refreshing it
+        try:
+            now = time.monotonic()
+            if not force and now - self._refreshed < REFRESH_MIN_INTERVAL_S:
+                return True
+            self._refreshed = now
+            for addr in self._known_nodes():
+                try:
+                    conn = self._connect(addr, min(self.timeout_s, 1.0))
+                    try:
+                        reply = conn.command(b"CLUSTER", b"SLOTS")
+                    finally:
+                        conn.close()
+                except (_TRANSPORT + (RespError,)):
+                    continue
+                slots: list[Optional[Addr]] = [None] * SLOTS
+                replicas: dict[Addr, list[Addr]] = {}
+                for entry in reply or []:
+                    start, end, primary = int(entry[0]), int(entry[1]), entry[2]
+                    p = self._addr(primary, addr)
+                    for s in range(start, end + 1):
+                        slots[s] = p
+                    replicas.setdefault(p, [])
+                    for r in entry[3:]:
+                        ra = self._addr(r, addr)
+                        if ra not in replicas[p]:
+                            replicas[p].append(ra)
+                self._slots, self._replicas = slots, replicas
+                self.counters["map_refreshes"] += 1
+                return True
+            return False
+        finally:
+            self._map_lock.release()
+
+    @staticmethod
+    def _addr(node: list, asked: Addr) -> Addr:
+        host = node[0].decode() if isinstance(node[0], bytes) else str(node[0])
+        if host in ("", "?"):
+            host = asked[0]
+        return host, int(node[1])
+
+    def _primary(self, slot: int) -> Addr:
+        addr = self._slots[slot]
+        if addr is None:
+            self._refresh()
+            addr = self._slots[slot]
+            if addr is None:
+                raise NodeIOError(f"cluster card {self.device}: slot {slot} has no node")
+        return addr
+
+    # ------------------------------------------------------------------ one command, redirected
+    def _run(self, key: bytes, fn: Callable[[RespConnection], object]):
+        """``fn(conn)`` on the primary of the key's slot, following MOVED and ASK."""
+        slot = key_slot(key)
+        addr, asking = self._primary(slot), False
+        for _ in range(MAX_REDIRECTS):
+            try:
+                conn = self._conn(addr)
+                if asking:
+                    conn.command(b"ASKING")
+                result = fn(conn)
+            except _TRANSPORT as exc:
+                raise self._node_failed(addr, exc) from None
+            except RespError as exc:
+                red = _redirect(exc)
+                if red is None:
+                    if str(exc).startswith(_NODE_ERRORS):
+                        raise self._node_failed(addr, exc) from None
+                    raise
+                addr, asking = self._follow(red)
+                continue
+            self._node_ok(addr)
+            return result
+        raise NodeIOError(f"cluster card {self.device}: too many redirections for slot {slot}")
+
+    def _follow(self, red: _Redirect) -> tuple[Addr, bool]:
+        if red.kind == "MOVED":
+            self.counters["moved"] += 1
+            self._slots[red.slot] = red.addr
+            self._refresh()
+            return red.addr, False
+        self.counters["ask"] += 1
+        return red.addr, True
+
+    def _pipeline(self, commands: list[tuple[bytes, ...]]) -> list:
+        """Run single-key commands (key second), pipelined per node and in parallel across
+        nodes (every node's batch is sent before any reply is read); a command redirected
+        or failed is run again alone. Replies in order; a NodeIOError in place of the reply
+        of a command whose node did not answer."""
+        out: list = [None] * len(commands)
+        by_node: dict[Addr, list[int]] = {}
+        for i, cmd in enumerate(commands):
+            try:
+                by_node.setdefault(self._primary(key_slot(cmd[1])), []).append(i)
+            except NodeIOError as exc:
+                out[i] = exc
+        sent: list[tuple[Addr, RespConnection, list[int]]] = []
+        for addr, idx in by_node.items():
+            try:
+                conn = self._conn(addr)
+                conn.sock.sendall(b"".join(conn.encode(*commands[i]) for i in idx))
+                sent.append((addr, conn, idx))
+            except _TRANSPORT as exc:
+                err = self._node_failed(addr, exc)
+                for i in idx:
+                    out[i] = err
+            except NodeIOError as exc:
+                for i in idx:
+                    out[i] = exc
+        retry: list[int] = []
+        for addr, conn, idx in sent:
+            done = 0
+            try:
+                for i in idx:
+                    try:
+                        out[i] = conn.read_reply()
+                    except RespError as exc:
+                        if _redirect(exc) is not None or str(exc).startswith(_NODE_ERRORS):
+                            retry.append(i)
+                        else:
+                            out[i] = exc
+                    done += 1
+                self._node_ok(addr)
+            except _TRANSPORT as exc:
+                err = self._node_failed(addr, exc)
+                for i in idx[done:]:
+                    out[i] = err
+        for i in retry:
+            try:
+                out[i] = self._run(commands[i][1], lambda c, cmd=commands[i]: c.command(*cmd))
+            except (NodeIOError, RespError) as exc:
+                out[i] = exc
+        return out
+
+    def _primaries(self) -> list[Addr]:
+        if all(a is None for a in self._slots):
+            self._refresh(force=True)
+        return sorted({a for a in self._slots if a is not None})
+
+    # ------------------------------------------------------------------ keys
+    @staticmethod
+    def _key(db: int, fkey: bytes) -> bytes:
+        tag = b"%016x" % xxhash.xxh3_64_intdigest(object_key(fkey))
+        return KEY_PREFIX + tag + b"}:%03d:" % db + fkey
+
+    # ------------------------------------------------------------------ setup & health
+    def open(self) -> None:
+        if not self._refresh(force=True):
+            raise CardUnavailable(f"cluster card {self.device}: no seed node answers CLUSTER SLOTS")
+        try:
+            serial = self._run(SERIAL_KEY, lambda c: c.command(b"GET", SERIAL_KEY))
+            if serial is None:
+                new = ("RC" + uuid.uuid4().hex[:14].upper()).encode()
+                self._run(SERIAL_KEY, lambda c: c.command(b"SET", SERIAL_KEY, new, b"NX"))
+                serial = self._run(SERIAL_KEY, lambda c: c.command(b"GET", SERIAL_KEY))
+        except (CardIOError, RespError) as exc:
+            raise CardUnavailable(f"cluster card {self.device} does not answer: {exc}") from None
+        if serial is None:
+            raise CardUnavailable(f"cluster card {self.device}: the serial could not be stored")
+        self.serial = serial.decode()
+        self._update_status()
+        logger.info("cluster card %s: serial %s, %d primaries", self.device, self.serial, len(self._primaries()))
+
+    def probe_serial(self) -> Optional[str]:
+        """The serial the cluster holds now: None if it cannot be read (the node of its slot
+        and its replicas do not answer), "" if it holds none."""
+        try:
+            serial = self._run(SERIAL_KEY, lambda c: c.command(b"GET", SERIAL_KEY))
+            return serial.decode() if serial else ""
+        except (CardIOError, RespError, OSError):
+            pass
+        primary = self._slots[key_slot(SERIAL_KEY)]
+        for rep in self._replicas.get(primary, []) if primary else []:
+            try:
+                conn = self._connect(rep, 1.0)
+                try:
+                    conn.command(b"READONLY")
+                    serial = conn.command(b"GET", SERIAL_KEY)
+                finally:
+                    conn.close()
+                return serial.decode() if serial else ""
+            except (_TRANSPORT + (RespError,)):
+                continue
+        return None
+
+    def check(self) -> bool:
+        """In service while the cluster answers and does not hold another serial: a node down
+        costs its slots only (its commands are misses), not the card."""
+        if not self.serial:
+            return False
+        self._refresh(force=True)
+        self._update_status()
+        serial = self.probe_serial()
+        if serial is None:
+            return any(n.get("answers") for n in self._status["cluster_nodes"])
+        return serial == self.serial
+
+    def _update_status(self) -> None:
+        """Cache the cluster's own view (CLUSTER INFO / NODES of a node that answers) and
+        ours (which nodes answer us) for STATS and the status file."""
+        state, nodes = "unknown", []
+        for addr in self._known_nodes():
+            try:
+                conn = self._connect(addr, 1.0)
+                try:
+                    info = conn.command(b"CLUSTER", b"INFO").decode()
+                    listing = conn.command(b"CLUSTER", b"NODES").decode()
+                finally:
+                    conn.close()
+            except (_TRANSPORT + (RespError,)):
+                continue
+            fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+            state = fields.get("cluster_state", "unknown").strip()
+            now = time.monotonic()
+            for line in listing.splitlines():
+                parts = line.split()
+                if len(parts) < 8:
+                    continue
+                host_port = parts[1].split("@", 1)[0]
+                host, _, port = host_port.rpartition(":")
+                flags = parts[2].split(",")
+                role = "primary" if "master" in flags else "replica" if "slave" in flags else "unknown"
+                slots = 0
+                for r in parts[8:]:
+                    if r.startswith("["):
+                        continue
+                    a, _, b = r.partition("-")
+                    slots += (int(b) - int(a) + 1) if b else 1
+                a = (host or addr[0], int(port or 0))
+                nodes.append({"node": _fmt(a), "role": role, "slots": slots,
+                              "failed": "fail" in flags or "fail?" in flags,
+                              "answers": self._down_until.get(a, 0.0) <= now})
+            break
+        nodes.sort(key=lambda n: (n["role"] != "primary", n["node"]))
+        self._status = {"cluster_state": state, "cluster_nodes": nodes}
+
+    def details(self) -> dict:
+        return {**self._status, "cluster_counters": dict(self.counters)}
+
+    # ------------------------------------------------------------------ data
+    def _header_buf(self) -> memoryview:
+        h = getattr(self._local, "header", None)
+        if h is None:
+            h = self._local.header = memoryview(bytearray(objfmt.HEADER_CORE))
+        return h
+
+    def read(self, db: int, fkey: bytes, buf: memoryview) -> bool:
+        header = self._header_buf()
+        key = self._key(db, fkey)
+        n = self._run(key, lambda c: c.get_into(key, header, buf))
+        if n is None:
+            return False
+        if n != objfmt.HEADER_CORE + len(buf) or not objfmt.check_header(header, fkey, len(buf)):
+            logger.warning("cluster card %s: %s holds a foreign or resized object; a miss", self.device, fkey.hex())
+            return False
+        if not objfmt.payload_ok(header, buf):
+            logger.warning("cluster card %s: %s fails its checksum; a miss", self.device, fkey.hex())
+            return False
+        return True
+
+    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0) -> bool:
+        header = self._header_buf()
+        head = is_head(fkey)
+        objfmt.fill_header(header, fkey, buf, object_bytes if head else 0)
+        key = self._key(db, fkey)
+        wait = self.wait_ms > 0 and head
+
+        def run(c: RespConnection):
+            c.set_value(key, [header, buf])
+            if wait:        # same connection as the object's other fragments: WAIT covers them all
+                return c.command(b"WAIT", b"1", str(self.wait_ms).encode())
+            return 1
+        try:
+            acked = self._run(key, run)
+        except RespError as exc:
+            logger.warning("cluster card %s refused a write: %s", self.device, exc)
+            return False
+        if wait and not (isinstance(acked, int) and acked >= 1):
+            self.counters["wait_short"] += 1
+            return False
+        return True
+
+    def contains_many(self, items, lengths=None):
+        if not items:
+            return []
+        replies = self._pipeline([(b"STRLEN", self._key(db, k)) for db, k in items])
+        self._raise_if_all_failed(replies)
+        if lengths is None:
+            lengths = [None] * len(items)
+        return [isinstance(r, int) and (r > objfmt.HEADER_CORE if n is None else r == objfmt.HEADER_CORE + n)
+                for r, n in zip(replies, lengths)]
+
+    def object_sizes(self, heads):
+        if not heads:
+            return []
+        last = str(objfmt.HEADER_CORE - 1).encode()
+        replies = self._pipeline([(b"GETRANGE", self._key(db, k), b"0", last) for db, k in heads])
+        self._raise_if_all_failed(replies)
+        out: list[Optional[int]] = []
+        for (_, fkey), r in zip(heads, replies):
+            parsed = objfmt.read_header(r, fkey) if isinstance(r, bytes) else None
+            out.append(None if parsed is None else parsed[1])
+        return out
+
+    @staticmethod
+    def _raise_if_all_failed(replies: list) -> None:
+        errors = [r for r in replies if isinstance(r, NodeIOError)]
+        if errors and len(errors) == len(replies):
+            raise errors[0]
+
+    def delete(self, db: int, fkey: bytes) -> bool:
+        key = self._key(db, fkey)
+        return bool(self._run(key, lambda c: c.command(b"DEL", key)))
+
+    def delete_many(self, items) -> int:
+        if not items:
+            return 0
+        replies = self._pipeline([(b"DEL", self._key(db, k)) for db, k in items])
+        return sum(r for r in replies if isinstance(r, int))
+
+    def clean(self) -> int:
+        removed = 0
+        for addr in self._primaries():
+            try:
+                conn = self._connect(addr, self.timeout_s)
+            except _TRANSPORT as exc:
+                raise self._node_failed(addr, exc) from None
+            try:
+                cursor = b"0"
+                while True:
+                    cursor, keys = conn.command(b"SCAN", cursor, b"MATCH", KEY_PREFIX + b"*", b"COUNT", b"1000")
+                    if keys:
+                        for r in conn.pipeline([(b"DEL", k) for k in keys]):
+                            removed += r if isinstance(r, int) else 0
+                    if cursor in (b"0", 0):
+                        break
+            except _TRANSPORT as exc:
+                raise self._node_failed(addr, exc) from None
+            finally:
+                conn.close()
+        logger.info("cluster card %s: cleaned, %d fragments removed", self.device, removed)
+        return removed
+
+    def usage(self) -> CardUsage:
+        used = cap = objects = 0
+        for addr in self._primaries():
+            try:
+                conn = self._conn(addr)
+                info = conn.command(b"INFO", b"memory").decode()
+                size = int(conn.command(b"DBSIZE"))
+            except (_TRANSPORT + (RespError, NodeIOError, ValueError)):
+                self._drop(addr)
+                continue
+            fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+            used += int(fields.get("used_memory", 0))
+            cap += int(fields.get("maxmemory", 0))
+            objects += size
+        return CardUsage(used, cap, max(0, objects - 1))
+
+    def close(self) -> None:
+        self.reset_connections()
