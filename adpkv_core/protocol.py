@@ -287,6 +287,9 @@ DoorRequest = Union[SessionRequest, RegionRequest]
 
 # ---------------------------------------------------------------- encoding and decoding
 _encoder = msgspec.msgpack.Encoder()
+# What decoding a hostile frame can raise: bad msgpack, a wrong type, nesting deep enough to
+# exhaust the decoder's recursion (found by the control fuzzer: it was an INTERNAL answer).
+_BAD_FRAME = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)
 _raw = msgspec.msgpack.Decoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _door_decoder = msgspec.msgpack.Decoder(DoorRequest)
@@ -300,7 +303,7 @@ def _classify(frame: bytes, ops, exc: Exception) -> ProtocolError:
     """Why a frame did not decode, as the error code a sender can act on."""
     try:
         raw = _raw.decode(frame)
-    except msgspec.DecodeError:
+    except _BAD_FRAME:
         return ProtocolError(BAD_MESSAGE, "not a msgpack message")
     if not isinstance(raw, dict):
         return ProtocolError(BAD_MESSAGE, "a message must be a map")
@@ -319,7 +322,7 @@ def request_id(frame: bytes) -> Any:
     """The ``id`` of a frame that failed to decode, to echo in the ERROR reply (None if none)."""
     try:
         raw = _raw.decode(frame)
-    except msgspec.DecodeError:
+    except _BAD_FRAME:
         return None
     rid = raw.get("id") if isinstance(raw, dict) else None
     return rid if isinstance(rid, (int, str)) and not isinstance(rid, bool) else None
@@ -329,7 +332,7 @@ def decode_request(frame: bytes) -> Request:
     """One request, checked; ``ProtocolError`` with the code that says what is wrong."""
     try:
         msg = _request_decoder.decode(frame)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except _BAD_FRAME as exc:
         raise _classify(frame, REQUEST_OPS, exc) from None
     if msg.v != PROTOCOL_VERSION:
         raise ProtocolError(BAD_VERSION, f"protocol version {msg.v}, this side speaks {PROTOCOL_VERSION}")
@@ -339,7 +342,7 @@ def decode_request(frame: bytes) -> Request:
 def decode_door_request(frame: bytes) -> Union[SessionRequest, RegionRequest]:
     try:
         msg = _door_decoder.decode(frame)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except _BAD_FRAME as exc:
         raise _classify(frame, {"SESSION", "REGION"}, exc) from None
     if msg.v != PROTOCOL_VERSION:
         raise ProtocolError(BAD_VERSION, f"protocol version {msg.v}, this side speaks {PROTOCOL_VERSION}")
@@ -355,7 +358,7 @@ class ReplyDecoder:
     def decode(self, frame: bytes) -> Message:
         try:
             return self._decoder.decode(frame)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        except _BAD_FRAME as exc:
             raise ProtocolError(BAD_MESSAGE, f"a reply that is not what was asked for: {str(exc)[:200]}") from None
 
 
@@ -371,7 +374,7 @@ def envelope(frame: bytes) -> tuple[str, Any]:
     """``(op, id)`` of a reply, to find the request it answers before decoding it whole."""
     try:
         env = _envelope.decode(frame)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except _BAD_FRAME as exc:
         raise ProtocolError(BAD_MESSAGE, f"not a reply: {str(exc)[:200]}") from None
     return env.op, env.id
 
