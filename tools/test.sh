@@ -7,7 +7,8 @@
 #   sglang   sglang 0.5.23 + torch 2.14.1 (runs on the CPU; its page hash JIT-compiles: g++, libssl-dev)
 # Usage: bash tools/test.sh [suite ...]   (default: all suites)
 # On a fresh machine it first installs the system packages the suites need (apt-get, as
-# root or through password-less sudo): redis-server (real servers for the resp card tests),
+# root or through password-less sudo): redis-server and redis-tools (real servers and
+# redis-cli --cluster for the resp and cluster card tests),
 # g++ and libssl-dev (SGLang's page hash JIT-compiles). ADPKV_NO_SYSTEM_SETUP=1 skips that.
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -19,6 +20,7 @@ suites=("$@")
 system_setup() {
   local need=() s
   command -v redis-server >/dev/null || need+=(redis-server)
+  command -v redis-cli >/dev/null || need+=(redis-tools)      # redis-cli --cluster: the cluster card's tests
   for s in "${suites[@]}"; do
     if [[ "$s" == sglang ]]; then
       command -v g++ >/dev/null || need+=(g++)
