@@ -114,6 +114,28 @@ def cluster_gateway(start_gateway, cluster, **kw):
     return start_gateway(card_dirs=[cluster.url], storage_backend="resp", **kw)
 
 
+def test_cluster_urls_and_key_slots(monkeypatch, tmp_path):
+    from adpkv_gateway.cards.base import CardError
+    from adpkv_gateway.cards.resp_cluster import parse_cluster_url
+    assert parse_cluster_url("redis+cluster://a:7000,b:7001") == ([("a", 7000), ("b", 7001)], None)
+    assert parse_cluster_url("redis+cluster://:p%40ss@a:7000,b") == ([("a", 7000), ("b", 6379)], "p@ss")
+    monkeypatch.setenv("ADPKV_RESP_PASSWORD", "from-env")
+    assert parse_cluster_url("redis+cluster://a:1")[1] == "from-env"
+    monkeypatch.delenv("ADPKV_RESP_PASSWORD")
+    (tmp_path / "pw").write_text("from-file\n")
+    monkeypatch.setenv("ADPKV_RESP_PASSWORD_FILE", str(tmp_path / "pw"))
+    assert parse_cluster_url("redis+cluster://a:1")[1] == "from-file"
+    for bad in ("rediss+cluster://a:1", "redis+cluster://", "redis+cluster://a:b"):
+        with pytest.raises(CardError):
+            parse_cluster_url(bad)
+    # the slots Redis documents: CRC16/XMODEM of the hash tag, or of the whole key
+    assert key_slot(b"foo") == 12182 and key_slot(b"123456789") == 0x31C3
+    assert key_slot(b"{user1000}.following") == key_slot(b"{user1000}.followers") == key_slot(b"user1000")
+    import binascii
+    assert key_slot(b"foo{}{bar}") == binascii.crc_hqx(b"foo{}{bar}", 0) % 16384     # empty tag: whole key
+    assert key_slot(b"foo{{bar}}zap") == key_slot(b"{bar")                          # first { to the next }
+
+
 def test_store_restore_byte_exact_and_a_restarted_gateway_finds_everything(redis_cluster, start_gateway, tmp_path):
     cluster = redis_cluster()
     status = tmp_path / "status.prom"
@@ -234,6 +256,8 @@ def test_kill_9_of_a_primary_during_reads_and_writes(redis_cluster, start_gatewa
     c.close()
     print(f"after the failover: {fresh_stored} of {fresh.objects} new objects stored with resp_wait_ms "
           f"(the promoted primary has no replica left: WAIT 1 cannot be met on its slots)")
+    assert 0 < fresh_stored < fresh.objects, "resp_wait_ms: a shard without a replica must store nothing"
+    assert stats(gw.port)["cards"][0]["cluster_counters"]["wait_short"] > 0
     assert "does not answer" in gw.log()
 
 
