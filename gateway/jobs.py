@@ -32,7 +32,7 @@ class Batch:
     ``transfers`` for its stages)."""
 
     __slots__ = ("id", "job", "first", "count", "offset", "nbytes", "stage", "pending",
-                 "flags", "waiting", "filled")
+                 "flags", "waiting", "filled", "direct")
 
     def __init__(self, batch_id: int, job: "DataJob", first: int, count: int, offset: int, nbytes: int):
         self.id = batch_id
@@ -46,6 +46,7 @@ class Batch:
         self.flags = bytearray(count)          # per object: found / still good (GET), in the ring / stored (PUT)
         self.waiting: set[bytes] = set()       # ranks that still have to RELEASE / FILL
         self.filled = True                     # PUT: every rank filled its part
+        self.direct: set[int] = set()          # GET into a region: objects read straight into it
 
     def object_offset(self, j: int) -> int:
         return self.offset + j * self.job.stride

@@ -180,6 +180,26 @@ class ObjectStore:
         self.on_io(frag.card, transport_ok or not strike, seconds)
         return ok, transport_ok
 
+    def read_to_fds(self, items) -> list[tuple[int, bool]]:
+        """Read ``(j, fragment, descriptor, offset)`` items straight into a client's buffer
+        (``Card.read_to_fd``); ``(j, ok)`` each, with statistics and health as ``read_many``."""
+        out = []
+        for j, frag, fd, offset in items:
+            card = self.cards[frag.card]
+            token = self.stats[frag.card].begin()
+            ok, transport_ok = False, True
+            try:
+                ok = bool(card.read_to_fd(frag.db, frag.fkey, frag.length, fd, offset))
+            except CardIOError as exc:
+                transport_ok = False
+                _log_io_error(exc)
+            except Exception:
+                logger.exception("read from card %s failed", card.serial)
+            seconds = self.stats[frag.card].end(token, False, ok, frag.length)
+            self.on_io(frag.card, transport_ok, seconds)
+            out.append((j, ok))
+        return out
+
     def read_many(self, items) -> list[tuple[int, bool]]:
         """Read ``(j, fragment, view)`` items in turn; ``(j, ok)`` for each. A fragment that
         misses on its card is read from the object's next replica in service, and an object

@@ -160,7 +160,7 @@ class Transfers:
                                                    hits=bytes(batch.flags) if job.op == "GET" else None))
         elif stage is Stage.TO_REGION:
             items = [(j, self._slot(batch, j), job.places[batch.first + j])
-                     for j in range(batch.count) if batch.flags[j]]
+                     for j in range(batch.count) if batch.flags[j] and j not in batch.direct]
             self._submit(batch, lambda group: _region_io(job.region, group, into_ring=False), items)
         elif stage is Stage.FROM_REGION:
             items = [(j, self._slot(batch, j), job.places[batch.first + j]) for j in range(batch.count)]
@@ -194,17 +194,24 @@ class Transfers:
         batch.pending -= 1
         job = batch.job
         if job.op == "GET":
-            reads = []
+            reads, direct = [], []
             for j, card in enumerate(found or [None] * batch.count):
                 if card is None:
                     continue
                 batch.flags[j] = 1
-                reads.extend((j, frag, self._slot(batch, j, frag.offset, frag.length))
-                             for frag in self.store.read_plan(card, job.keys[batch.first + j], job.object_bytes))
+                frags = self.store.read_plan(card, job.keys[batch.first + j], job.object_bytes)
+                if job.region is not None and all(self.store.cards[f.card].direct_reads for f in frags):
+                    # card -> the engine's region in one copy, by its descriptor (no ring)
+                    batch.direct.add(j)
+                    direct.extend((j, f, job.places[batch.first + j] + f.offset) for f in frags)
+                else:
+                    reads.extend((j, f, self._slot(batch, j, f.offset, f.length)) for f in frags)
             batch.stage = Stage.READ
             if self.procs:
                 reads = self._read_in_processes(batch, reads)
             self._submit(batch, self.store.read_many, reads)
+            region = job.region
+            self._submit(batch, lambda group: _direct_reads(self.store, region, group), direct)
         else:
             writes = []
             in_ring = bytes(batch.flags)
@@ -329,6 +336,17 @@ class Transfers:
         if again:
             self._submit(batch, self.store.read_from_replicas, again)
         self._io_done(batch, done)
+
+
+def _direct_reads(store: ObjectStore, region, items: list) -> list[tuple[int, bool]]:
+    """Read ``(j, fragment, file offset)`` items from their cards straight into a client's
+    region (runs on the pool); a region shorter now than registered takes nothing."""
+    try:
+        size_now = os.fstat(region.fd).st_size
+    except OSError:
+        return [(j, False) for j, _, _ in items]
+    fit = [(j, frag, region.fd, place) for j, frag, place in items if place + frag.length <= size_now]
+    return [(j, False) for j, frag, place in items if place + frag.length > size_now] + store.read_to_fds(fit)
 
 
 def _region_io(region, items: list, into_ring: bool) -> list[tuple[int, bool]]:

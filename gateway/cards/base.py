@@ -59,6 +59,7 @@ class Card(abc.ABC):
     """One storage backend instance with a stable serial number."""
 
     kind: str = ""
+    direct_reads: bool = False   # read_to_fd works: a client's region is filled without the ring
 
     def __init__(self, device: str):
         self.device = device
@@ -96,6 +97,13 @@ class Card(abc.ABC):
     def delete_many(self, items: list[tuple[int, bytes]]) -> int:
         """Remove many fragments; how many of them existed."""
         return sum(self.delete(db, fkey) for db, fkey in items)
+
+    def read_to_fd(self, db: int, fkey: bytes, length: int, out_fd: int, out_offset: int) -> Optional[bool]:
+        """Copy the fragment (``length`` bytes) into a client's buffer by descriptor, at
+        ``out_offset``, without the ring and without touching the buffer from user space;
+        False on any miss (or when the buffer took less). None: this card cannot (the gateway
+        then reads into the ring and copies from there)."""
+        return None
 
     def process_read(self, fkey: bytes):
         """A picklable task that reads the fragment in an I/O process (``task.read_into(view)``
