@@ -170,9 +170,14 @@ class _Data(Message, kw_only=True):
 
 
 class Get(_Data, **_op("GET")):
-    """Read objects into the ring (BATCH per ring extent, then DONE) or into a region (DONE)."""
+    """Read objects into the ring (BATCH per ring extent, then DONE) or into a region (DONE).
+
+    ``write_by`` (into a region): the time, on the host's monotonic clock (``CLOCK_MONOTONIC``,
+    one for every process of the host), after which the client has given up on the request
+    and its engine may reuse the buffer: the gateway writes nothing into the region after it."""
 
     unlock: bool = False
+    write_by: Optional[float] = None
 
 
 class Put(_Data, **_op("PUT")):

@@ -72,6 +72,7 @@ class DataJob:
         # descriptor itself (``Region``, and each object's offset in its file)
         self.region: Optional[Region] = None
         self.places: list[int] = []
+        self.write_by: Optional[float] = None     # GET into a region: no write after this (monotonic)
 
     @property
     def n(self) -> int:

@@ -31,6 +31,7 @@ import functools
 import itertools
 import logging
 import os
+import time
 from concurrent.futures import Executor
 from typing import Callable, Optional
 
@@ -161,7 +162,8 @@ class Transfers:
         elif stage is Stage.TO_REGION:
             items = [(j, self._slot(batch, j), job.places[batch.first + j])
                      for j in range(batch.count) if batch.flags[j] and j not in batch.direct]
-            self._submit(batch, lambda group: _region_io(job.region, group, into_ring=False), items)
+            self._submit(batch, lambda group: _region_io(job.region, group, into_ring=False, write_by=job.write_by),
+                         items)
         elif stage is Stage.FROM_REGION:
             items = [(j, self._slot(batch, j), job.places[batch.first + j]) for j in range(batch.count)]
             self._submit(batch, lambda group: _region_io(job.region, group, into_ring=True), items)
@@ -210,8 +212,8 @@ class Transfers:
             if self.procs:
                 reads = self._read_in_processes(batch, reads)
             self._submit(batch, self.store.read_many, reads)
-            region = job.region
-            self._submit(batch, lambda group: _direct_reads(self.store, region, group), direct)
+            region, write_by = job.region, job.write_by
+            self._submit(batch, lambda group: _direct_reads(self.store, region, group, write_by), direct)
         else:
             writes = []
             in_ring = bytes(batch.flags)
@@ -338,30 +340,41 @@ class Transfers:
         self._io_done(batch, done)
 
 
-def _direct_reads(store: ObjectStore, region, items: list) -> list[tuple[int, bool]]:
-    """Read ``(j, fragment, file offset)`` items from their cards straight into a client's
-    region (runs on the pool); a region shorter now than registered takes nothing."""
+def _writable(region, write_by: Optional[float]) -> Optional[int]:
+    """The region's size now, or None when nothing may be written into it any more: the
+    client gave up on the request (``write_by`` passed: its engine may reuse the buffer) or
+    the descriptor is gone."""
+    if write_by is not None and time.monotonic() >= write_by:
+        return None
     try:
-        size_now = os.fstat(region.fd).st_size
+        return os.fstat(region.fd).st_size
     except OSError:
-        return [(j, False) for j, _, _ in items]
-    fit = [(j, frag, region.fd, place) for j, frag, place in items if place + frag.length <= size_now]
-    return [(j, False) for j, frag, place in items if place + frag.length > size_now] + store.read_to_fds(fit)
+        return None
 
 
-def _region_io(region, items: list, into_ring: bool) -> list[tuple[int, bool]]:
+def _direct_reads(store: ObjectStore, region, items: list, write_by: Optional[float]) -> list[tuple[int, bool]]:
+    """Read ``(j, fragment, file offset)`` items from their cards straight into a client's
+    region (runs on the pool), each only while the client still waits for it and only where
+    the region is still as large as registered."""
+    out = []
+    for j, frag, place in items:
+        size_now = _writable(region, write_by)
+        ok = size_now is not None and place + frag.length <= size_now
+        out.extend(store.read_to_fds([(j, frag, region.fd, place)]) if ok else [(j, False)])
+    return out
+
+
+def _region_io(region, items: list, into_ring: bool, write_by: Optional[float] = None) -> list[tuple[int, bool]]:
     """Copy ``(j, ring view, file offset)`` items between the ring and a client's region with
     ``preadv``/``pwritev`` on its descriptor (runs on the pool). The gateway never maps a
     region: a region the client shrank fails these calls, it cannot fault the gateway. A
-    region shorter now than registered takes nothing (a write would grow the client's file)."""
-    try:
-        size_now = os.fstat(region.fd).st_size
-    except OSError:
-        return [(j, False) for j, _, _ in items]
+    region shorter now than registered takes nothing (a write would grow the client's file),
+    and nothing is written once the client gave up on the request (``write_by``)."""
     out = []
     for j, view, place in items:
+        size_now = _writable(region, None if into_ring else write_by)
         ok = False
-        if place + len(view) <= size_now:
+        if size_now is not None and place + len(view) <= size_now:
             try:
                 moved = os.preadv(region.fd, [view], place) if into_ring else os.pwritev(region.fd, [view], place)
                 ok = moved == len(view)

@@ -227,3 +227,43 @@ def test_the_ring_cannot_be_resized_by_a_client(gateway):
         assert gateway.alive()
     finally:
         c.close()
+
+
+def test_a_stalled_gateway_never_writes_into_a_region_after_the_client_gave_up(gateway, shm_buffer):
+    """A gateway that stalls (here: SIGSTOP) past the client's timeout must not write into the
+    engine's buffer when it resumes: by then the engine was told "miss" and may have reused it.
+    Each GET into a region carries the moment the client gives up (``write_by``, on the host's
+    monotonic clock); the gateway writes nothing after it."""
+    import signal
+    import time
+    path, arr = shm_buffer
+    keys = make_keys(4)
+    c = GatewayClient(ClientConfig(port=gateway.port, timeout_s=1.5, busy_wait_s=0), "region-stall", 0, 1)
+    try:
+        region = c.register_region(path, 0, len(arr)).result(5)
+        arr[:4 * OBJ] = b"\x11" * (4 * OBJ)
+        assert c.put_from(region, [i * OBJ for i in range(4)], keys, OBJ).result(10).stored == [True] * 4
+        dst = [(4 << 20) + i * OBJ for i in range(4)]
+        arr[4 << 20:(4 << 20) + 4 * OBJ] = bytes(4 * OBJ)
+        gateway.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            fut = c.get_into(region, dst, keys, OBJ)
+            assert fut.result(10) == [False] * 4            # the client gave up: a miss
+            assert time.monotonic() - t0 >= 1.0
+            arr[4 << 20:(4 << 20) + 4 * OBJ] = b"\x22" * (4 * OBJ)   # the engine reuses its buffer
+        finally:
+            gateway.proc.send_signal(signal.SIGCONT)
+        # the resumed gateway processes the late GET: it must leave the buffer alone
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and control.request(gateway.port, {"op": "STATS"}, timeout_s=2.0) is None:
+            pass
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            s = _stats(gateway.port)
+            if s["requests_in_flight"] == 0 and s["counters"].get("get_region_requests", 0) >= 1:
+                break
+        assert s["requests_in_flight"] == 0 and s["counters"].get("get_region_requests", 0) >= 1
+        assert bytes(arr[4 << 20:(4 << 20) + 4 * OBJ]) == b"\x22" * (4 * OBJ), "a stale write hit the buffer"
+    finally:
+        c.close()
