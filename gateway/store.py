@@ -187,16 +187,16 @@ class ObjectStore:
         for j, frag, fd, offset in items:
             card = self.cards[frag.card]
             token = self.stats[frag.card].begin()
-            ok, transport_ok = False, True
+            ok, transport_ok, strike = False, True, True
             try:
                 ok = bool(card.read_to_fd(frag.db, frag.fkey, frag.length, fd, offset))
             except CardIOError as exc:
-                transport_ok = False
+                transport_ok, strike = False, not isinstance(exc, NodeIOError)
                 _log_io_error(exc)
             except Exception:
                 logger.exception("read from card %s failed", card.serial)
             seconds = self.stats[frag.card].end(token, False, ok, frag.length)
-            self.on_io(frag.card, transport_ok, seconds)
+            self.on_io(frag.card, transport_ok or not strike, seconds)
             out.append((j, ok))
         return out
 
