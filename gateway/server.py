@@ -13,6 +13,7 @@ and only an operator cleans.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import queue
@@ -28,12 +29,13 @@ from adpkv_core.door import SHM_DIR, door_path
 from adpkv_core.ring import MEMFD_NAME_PREFIX, Ring, max_parallel_ios, object_stride
 
 from . import io_procs
-from .cards import CardUsage, open_cards
+from .cards import open_cards
 from .config import GatewayConfig, socket_mode
 from .door import DoorServer, Session, claim_door
 from .engines import EngineRegistry, Peer
 from .health import HealthMonitor
 from .jobs import DataJob, Participant
+from . import stats
 from .status import render_status, write_status_file
 from .store import ObjectStore
 from .transfers import Transfers
@@ -158,11 +160,11 @@ class Gateway:
             self.status_writing = True
             self._collect_stats(self._write_status)
 
-    def _write_status(self, stats: dict) -> None:
+    def _write_status(self, figures: dict) -> None:
         """Render and write the status file on the pool (a slow disk never stalls the loop)."""
         def write():
             try:
-                write_status_file(self.config.status_file, render_status(stats))
+                write_status_file(self.config.status_file, render_status(figures))
             except OSError as exc:
                 logger.warning("cannot write the status file %s: %s", self.config.status_file, exc)
 
@@ -179,8 +181,8 @@ class Gateway:
         self._drain_completions()
         if self.config.status_file:
             try:
-                write_status_file(self.config.status_file, render_status(self._merge_stats(
-                    self._loop_stats(), self._card_usages())))
+                write_status_file(self.config.status_file, render_status(stats.merge(
+                    stats.loop_snapshot(self), stats.card_usages(self.store))))
             except OSError:
                 pass
         self.door.close()
@@ -308,11 +310,11 @@ class Gateway:
         engine = self.engines.engine
         shows_engine = session.operator or (engine is not None and engine.uid == session.uid)
 
-        def answer(stats):
-            if not shows_engine and stats["engine"] is not None:
-                stats["engine"] = {"id": "(another user's)", "world": stats["engine"]["world"],
-                                   "ranks": stats["engine"]["ranks"], "namespace": "(another user's)"}
-            self._send(identity, P.StatsOk(id=msg.id, stats=stats))
+        def answer(figures):
+            if not shows_engine and figures["engine"] is not None:
+                figures["engine"] = {"id": "(another user's)", "world": figures["engine"]["world"],
+                                     "ranks": figures["engine"]["ranks"], "namespace": "(another user's)"}
+            self._send(identity, P.StatsOk(id=msg.id, stats=figures))
 
         self._collect_stats(answer, identity, msg)
 
@@ -435,47 +437,13 @@ class Gateway:
     def _collect_stats(self, then, identity: Optional[bytes] = None, msg: Optional[P.Message] = None) -> None:
         """``then(stats)`` on the loop: the loop's own state now, the cards' usage from the pool
         (for the status file, no request: a failure leaves the file as it was)."""
-        snapshot = self._loop_stats()
-        merged = lambda usages: then(self._merge_stats(snapshot, usages))   # noqa: E731
+        snapshot = stats.loop_snapshot(self)
+        merged = lambda usages: then(stats.merge(snapshot, usages))   # noqa: E731
+        usages = functools.partial(stats.card_usages, self.store)
         if identity is not None:
-            self._offload(self._card_usages, merged, identity, msg)
+            self._offload(usages, merged, identity, msg)
         else:
-            self._run(self.pool, self._card_usages, merged, lambda exc: setattr(self, "status_writing", False))
-
-    def _card_usages(self) -> list[CardUsage]:
-        return [card.usage() if active else CardUsage(0, 0, 0)
-                for card, active in zip(self.store.cards, self.store.active)]
-
-    def _merge_stats(self, stats: dict, usages: list[CardUsage]) -> dict:
-        for c, u in zip(stats["cards"], usages):
-            c.update(used_bytes=u.used_bytes, capacity_bytes=u.capacity_bytes, objects=u.objects)
-        return stats
-
-    def _loop_stats(self) -> dict:
-        """Everything STATS shows but the cards' usage (see ``_collect_stats``)."""
-        cards = []
-        for card, st, active in zip(self.store.cards, self.store.stats, self.store.active):
-            cards.append({"serial": card.serial or card.device, "device": card.device, "kind": card.kind,
-                          "active": bool(active), "oldest_io_age_s": st.oldest_io_age(),
-                          "reads": st.reads, "writes": st.writes, "bytes_read": st.bytes_read,
-                          "bytes_written": st.bytes_written, "read_errors": st.read_errors,
-                          "write_errors": st.write_errors, "io_seconds": st.io_seconds,
-                          "io_count": st.io_count, "io_max_seconds": st.io_max_s,
-                          "evicted": getattr(card, "evicted", 0), **card.details()})
-        engine = self.engines.engine
-        return {
-            "port": self.config.port, "uptime_s": time.time() - self.started,
-            "fingerprint": self.store.fingerprint, "placement": self.config.key_placement,
-            "storage_slots": self.config.storage_slots, "num_dbs": self.config.num_dbs,
-            "shared_storage": bool(self.config.shared_storage), "replicas": self.store.replicas,
-            "ring_size": self.ring.size, "ring_in_use": self.transfers.alloc.in_use,
-            "requests_in_flight": len(self.transfers.jobs), "pinned": self.store.pinned_count(),
-            "regions": sum(len(s.regions) for s in self.door.sessions.values()),
-            "sessions": len(self.door.sessions),
-            "engine": None if engine is None else {"id": engine.engine_id, "world": engine.world,
-                                                   "ranks": sorted(engine.ranks), "namespace": engine.namespace},
-            "counters": dict(self.counters), "objects": dict(self.store.counters), "cards": cards,
-        }
+            self._run(self.pool, usages, merged, lambda exc: setattr(self, "status_writing", False))
 
     _handlers = {
         P.Hello: _on_hello, P.Bye: _on_bye, P.Ping: _on_ping, P.Exist: _on_exist, P.Unlock: _on_unlock,

@@ -1,0 +1,50 @@
+"""What STATS answers (and the status file shows), built in two parts: the gateway loop's
+own state, taken on the loop (``loop_snapshot``: consistent, cheap), and the cards' usage,
+taken on the I/O pool (``card_usages``: on a Redis-protocol card a network round trip, so
+never on the loop); ``merge`` puts them together."""
+
+from __future__ import annotations
+
+import time
+
+from .cards import CardUsage
+from .store import ObjectStore
+
+
+def loop_snapshot(gateway) -> dict:
+    """Everything STATS shows but the cards' usage. Runs on the loop's thread."""
+    store = gateway.store
+    cards = []
+    for card, st, active in zip(store.cards, store.stats, store.active):
+        cards.append({"serial": card.serial or card.device, "device": card.device, "kind": card.kind,
+                      "active": bool(active), "oldest_io_age_s": st.oldest_io_age(),
+                      "reads": st.reads, "writes": st.writes, "bytes_read": st.bytes_read,
+                      "bytes_written": st.bytes_written, "read_errors": st.read_errors,
+                      "write_errors": st.write_errors, "io_seconds": st.io_seconds,
+                      "io_count": st.io_count, "io_max_seconds": st.io_max_s,
+                      "evicted": getattr(card, "evicted", 0), **card.details()})
+    config, engine = gateway.config, gateway.engines.engine
+    return {
+        "port": config.port, "uptime_s": time.time() - gateway.started,
+        "fingerprint": store.fingerprint, "placement": config.key_placement,
+        "storage_slots": config.storage_slots, "num_dbs": config.num_dbs,
+        "shared_storage": bool(config.shared_storage), "replicas": store.replicas,
+        "ring_size": gateway.ring.size, "ring_in_use": gateway.transfers.alloc.in_use,
+        "requests_in_flight": len(gateway.transfers.jobs), "pinned": store.pinned_count(),
+        "regions": sum(len(s.regions) for s in gateway.door.sessions.values()),
+        "sessions": len(gateway.door.sessions),
+        "engine": None if engine is None else {"id": engine.engine_id, "world": engine.world,
+                                               "ranks": sorted(engine.ranks), "namespace": engine.namespace},
+        "counters": dict(gateway.counters), "objects": dict(store.counters), "cards": cards,
+    }
+
+
+def card_usages(store: ObjectStore) -> list[CardUsage]:
+    """Each card's usage (bytes, capacity, objects); runs on the I/O pool."""
+    return [card.usage() if active else CardUsage(0, 0, 0) for card, active in zip(store.cards, store.active)]
+
+
+def merge(snapshot: dict, usages: list[CardUsage]) -> dict:
+    for c, u in zip(snapshot["cards"], usages):
+        c.update(used_bytes=u.used_bytes, capacity_bytes=u.capacity_bytes, objects=u.objects)
+    return snapshot
