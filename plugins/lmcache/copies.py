@@ -9,7 +9,7 @@ object size and path:
   gateway reads from the card straight into L1 (or writes from it); no copy here;
 - all others: ``get`` / ``put`` through the ring; ``ring_copier`` is the request's
   ``on_batch`` and moves each object between its ring slot and its MemoryObj with
-  ``RingView.fill`` / ``drain`` (``adpkv_core.attachment``: one ``memmove`` per
+  ``RingView.fill`` / ``drain`` (``adpkv_core.ringview``: one ``memmove`` per
   object, GIL released, no ``bytes``).
 
 Threads: ``send`` runs on the submitting controller thread and only sends (it never
@@ -30,7 +30,8 @@ import torch
 
 from lmcache.logging import init_logger
 
-from adpkv_core.attachment import RingView, Session
+from adpkv_core.attachment import Session
+from adpkv_core.ringview import RingView
 from adpkv_core.client import BatchCallback
 from adpkv_core.grouping import group_by_size
 from adpkv_core.regions import SharedFile, shared_file_of

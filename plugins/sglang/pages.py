@@ -14,7 +14,7 @@ a Python loop over pages. Segments are put in flat-page order (the only layout
 where the metadata order differs is MHA ``layer_first``: K0 V0 K1 V1 ... in the
 metadata, all K then all V in the flat page).
 
-Copies go through the ring view of ``adpkv_core.attachment`` (libc ``memmove``: one
+Copies go through the ring view of ``adpkv_core.ringview`` (libc ``memmove``: one
 call per segment per page, the GIL released during each; no per-byte Python and no
 temporary buffers).
 """
@@ -28,7 +28,7 @@ import torch
 
 logger = logging.getLogger("adpkv.sglang")
 
-from adpkv_core.attachment import RingView
+from adpkv_core.ringview import RingView
 
 class UnsupportedPool(ValueError):
     """The host pool's pages cannot be described as affine segments."""

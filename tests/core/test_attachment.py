@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from adpkv_core.attachment import (BACK_ON_MESSAGE, LOOKUPS_BACK_MESSAGE, Attachment, Backoff, RingView,
+from adpkv_core.attachment import (BACK_ON_MESSAGE, LOOKUPS_BACK_MESSAGE, Attachment, Backoff,
                                    reconnect_setting)
+from adpkv_core.ringview import RingView
 from adpkv_core.client import TURNED_OFF_MESSAGE, GatewayClient, RingBatch
 from adpkv_core.settings import ClientConfig
 
