@@ -8,8 +8,9 @@ Per path and cluster size: store and restore GB/s, and CPU seconds per GiB moved
 gateway process (all its threads) and the engine side (the client that fills and checks
 the ring) vs the direct client's own process, and of the redis-servers. Then the client
 choice itself, in one process and one thread: the card's own RESP client
-(``ClusterCard.write``/``read``: ``sendmsg`` from and ``recv_into`` the buffer) vs
-redis-py's ``RedisCluster.set``/``get``.
+(``ClusterCard.write``/``read``: ``sendmsg`` from and ``recv_into`` the buffer; and
+``read_many`` of 8 objects at a time, as the gateway's I/O tasks call it) vs redis-py's
+``RedisCluster.set``/``get``.
 
 Run: python benchmarks/redis_cluster.py [--mib 256] [--batch 32] [--primaries 1,2,3]
 (needs redis-server and redis-cli; prints a table)
@@ -170,6 +171,12 @@ def client_choice(cluster: RedisCluster, n: int, payload: bytes) -> list[dict]:
         for k in fkeys:
             assert card.read(0, k, buf)
     out.append(row("own client (card)", "GET", n * MiB, m, False))
+    bufs = [memoryview(bytearray(MiB)) for _ in range(8)]
+    with Meter(cluster, None) as m:
+        for i in range(0, n, 8):
+            got = card.read_many([(0, k, b, b"") for k, b in zip(fkeys[i:i + 8], bufs)])
+            assert all(r is True for r in got), got
+    out.append(row("own client (card)", "GET x8", n * MiB, m, False))
     card.delete_many([(0, k) for k in fkeys])
     card.close()
     rc = PyCluster(startup_nodes=[ClusterNode("127.0.0.1", node.port) for node in cluster.primaries()])

@@ -45,6 +45,7 @@ class Fragment:
     length: int
     object_bytes: int = 0                 # size of the whole object
     others: tuple[int, ...] = ()          # replica cards to read it from when ``card`` misses
+    slot_tag: bytes = b""                 # its object's slot tag (``ObjectStore.slot_tag``), given to the card
 
 
 class Holder(int):
@@ -80,10 +81,15 @@ class CardStats:
             return token
 
     def end(self, token: int, write: bool, ok: bool, nbytes: int) -> float:
-        with self.lock:
-            seconds = time.monotonic() - self._inflight.pop(token)
+        seconds = self.finish(token)
         self.record(write, ok, nbytes, seconds)
         return seconds
+
+    def finish(self, token: int) -> float:
+        """End an I/O begun with ``begin`` without accounting it (``record`` does, e.g. for
+        each fragment of a batched read); its seconds."""
+        with self.lock:
+            return time.monotonic() - self._inflight.pop(token)
 
     def record(self, write: bool, ok: bool, nbytes: int, seconds: float) -> None:
         """Account one finished I/O (timed elsewhere, e.g. in an I/O process)."""
@@ -143,22 +149,32 @@ class ObjectStore:
                     break
         return out
 
-    def _frags(self, card: int, key: bytes, object_bytes: int) -> list[Fragment]:
+    def slot_tag(self, mark: int) -> bytes:
+        """The slot tag the cards get with every fragment of an object (see ``cards.base``):
+        with ``dialog`` placement its dialog mark, so that a card that groups keys (a Redis
+        Cluster's hash tag) keeps a dialog together; else (``stripe``, or no mark) none, and
+        such a card groups the fragments of each object alone. The same object gets the same
+        tag at PUT, EXIST, GET and DELETE, as its placement."""
+        return mark.to_bytes(8, "big") if self.placement_mode == "dialog" and mark else b""
+
+    def _frags(self, card: int, key: bytes, object_bytes: int, tag: bytes = b"") -> list[Fragment]:
         extents = fragment_extents(object_bytes, self.fragment_size)
-        frags = [Fragment(card, fragment_db(key, i, self.num_dbs, self.spread), fragment_key(key, i), off, ln)
+        frags = [Fragment(card, fragment_db(key, i, self.num_dbs, self.spread), fragment_key(key, i), off, ln,
+                          slot_tag=tag)
                  for i, (off, ln) in enumerate(extents)]
         return frags[1:] + frags[:1]          # fragment 0 last: written last
 
-    def read_plan(self, card: int, key: bytes, object_bytes: int) -> list[Fragment]:
+    def read_plan(self, card: int, key: bytes, object_bytes: int, mark: int = 0) -> list[Fragment]:
         """The fragments to read an object from on ``card`` (the one ``holders`` found; its
         other replica cards ride along for ``read_many`` to fall back on)."""
         others = getattr(card, "others", ())
         return [dataclasses.replace(f, object_bytes=object_bytes, others=others)
-                for f in self._frags(int(card), key, object_bytes)]
+                for f in self._frags(int(card), key, object_bytes, self.slot_tag(mark))]
 
     def write_plans(self, key: bytes, mark: int, object_bytes: int) -> list[list[Fragment]]:
         """One fragment list per replica (cards in service, in placement order)."""
-        return [self._frags(c, key, object_bytes) for c in self.targets(key, mark, self.replicas)]
+        tag = self.slot_tag(mark)
+        return [self._frags(c, key, object_bytes, tag) for c in self.targets(key, mark, self.replicas)]
 
     # ------------------------------------------------------------------ I/O (thread pool)
     def read(self, frag: Fragment, buf: memoryview) -> bool:
@@ -170,7 +186,7 @@ class ObjectStore:
         token = self.stats[frag.card].begin()
         transport_ok, ok, strike = True, False, True
         try:
-            ok = card.read(frag.db, frag.fkey, buf)
+            ok = card.read(frag.db, frag.fkey, buf, frag.slot_tag)
         except CardIOError as exc:
             transport_ok, strike = False, not isinstance(exc, NodeIOError)
             _log_io_error(exc)
@@ -200,17 +216,52 @@ class ObjectStore:
             out.append((j, ok))
         return out
 
+    def _read_batched(self, items) -> list[tuple[bool, bool]]:
+        """(read ok, transport ok) of each ``(j, fragment, view)`` item: the fragments of a
+        card with ``batched_reads`` in one ``Card.read_many`` call, the others one by one."""
+        res: list[tuple[bool, bool]] = [(False, True)] * len(items)
+        by_card: dict[int, list[int]] = collections.defaultdict(list)
+        for i, (_, frag, view) in enumerate(items):
+            if self.cards[frag.card].batched_reads:
+                by_card[frag.card].append(i)
+            else:
+                res[i] = self._read(frag, view)
+        for c, idx in by_card.items():
+            card, stats = self.cards[c], self.stats[c]
+            token = stats.begin()
+            try:
+                got = card.read_many([(items[i][1].db, items[i][1].fkey, items[i][2], items[i][1].slot_tag)
+                                      for i in idx])
+            except CardIOError as exc:
+                got = [exc] * len(idx)
+            except Exception:
+                logger.exception("read from card %s failed", card.serial)
+                got = [False] * len(idx)
+            share = stats.finish(token) / len(idx)      # timed as a whole: each its share
+            logged = False
+            for i, r in zip(idx, got):
+                ok, transport_ok, strike = r is True, True, True
+                if isinstance(r, CardIOError):
+                    transport_ok, strike = False, not isinstance(r, NodeIOError)
+                    if not logged:
+                        _log_io_error(r)
+                        logged = True
+                stats.record(False, ok, len(items[i][2]), share)
+                self.on_io(c, transport_ok or not strike, share)
+                res[i] = (ok, transport_ok)
+        return res
+
     def read_many(self, items) -> list[tuple[int, bool]]:
-        """Read ``(j, fragment, view)`` items in turn; ``(j, ok)`` for each. A fragment that
-        misses on its card is read from the object's next replica in service, and an object
-        found missing or corrupt on a card is removed from that card, whole."""
+        """Read ``(j, fragment, view)`` items (a card with ``batched_reads`` gets all of its
+        fragments at once); ``(j, ok)`` for each. A fragment that misses on its card is read
+        from the object's next replica in service, and an object found missing or corrupt on
+        a card is removed from that card, whole."""
         out = []
-        broken: dict[tuple[int, bytes], int] = {}
-        for j, frag, view in items:
-            ok, transport_ok = self._read(frag, view)
+        broken: dict[tuple[int, bytes], tuple[int, bytes]] = {}
+        for (j, frag, view), (ok, transport_ok) in zip(items, self._read_batched(items)):
             if not ok and frag.object_bytes:
                 if transport_ok:
-                    broken[(frag.card, object_key(frag.fkey))] = frag.object_bytes
+                    broken[(frag.card, object_key(frag.fkey))] = (frag.object_bytes, frag.slot_tag)
                 for alt in frag.others:
                     if not self.active[alt]:
                         continue
@@ -218,10 +269,10 @@ class ObjectStore:
                     if ok:
                         break
                     if transport_ok:
-                        broken[(alt, object_key(frag.fkey))] = frag.object_bytes
+                        broken[(alt, object_key(frag.fkey))] = (frag.object_bytes, frag.slot_tag)
             out.append((j, ok))
-        for (card, key), object_bytes in broken.items():
-            self._remove_object(card, key, object_bytes)
+        for (card, key), (object_bytes, tag) in broken.items():
+            self._remove_object(card, key, object_bytes, tag)
         return out
 
     def read_from_replicas(self, items) -> list[tuple[int, bool]]:
@@ -231,11 +282,11 @@ class ObjectStore:
         return out + self.read_many([(j, dataclasses.replace(frag, card=frag.others[0], others=frag.others[1:]), view)
                                      for j, frag, view in items if frag.others])
 
-    def _remove_object(self, card: int, key: bytes, object_bytes: int) -> None:
+    def _remove_object(self, card: int, key: bytes, object_bytes: int, tag: bytes = b"") -> None:
         """Remove every fragment of an object from one card (what is left of it)."""
         frags = self._frags(card, key, object_bytes)
         try:
-            self.cards[card].delete_many([(f.db, f.fkey) for f in frags])
+            self.cards[card].delete_many([(f.db, f.fkey) for f in frags], [tag] * len(frags))
         except CardIOError as exc:
             logger.warning("%s", exc)
 
@@ -256,7 +307,7 @@ class ObjectStore:
             transport_ok, ok, strike = True, False, True
             try:
                 ok = card.write(frag.db, frag.fkey, obj[frag.offset:frag.offset + frag.length],
-                                object_bytes=len(obj) if frag.offset == 0 else 0)
+                                object_bytes=len(obj) if frag.offset == 0 else 0, tag=frag.slot_tag)
             except CardIOError as exc:
                 transport_ok, strike = False, not isinstance(exc, NodeIOError)
                 _log_io_error(exc)
@@ -266,7 +317,7 @@ class ObjectStore:
             self.on_io(frag.card, transport_ok or not strike, seconds)
             if not ok:
                 if transport_ok:
-                    self._remove_object(frag.card, object_key(frag.fkey), len(obj))
+                    self._remove_object(frag.card, object_key(frag.fkey), len(obj), frag.slot_tag)
                 return False
         return True
 
@@ -284,6 +335,7 @@ class ObjectStore:
         also names the other replica cards, for ``read_plan``."""
         out: list[Optional[int]] = [None] * len(keys)
         candidates = [self.targets(key, marks[i] if marks else 0, self.replicas) for i, key in enumerate(keys)]
+        tags = [self.slot_tag(marks[i] if marks else 0) for i in range(len(keys))]
         pending = list(range(len(keys)))
         for r in range(self.replicas):
             by_card: dict[int, list[int]] = collections.defaultdict(list)
@@ -293,24 +345,26 @@ class ObjectStore:
             if not by_card:
                 break
             for card, idx in by_card.items():
-                found = self._whole(card, [keys[i] for i in idx], object_bytes)
+                found = self._whole(card, [keys[i] for i in idx], object_bytes, [tags[i] for i in idx])
                 for i, hit in zip(idx, found):
                     if hit:
                         out[i] = Holder.of(card, candidates[i][r + 1:])
             pending = [i for i in pending if out[i] is None]
         return out
 
-    def _whole(self, card: int, keys: Sequence[bytes], object_bytes: Optional[int]) -> list[bool]:
+    def _whole(self, card: int, keys: Sequence[bytes], object_bytes: Optional[int],
+               tags: Sequence[bytes]) -> list[bool]:
         """Whether each object has all its fragments on ``card`` (a card that fails to
         answer holds none of them)."""
         c = self.cards[card]
         heads = [(fragment_db(k, 0, self.num_dbs, self.spread), fragment_key(k, 0)) for k in keys]
         try:
-            sizes = [object_bytes] * len(keys) if object_bytes is not None else c.object_sizes(heads)
+            sizes = [object_bytes] * len(keys) if object_bytes is not None else c.object_sizes(heads, list(tags))
             items: list[tuple[int, bytes]] = []
             lengths: list[Optional[int]] = []
+            item_tags: list[bytes] = []
             spans = []
-            for key, head, size in zip(keys, heads, sizes):
+            for key, head, size, tag in zip(keys, heads, sizes, tags):
                 start = len(items)
                 if size is None:
                     pass                          # no head: not there
@@ -321,8 +375,9 @@ class ObjectStore:
                     for f in self._frags(card, key, size):
                         items.append((f.db, f.fkey))
                         lengths.append(f.length)
+                item_tags.extend([tag] * (len(items) - start))
                 spans.append((start, len(items)))
-            found = c.contains_many(items, lengths) if items else []
+            found = c.contains_many(items, lengths, item_tags) if items else []
         except CardIOError as exc:
             _log_io_error(exc)
             self.on_io(card, isinstance(exc, NodeIOError), 0.0)
@@ -333,18 +388,20 @@ class ObjectStore:
         """Remove objects (all their fragments) from their replica cards; how many existed."""
         deleted = 0
         for i, key in enumerate(keys):
-            for card_index in self.targets(key, marks[i] if marks else 0, self.replicas):
+            mark = marks[i] if marks else 0
+            tag = self.slot_tag(mark)
+            for card_index in self.targets(key, mark, self.replicas):
                 card = self.cards[card_index]
                 head = (fragment_db(key, 0, self.num_dbs, self.spread), fragment_key(key, 0))
                 try:
-                    size, = card.object_sizes([head])
+                    size, = card.object_sizes([head], [tag])
                     if size:
                         frags = self._frags(card_index, key, size)
-                        found = card.delete_many([(f.db, f.fkey) for f in frags]) > 0
+                        found = card.delete_many([(f.db, f.fkey) for f in frags], [tag] * len(frags)) > 0
                     else:
                         index, found = 0, False
                         while card.delete(fragment_db(key, index, self.num_dbs, self.spread),
-                                          fragment_key(key, index)):
+                                          fragment_key(key, index), tag):
                             found = True
                             index += 1
                 except CardIOError as exc:

@@ -201,7 +201,8 @@ class Transfers:
                 if card is None:
                     continue
                 batch.flags[j] = 1
-                frags = self.store.read_plan(card, job.keys[batch.first + j], job.object_bytes)
+                i = batch.first + j
+                frags = self.store.read_plan(card, job.keys[i], job.object_bytes, job.mark(i))
                 if job.region is not None and all(self.store.cards[f.card].direct_reads for f in frags):
                     # card -> the engine's region in one copy, by its descriptor (no ring)
                     batch.direct.add(j)

@@ -10,6 +10,14 @@ A fragment key is its object's key followed by a 2-byte fragment index
 (``adpkv_gateway.fragments.fragment_key``); fragment 0, the head, is written last
 and records the size of the whole object. An object lives and dies whole: a card
 that evicts, deletes or drops a fragment drops every fragment of its object.
+
+Slot tags: every method that names fragments on the card also takes the objects' slot
+tag (``tag`` / ``tags``, bytes; ``b""`` for none), which the store derives the same way
+for every call about an object: with ``key_placement: dialog`` the dialog mark (8 bytes,
+big-endian; every object of a dialog has the same), else ``b""`` (the object alone). A
+card that groups keys (the cluster card: a Redis Cluster hash tag, so that a dialog's
+objects share one slot and one node) keys fragments by it, and must be given the same
+tag to find them again; every other card ignores it.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ class Card(abc.ABC):
 
     kind: str = ""
     direct_reads: bool = False   # read_to_fd works: a client's region is filled without the ring
+    batched_reads: bool = False  # read_many does better than a loop over read (the store uses it)
 
     def __init__(self, device: str):
         self.device = device
@@ -70,33 +79,48 @@ class Card(abc.ABC):
         """Connect/prepare the card and learn (or assign) its serial; raises CardError."""
 
     @abc.abstractmethod
-    def read(self, db: int, fkey: bytes, buf: memoryview) -> bool:
+    def read(self, db: int, fkey: bytes, buf: memoryview, tag: bytes = b"") -> bool:
         """Fill ``buf`` (exactly its length) with the fragment; False on any miss."""
 
+    def read_many(self, items: list[tuple[int, bytes, memoryview, bytes]]) -> list:
+        """Read ``(db, fragment key, buf, slot tag)`` items, each as ``read`` does; for each:
+        True, False (a miss), or the ``CardIOError`` that failed it (a transport failure:
+        nothing may be concluded about the fragment). Cards with ``batched_reads`` do it in
+        fewer round trips (the cluster card: one pipeline per node, all nodes at once)."""
+        out: list = []
+        for db, fkey, buf, tag in items:
+            try:
+                out.append(self.read(db, fkey, buf, tag))
+            except CardIOError as exc:
+                out.append(exc)
+        return out
+
     @abc.abstractmethod
-    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0) -> bool:
+    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"") -> bool:
         """Store ``buf`` atomically under ``fkey``; False if it could not be stored.
         ``object_bytes``: the size of the whole object, recorded in its head fragment."""
 
     @abc.abstractmethod
     def contains_many(self, items: list[tuple[int, bytes]],
-                      lengths: Optional[list[Optional[int]]] = None) -> list[bool]:
+                      lengths: Optional[list[Optional[int]]] = None,
+                      tags: Optional[list[bytes]] = None) -> list[bool]:
         """Whether each ``(db, fragment key)`` is stored (cheap, batched; may be stale, a
         later read decides). With ``lengths``, a fragment only counts when it holds that
         many payload bytes (None: any)."""
 
     @abc.abstractmethod
-    def object_sizes(self, heads: list[tuple[int, bytes]]) -> list[Optional[int]]:
+    def object_sizes(self, heads: list[tuple[int, bytes]],
+                     tags: Optional[list[bytes]] = None) -> list[Optional[int]]:
         """For each ``(db, head fragment key)``: the object size its head records, 0 for a
         head that records none (written before sizes were recorded), None for no head."""
 
     @abc.abstractmethod
-    def delete(self, db: int, fkey: bytes) -> bool:
+    def delete(self, db: int, fkey: bytes, tag: bytes = b"") -> bool:
         """Remove a fragment (fs: with every fragment of its object); True if it existed."""
 
-    def delete_many(self, items: list[tuple[int, bytes]]) -> int:
+    def delete_many(self, items: list[tuple[int, bytes]], tags: Optional[list[bytes]] = None) -> int:
         """Remove many fragments; how many of them existed."""
-        return sum(self.delete(db, fkey) for db, fkey in items)
+        return sum(self.delete(db, fkey, tags[i] if tags else b"") for i, (db, fkey) in enumerate(items))
 
     def read_to_fd(self, db: int, fkey: bytes, length: int, out_fd: int, out_offset: int) -> Optional[bool]:
         """Copy the fragment (``length`` bytes) into a client's buffer by descriptor, at

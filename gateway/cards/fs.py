@@ -499,7 +499,7 @@ class FsCard(Card):
         return True
 
     # ------------------------------------------------------------------ data
-    def read(self, db: int, fkey: bytes, buf: memoryview) -> bool:
+    def read(self, db: int, fkey: bytes, buf: memoryview, tag: bytes = b"") -> bool:
         path = self.locate(fkey)
         if path is None:
             return False
@@ -544,7 +544,7 @@ class FsCard(Card):
             self._drop_object(object_key(fkey))
         return False
 
-    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0) -> bool:
+    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"") -> bool:
         n = len(buf)
         on_disk = HEADER_BYTES + (-(-n // ALIGN) * ALIGN if self.o_direct else n)
         okey = object_key(fkey)
@@ -668,7 +668,7 @@ class FsCard(Card):
             self._used -= nbytes
 
     # ------------------------------------------------------------------ admin
-    def contains_many(self, items, lengths=None):
+    def contains_many(self, items, lengths=None, tags=None):
         out = []
         with self._lock:
             for k, (_, fkey) in enumerate(items):
@@ -678,7 +678,7 @@ class FsCard(Card):
                 out.append(entry is not None and (n is None or entry[1] in _sizes_on_disk(n)))
         return out
 
-    def object_sizes(self, heads):
+    def object_sizes(self, heads, tags=None):
         out: list[Optional[int]] = []
         with self._lock:
             for _, fkey in heads:
@@ -686,7 +686,7 @@ class FsCard(Card):
                 out.append(obj.total if obj is not None and fkey in obj.parts else None)
         return out
 
-    def delete(self, db: int, fkey: bytes) -> bool:
+    def delete(self, db: int, fkey: bytes, tag: bytes = b"") -> bool:
         """Remove the fragment's whole object; True if any of it was stored."""
         return self._drop_object(object_key(fkey))
 

@@ -113,7 +113,7 @@ class RespCard(Card):
             c.close()
 
     # ------------------------------------------------------------------ data
-    def read(self, db: int, fkey: bytes, buf: memoryview) -> bool:
+    def read(self, db: int, fkey: bytes, buf: memoryview, tag: bytes = b"") -> bool:
         header = self._header_buf()
         n = self._io(lambda c: c.get_into(self._key(db, fkey), header, buf))
         if n is None:
@@ -126,7 +126,7 @@ class RespCard(Card):
             return False
         return True
 
-    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0) -> bool:
+    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"") -> bool:
         header = self._header_buf()
         objfmt.fill_header(header, fkey, buf, object_bytes if is_head(fkey) else 0)
         try:
@@ -142,7 +142,7 @@ class RespCard(Card):
             h = self._local.header = memoryview(bytearray(objfmt.HEADER_CORE))
         return h
 
-    def contains_many(self, items, lengths=None):
+    def contains_many(self, items, lengths=None, tags=None):
         if not items:
             return []
         replies = self._io(lambda c: c.pipeline([(b"STRLEN", self._key(db, k)) for db, k in items]))
@@ -151,7 +151,7 @@ class RespCard(Card):
         return [isinstance(r, int) and (r > objfmt.HEADER_CORE if n is None else r == objfmt.HEADER_CORE + n)
                 for r, n in zip(replies, lengths)]
 
-    def object_sizes(self, heads):
+    def object_sizes(self, heads, tags=None):
         """The object sizes the heads record: one pipelined GETRANGE of each head's header."""
         if not heads:
             return []
@@ -163,10 +163,10 @@ class RespCard(Card):
             out.append(None if parsed is None else parsed[1])
         return out
 
-    def delete(self, db: int, fkey: bytes) -> bool:
+    def delete(self, db: int, fkey: bytes, tag: bytes = b"") -> bool:
         return bool(self._io(lambda c: c.command(b"DEL", self._key(db, fkey))))
 
-    def delete_many(self, items) -> int:
+    def delete_many(self, items, tags=None) -> int:
         if not items:
             return 0
         replies = self._io(lambda c: c.pipeline([(b"DEL", self._key(db, k)) for db, k in items]))

@@ -8,10 +8,17 @@ primary dies; the card stands on that:
   each command to the primary of the key's slot. ``MOVED`` updates that slot and
   refreshes the map; ``ASK`` is followed by one ``ASKING`` and the command again
   on the node named (a slot being migrated).
-- Keys are ``adpkv:{<tag>}:<db>:<fragment key>``: the hash tag (16 hex digits of
-  an xxh3 of the object key) puts every fragment of one object in one slot, so
-  an object lives on one node, is read from one node and is replicated in
-  order by one replication stream; different objects spread over all slots.
+- Keys are ``adpkv:{<tag>}:<db>:<fragment key>``: the hash tag is 16 hex digits
+  of an xxh3 of the slot tag the store gives (``cards.base``: with
+  ``key_placement: dialog`` the dialog mark) or, without one (``stripe``), of
+  the object key. So every fragment of one object, and with dialog placement
+  every object of one dialog, is in one slot: it lives on one node, is read
+  from one node and is replicated in order by one replication stream; different
+  dialogs (objects, with stripe) spread over all slots.
+- Batched reads (``read_many``) send each node its GETs as one pipeline, every
+  node's before any reply is read, and check each value as ``read`` does; a
+  GET redirected (``MOVED``/``ASK``) or refused by a busy node is read again
+  alone through ``read``.
 - Health is per node, not per card: a node that does not answer (refused,
   reset, timed out, ``CLUSTERDOWN``, ``LOADING``) makes the commands for its
   slots fail with ``NodeIOError`` — a miss that removes nothing and no strike
@@ -58,6 +65,7 @@ SLOTS = 16384
 MAX_REDIRECTS = 5
 REFRESH_MIN_INTERVAL_S = 0.2
 NODE_RETRY_S = 0.5            # a node that failed is not tried again before this (fail fast)
+READ_WINDOW_BYTES = 1 << 20   # values in flight per node in a batched read (2 GETs at least)
 _TRANSPORT = (OSError, ConnectionError, socket.timeout)
 _NODE_ERRORS = ("CLUSTERDOWN", "LOADING", "TRYAGAIN", "MASTERDOWN")
 
@@ -135,6 +143,7 @@ class ClusterCard(Card):
     """A card that is a whole Redis Cluster."""
 
     kind = "resp-cluster"
+    batched_reads = True
 
     def __init__(self, device: str, io_timeout_s: Optional[float] = None, wait_ms: int = 0):
         super().__init__(device)
@@ -374,8 +383,11 @@ class ClusterCard(Card):
 
     # ------------------------------------------------------------------ keys
     @staticmethod
-    def _key(db: int, fkey: bytes) -> bytes:
-        tag = b"%016x" % xxhash.xxh3_64_intdigest(object_key(fkey))
+    def _key(db: int, fkey: bytes, tag: bytes = b"") -> bytes:
+        """The cluster key of a fragment: its hash tag from the store's slot tag (a dialog
+        mark: a dialog in one slot) or, with none, from its object's key (an object in one
+        slot). Every command about a fragment must be given the tag it was written with."""
+        tag = b"%016x" % xxhash.xxh3_64_intdigest(tag or object_key(fkey))
         return KEY_PREFIX + tag + b"}:%03d:" % db + fkey
 
     # ------------------------------------------------------------------ setup & health
@@ -479,10 +491,15 @@ class ClusterCard(Card):
             h = self._local.header = memoryview(bytearray(objfmt.HEADER_CORE))
         return h
 
-    def read(self, db: int, fkey: bytes, buf: memoryview) -> bool:
+    def read(self, db: int, fkey: bytes, buf: memoryview, tag: bytes = b"") -> bool:
         header = self._header_buf()
-        key = self._key(db, fkey)
+        key = self._key(db, fkey, tag)
         n = self._run(key, lambda c: c.get_into(key, header, buf))
+        return self._checked(n, header, fkey, buf)
+
+    def _checked(self, n: Optional[int], header: memoryview, fkey: bytes, buf: memoryview) -> bool:
+        """Whether a GET's value (``n`` bytes, or None) read into ``header`` and ``buf`` is
+        the fragment ``fkey`` whole: its header's key and length, and its checksum."""
         if n is None:
             return False
         if n != objfmt.HEADER_CORE + len(buf) or not objfmt.check_header(header, fkey, len(buf)):
@@ -493,11 +510,97 @@ class ClusterCard(Card):
             return False
         return True
 
-    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0) -> bool:
+    def read_many(self, items) -> list:
+        """``read`` of many fragments, pipelined per node and in parallel across nodes: each
+        node gets its GETs on one connection, up to ``READ_WINDOW_BYTES`` of values (two
+        at least) in flight, every node's first GETs sent before any reply is read; the
+        replies are then read a value from each node in turn, each straight into its buffer
+        and checked as ``read`` does, and each node sent its next GET as one is read. A GET
+        answered by a redirection or a busy node is read again alone through ``read``
+        (which follows it); a node that does not answer fails its fragments with
+        ``NodeIOError``."""
+        out: list = [False] * len(items)
+        by_node: dict[Addr, list[int]] = {}
+        keys: list[bytes] = []
+        for i, (db, fkey, _, tag) in enumerate(items):
+            keys.append(self._key(db, fkey, tag))
+            try:
+                by_node.setdefault(self._primary(key_slot(keys[i])), []).append(i)
+            except NodeIOError as exc:
+                out[i] = exc
+        header = self._header_buf()
+        again: list[int] = []
+        # per node: [addr, conn, its items, how many sent, how many read]
+        nodes: list[list] = []
+
+        def send(node: list) -> None:
+            _, conn, idx, sent, read = node
+            inflight = sum(len(items[i][2]) for i in idx[read:sent])
+            end = sent
+            while end < len(idx) and (end - read < 2 or inflight + len(items[idx[end]][2]) <= READ_WINDOW_BYTES):
+                inflight += len(items[idx[end]][2])
+                end += 1
+            if end > sent:
+                conn.sock.sendall(b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(keys[i]), keys[i])
+                                           for i in idx[sent:end]))
+                node[3] = end
+
+        def failed(node: list, exc: BaseException) -> None:
+            err = self._node_failed(node[0], exc) if isinstance(exc, _TRANSPORT) else exc
+            for i in node[2][node[4]:]:
+                out[i] = err
+            node[4] = len(node[2])
+
+        for addr, idx in by_node.items():
+            node = [addr, None, idx, 0, 0]
+            try:
+                node[1] = self._conn(addr)
+                send(node)
+            except (_TRANSPORT + (NodeIOError,)) as exc:
+                failed(node, exc)
+                continue
+            nodes.append(node)
+        try:
+            while nodes:
+                for node in list(nodes):
+                    addr, conn, idx, _, read = node
+                    i = idx[read]
+                    _, fkey, buf, _ = items[i]
+                    try:
+                        try:
+                            out[i] = self._checked(conn.read_value_into(header, buf), header, fkey, buf)
+                        except RespError as exc:
+                            if _redirect(exc) is not None or str(exc).startswith(_NODE_ERRORS):
+                                again.append(i)
+                            else:
+                                logger.warning("cluster card %s: GET %s: %s; a miss", self.device, fkey.hex(), exc)
+                        node[4] = read + 1
+                        send(node)
+                    except _TRANSPORT as exc:
+                        failed(node, exc)
+                    if node[4] == len(idx):
+                        nodes.remove(node)
+                        if not isinstance(out[idx[-1]], NodeIOError):
+                            self._node_ok(addr)
+        except BaseException:
+            for node in nodes:          # replies left unread: these connections are out of step
+                self._drop(node[0])
+            raise
+        for i in again:
+            db, fkey, buf, tag = items[i]
+            try:
+                out[i] = self.read(db, fkey, buf, tag)
+            except CardIOError as exc:
+                out[i] = exc
+            except RespError as exc:
+                logger.warning("cluster card %s: GET %s: %s; a miss", self.device, fkey.hex(), exc)
+        return out
+
+    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"") -> bool:
         header = self._header_buf()
         head = is_head(fkey)
         objfmt.fill_header(header, fkey, buf, object_bytes if head else 0)
-        key = self._key(db, fkey)
+        key = self._key(db, fkey, tag)
         wait = self.wait_ms > 0 and head
 
         def run(c: RespConnection):
@@ -515,21 +618,23 @@ class ClusterCard(Card):
             return False
         return True
 
-    def contains_many(self, items, lengths=None):
+    def contains_many(self, items, lengths=None, tags=None):
         if not items:
             return []
-        replies = self._pipeline([(b"STRLEN", self._key(db, k)) for db, k in items])
+        tags = tags or [b""] * len(items)
+        replies = self._pipeline([(b"STRLEN", self._key(db, k, t)) for (db, k), t in zip(items, tags)])
         self._raise_if_all_failed(replies)
         if lengths is None:
             lengths = [None] * len(items)
         return [isinstance(r, int) and (r > objfmt.HEADER_CORE if n is None else r == objfmt.HEADER_CORE + n)
                 for r, n in zip(replies, lengths)]
 
-    def object_sizes(self, heads):
+    def object_sizes(self, heads, tags=None):
         if not heads:
             return []
         last = str(objfmt.HEADER_CORE - 1).encode()
-        replies = self._pipeline([(b"GETRANGE", self._key(db, k), b"0", last) for db, k in heads])
+        tags = tags or [b""] * len(heads)
+        replies = self._pipeline([(b"GETRANGE", self._key(db, k, t), b"0", last) for (db, k), t in zip(heads, tags)])
         self._raise_if_all_failed(replies)
         out: list[Optional[int]] = []
         for (_, fkey), r in zip(heads, replies):
@@ -543,14 +648,15 @@ class ClusterCard(Card):
         if errors and len(errors) == len(replies):
             raise errors[0]
 
-    def delete(self, db: int, fkey: bytes) -> bool:
-        key = self._key(db, fkey)
+    def delete(self, db: int, fkey: bytes, tag: bytes = b"") -> bool:
+        key = self._key(db, fkey, tag)
         return bool(self._run(key, lambda c: c.command(b"DEL", key)))
 
-    def delete_many(self, items) -> int:
+    def delete_many(self, items, tags=None) -> int:
         if not items:
             return 0
-        replies = self._pipeline([(b"DEL", self._key(db, k)) for db, k in items])
+        tags = tags or [b""] * len(items)
+        replies = self._pipeline([(b"DEL", self._key(db, k, t)) for (db, k), t in zip(items, tags)])
         return sum(r for r in replies if isinstance(r, int))
 
     def clean(self) -> int:

@@ -144,6 +144,10 @@ class RespConnection:
         ``len(payload)`` to ``payload``. Returns the value's length (None for a missing key);
         a value of another length is drained and returned without filling ``payload``."""
         self.sock.sendall(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(key), key))
+        return self.read_value_into(header, payload)
+
+    def read_value_into(self, header: memoryview, payload: memoryview) -> Optional[int]:
+        """The next reply (a GET's, e.g. of a pipeline), read as ``get_into`` does."""
         line = self._line()
         if line[:1] == b"-":
             raise RespError(line[1:].decode(errors="replace"))

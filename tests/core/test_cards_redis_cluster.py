@@ -306,3 +306,123 @@ def test_two_gateways_share_one_cluster(redis_cluster, start_gateway):
     assert w.restore(c) == (w.objects, 0)
     c.close()
     assert control.request(gw2.port, {"op": "CLEAN"})["code"] == "CLEAN_REFUSED"
+
+
+def stored_keys(cluster) -> dict[bytes, int]:
+    """Every fragment key the cluster holds, with its slot as the cluster computes it
+    (``CLUSTER KEYSLOT``), listed node by node."""
+    out = {}
+    for node in cluster.primaries():
+        for k in node.command(b"KEYS", b"adpkv:{*", timeout=5) or []:
+            out[k] = int(node.command(b"CLUSTER", b"KEYSLOT", k))
+    return out
+
+
+def object_of(cluster_key: bytes) -> bytes:
+    """The object key in ``adpkv:{<16 hex>}:<db>:<fragment key>``."""
+    return cluster_key[len(b"adpkv:{") + 16 + len(b"}:000:"):][:-2]
+
+
+@pytest.mark.parametrize("placement", ["dialog", "stripe"])
+def test_hash_tags_follow_key_placement(redis_cluster, start_gateway, placement):
+    """dialog: every object of a dialog in one slot (the hash tag from the dialog mark);
+    stripe: a dialog's objects over several slots, each object's fragments in one. Both
+    restore byte-exact, EXIST finds, DELETE removes every fragment."""
+    cluster = redis_cluster()
+    gw = cluster_gateway(start_gateway, cluster, key_placement=placement)
+    w = Workload("tags", n=8, chunks=2, layers=2)
+    c = client(gw.port, "e")
+    assert w.store(c) == w.objects
+    assert w.restore(c) == (w.objects, 0)
+    keys = stored_keys(cluster)
+    assert len(keys) == w.objects * OBJ // FRAG
+    slots_of: dict[bytes, set] = {}
+    for k, slot in keys.items():
+        assert slot == key_slot(k)
+        slots_of.setdefault(object_of(k), set()).add(slot)
+    assert all(len(s) == 1 for s in slots_of.values()), "an object's fragments must share one slot"
+    dialog_slots = [set().union(*(slots_of[k] for k in dkeys)) for dkeys, _ in w.dialogs]
+    if placement == "dialog":
+        assert all(len(s) == 1 for s in dialog_slots), dialog_slots
+        assert len(set().union(*dialog_slots)) > 1, "dialogs must spread over slots"
+    else:
+        assert all(len(s) > 1 for s in dialog_slots), dialog_slots
+    for dkeys, marks in w.dialogs[:2]:
+        assert [bool(x) for x in c.exist(dkeys, marks=marks).result(timeout=30)] == [True] * len(dkeys)
+    dkeys, marks = w.dialogs[0]
+    assert c.delete(dkeys, marks=marks).result(timeout=30) == len(dkeys)
+    assert len(stored_keys(cluster)) == len(keys) - len(dkeys) * OBJ // FRAG
+    hits, wrong = w.restore(c)
+    assert (hits, wrong) == (w.objects - len(dkeys), 0)
+    c.close()
+
+
+def test_batched_reads_check_every_fragment_and_follow_redirections(redis_cluster):
+    """ClusterCard.read_many: one pipeline per node; a corrupt or missing value is a miss,
+    a GET sent to the wrong node (a stale slot map: MOVED) still reads the right bytes."""
+    from adpkv_gateway.cards.resp_cluster import ClusterCard
+    from adpkv_gateway.fragments import fragment_key
+    cluster = redis_cluster()
+    card = ClusterCard(cluster.url)
+    card.open()
+    try:
+        objs = [hashlib.sha256(b"o%d" % i).digest()[:28] for i in range(12)]
+        tags = [b"", b"", b"", b"dialog-1"] * 3
+        frags = [(fragment_key(o, f), t) for o, t in zip(objs, tags) for f in range(2)]
+        for fk, t in frags:
+            assert card.write(0, fk, memoryview(pattern(fk, 0, FRAG)), FRAG * 2, tag=t)
+        assert len({key_slot(ClusterCard._key(0, fk, t)) for fk, t in frags if t}) == 1
+
+        def read_all():
+            bufs = [memoryview(bytearray(FRAG)) for _ in frags]
+            got = card.read_many([(0, fk, b, t) for (fk, t), b in zip(frags, bufs)])
+            return got, bufs
+        got, bufs = read_all()
+        assert got == [True] * len(frags)
+        assert all(bytes(b) == pattern(fk, 0, FRAG) for (fk, _), b in zip(frags, bufs))
+        # the tag is part of the key: without it, the dialog's fragments are not found
+        assert card.read_many([(0, fk, memoryview(bytearray(FRAG)), b"") for fk, t in frags if t]) == \
+            [False] * sum(1 for _, t in frags if t)
+        # one byte flipped in a stored value, one value removed: misses, the rest served
+        bad_key = ClusterCard._key(0, frags[1][0], frags[1][1])
+        node = next(n for n in cluster.primaries() if n.command(b"EXISTS", bad_key) == 1)
+        value = bytearray(node.command(b"GET", bad_key))
+        value[-1] ^= 1
+        assert node.command(b"SET", bad_key, bytes(value)) == b"OK"
+        assert card.delete(0, frags[4][0], frags[4][1])
+        got, bufs = read_all()
+        assert [i for i, ok in enumerate(got) if ok is not True] == [1, 4]
+        # a stale slot map: every slot points at one node; the others answer MOVED
+        wrong = card._slots[key_slot(bad_key)]
+        card._slots = [wrong] * len(card._slots)
+        moved = card.counters["moved"]
+        got, bufs = read_all()
+        assert [i for i, ok in enumerate(got) if ok is not True] == [1, 4]
+        assert card.counters["moved"] > moved
+        assert all(bytes(b) == pattern(fk, 0, FRAG) for (fk, _), b, ok in zip(frags, bufs, got) if ok)
+    finally:
+        card.close()
+
+
+def test_a_corrupt_fragment_in_a_batched_read_removes_its_object(redis_cluster, start_gateway):
+    """store.read_many through Card.read_many: a fragment that fails its checksum is a miss
+    for its object (never wrong bytes) and the object is removed from the cluster, whole."""
+    cluster = redis_cluster()
+    gw = cluster_gateway(start_gateway, cluster)
+    w = Workload("corrupt", n=4)
+    c = client(gw.port, "e")
+    assert w.store(c) == w.objects
+    keys = stored_keys(cluster)
+    victim_obj = w.dialogs[1][0][0]
+    victim = next(k for k in keys if object_of(k) == victim_obj and not k.endswith(b"\0\0"))
+    node = next(n for n in cluster.primaries() if n.command(b"EXISTS", victim) == 1)
+    value = bytearray(node.command(b"GET", victim))
+    value[len(value) // 2] ^= 0x40
+    assert node.command(b"SET", victim, bytes(value)) == b"OK"
+    assert w.restore(c) == (w.objects - 1, 0)
+    left = stored_keys(cluster)
+    assert not [k for k in left if object_of(k) == victim_obj], "the broken object must be removed whole"
+    assert len(left) == len(keys) - OBJ // FRAG
+    assert w.store(c) == w.objects       # stored again (the others exist already)
+    assert w.restore(c) == (w.objects, 0)
+    c.close()
