@@ -180,41 +180,34 @@ class ObjectStore:
     def read(self, frag: Fragment, buf: memoryview) -> bool:
         return self._read(frag, buf)[0]
 
-    def _read(self, frag: Fragment, buf: memoryview) -> tuple[bool, bool]:
-        """(read ok, transport ok) of one fragment."""
+    def _card_call(self, frag: Fragment, write: bool, call: Callable[[Card], bool]) -> tuple[bool, bool]:
+        """``(ok, transport ok)`` of one card call on one fragment, timed and accounted: the
+        card's statistics, and its health (a transport failure is a strike, unless only one
+        node of a cluster failed)."""
         card = self.cards[frag.card]
         token = self.stats[frag.card].begin()
         transport_ok, ok, strike = True, False, True
         try:
-            ok = card.read(frag.db, frag.fkey, buf, frag.slot_tag)
+            ok = bool(call(card))
         except CardIOError as exc:
             transport_ok, strike = False, not isinstance(exc, NodeIOError)
             _log_io_error(exc)
         except Exception:
-            logger.exception("read from card %s failed", card.serial)
-        seconds = self.stats[frag.card].end(token, False, ok, len(buf))
+            logger.exception("%s card %s failed", "write to" if write else "read from", card.serial)
+        seconds = self.stats[frag.card].end(token, write, ok, frag.length)
         self.on_io(frag.card, transport_ok or not strike, seconds)
         return ok, transport_ok
+
+    def _read(self, frag: Fragment, buf: memoryview) -> tuple[bool, bool]:
+        """(read ok, transport ok) of one fragment."""
+        return self._card_call(frag, False, lambda card: card.read(frag.db, frag.fkey, buf, frag.slot_tag))
 
     def read_to_fds(self, items) -> list[tuple[int, bool]]:
         """Read ``(j, fragment, descriptor, offset)`` items straight into a client's buffer
         (``Card.read_to_fd``); ``(j, ok)`` each, with statistics and health as ``read_many``."""
-        out = []
-        for j, frag, fd, offset in items:
-            card = self.cards[frag.card]
-            token = self.stats[frag.card].begin()
-            ok, transport_ok, strike = False, True, True
-            try:
-                ok = bool(card.read_to_fd(frag.db, frag.fkey, frag.length, fd, offset))
-            except CardIOError as exc:
-                transport_ok, strike = False, not isinstance(exc, NodeIOError)
-                _log_io_error(exc)
-            except Exception:
-                logger.exception("read from card %s failed", card.serial)
-            seconds = self.stats[frag.card].end(token, False, ok, frag.length)
-            self.on_io(frag.card, transport_ok or not strike, seconds)
-            out.append((j, ok))
-        return out
+        return [(j, self._card_call(frag, False, lambda card, f=frag, d=fd, o=offset:
+                                    card.read_to_fd(f.db, f.fkey, f.length, d, o))[0])
+                for j, frag, fd, offset in items]
 
     def _read_batched(self, items) -> list[tuple[bool, bool]]:
         """(read ok, transport ok) of each ``(j, fragment, view)`` item: the fragments of a
@@ -302,19 +295,9 @@ class ObjectStore:
         """Write an object's fragments, head last (it records the object's size); one that
         fails removes what was written, so no part of the object is left behind."""
         for frag in frags:
-            card = self.cards[frag.card]
-            token = self.stats[frag.card].begin()
-            transport_ok, ok, strike = True, False, True
-            try:
-                ok = card.write(frag.db, frag.fkey, obj[frag.offset:frag.offset + frag.length],
-                                object_bytes=len(obj) if frag.offset == 0 else 0, tag=frag.slot_tag)
-            except CardIOError as exc:
-                transport_ok, strike = False, not isinstance(exc, NodeIOError)
-                _log_io_error(exc)
-            except Exception:
-                logger.exception("write to card %s failed", card.serial)
-            seconds = self.stats[frag.card].end(token, True, ok, frag.length)
-            self.on_io(frag.card, transport_ok or not strike, seconds)
+            ok, transport_ok = self._card_call(frag, True, lambda card, f=frag: card.write(
+                f.db, f.fkey, obj[f.offset:f.offset + f.length], object_bytes=len(obj) if f.offset == 0 else 0,
+                tag=f.slot_tag))
             if not ok:
                 if transport_ok:
                     self._remove_object(frag.card, object_key(frag.fkey), len(obj), frag.slot_tag)

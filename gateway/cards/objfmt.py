@@ -60,6 +60,17 @@ def check_header(header, fkey: bytes, payload_len: int) -> bool:
     return parsed is not None and parsed[0] == payload_len
 
 
+def value_problem(got: int, header, fkey: bytes, payload) -> str | None:
+    """What is wrong with a value a key-value card returned (``got`` bytes read into
+    ``header[:HEADER_CORE]`` and ``payload``) as the fragment ``fkey``, or None when it is
+    that fragment whole: its header's key and length, and its checksum."""
+    if got != HEADER_CORE + len(payload) or not check_header(header, fkey, len(payload)):
+        return "holds a foreign or resized object"
+    if not payload_ok(header, payload):
+        return "fails its checksum"
+    return None
+
+
 def payload_ok(header, payload) -> bool:
     """Whether ``payload`` has the checksum recorded in ``header``."""
     return xxh3_64(payload) == payload_checksum(header)

@@ -118,13 +118,10 @@ class RespCard(Card):
         n = self._io(lambda c: c.get_into(self._key(db, fkey), header, buf))
         if n is None:
             return False
-        if n != objfmt.HEADER_CORE + len(buf) or not objfmt.check_header(header, fkey, len(buf)):
-            logger.warning("resp card %s: %s holds a foreign or resized object; a miss", self.device, fkey.hex())
-            return False
-        if not objfmt.payload_ok(header, buf):
-            logger.warning("resp card %s: %s fails its checksum; a miss", self.device, fkey.hex())
-            return False
-        return True
+        problem = objfmt.value_problem(n, header, fkey, buf)
+        if problem is not None:
+            logger.warning("resp card %s: %s %s; a miss", self.device, fkey.hex(), problem)
+        return problem is None
 
     def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"") -> bool:
         header = self._header_buf()

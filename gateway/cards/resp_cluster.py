@@ -502,13 +502,10 @@ class ClusterCard(Card):
         the fragment ``fkey`` whole: its header's key and length, and its checksum."""
         if n is None:
             return False
-        if n != objfmt.HEADER_CORE + len(buf) or not objfmt.check_header(header, fkey, len(buf)):
-            logger.warning("cluster card %s: %s holds a foreign or resized object; a miss", self.device, fkey.hex())
-            return False
-        if not objfmt.payload_ok(header, buf):
-            logger.warning("cluster card %s: %s fails its checksum; a miss", self.device, fkey.hex())
-            return False
-        return True
+        problem = objfmt.value_problem(n, header, fkey, buf)
+        if problem is not None:
+            logger.warning("cluster card %s: %s %s; a miss", self.device, fkey.hex(), problem)
+        return problem is None
 
     def read_many(self, items) -> list:
         """``read`` of many fragments, pipelined per node and in parallel across nodes: each
