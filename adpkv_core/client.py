@@ -563,9 +563,9 @@ class GatewayClient:
     def _turn_off(self, reason: str) -> None:
         if not self._enabled:
             return
-        self._enabled = False
         message = LOOKUPS_OFF_MESSAGE if self.rank is None else TURNED_OFF_MESSAGE
         logger.warning("%s (%s); the engine goes on without it", message, reason)
+        self._enabled = False     # after the line: whoever sees the cache off finds it logged
         for pending in list(self._pending.values()):
             self._fail(pending)
         self._pending.clear()
