@@ -100,7 +100,6 @@ class DoorSession:
                                          f"{getattr(reply, 'code', '')} {getattr(reply, 'msg', '')}")
         self.token: bytes = reply.token
         self.ring_size: int = reply.ring_size
-        self.gateway_pid: int = reply.pid
         self.ring_fd = fds[0]
 
     def request(self, msg: P.Message, replies: P.ReplyDecoder, fds: Sequence[int] = ()) -> tuple[P.Message, list[int]]:

@@ -26,7 +26,7 @@ Requests (client → gateway, ZeroMQ)::
 
 Door requests (client → gateway, Unix socket, ``adpkv_core.door``)::
 
-    SESSION                                            -> OK token ring_size pid operator  + ring fd
+    SESSION                                            -> OK token ring_size  + the ring's fd
     REGION  offset, size   + one fd                    -> OK region
 
 ``session`` is the token a process got at the gateway's door: nothing but PING is
@@ -280,8 +280,6 @@ class RegionRequest(Message, **_op("REGION")):
 class SessionOk(Message, **_op("OK")):
     token: bytes = b""
     ring_size: int = 0
-    pid: int = 0
-    operator: bool = False
 
 
 class RegionOk(Message, **_op("OK")):

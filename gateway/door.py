@@ -239,8 +239,8 @@ class DoorServer:
         if isinstance(msg, P.SessionRequest):
             if fds:
                 raise P.ProtocolError(P.BAD_MESSAGE, "SESSION takes no descriptor")
-            self._reply(session, P.SessionOk(id=msg.id, token=session.token, ring_size=self.ring.size,
-                                             pid=os.getpid(), operator=session.operator), [self.ring.fd])
+            self._reply(session, P.SessionOk(id=msg.id, token=session.token, ring_size=self.ring.size),
+                        [self.ring.fd])
         else:
             region = self._region(session, msg, fds)
             self._reply(session, P.RegionOk(id=msg.id, region=region))

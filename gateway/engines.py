@@ -36,7 +36,6 @@ class EngineSession:
         self.layout = layout
         self.ranks: dict[int, Peer] = {}
         self.lookups: set[bytes] = set()
-        self.since = time.time()
 
 
 class EngineRegistry:

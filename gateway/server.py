@@ -43,7 +43,6 @@ from .transfers import Transfers
 logger = logging.getLogger("adpkv.gateway")
 
 MAX_FRAME_BYTES = 128 << 20   # a request of protocol.MAX_KEYS keys with marks fits
-IO_TASK_ITEMS = 16        # fragments (reads) or objects (writes) per thread-pool task
 
 
 class Gateway:

@@ -421,7 +421,7 @@ def test_a_ring_of_the_wrong_size_turns_the_cache_off(tmp_path):
         D.recv(conn)
         fd = os.memfd_create("short", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, 1 << 20)
-        D.send(conn, {"op": "OK", "token": b"t" * 16, "ring_size": (1 << 20) + 4096, "pid": 1}, [fd])
+        D.send(conn, P.SessionOk(token=b"t" * 16, ring_size=(1 << 20) + 4096), [fd])
         conn.recv(1)                   # until the client closes
         conn.close()
     t = threading.Thread(target=serve, daemon=True)
