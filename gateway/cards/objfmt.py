@@ -60,6 +60,26 @@ def check_header(header, fkey: bytes, payload_len: int) -> bool:
     return parsed is not None and parsed[0] == payload_len
 
 
+# A key-value card (resp, cluster) stores a fragment as one value: the header core, then the
+# payload. These read what its pipelined STRLEN / GETRANGE 0..HEADER_CORE-1 replies say.
+HEADER_RANGE = (b"0", str(HEADER_CORE - 1).encode())
+
+
+def value_holds(strlen_reply, payload_len: int | None) -> bool:
+    """Whether a value's length (a STRLEN reply) is a fragment's: of ``payload_len`` payload
+    bytes when given, of some payload otherwise."""
+    if not isinstance(strlen_reply, int):
+        return False
+    return strlen_reply > HEADER_CORE if payload_len is None else strlen_reply == HEADER_CORE + payload_len
+
+
+def recorded_size(header_reply, fkey: bytes) -> int | None:
+    """The object size a head fragment's header records (a GETRANGE of ``HEADER_RANGE``), or
+    None when it is not ``fkey``'s header."""
+    parsed = read_header(header_reply, fkey) if isinstance(header_reply, bytes) else None
+    return None if parsed is None else parsed[1]
+
+
 def value_problem(got: int, header, fkey: bytes, payload) -> str | None:
     """What is wrong with a value a key-value card returned (``got`` bytes read into
     ``header[:HEADER_CORE]`` and ``payload``) as the fragment ``fkey``, or None when it is

@@ -143,22 +143,15 @@ class RespCard(Card):
         if not items:
             return []
         replies = self._io(lambda c: c.pipeline([(b"STRLEN", self._key(db, k)) for db, k in items]))
-        if lengths is None:
-            lengths = [None] * len(items)
-        return [isinstance(r, int) and (r > objfmt.HEADER_CORE if n is None else r == objfmt.HEADER_CORE + n)
-                for r, n in zip(replies, lengths)]
+        return [objfmt.value_holds(r, n) for r, n in zip(replies, lengths or [None] * len(items))]
 
     def object_sizes(self, heads, tags=None):
         """The object sizes the heads record: one pipelined GETRANGE of each head's header."""
         if not heads:
             return []
-        last = str(objfmt.HEADER_CORE - 1).encode()
-        replies = self._io(lambda c: c.pipeline([(b"GETRANGE", self._key(db, k), b"0", last) for db, k in heads]))
-        out: list[Optional[int]] = []
-        for (_, fkey), r in zip(heads, replies):
-            parsed = objfmt.read_header(r, fkey) if isinstance(r, bytes) else None
-            out.append(None if parsed is None else parsed[1])
-        return out
+        replies = self._io(lambda c: c.pipeline([(b"GETRANGE", self._key(db, k), *objfmt.HEADER_RANGE)
+                                                 for db, k in heads]))
+        return [objfmt.recorded_size(r, fkey) for (_, fkey), r in zip(heads, replies)]
 
     def delete(self, db: int, fkey: bytes, tag: bytes = b"") -> bool:
         return bool(self._io(lambda c: c.command(b"DEL", self._key(db, fkey))))

@@ -621,23 +621,16 @@ class ClusterCard(Card):
         tags = tags or [b""] * len(items)
         replies = self._pipeline([(b"STRLEN", self._key(db, k, t)) for (db, k), t in zip(items, tags)])
         self._raise_if_all_failed(replies)
-        if lengths is None:
-            lengths = [None] * len(items)
-        return [isinstance(r, int) and (r > objfmt.HEADER_CORE if n is None else r == objfmt.HEADER_CORE + n)
-                for r, n in zip(replies, lengths)]
+        return [objfmt.value_holds(r, n) for r, n in zip(replies, lengths or [None] * len(items))]
 
     def object_sizes(self, heads, tags=None):
         if not heads:
             return []
-        last = str(objfmt.HEADER_CORE - 1).encode()
         tags = tags or [b""] * len(heads)
-        replies = self._pipeline([(b"GETRANGE", self._key(db, k, t), b"0", last) for (db, k), t in zip(heads, tags)])
+        replies = self._pipeline([(b"GETRANGE", self._key(db, k, t), *objfmt.HEADER_RANGE)
+                                  for (db, k), t in zip(heads, tags)])
         self._raise_if_all_failed(replies)
-        out: list[Optional[int]] = []
-        for (_, fkey), r in zip(heads, replies):
-            parsed = objfmt.read_header(r, fkey) if isinstance(r, bytes) else None
-            out.append(None if parsed is None else parsed[1])
-        return out
+        return [objfmt.recorded_size(r, fkey) for (_, fkey), r in zip(heads, replies)]
 
     @staticmethod
     def _raise_if_all_failed(replies: list) -> None:
