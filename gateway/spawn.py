@@ -70,24 +70,30 @@ class GatewayProcess:
             return 0
         self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout_s)
+            code = self.proc.wait(timeout_s)
         finally:
             self.proc = None
+        self._remove_leftovers()
+        return code
 
     def kill(self) -> None:
-        """SIGKILL: a crash. A crashed gateway leaves its door and lock files in /dev/shm (the
-        next gateway on the port reclaims them); this tool removes them so test runs do not
-        leave them behind."""
+        """SIGKILL: a crash."""
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
-            door = self.settings.get("control_socket") or door_path(self.port)
-            for path in (door, lock_path(door)):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+            self._remove_leftovers()
+
+    def _remove_leftovers(self) -> None:
+        """A gateway leaves its lock file in /dev/shm (and, when killed, its door: the next
+        gateway on the port reclaims both); once it has exited, this tool removes them so test
+        runs do not leave them behind."""
+        door = self.settings.get("control_socket") or door_path(self.port)
+        for path in (door, lock_path(door)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def restart(self, hard: bool = False) -> "GatewayProcess":
         self.kill() if hard else self.stop()
