@@ -18,7 +18,7 @@ from typing import Optional
 
 from . import objfmt
 from .base import Card, CardIOError, CardUnavailable, CardUsage, is_head
-from .resp_conn import RespConnection, RespError
+from .resp_conn import RespConnection, RespError, ThreadConnections
 
 logger = logging.getLogger("adpkv.gateway.resp")
 
@@ -35,39 +35,22 @@ class RespCard(Card):
     def __init__(self, device: str, io_timeout_s: Optional[float] = None):
         super().__init__(device)
         self.timeout_s = io_timeout_s or 30.0
-        self._local = threading.local()
-        self._conns: list[RespConnection] = []
-        self._conns_lock = threading.Lock()
-        self._generation = 0
+        self._local = threading.local()          # per-thread header buffer
+        self._conns = ThreadConnections()
 
     # ------------------------------------------------------------------ connections
     def _conn(self) -> RespConnection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None or getattr(self._local, "gen", -1) != self._generation:
-            try:
-                conn = RespConnection(self.device, self.timeout_s)
-            except _TRANSPORT as exc:
-                raise CardIOError(f"resp card {self.device}: cannot connect: {exc}") from None
-            self._local.conn, self._local.gen = conn, self._generation
-            with self._conns_lock:
-                self._conns.append(conn)
-        return conn
-
-    def _drop(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
-            with self._conns_lock:
-                if conn in self._conns:
-                    self._conns.remove(conn)
+        try:
+            return self._conns.get(None, lambda: RespConnection(self.device, self.timeout_s))
+        except _TRANSPORT as exc:
+            raise CardIOError(f"resp card {self.device}: cannot connect: {exc}") from None
 
     def _io(self, fn):
         """Run ``fn(conn)``; a transport failure drops the connection and raises CardIOError."""
         try:
             return fn(self._conn())
         except _TRANSPORT as exc:
-            self._drop()
+            self._conns.drop(None)
             raise CardIOError(f"resp card {self.device}: {exc}") from None
 
     @staticmethod
@@ -106,11 +89,7 @@ class RespCard(Card):
 
     def reset_connections(self) -> None:
         """Forget every connection (after the card was out of service)."""
-        self._generation += 1
-        with self._conns_lock:
-            conns, self._conns = self._conns, []
-        for c in conns:
-            c.close()
+        self._conns.reset()
 
     # ------------------------------------------------------------------ data
     def read(self, db: int, fkey: bytes, buf: memoryview, tag: bytes = b"") -> bool:

@@ -54,7 +54,7 @@ import xxhash
 
 from . import objfmt
 from .base import Card, CardError, CardIOError, CardUnavailable, CardUsage, NodeIOError, is_head, object_key
-from .resp_conn import RespConnection, RespError
+from .resp_conn import RespConnection, RespError, ThreadConnections
 
 logger = logging.getLogger("adpkv.gateway.resp_cluster")
 
@@ -150,10 +150,8 @@ class ClusterCard(Card):
         self.seeds, self.password = parse_cluster_url(device)
         self.timeout_s = io_timeout_s or 5.0
         self.wait_ms = int(wait_ms)
-        self._local = threading.local()
-        self._generation = 0
-        self._conns: list[RespConnection] = []
-        self._conns_lock = threading.Lock()
+        self._local = threading.local()          # per-thread header buffer
+        self._conns = ThreadConnections()
         self._map_lock = threading.Lock()
         self._slots: list[Optional[Addr]] = [None] * SLOTS
         self._replicas: dict[Addr, list[Addr]] = {}
@@ -175,28 +173,15 @@ class ClusterCard(Card):
         return conn
 
     def _conn(self, addr: Addr) -> RespConnection:
-        local = self._local
-        if getattr(local, "gen", -1) != self._generation:
-            local.conns, local.gen = {}, self._generation
-        conn = local.conns.get(addr)
-        if conn is None:
+        if not self._conns.has(addr):
             until = self._down_until.get(addr, 0.0)
             if until and time.monotonic() < until:
                 self._refresh()            # rate-limited: learns a failover as soon as it happened
                 raise NodeIOError(f"cluster card {self.device}: node {_fmt(addr)} is down")
-            conn = self._connect(addr, self.timeout_s)
-            local.conns[addr] = conn
-            with self._conns_lock:
-                self._conns.append(conn)
-        return conn
+        return self._conns.get(addr, lambda: self._connect(addr, self.timeout_s))
 
     def _drop(self, addr: Addr) -> None:
-        conn = getattr(self._local, "conns", {}).pop(addr, None)
-        if conn is not None:
-            conn.close()
-            with self._conns_lock:
-                if conn in self._conns:
-                    self._conns.remove(conn)
+        self._conns.drop(addr)
 
     def _node_failed(self, addr: Addr, exc: BaseException) -> NodeIOError:
         """A node did not answer: fail fast on it for a while, refresh the map, and the
@@ -219,11 +204,7 @@ class ClusterCard(Card):
             logger.info("cluster card %s: node %s answers again", self.device, _fmt(addr))
 
     def reset_connections(self) -> None:
-        self._generation += 1
-        with self._conns_lock:
-            conns, self._conns = self._conns, []
-        for c in conns:
-            c.close()
+        self._conns.reset()
 
     # ------------------------------------------------------------------ the slot map
     def _known_nodes(self) -> list[Addr]:

@@ -10,7 +10,8 @@ small read buffer.
 from __future__ import annotations
 
 import socket
-from typing import Optional, Sequence
+import threading
+from typing import Callable, Optional, Sequence
 from urllib.parse import urlparse
 
 
@@ -163,3 +164,51 @@ class RespConnection:
         self._exact_into(payload)
         self._skip(2)
         return n
+
+
+class ThreadConnections:
+    """Connections of a card's I/O threads: one per thread and node (a RESP connection is
+    not shared between threads), all tracked so that ``reset`` closes every one of them and
+    makes each thread open new ones on its next command."""
+
+    def __init__(self):
+        self._local = threading.local()
+        self._generation = 0
+        self._all: list[RespConnection] = []
+        self._lock = threading.Lock()
+
+    def _mine(self) -> dict:
+        local = self._local
+        if getattr(local, "gen", -1) != self._generation:
+            local.conns, local.gen = {}, self._generation
+        return local.conns
+
+    def get(self, node, connect: Callable[[], RespConnection]) -> RespConnection:
+        """This thread's connection to ``node``, made by ``connect()`` when there is none."""
+        mine = self._mine()
+        conn = mine.get(node)
+        if conn is None:
+            conn = mine[node] = connect()
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    def has(self, node) -> bool:
+        return node in self._mine()
+
+    def drop(self, node) -> None:
+        """Close this thread's connection to ``node`` (after a transport failure)."""
+        conn = self._mine().pop(node, None)
+        if conn is not None:
+            conn.close()
+            with self._lock:
+                if conn in self._all:
+                    self._all.remove(conn)
+
+    def reset(self) -> None:
+        """Close every thread's connections; each thread reconnects on its next command."""
+        self._generation += 1
+        with self._lock:
+            conns, self._all = self._all, []
+        for c in conns:
+            c.close()

@@ -74,6 +74,7 @@ except ImportError as exc:  # pragma: no cover - depends on the vLLM version
         "Use AdpOffloadingSpec or AdpKVConnector instead") from exc
 
 from adpkv_core.attachment import Attachment, Session, reconnect_setting
+from adpkv_core.client import StoreResult
 from adpkv_core.keys import KeyBuilder, key_namespace
 from adpkv_core.regions import shared_file_of
 from adpkv_core.settings import ClientConfig
@@ -345,7 +346,7 @@ class AdpSecondaryTier(SecondaryTierManager):
         fut.add_done_callback(lambda f, j=j: self._done(j, f.result()))
 
     def _done(self, j: _Job, result) -> None:          # any thread
-        flags = getattr(result, "stored", result)       # a PUT: StoreResult, a GET: hits
+        flags = result.stored if isinstance(result, StoreResult) else result     # a PUT, or a GET's hits
         j.seconds = time.perf_counter() - j.t0
         with self._cv:
             j.flags = [bool(f) for f in flags] if len(flags) == len(j.keys) else [False] * len(j.keys)

@@ -69,7 +69,7 @@ class Workload:
                     o = b.offset + j * b.stride
                     client.ring[o:o + OBJ] = pattern(keys[b.first + j], 0, OBJ)
             r = client.put(keys, OBJ, fill, marks=marks).result(timeout=60)
-            stored += sum(getattr(r, "stored", r))
+            stored += sum(r.stored)
         return stored
 
     def restore(self, client: GatewayClient) -> tuple[int, int]:
