@@ -1,0 +1,192 @@
+"""One object file of the fs card: reading it, checked, and copying it into a client's region.
+
+A file is a 4 KiB header (``objfmt``, padded to one aligned block), then the payload. A
+read returns None when the bytes are right, else what is wrong ("missing", "truncated",
+"bad header", "checksum mismatch", "I/O error: ..."): the card turns that into a miss and
+its bookkeeping. These functions run in the gateway's I/O threads and in its I/O processes
+(``FileRead``) alike, each with its per-thread ``Scratch`` buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+from typing import Optional
+
+from ..checksum import Xxh3Stream
+from . import objfmt
+
+HEADER_BYTES = 4096          # the object header (objfmt), padded to one aligned block
+ALIGN = 4096
+READ_PIECE = 256 << 10       # page-cache reads are read and hashed this much at a time (cache-hot hashing)
+
+def _address(buf: memoryview) -> Optional[int]:
+    """Address of a writable buffer (None for read-only ones)."""
+    if buf.readonly:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+class Scratch(threading.local):
+    """Page-aligned per-thread buffers: the header block and an O_DIRECT bounce buffer."""
+
+    def __init__(self):
+        self.header = mmap.mmap(-1, HEADER_BYTES)
+        self.bounce = mmap.mmap(-1, ALIGN * 2)
+        self.hasher = Xxh3Stream()
+
+    def bounce_of(self, nbytes: int) -> memoryview:
+        if len(self.bounce) < nbytes:
+            self.bounce = mmap.mmap(-1, -(-nbytes // ALIGN) * ALIGN)
+        return memoryview(self.bounce)[:nbytes]
+
+
+def payload_iov(buf: memoryview, n: int, o_direct: bool, scratch: Scratch, for_write: bool = False):
+    """The iovecs of the payload, and (bounce view, offset, length) of a tail copied apart.
+
+    Without O_DIRECT the payload goes straight to/from ``buf``. With O_DIRECT every
+    iovec must be aligned: the aligned body of ``buf`` goes direct and the unaligned
+    tail (or all of an unaligned buffer) through a bounce buffer.
+    """
+    if not o_direct:
+        return [buf], None
+    addr = _address(buf)
+    body = (n // ALIGN) * ALIGN if addr is not None and addr % ALIGN == 0 else 0
+    rest = n - body
+    iov = [buf[:body]] if body else []
+    if rest == 0:
+        return iov, None
+    bounce = scratch.bounce_of(-(-rest // ALIGN) * ALIGN)
+    if for_write:
+        bounce[:rest] = buf[body:]
+        bounce[rest:] = bytes(len(bounce) - rest)
+    iov.append(bounce)
+    return iov, (bounce, body, rest)
+
+
+def _read_hashed(fd: int, header: memoryview, buf: memoryview, hasher: Xxh3Stream) -> tuple[int, int]:
+    """Read header and payload through the page cache, hashing each piece of the payload
+    right after its read, while it is still in the CPU cache (one pass over the bytes
+    instead of a read and a second checksum pass). Returns (bytes read, payload xxh3)."""
+    n = len(buf)
+    hasher.reset()
+    got = os.preadv(fd, [header, buf[:min(n, READ_PIECE)]], 0)
+    pos = max(0, got - HEADER_BYTES)
+    if pos:
+        hasher.update(buf[:pos])
+    while 0 < pos < n and got > 0:
+        got = os.preadv(fd, [buf[pos:pos + READ_PIECE]], HEADER_BYTES + pos)
+        if got > 0:
+            hasher.update(buf[pos:pos + got])
+            pos += got
+    return (HEADER_BYTES + pos if pos else min(got, HEADER_BYTES)), hasher.digest()
+
+
+def read_object_file(path: str, fkey: bytes, buf: memoryview, o_direct: bool, scratch: Scratch) -> Optional[str]:
+    """Read the payload of one object file into ``buf`` (exactly its length), checking
+    header and checksum. None when the bytes are right, else what is wrong: "missing",
+    "truncated", "bad header", "checksum mismatch" or "I/O error: ...". Runs in the
+    gateway's I/O threads and in its I/O processes alike."""
+    n = len(buf)
+    try:
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))
+    except OSError:
+        return "missing"
+    header = memoryview(scratch.header)
+    digest = tail = None
+    try:
+        if o_direct:
+            iov, tail = payload_iov(buf, n, o_direct, scratch)
+            got = os.preadv(fd, [header] + iov, 0)
+        else:
+            got, digest = _read_hashed(fd, header, buf, scratch.hasher)
+    except OSError as exc:
+        return f"I/O error: {exc}"
+    finally:
+        os.close(fd)
+    if got < HEADER_BYTES + n:
+        return "truncated"
+    if not objfmt.check_header(header, fkey, n):
+        return "bad header"
+    if tail is not None:
+        src, dst_off, length = tail
+        buf[dst_off:dst_off + length] = src[:length]
+    if digest is None:
+        digest_ok = objfmt.payload_ok(header, buf)
+    else:
+        digest_ok = digest == objfmt.payload_checksum(header)
+    if not digest_ok:
+        return "checksum mismatch"
+    return None
+
+
+REGION_WRITE_FAILED = "region write failed"    # the client's buffer, not the card: no strike
+
+
+def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: int,
+                     scratch: Scratch) -> Optional[str]:
+    """Copy the payload of one object file to ``out_fd`` at ``out_offset`` (a client's region)
+    with ``pwrite``, checking header and checksum on the way; None when the bytes are right,
+    else what is wrong (as ``read_object_file``; ``REGION_WRITE_FAILED`` when the destination
+    took less than it was given).
+
+    Piece by piece through a per-thread buffer that stays in the CPU cache: read, hash, write.
+    The destination is touched only by the kernel: a client that shrinks its buffer makes
+    ``pwrite`` come back short, it cannot make the gateway fault. The bytes land before the
+    checksum is known, as with any read into a buffer: a mismatch reports the object missing
+    and the engine does not use them."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return "missing"
+    header = memoryview(scratch.header)
+    piece = scratch.bounce_of(READ_PIECE)
+    hasher = scratch.hasher
+    try:
+        if os.preadv(fd, [header], 0) < HEADER_BYTES:
+            return "truncated"
+        if not objfmt.check_header(header, fkey, n):
+            return "bad header"
+        hasher.reset()
+        for pos in range(0, n, READ_PIECE):
+            k = min(READ_PIECE, n - pos)
+            if os.preadv(fd, [piece[:k]], HEADER_BYTES + pos) != k:
+                return "truncated"
+            hasher.update(piece[:k])
+            try:
+                written = os.pwrite(out_fd, piece[:k], out_offset + pos)
+            except OSError:
+                written = -1
+            if written != k:
+                return REGION_WRITE_FAILED
+    except OSError as exc:
+        return f"I/O error: {exc}"
+    finally:
+        os.close(fd)
+    return None if hasher.digest() == objfmt.payload_checksum(header) else "checksum mismatch"
+
+
+_process_scratch: Optional[Scratch] = None
+
+
+class FileRead:
+    """A read of one object file, handed to an I/O process (picklable)."""
+
+    __slots__ = ("path", "fkey", "o_direct")
+
+    def __init__(self, path: str, fkey: bytes, o_direct: bool):
+        self.path, self.fkey, self.o_direct = path, fkey, o_direct
+
+    def __getstate__(self):
+        return (self.path, self.fkey, self.o_direct)
+
+    def __setstate__(self, state):
+        self.path, self.fkey, self.o_direct = state
+
+    def read_into(self, buf: memoryview) -> Optional[str]:
+        global _process_scratch
+        if _process_scratch is None:
+            _process_scratch = Scratch()
+        return read_object_file(self.path, self.fkey, buf, self.o_direct, _process_scratch)
