@@ -15,6 +15,8 @@ import yaml
 
 from adpkv_core.settings import parse_bool
 
+from .quotas import parse_quotas
+
 
 @dataclasses.dataclass
 class GatewayConfig:
@@ -33,6 +35,8 @@ class GatewayConfig:
     io_timeout_strikes: int = 3              # commands past it in a row before a card leaves service
     resp_wait_ms: int = 0                    # cluster cards: WAIT 1 <ms> after each object (0: off)
     status_file: str = ""                    # Prometheus text file, rewritten every second
+    metrics_port: int = 0                    # serve /metrics over HTTP on this port (0: off)
+    metrics_address: str = "127.0.0.1"       # ... on this address (0.0.0.0: every interface, e.g. in a pod)
     port: int = 5557
     bind_address: str = "127.0.0.1"
     control_socket: str = ""                 # the door (Unix socket); "": /dev/shm/adpkv-<port>.sock
@@ -48,6 +52,7 @@ class GatewayConfig:
     o_direct: bool = False                   # fs card: bypass the page cache
     fsync: bool = False                      # fs card: fsync each object before it becomes visible
     card_group: str = ""                     # fs card: share files with this group (0640/0750; else 0600/0700)
+    namespace_quotas: dict = dataclasses.field(default_factory=dict)  # fs cards: namespace -> bytes per card
     engine_timeout_s: float = 5.0            # a rank silent this long is detached
     log_level: str = "INFO"
 
@@ -68,6 +73,10 @@ class GatewayConfig:
             raise ValueError("replicas must be >= 1")
         if self.fragment_size < 0:
             raise ValueError("fragment_size must be >= 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError("metrics_port must be 0 (off) or a TCP port")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError("metrics_port must differ from port (the control port)")
         if self.resp_wait_ms < 0:
             raise ValueError("resp_wait_ms must be >= 0 (0: no WAIT after writes)")
         try:
@@ -83,6 +92,7 @@ class GatewayConfig:
             raise ValueError("need 0 < eviction_watermark <= 1 and 0 <= eviction_ratio < eviction_watermark")
         if self.card_group and not self.card_group.strip():
             raise ValueError("card_group must name a group (or be empty)")
+        self.namespace_quotas = parse_quotas(self.namespace_quotas)
         if self.shared_storage and int(self.start_clean):
             raise ValueError("start_clean: 1 with shared_storage: true would delete other deployments' "
                              "keys; refusing to start")
@@ -137,6 +147,8 @@ HELP: dict[str, str] = {
     "resp_wait_ms": "redis+cluster:// cards: after each object, WAIT 1 <ms> for a replica to hold it; "
                     "an object no replica acknowledged in time is reported not stored (0: off)",
     "status_file": "Prometheus text file rewritten every second (empty: none)",
+    "metrics_port": "serve the same metrics at http://metrics_address:metrics_port/metrics (0: off)",
+    "metrics_address": "address the /metrics endpoint listens on (0.0.0.0: every interface)",
     "port": "control port (ZeroMQ); also names the door /dev/shm/adpkv-<port>.sock",
     "bind_address": "address the control port binds to",
     "control_socket": "the door: the Unix socket where local processes get a session (empty: from port)",
@@ -154,6 +166,8 @@ HELP: dict[str, str] = {
     "engine_timeout_s": "seconds without a heartbeat before a rank is detached",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "card_group": "fs card: share its files with this group (0640/0750; empty: 0600/0700, owner only)",
+    "namespace_quotas": "fs cards: bytes each key namespace may hold per card, NAME=BYTES[,NAME=BYTES] "
+                        "(YAML: a mapping); over it a namespace evicts its own least recently used objects",
 }
 
 
@@ -187,6 +201,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         text = f"{HELP.get(name, name)} (default: {_default_text(f)})".replace("%", "%%")
         if name == "storage_devices":
             parser.add_argument(flag, nargs="+", default=None, metavar="DEV", help=text)
+        elif name == "namespace_quotas":
+            parser.add_argument(flag, default=None, metavar="NAME=BYTES,...", help=text)
         elif f.type in ("bool", bool):
             parser.add_argument(flag, default=None, type=_bool_flag(name), metavar="BOOL", help=text)
         else:

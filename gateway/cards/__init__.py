@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from ..quotas import quotas_by_id
 from .base import Card, CardError, CardIOError, CardUnavailable, CardUsage, NodeIOError
 from .fs import FsCard
 from .resp import RespCard
@@ -24,8 +25,13 @@ def open_cards(config, is_pinned: Callable[[bytes], bool]) -> list[Card]:
     CardError with a clear reason.
     """
     cards: list[Card] = []
+    quotas = quotas_by_id(getattr(config, "namespace_quotas", {}))
     for device in config.storage_devices:
         timeout_s = config.io_timeout_ms / 1000.0 if config.io_timeout_ms else None
+        if quotas and str(device).startswith(CLUSTER_SCHEMES + ("redis://", "tcp://")):
+            logging.getLogger("adpkv.gateway").warning(
+                "namespace_quotas do not apply to %s: a Redis-protocol server evicts by its own maxmemory "
+                "policy and the gateway keeps no index of it (quotas bind fs cards only)", device)
         if str(device).startswith(CLUSTER_SCHEMES):
             card: Card = ClusterCard(device, io_timeout_s=timeout_s, wait_ms=getattr(config, "resp_wait_ms", 0))
         elif str(device).startswith(("redis://", "tcp://")):
@@ -37,7 +43,7 @@ def open_cards(config, is_pinned: Callable[[bytes], bool]) -> list[Card]:
             card = FsCard(device, num_dbs=config.num_dbs, capacity_bytes=config.capacity_bytes,
                           eviction_watermark=config.eviction_watermark, eviction_ratio=config.eviction_ratio,
                           o_direct=config.o_direct, fsync=config.fsync, is_pinned=is_pinned,
-                          card_group=getattr(config, "card_group", ""))
+                          card_group=getattr(config, "card_group", ""), quotas=quotas)
         try:
             card.open()
         except CardUnavailable as exc:

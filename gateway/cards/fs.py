@@ -33,12 +33,13 @@ import uuid
 from typing import Callable, Optional
 
 from ..fragments import fragment_extents
+from ..quotas import TenantBook, TenantUsage, tenant_of
 from adpkv_core.keys import KEY_BYTES
 
 from . import objfmt
 from .base import Card, CardError, CardUsage, is_head, object_key
-from .objfile import (ALIGN, HEADER_BYTES, REGION_WRITE_FAILED, FileRead, Scratch, copy_object_file,
-                      payload_iov, read_object_file)
+from .objfile import (ALIGN, HEADER_BYTES, REGION_WRITE_FAILED, FdSlice, FileRead, Scratch, copy_object_file,
+                      read_object_file, write_object_file)
 
 logger = logging.getLogger("adpkv.gateway.fs")
 
@@ -76,11 +77,13 @@ class FsCard(Card):
 
     kind = "fs"
     direct_reads = True
+    direct_writes = True
 
     def __init__(self, device: str, num_dbs: int = 16, capacity_bytes: int = 0,
                  eviction_watermark: float = 0.95, eviction_ratio: float = 0.10,
                  o_direct: bool = False, fsync: bool = False,
-                 is_pinned: Callable[[bytes], bool] = lambda key: False, card_group: str = ""):
+                 is_pinned: Callable[[bytes], bool] = lambda key: False, card_group: str = "",
+                 quotas: Optional[dict[bytes, int]] = None):
         super().__init__(device)
         self.root = os.path.abspath(device)
         self.num_dbs = num_dbs
@@ -97,6 +100,7 @@ class FsCard(Card):
         self._objects: "collections.OrderedDict[bytes, _Object]" = collections.OrderedDict()
         self._files = 0
         self._used = 0
+        self._tenants = TenantBook(quotas)             # bytes, LRU and quota of each namespace
         self._scratch = Scratch()
         self._tmp_seq = 0
         self._dir_fds: dict[int, int] = {}             # db -> directory fd (fsync: true)
@@ -143,6 +147,7 @@ class FsCard(Card):
             logger.warning("fs card %s: the file system refuses O_DIRECT; using the page cache", self.root)
             self.o_direct = False
         self._rebuild_index()
+        self._trim_to_quotas()
         if self.capacity_bytes <= 0:
             self.capacity_bytes = shutil.disk_usage(self.root).free + self._used
         logger.info("fs card %s (serial %s): capacity %.1f MiB", self.root, self.serial, self.capacity_bytes / 2**20)
@@ -298,6 +303,7 @@ class FsCard(Card):
         entries.sort(key=lambda e: e[0])
         with self._lock:
             self._objects.clear()
+            self._tenants.clear()
             self._used = self._files = 0
             for _, okey, parts, total in entries:
                 obj = _Object()
@@ -305,11 +311,26 @@ class FsCard(Card):
                 for fkey, (db, size, _, _, _) in parts.items():
                     obj.parts[fkey] = (db, size)
                     self._used += size
+                    self._tenants.charge(okey, size)
                     self._files += 1
                 self._objects[okey] = obj
+                self._tenants.enter(okey)
         logger.info("fs card %s (serial %s): %d objects in %d files, %.1f MiB indexed in %.2f s%s",
                     self.root, self.serial, len(entries), self._files, self._used / 2**20,
                     time.monotonic() - t0, f"; {bad} broken removed" if bad else "")
+
+    def _trim_to_quotas(self) -> None:
+        """Bring every namespace within its quota (quotas lowered since the card was written):
+        its own least recently used objects go."""
+        victims: list[str] = []
+        with self._lock:
+            for tid in self._tenants.quotas:
+                n = self._evict_own(tid, 0, b"", victims)
+                if n:
+                    self.evicted += n
+                    logger.info("fs card %s: namespace id %s was over its quota; %d objects evicted",
+                                self.root, tid.hex(), n)
+        self._unlink(victims)
 
     @staticmethod
     def _complete(okey: bytes, parts: dict, head: tuple) -> bool:
@@ -340,6 +361,7 @@ class FsCard(Card):
             if entry is None:
                 return None
             self._objects.move_to_end(okey)
+            self._tenants.enter(okey)
         return self._path(entry[0], fkey)
 
     def process_read(self, fkey: bytes):
@@ -370,15 +392,18 @@ class FsCard(Card):
             self._drop_object(object_key(fkey))
         return False
 
-    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"") -> bool:
+    def write_from_fd(self, db: int, fkey: bytes, length: int, in_fd: int, in_offset: int,
+                      object_bytes: int = 0, tag: bytes = b"") -> bool:
+        return self.write(db, fkey, FdSlice(in_fd, in_offset, length), object_bytes, tag)
+
+    def write(self, db: int, fkey: bytes, buf, object_bytes: int = 0, tag: bytes = b"") -> bool:
+        """``buf``: a memoryview, or an ``FdSlice`` of a client's region (``write_from_fd``)."""
         n = len(buf)
         on_disk = HEADER_BYTES + (-(-n // ALIGN) * ALIGN if self.o_direct else n)
         okey = object_key(fkey)
         head = is_head(fkey)
         if not self._reserve(okey, fkey, on_disk):
             return False
-        header = memoryview(self._scratch.header)
-        objfmt.fill_header(header, fkey, buf, object_bytes if head else 0)
         final = self._path(db, fkey)
         with self._lock:
             self._tmp_seq += 1
@@ -388,10 +413,7 @@ class FsCard(Card):
                          self.file_mode)
             try:
                 self._own_file(fd)
-                iov, tail = payload_iov(buf, n, self.o_direct, self._scratch, for_write=True)
-                want = HEADER_BYTES + sum(len(v) for v in iov)
-                if os.pwritev(fd, [header] + iov, 0) != want:
-                    raise OSError("short write")
+                write_object_file(fd, fkey, buf, object_bytes if head else 0, self.o_direct, self._scratch)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -402,7 +424,7 @@ class FsCard(Card):
         except OSError as exc:
             logger.warning("fs card %s: write of %s failed: %s", self.root, final, exc)
             self._unlink([tmp])
-            self._unreserve(on_disk)
+            self._unreserve(okey, on_disk)
             return False
         stale = None
         with self._lock:
@@ -411,9 +433,11 @@ class FsCard(Card):
                 obj = self._objects[okey] = _Object()
             else:
                 self._objects.move_to_end(okey)
+            self._tenants.enter(okey)
             old = obj.parts.pop(fkey, None)
             if old is not None:
                 self._used -= old[1]
+                self._tenants.charge(okey, -old[1])
                 if old[0] != db:
                     stale = self._path(old[0], fkey)
             else:
@@ -439,6 +463,7 @@ class FsCard(Card):
         obj = self._objects.pop(okey, None)
         if obj is None:
             return None
+        self._tenants.forget(okey, sum(size for _, size in obj.parts.values()))
         paths = []
         for fkey, (db, size) in obj.parts.items():
             self._used -= size
@@ -461,37 +486,74 @@ class FsCard(Card):
     # ------------------------------------------------------------------ capacity
     def _reserve(self, okey: bytes, fkey: bytes, nbytes: int) -> bool:
         """Account ``nbytes`` for a new file, evicting least recently used objects (whole)
-        if needed; never the object being written nor a pinned one."""
+        if needed; never the object being written nor a pinned one. A namespace over its
+        quota evicts its own objects first (its own LRU) and is refused if that is not enough."""
         victims: list[str] = []
         evicted = 0
         with self._lock:
             obj = self._objects.get(okey)
             old = obj.parts.get(fkey) if obj is not None else None
             freed_by_overwrite = old[1] if old else 0
-            high = self.capacity_bytes * self.watermark
-            ok = True
-            if self._used + nbytes - freed_by_overwrite > high:
-                target = self.capacity_bytes * (self.watermark - self.ratio) - nbytes + freed_by_overwrite
-                for key in list(self._objects.keys()):
-                    if self._used <= target:
-                        break
-                    if key == okey or self.is_pinned(key[:KEY_BYTES]):
-                        continue
-                    victims.extend(self._take(key))
-                    evicted += 1
-                if self._used + nbytes - freed_by_overwrite > self.capacity_bytes:
-                    logger.warning("fs card %s is full (%d of %d bytes, the rest pinned): not storing",
-                                   self.root, self._used, self.capacity_bytes)
-                    ok = False
-            if ok:
-                self._used += nbytes
-            self.evicted += evicted
+            tid = tenant_of(okey)
+            evicted += self._evict_own(tid, nbytes - freed_by_overwrite, okey, victims)
+            if self._tenants.over_by(tid, nbytes - freed_by_overwrite):
+                self.evicted += evicted
+                logger.warning("fs card %s: namespace id %s is at its quota (the rest pinned): not storing",
+                               self.root, tid.hex())
+                ok = False
+            else:
+                ok = self._reserve_capacity(okey, nbytes, freed_by_overwrite, victims, evicted)
         self._unlink(victims)
         return ok
 
-    def _unreserve(self, nbytes: int) -> None:
+    def _evict_own(self, tid: bytes, nbytes: int, keep: bytes, victims: list[str]) -> int:
+        """(lock held) Evict namespace ``tid``'s least recently used objects (never ``keep``
+        nor a pinned one) until it can take ``nbytes`` more within its quota; their files go
+        to ``victims``. How many objects were evicted."""
+        evicted = 0
+        if not self._tenants.over_by(tid, nbytes):
+            return 0
+        for key in self._tenants.oldest(tid):
+            if not self._tenants.over_by(tid, nbytes):
+                break
+            if key == keep or self.is_pinned(key[:KEY_BYTES]):
+                continue
+            paths = self._take(key)
+            if paths is not None:
+                victims.extend(paths)
+                self._tenants.count_eviction(tid)
+                evicted += 1
+        return evicted
+
+    def _reserve_capacity(self, okey: bytes, nbytes: int, freed_by_overwrite: int, victims: list[str],
+                          evicted: int) -> bool:
+        """(lock held) The card's own capacity: evict least recently used objects of any
+        namespace past the watermark, down to (watermark - ratio)."""
+        high = self.capacity_bytes * self.watermark
+        ok = True
+        if self._used + nbytes - freed_by_overwrite > high:
+            target = self.capacity_bytes * (self.watermark - self.ratio) - nbytes + freed_by_overwrite
+            for key in list(self._objects.keys()):
+                if self._used <= target:
+                    break
+                if key == okey or self.is_pinned(key[:KEY_BYTES]):
+                    continue
+                victims.extend(self._take(key))
+                evicted += 1
+            if self._used + nbytes - freed_by_overwrite > self.capacity_bytes:
+                logger.warning("fs card %s is full (%d of %d bytes, the rest pinned): not storing",
+                               self.root, self._used, self.capacity_bytes)
+                ok = False
+        if ok:
+            self._used += nbytes
+            self._tenants.charge(okey, nbytes)
+        self.evicted += evicted
+        return ok
+
+    def _unreserve(self, okey: bytes, nbytes: int) -> None:
         with self._lock:
             self._used -= nbytes
+            self._tenants.charge(okey, -nbytes)
 
     # ------------------------------------------------------------------ admin
     def contains_many(self, items, lengths=None, tags=None):
@@ -520,6 +582,7 @@ class FsCard(Card):
         with self._lock:
             paths = [self._path(db, fkey) for obj in self._objects.values() for fkey, (db, _) in obj.parts.items()]
             self._objects.clear()
+            self._tenants.clear()
             self._used = self._files = 0
         self._unlink(paths)
         logger.info("fs card %s: cleaned, %d objects removed", self.root, len(paths))
@@ -528,6 +591,10 @@ class FsCard(Card):
     def usage(self) -> CardUsage:
         with self._lock:
             return CardUsage(self._used, self.capacity_bytes, self._files)
+
+    def tenant_usage(self) -> list[TenantUsage]:
+        with self._lock:
+            return self._tenants.usage()
 
     def check(self) -> bool:
         try:
