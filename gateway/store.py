@@ -23,6 +23,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from .fragments import fragment_db, fragment_extents, fragment_key
+from .metrics import io_latency_histogram
 
 from .cards.base import Card, CardIOError, NodeIOError, object_key
 from .placement import Placement, key_layout_fingerprint
@@ -62,7 +63,8 @@ class Holder(int):
 
 
 class CardStats:
-    """I/O counters of one card (updated from the I/O threads)."""
+    """I/O counters of one card (updated from the I/O threads), and its latency histogram per
+    operation (``latency["read"|"write"]``, exported by ``metrics.CardLatencyCollector``)."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -71,6 +73,7 @@ class CardStats:
         self.io_seconds = 0.0
         self.io_count = 0
         self.io_max_s = 0.0
+        self.latency = {"read": io_latency_histogram(), "write": io_latency_histogram()}
         self._inflight: dict[int, float] = {}
         self._ids = itertools.count()
 
@@ -105,6 +108,7 @@ class CardStats:
             self.io_seconds += seconds
             self.io_count += 1
             self.io_max_s = max(self.io_max_s, seconds)
+        self.latency["write" if write else "read"].observe(seconds)
 
     def oldest_io_age(self) -> float:
         with self.lock:
@@ -128,7 +132,8 @@ class ObjectStore:
         self.on_io: Callable[[int, bool, float], None] = lambda card, transport_ok, seconds: None
         self._pins: collections.Counter = collections.Counter()
         self._pins_lock = threading.Lock()
-        self.counters = collections.Counter()   # hits, misses, stored, store_failed (server thread only)
+        # by namespace: hits, misses, stored, store_failed, restored_bytes, stored_bytes (server thread only)
+        self.counters: collections.defaultdict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.rebuild_placement()
 
     def rebuild_placement(self) -> None:
@@ -289,18 +294,29 @@ class ObjectStore:
 
     def write_replicas(self, plans: Sequence[Sequence[Fragment]], obj: memoryview) -> bool:
         """Write one object to every replica; True if at least one holds all of it."""
-        return any([self._write_object(frags, obj) for frags in plans])
+        return any([self._write_object(frags, len(obj), lambda card, f: card.write(
+            f.db, f.fkey, obj[f.offset:f.offset + f.length], object_bytes=len(obj) if f.offset == 0 else 0,
+            tag=f.slot_tag)) for frags in plans])
 
-    def _write_object(self, frags: Sequence[Fragment], obj: memoryview) -> bool:
-        """Write an object's fragments, head last (it records the object's size); one that
-        fails removes what was written, so no part of the object is left behind."""
+    def write_from_fds(self, items) -> list[tuple[int, bool]]:
+        """Write ``(j, replica plans, descriptor, offset, object bytes)`` items straight from a
+        client's buffer (``Card.write_from_fd``: every card of the plans has
+        ``direct_writes``); ``(j, ok)`` for each, as ``write_many``."""
+        return [(j, any([self._write_object(frags, n, lambda card, f, fd=fd, at=at, n=n: card.write_from_fd(
+            f.db, f.fkey, f.length, fd, at + f.offset, object_bytes=n if f.offset == 0 else 0, tag=f.slot_tag))
+            for frags in plans]))
+            for j, plans, fd, at, n in items]
+
+    def _write_object(self, frags: Sequence[Fragment], object_bytes: int,
+                      put: Callable[[Card, Fragment], bool]) -> bool:
+        """Write an object's fragments (``put(card, fragment)``), head last (it records the
+        object's size); one that fails removes what was written, so no part of the object
+        is left behind."""
         for frag in frags:
-            ok, transport_ok = self._card_call(frag, True, lambda card, f=frag: card.write(
-                f.db, f.fkey, obj[f.offset:f.offset + f.length], object_bytes=len(obj) if f.offset == 0 else 0,
-                tag=f.slot_tag))
+            ok, transport_ok = self._card_call(frag, True, lambda card, f=frag: put(card, f))
             if not ok:
                 if transport_ok:
-                    self._remove_object(frag.card, object_key(frag.fkey), len(obj), frag.slot_tag)
+                    self._remove_object(frag.card, object_key(frag.fkey), object_bytes, frag.slot_tag)
                 return False
         return True
 

@@ -9,9 +9,11 @@ stage ends when its work (card I/O, the ranks' copies, a region copy) is all don
     GET:  LOOKUP (which card holds each object) -> READ (card -> ring, checked)
           -> TO_RANKS (BATCH; every rank copies out and RELEASEs)
              or TO_REGION (the gateway pwrites into the engine's region)  -> RETIRED
-    PUT:  FILL (BATCH; every rank fills and answers FILLED)
-             or FROM_REGION (the gateway preads from the engine's region)
-          -> LOOKUP (which objects exist already) -> WRITE (ring -> cards)  -> RETIRED
+    PUT:  FILL (BATCH; every rank fills and answers FILLED; none for a region)
+          -> LOOKUP (which objects exist already)
+          -> WRITE (ring -> cards; from a region: a card with ``direct_writes`` reads the
+             object from the region's descriptor itself, one copy; any other card gets it
+             through the ring, preadv into the slot, then written)  -> RETIRED
 
 ``batch.flags`` carries one byte per object through the stages: found / still good
 (GET), in the ring / stored (PUT). At RETIRED they become the job's results, the ring
@@ -54,14 +56,13 @@ class Stage(enum.Enum):
     TO_RANKS = "to_ranks"
     TO_REGION = "to_region"
     FILL = "fill"
-    FROM_REGION = "from_region"
     WRITE = "write"
     RETIRED = "retired"
 
 
 # How a stage's per-object I/O results combine into the batch's flags.
 _CLEARS = {Stage.READ, Stage.TO_REGION}        # an object that failed is no longer good
-_SETS = {Stage.FROM_REGION, Stage.WRITE}       # the result says whether the object made it
+_SETS = {Stage.WRITE}                          # the result says whether the object made it
 
 
 class Transfers:
@@ -127,8 +128,9 @@ class Transfers:
                 job.next += count
                 job.batches[batch.id] = batch
                 self.batches[batch.id] = batch
-                self._enter(batch, Stage.LOOKUP if job.op == "GET" else
-                            Stage.FROM_REGION if job.region is not None else Stage.FILL)
+                if job.op == "PUT" and job.region is not None:
+                    batch.flags[:] = b"\x01" * count          # in the region: to be stored
+                self._enter(batch, Stage.LOOKUP if job.op == "GET" or job.region is not None else Stage.FILL)
             if job.finished() and id(job) in self.jobs:
                 self._finish(job)         # a request of no keys has no batch to retire
 
@@ -162,11 +164,7 @@ class Transfers:
         elif stage is Stage.TO_REGION:
             items = [(j, self._slot(batch, j), job.places[batch.first + j])
                      for j in range(batch.count) if batch.flags[j] and j not in batch.direct]
-            self._submit(batch, lambda group: _region_io(job.region, group, into_ring=False, write_by=job.write_by),
-                         items)
-        elif stage is Stage.FROM_REGION:
-            items = [(j, self._slot(batch, j), job.places[batch.first + j]) for j in range(batch.count)]
-            self._submit(batch, lambda group: _region_io(job.region, group, into_ring=True), items)
+            self._submit(batch, lambda group: _to_region(job.region, group, job.write_by), items)
         if batch.pending == 0 and not batch.waiting:
             self._advance(batch)
 
@@ -175,13 +173,15 @@ class Transfers:
         job, stage = batch.job, batch.stage
         if stage is Stage.READ:
             hits = sum(batch.flags)
-            self.store.counters["hits"] += hits
-            self.store.counters["misses"] += batch.count - hits
+            counters = self.store.counters[job.namespace]
+            counters["hits"] += hits
+            counters["misses"] += batch.count - hits
+            counters["restored_bytes"] += hits * job.object_bytes
             self._enter(batch, Stage.TO_REGION if job.region is not None else Stage.TO_RANKS)
-        elif stage in (Stage.FILL, Stage.FROM_REGION):
-            if stage is Stage.FILL and batch.filled:
+        elif stage is Stage.FILL:
+            if batch.filled:
                 batch.flags[:] = b"\x01" * batch.count
-            elif stage is Stage.FILL:
+            else:
                 batch.flags[:] = bytes(batch.count)      # a rank did not fill its part: store none
             if any(batch.flags):
                 self._enter(batch, Stage.LOOKUP)
@@ -216,7 +216,7 @@ class Transfers:
             region, write_by = job.region, job.write_by
             self._submit(batch, lambda group: _direct_reads(self.store, region, group, write_by), direct)
         else:
-            writes = []
+            writes, direct, via_ring = [], [], []
             in_ring = bytes(batch.flags)
             batch.flags[:] = bytes(batch.count)
             for j in range(batch.count):
@@ -229,10 +229,20 @@ class Transfers:
                     job.existed[i] = 1
                     continue
                 plans = self.store.write_plans(job.keys[i], job.mark(i), job.object_bytes)
-                if plans:         # else no card in service for this key: not stored
+                if not plans:     # no card in service for this key: not stored
+                    continue
+                if job.region is None:
                     writes.append((j, plans, self._slot(batch, j)))
+                elif all(self.store.cards[f.card].direct_writes for frags in plans for f in frags):
+                    # the engine's region -> the card in one copy, by its descriptor (no ring)
+                    direct.append((j, plans, job.region.fd, job.places[i], job.object_bytes))
+                else:
+                    via_ring.append((j, plans, self._slot(batch, j), job.places[i]))
             batch.stage = Stage.WRITE
             self._submit(batch, self.store.write_many, writes)
+            self._submit(batch, self.store.write_from_fds, direct)
+            region = job.region
+            self._submit(batch, lambda group: _write_via_ring(self.store, region, group), via_ring)
         if batch.pending == 0:
             self._advance(batch)
 
@@ -252,8 +262,10 @@ class Transfers:
         job.results[batch.first:batch.first + batch.count] = batch.flags
         if job.op == "PUT":
             stored = sum(batch.flags)
-            self.store.counters["stored"] += stored
-            self.store.counters["store_failed"] += batch.count - stored
+            counters = self.store.counters[job.namespace]
+            counters["stored"] += stored
+            counters["store_failed"] += batch.count - stored
+            counters["stored_bytes"] += stored * job.object_bytes
         self.alloc.free(batch.offset, batch.nbytes)
         del job.batches[batch.id]
         del self.batches[batch.id]
@@ -365,21 +377,34 @@ def _direct_reads(store: ObjectStore, region, items: list, write_by: Optional[fl
     return out
 
 
-def _region_io(region, items: list, into_ring: bool, write_by: Optional[float] = None) -> list[tuple[int, bool]]:
-    """Copy ``(j, ring view, file offset)`` items between the ring and a client's region with
-    ``preadv``/``pwritev`` on its descriptor (runs on the pool). The gateway never maps a
-    region: a region the client shrank fails these calls, it cannot fault the gateway. A
-    region shorter now than registered takes nothing (a write would grow the client's file),
-    and nothing is written once the client gave up on the request (``write_by``)."""
+def _to_region(region, items: list, write_by: Optional[float]) -> list[tuple[int, bool]]:
+    """Copy ``(j, ring view, file offset)`` items from the ring into a client's region with
+    ``pwritev`` on its descriptor (runs on the pool). The gateway never maps a region: a
+    region the client shrank fails these calls, it cannot fault the gateway. A region
+    shorter now than registered takes nothing (a write would grow the client's file), and
+    nothing is written once the client gave up on the request (``write_by``)."""
     out = []
     for j, view, place in items:
-        size_now = _writable(region, None if into_ring else write_by)
+        size_now = _writable(region, write_by)
         ok = False
         if size_now is not None and place + len(view) <= size_now:
             try:
-                moved = os.preadv(region.fd, [view], place) if into_ring else os.pwritev(region.fd, [view], place)
-                ok = moved == len(view)
+                ok = os.pwritev(region.fd, [view], place) == len(view)
             except OSError:
                 pass
         out.append((j, ok))
+    return out
+
+
+def _write_via_ring(store: ObjectStore, region, items: list) -> list[tuple[int, bool]]:
+    """Store ``(j, replica plans, ring view, file offset)`` items of a client's region on
+    cards that cannot read it themselves: ``preadv`` into the ring slot, then written as a
+    ring PUT (runs on the pool). A region shorter than the object stores nothing of it."""
+    out = []
+    for j, plans, view, place in items:
+        try:
+            ok = os.preadv(region.fd, [view], place) == len(view)
+        except OSError:
+            ok = False
+        out.append((j, ok and store.write_replicas(plans, view)))
     return out

@@ -68,6 +68,7 @@ class Card(abc.ABC):
 
     kind: str = ""
     direct_reads: bool = False   # read_to_fd works: a client's region is filled without the ring
+    direct_writes: bool = False  # write_from_fd works: a client's region is stored without the ring
     batched_reads: bool = False  # read_many does better than a loop over read (the store uses it)
 
     def __init__(self, device: str):
@@ -129,6 +130,14 @@ class Card(abc.ABC):
         then reads into the ring and copies from there)."""
         return None
 
+    def write_from_fd(self, db: int, fkey: bytes, length: int, in_fd: int, in_offset: int,
+                      object_bytes: int = 0, tag: bytes = b"") -> bool:
+        """``write`` of the ``length`` bytes at ``in_offset`` of a client's buffer, read by
+        descriptor (``pread``) straight into the card's object, without the ring; the checksum
+        is of exactly the bytes stored. False when it could not be stored, or when the buffer
+        is shorter now than that (nothing is left behind). Only cards with ``direct_writes``."""
+        raise NotImplementedError(f"{type(self).__name__} has no direct writes")
+
     def process_read(self, fkey: bytes):
         """A picklable task that reads the fragment in an I/O process (``task.read_into(view)``
         returns None or what is wrong), False when the card knows it is not stored, or None
@@ -151,6 +160,12 @@ class Card(abc.ABC):
     @abc.abstractmethod
     def usage(self) -> CardUsage:
         """Bytes used, capacity and object count."""
+
+    def tenant_usage(self) -> list:
+        """Bytes, objects, quota and quota evictions of each namespace on the card
+        (``adpkv_gateway.quotas.TenantUsage``), from memory (no I/O). Only a card that keeps
+        an index knows them (fs); the others report none."""
+        return []
 
     @abc.abstractmethod
     def check(self) -> bool:

@@ -1,4 +1,5 @@
-"""One object file of the fs card: reading it, checked, and copying it into a client's region.
+"""One object file of the fs card: writing it (from the ring or straight from a client's
+region), reading it, checked, and copying it into a client's region.
 
 A file is a 4 KiB header (``objfmt``, padded to one aligned block), then the payload. A
 read returns None when the bytes are right, else what is wrong ("missing", "truncated",
@@ -166,6 +167,58 @@ def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: in
     finally:
         os.close(fd)
     return None if hasher.digest() == objfmt.payload_checksum(header) else "checksum mismatch"
+
+
+class FdSlice:
+    """``length`` bytes at ``offset`` of an open descriptor (a client's region): what a card
+    writes from, read by the gateway with ``pread`` (never mapped, see ``copy_object_file``)."""
+
+    __slots__ = ("fd", "offset", "length")
+
+    def __init__(self, fd: int, offset: int, length: int):
+        self.fd, self.offset, self.length = fd, offset, length
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct: bool,
+                      scratch: Scratch) -> None:
+    """Write one object file (header, then the payload) into ``fd``, a new file opened for
+    writing (with O_DIRECT when ``o_direct``; its payload then padded to ``ALIGN``). Raises
+    ``OSError`` when the file is not whole.
+
+    ``payload`` is a memoryview (the ring: one ``pwritev`` of header and payload) or an
+    ``FdSlice`` (a client's region): read piece by piece into a per-thread buffer that stays
+    in the CPU cache, hashed there and written on from there; the header, with the checksum
+    of exactly the bytes written, goes last. One copy of the payload, no ring. A region
+    shorter than the slice (the client truncated it) fails the write."""
+    header = memoryview(scratch.header)
+    if not isinstance(payload, FdSlice):
+        n = len(payload)
+        objfmt.fill_header(header, fkey, payload, object_bytes)
+        iov, _ = payload_iov(payload, n, o_direct, scratch, for_write=True)
+        if os.pwritev(fd, [header] + iov, 0) != HEADER_BYTES + sum(len(v) for v in iov):
+            raise OSError("short write")
+        return
+    n = payload.length
+    piece = scratch.bounce_of(READ_PIECE)
+    hasher = scratch.hasher
+    hasher.reset()
+    for pos in range(0, n, READ_PIECE):
+        k = min(READ_PIECE, n - pos)
+        if os.preadv(payload.fd, [piece[:k]], payload.offset + pos) != k:
+            raise OSError("the region is shorter than the object (truncated by its client)")
+        hasher.update(piece[:k])
+        out = k
+        if o_direct and k % ALIGN:
+            out = -(-k // ALIGN) * ALIGN
+            piece[k:out] = bytes(out - k)
+        if os.pwrite(fd, piece[:out], HEADER_BYTES + pos) != out:
+            raise OSError("short write")
+    objfmt.fill_header_of(header, fkey, n, hasher.digest(), object_bytes)
+    if os.pwrite(fd, header, 0) != HEADER_BYTES:
+        raise OSError("short write")
 
 
 _process_scratch: Optional[Scratch] = None

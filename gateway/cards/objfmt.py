@@ -30,10 +30,15 @@ MAX_KEY = _OBJECT_AT - _HEAD.size          # 52 bytes (fragment keys are 30)
 def fill_header(header, fkey: bytes, payload, object_bytes: int = 0) -> None:
     """Write the header of ``payload`` stored under ``fkey`` into ``header[:HEADER_CORE]``;
     ``object_bytes`` is the size of the whole object when ``fkey`` is its head fragment."""
+    fill_header_of(header, fkey, len(payload), xxh3_64(payload), object_bytes)
+
+
+def fill_header_of(header, fkey: bytes, payload_len: int, payload_sum: int, object_bytes: int = 0) -> None:
+    """``fill_header`` for a payload hashed on the way (``payload_sum``: its xxh3-64)."""
     if len(fkey) > MAX_KEY:
         raise ValueError("fragment key too long")
     header[:HEADER_CORE] = bytes(HEADER_CORE)
-    _HEAD.pack_into(header, 0, MAGIC, FORMAT, len(fkey), len(payload), xxh3_64(payload))
+    _HEAD.pack_into(header, 0, MAGIC, FORMAT, len(fkey), payload_len, payload_sum)
     header[_HEAD.size:_HEAD.size + len(fkey)] = fkey
     struct.pack_into(">Q", header, _OBJECT_AT, object_bytes)
     struct.pack_into(">Q", header, _SUM_AT, xxhash.xxh3_64_intdigest(memoryview(header)[:_SUM_AT]))
