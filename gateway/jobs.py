@@ -73,6 +73,7 @@ class DataJob:
         self.region: Optional[Region] = None
         self.places: list[int] = []
         self.write_by: Optional[float] = None     # GET into a region: no write after this (monotonic)
+        self.namespace = ""                       # of the engine that asked (the metrics' label)
 
     @property
     def n(self) -> int:

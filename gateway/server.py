@@ -36,7 +36,7 @@ from .engines import EngineRegistry, Peer
 from .health import HealthMonitor
 from .jobs import DataJob, Participant
 from . import stats
-from .status import render_status, write_status_file
+from .metrics import GatewayMetrics
 from .store import ObjectStore
 from .transfers import Transfers
 
@@ -73,6 +73,7 @@ class Gateway:
                                                    config.key_placement, config.fragment_size,
                                                    config.fragment_spread_across_dbs, config.replicas)
         self.health = HealthMonitor(self.store, config.io_timeout_ms, config.io_timeout_strikes)
+        self.metrics = GatewayMetrics(self.store.cards, self.store.stats)
         logger.info("Key layout fingerprint %s", self.store.fingerprint)
         all_known = all(c.serial for c in cards)
         if config.key_layout_fingerprint and config.key_layout_fingerprint != self.store.fingerprint:
@@ -118,6 +119,8 @@ class Gateway:
         self.collectives: dict[str, dict[int, tuple[bytes, P.Message]]] = {}
         self.counters = collections.Counter()
         self.stopping = False
+        if config.metrics_port:
+            self.metrics.serve(config.metrics_address, config.metrics_port)
         logger.info("Gateway listening on %s:%d", config.bind_address, config.port)
 
     # ================================================================ the loop
@@ -155,15 +158,20 @@ class Gateway:
     def _tick(self) -> None:
         for ident in self.engines.expired():
             self._detach(ident, f"no message for {self.config.engine_timeout_s:.0f} s")
-        if self.config.status_file and not self.status_writing:
+        if (self.config.status_file or self.config.metrics_port) and not self.status_writing:
             self.status_writing = True
             self._collect_stats(self._write_status)
 
     def _write_status(self, figures: dict) -> None:
-        """Render and write the status file on the pool (a slow disk never stalls the loop)."""
+        """Hand the figures to the metrics (/metrics serves them) and write the status file on
+        the pool (a slow disk never stalls the loop)."""
+        self.metrics.update(figures)
+
         def write():
+            if not self.config.status_file:
+                return
             try:
-                write_status_file(self.config.status_file, render_status(figures))
+                self.metrics.write_textfile(self.config.status_file)
             except OSError as exc:
                 logger.warning("cannot write the status file %s: %s", self.config.status_file, exc)
 
@@ -178,10 +186,11 @@ class Gateway:
             self.procs.shutdown(wait=True)
         self.health.stop()
         self._drain_completions()
+        self.metrics.close()
         if self.config.status_file:
+            self.metrics.update(stats.merge(stats.loop_snapshot(self), stats.card_usages(self.store)))
             try:
-                write_status_file(self.config.status_file, render_status(stats.merge(
-                    stats.loop_snapshot(self), stats.card_usages(self.store))))
+                self.metrics.write_textfile(self.config.status_file)
             except OSError:
                 pass
         self.door.close()
@@ -310,6 +319,8 @@ class Gateway:
         shows_engine = session.operator or (engine is not None and engine.uid == session.uid)
 
         def answer(figures):
+            if not shows_engine:     # namespaces are the engine owner's (or an operator's) to see
+                figures["objects_by_namespace"] = {}
             if not shows_engine and figures["engine"] is not None:
                 figures["engine"] = {"id": "(another user's)", "world": figures["engine"]["world"],
                                      "ranks": figures["engine"]["ranks"], "namespace": "(another user's)"}
@@ -377,6 +388,7 @@ class Gateway:
 
     def _start(self, job: DataJob) -> None:
         self.counters[job.op.lower() + "_requests"] += 1
+        job.namespace = self.engines.engine.namespace if self.engines.engine is not None else ""
         self.transfers.start(job)
 
     def _on_ack(self, identity, peer, msg: Union[P.Release, P.Filled]):

@@ -5,6 +5,7 @@ never on the loop); ``merge`` puts them together."""
 
 from __future__ import annotations
 
+import collections
 import time
 
 from .cards import CardUsage
@@ -15,9 +16,9 @@ def loop_snapshot(gateway) -> dict:
     """Everything STATS shows but the cards' usage. Runs on the loop's thread."""
     store = gateway.store
     cards = []
-    for card, st, active in zip(store.cards, store.stats, store.active):
+    for card, st, active, strikes in zip(store.cards, store.stats, store.active, gateway.health.strikes):
         cards.append({"serial": card.serial or card.device, "device": card.device, "kind": card.kind,
-                      "active": bool(active), "oldest_io_age_s": st.oldest_io_age(),
+                      "active": bool(active), "strikes": strikes, "oldest_io_age_s": st.oldest_io_age(),
                       "reads": st.reads, "writes": st.writes, "bytes_read": st.bytes_read,
                       "bytes_written": st.bytes_written, "read_errors": st.read_errors,
                       "write_errors": st.write_errors, "io_seconds": st.io_seconds,
@@ -35,7 +36,8 @@ def loop_snapshot(gateway) -> dict:
         "sessions": len(gateway.door.sessions),
         "engine": None if engine is None else {"id": engine.engine_id, "world": engine.world,
                                                "ranks": sorted(engine.ranks), "namespace": engine.namespace},
-        "counters": dict(gateway.counters), "objects": dict(store.counters), "cards": cards,
+        "counters": dict(gateway.counters), "objects": dict(sum(store.counters.values(), collections.Counter())),
+        "objects_by_namespace": {ns: dict(c) for ns, c in store.counters.items()}, "cards": cards,
     }
 
 

@@ -1,72 +1,111 @@
-"""The status file: gateway health and counters in Prometheus text format."""
+"""What the status file says: the gateway's figures (what STATS answers) as Prometheus metric
+families (``FAMILIES``; ``gateway/metrics.py`` puts them in the gateway's registry).
+
+The names the gateway specification defines are kept as it spells them (with our prefix
+``adpkv_gateway_``): ``storage_group_active{group=<card serial>}``, ``storage_groups_active``,
+``key_layout_info{fingerprint}``, ``key_placement_info{placement}``,
+``worker_oldest_io_age_seconds``. docs/operations.md lists every metric.
+"""
 
 from __future__ import annotations
 
-import os
+from typing import Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+
+PREFIX = "adpkv_gateway_"
+
+OBJECT_COUNTERS = (   # per namespace: (figure, metric name without _total, help)
+    ("hits", "hits", "Objects found by GET"),
+    ("misses", "misses", "Objects not found by GET"),
+    ("stored", "stored", "Objects stored by PUT (or already there)"),
+    ("store_failed", "store_failed", "Objects PUT could not store"),
+    ("restored_bytes", "restored_bytes", "Bytes of objects found by GET (handed to the engine)"),
+    ("stored_bytes", "stored_bytes", "Bytes of objects stored by PUT (or already there)"),
+)
 
 
-def _esc(value) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+def _gauge(name: str, help_: str, value=None, labels: Iterable[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, help_, value=value, labels=None if value is not None else list(labels))
 
 
-def render_status(s: dict) -> str:
-    """Prometheus text exposition of the gateway's state (``s``: what STATS answers)."""
-    lines = []
-
-    def metric(name, value, help_, labels=None, kind="gauge"):
-        if not any(l.startswith(f"# HELP {name} ") for l in lines):
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} {kind}")
-        lab = "" if not labels else "{" + ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items()) + "}"
-        lines.append(f"{name}{lab} {value}")
-
-    p = "adpkv_gateway_"
-    metric(p + "up", 1, "The gateway is running")
-    metric(p + "key_layout_info", 1, "Key layout fingerprint", {"fingerprint": s["fingerprint"]})
-    metric(p + "key_placement_info", 1, "Key placement", {"placement": s["placement"]})
-    metric(p + "storage_groups_active", sum(c["active"] for c in s["cards"]), "Cards in service")
-    for c in s["cards"]:
-        g = {"group": c["serial"]}
-        metric(p + "storage_group_active", int(c["active"]), "Card in service (1) or not (0)", g)
-        metric(p + "storage_used_bytes", c["used_bytes"], "Bytes stored on the card", g)
-        metric(p + "storage_capacity_bytes", c["capacity_bytes"], "Capacity of the card", g)
-        metric(p + "storage_objects", c["objects"], "Objects (fragments) on the card", g)
-        metric(p + "storage_read_bytes_total", c["bytes_read"], "Bytes read from the card", g, "counter")
-        metric(p + "storage_written_bytes_total", c["bytes_written"], "Bytes written to the card", g, "counter")
-        metric(p + "storage_io_errors_total", c["read_errors"] + c["write_errors"], "Failed card I/O", g, "counter")
-        metric(p + "storage_evicted_total", c["evicted"], "Objects evicted from the card", g, "counter")
-        avg = c["io_seconds"] / c["io_count"] if c["io_count"] else 0.0
-        metric(p + "storage_io_latency_avg_seconds", f"{avg:.6f}", "Mean card I/O latency", g)
-        metric(p + "storage_io_latency_max_seconds", f"{c['io_max_seconds']:.6f}", "Max card I/O latency", g)
-    for c in s["cards"]:
-        if "cluster_state" not in c:
-            continue
-        g = {"group": c["serial"]}
-        metric(p + "cluster_state_ok", int(c["cluster_state"] == "ok"),
-               "The cluster card's cluster_state is ok (1) or not (0)", g)
-        for n in c.get("cluster_nodes", []):
-            metric(p + "cluster_node_up", int(n["answers"] and not n["failed"]),
-                   "A node of the cluster answers the gateway and is not flagged failed",
-                   {**g, "node": n["node"], "role": n["role"]})
-    metric(p + "worker_oldest_io_age_seconds", f"{max([c['oldest_io_age_s'] for c in s['cards']] or [0]):.3f}",
-           "Age of the oldest card I/O in flight")
-    o = s["objects"]
-    metric(p + "hits_total", o.get("hits", 0), "Objects found by GET", kind="counter")
-    metric(p + "misses_total", o.get("misses", 0), "Objects not found by GET", kind="counter")
-    metric(p + "stored_total", o.get("stored", 0), "Objects stored by PUT", kind="counter")
-    metric(p + "store_failed_total", o.get("store_failed", 0), "Objects PUT could not store", kind="counter")
-    for name, value in sorted(s["counters"].items()):
-        metric(p + "requests_total", value, "Requests by kind", {"kind": name}, "counter")
-    metric(p + "ring_bytes", s["ring_size"], "Size of the shared-memory ring")
-    metric(p + "ring_in_use_bytes", s["ring_in_use"], "Ring bytes held by transfers")
-    metric(p + "requests_in_flight", s["requests_in_flight"], "Data requests in flight")
-    metric(p + "engine_attached", 0 if s["engine"] is None else 1, "An engine is attached")
-    return "\n".join(lines) + "\n"
+def gateway_families(s: dict) -> Iterable[Metric]:
+    """The gateway as a whole: up, key layout, ring, requests, engine."""
+    yield _gauge("up", "The gateway is running", 1)
+    yield InfoMetricFamily(PREFIX + "key_layout", "Key layout fingerprint", value={"fingerprint": s["fingerprint"]})
+    yield InfoMetricFamily(PREFIX + "key_placement", "Key placement", value={"placement": s["placement"]})
+    yield _gauge("ring_bytes", "Size of the shared-memory ring", s["ring_size"])
+    yield _gauge("ring_in_use_bytes", "Ring bytes held by transfers", s["ring_in_use"])
+    yield _gauge("requests_in_flight", "Data requests in flight", s["requests_in_flight"])
+    yield _gauge("pinned_objects", "Objects pinned by engines' lookups", s["pinned"])
+    yield _gauge("sessions", "Door sessions open (local processes using the gateway)", s["sessions"])
+    engine = s["engine"]
+    yield _gauge("engine_attached", "An engine is attached", 0 if engine is None else 1)
+    yield _gauge("engine_ranks_attached", "Ranks of the attached engine that are attached",
+                 0 if engine is None else len(engine["ranks"]))
+    requests = CounterMetricFamily(PREFIX + "requests", "Requests by kind", labels=["kind"])
+    for kind, value in sorted(s["counters"].items()):
+        requests.add_metric([kind], value)
+    yield requests
 
 
-def write_status_file(path: str, text: str) -> None:
-    """Replace the status file atomically."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+def object_families(s: dict) -> Iterable[Metric]:
+    """Hits, misses, stored objects and bytes, by the namespace of the engine that asked."""
+    by_namespace = s["objects_by_namespace"]
+    for figure, name, help_ in OBJECT_COUNTERS:
+        family = CounterMetricFamily(PREFIX + name, help_, labels=["namespace"])
+        for namespace, counts in sorted(by_namespace.items()):
+            family.add_metric([namespace], counts.get(figure, 0))
+        yield family
+
+
+def card_families(s: dict) -> Iterable[Metric]:
+    """Each card (label ``group``: its serial): health, capacity, I/O, eviction, cluster state."""
+    cards = s["cards"]
+    yield _gauge("storage_groups_active", "Cards in service", sum(c["active"] for c in cards))
+    fam = {
+        "active": _gauge("storage_group_active", "Card in service (1) or not (0)", labels=["group"]),
+        "used": _gauge("storage_used_bytes", "Bytes stored on the card", labels=["group"]),
+        "capacity": _gauge("storage_capacity_bytes", "Capacity of the card", labels=["group"]),
+        "objects": _gauge("storage_objects", "Objects (fragments) on the card", labels=["group"]),
+        "strikes": _gauge("storage_io_strikes", "Card commands in a row that failed or passed io_timeout_ms "
+                          "(io_timeout_strikes of them take the card out)", labels=["group"]),
+        "read": CounterMetricFamily(PREFIX + "storage_read_bytes", "Bytes read from the card", labels=["group"]),
+        "written": CounterMetricFamily(PREFIX + "storage_written_bytes", "Bytes written to the card",
+                                       labels=["group"]),
+        "ios": CounterMetricFamily(PREFIX + "storage_ios", "Card I/O commands", labels=["group", "op"]),
+        "errors": CounterMetricFamily(PREFIX + "storage_io_errors", "Failed card I/O", labels=["group", "op"]),
+        "evicted": CounterMetricFamily(PREFIX + "storage_evicted", "Objects evicted from the card",
+                                       labels=["group"]),
+    }
+    for c in cards:
+        g = [c["serial"]]
+        fam["active"].add_metric(g, int(c["active"]))
+        fam["used"].add_metric(g, c["used_bytes"])
+        fam["capacity"].add_metric(g, c["capacity_bytes"])
+        fam["objects"].add_metric(g, c["objects"])
+        fam["strikes"].add_metric(g, c["strikes"])
+        fam["read"].add_metric(g, c["bytes_read"])
+        fam["written"].add_metric(g, c["bytes_written"])
+        fam["ios"].add_metric(g + ["read"], c["reads"])
+        fam["ios"].add_metric(g + ["write"], c["writes"])
+        fam["errors"].add_metric(g + ["read"], c["read_errors"])
+        fam["errors"].add_metric(g + ["write"], c["write_errors"])
+        fam["evicted"].add_metric(g, c["evicted"])
+    yield from fam.values()
+    yield _gauge("worker_oldest_io_age_seconds", "Age of the oldest card I/O in flight",
+                 max([c["oldest_io_age_s"] for c in cards] or [0.0]))
+    clusters = [c for c in cards if "cluster_state" in c]
+    if clusters:
+        state = _gauge("cluster_state_ok", "The cluster card's cluster_state is ok (1) or not (0)", labels=["group"])
+        nodes = _gauge("cluster_node_up", "A node of the cluster answers the gateway and is not flagged failed",
+                       labels=["group", "node", "role"])
+        for c in clusters:
+            state.add_metric([c["serial"]], int(c["cluster_state"] == "ok"))
+            for n in c.get("cluster_nodes", []):
+                nodes.add_metric([c["serial"], n["node"], n["role"]], int(n["answers"] and not n["failed"]))
+        yield state
+        yield nodes
+
+
+FAMILIES = (gateway_families, object_families, card_families)

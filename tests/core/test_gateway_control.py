@@ -233,13 +233,14 @@ def test_status_file_and_cli(start_gateway, tmp_path):
     run_ranks(gw.port, 1, "PUT", make_keys(5), 4096, engine="w")
     run_ranks(gw.port, 1, "GET", make_keys(6), 4096, engine="r")
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and "adpkv_gateway_hits_total 5" not in (
+    while time.monotonic() < deadline and 'adpkv_gateway_hits_total{namespace=""} 5.0' not in (
             status.read_text() if status.exists() else ""):
         time.sleep(0.2)
     text = status.read_text()
     serial = control.request(gw.port, {"op": "STATS"})["stats"]["cards"][0]["serial"]
-    assert f'adpkv_gateway_storage_group_active{{group="{serial}"}} 1' in text
-    assert "adpkv_gateway_hits_total 5" in text and "adpkv_gateway_misses_total 1" in text
+    assert f'adpkv_gateway_storage_group_active{{group="{serial}"}} 1.0' in text
+    assert 'adpkv_gateway_hits_total{namespace=""} 5.0' in text
+    assert 'adpkv_gateway_misses_total{namespace=""} 1.0' in text
     assert "adpkv_gateway_key_layout_info{fingerprint=" in text
     cli = [sys.executable, "-m", "adpkv_gateway.cli", "--port", str(gw.port)]
     out = subprocess.run(cli + ["status"], capture_output=True, text=True, timeout=30)

@@ -1,0 +1,127 @@
+"""The gateway's metrics: one ``prometheus_client`` registry per gateway, rendered into the
+status file (for the node exporter's textfile collector) and, when ``metrics_port`` is set,
+served at ``http://metrics_address:metrics_port/metrics``.
+
+Two kinds of collectors feed the registry:
+
+- the gateway's figures (what STATS answers, taken once a second by the loop and the pool):
+  every function of ``FROM_FIGURES`` maps those figures to metric families
+  (``gateway/status.py`` holds the gateway's own, with the names the specification defines);
+- live instruments updated where things happen: each card's I/O latency histogram
+  (``CardStats.latency``, one ``prometheus_client.Histogram`` per operation, observed by the
+  I/O threads), exported by ``CardLatencyCollector`` under the card's current serial.
+
+To add metrics, either append ``fn(figures) -> iterable of metric families`` to
+``FROM_FIGURES`` (the figures are the STATS dict: put what you need into it in
+``gateway/stats.py``), or register a ``prometheus_client`` collector of your own on
+``Gateway.metrics.registry`` (an object whose ``collect()`` yields metric families; it runs in
+the status writer's pool thread and in the /metrics server's thread, so it must only read
+state that is safe to read from there).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Iterable, Optional, Sequence
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server, write_to_textfile
+from prometheus_client.core import HistogramMetricFamily, Metric
+
+from .status import FAMILIES, PREFIX
+
+logger = logging.getLogger("adpkv.gateway.metrics")
+
+# Upper bounds (seconds) of the card I/O latency buckets: a page-cache read of a small
+# object (tens of microseconds) to a card past any sane io_timeout_ms.
+IO_LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                      0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+IO_OPS = ("read", "write")
+
+FigureFamilies = Callable[[dict], Iterable[Metric]]
+FROM_FIGURES: list[FigureFamilies] = list(FAMILIES)     # gateway/status.py's, and whoever adds metrics
+
+
+def io_latency_histogram() -> Histogram:
+    """One card operation's latency histogram (unregistered: ``CardLatencyCollector`` exports it
+    with the card's labels). ``observe`` is thread-safe and costs about a microsecond."""
+    return Histogram(PREFIX + "storage_io_seconds", "Card I/O latency", registry=None,
+                     buckets=IO_LATENCY_BUCKETS)
+
+
+class FiguresCollector:
+    """The families of ``FROM_FIGURES`` over the latest figures (none before the first)."""
+
+    def __init__(self):
+        self.figures: Optional[dict] = None
+
+    def collect(self) -> Iterable[Metric]:
+        figures = self.figures
+        if figures is None:
+            return
+        for families in FROM_FIGURES:
+            yield from families(figures)
+
+
+class CardLatencyCollector:
+    """``adpkv_gateway_storage_io_seconds{group=<card serial>, op=read|write}``: each card's
+    ``CardStats.latency`` histograms, labelled with the card's serial as it is now (a card that
+    was not available at start gets its serial when it joins)."""
+
+    def __init__(self, cards: Sequence, card_stats: Sequence):
+        self.cards = cards
+        self.card_stats = card_stats
+
+    def collect(self) -> Iterable[Metric]:
+        family = HistogramMetricFamily(PREFIX + "storage_io_seconds",
+                                       "Card I/O latency by card and operation (a batched read: "
+                                       "each fragment its share)", labels=["group", "op"])
+        for card, stats in zip(self.cards, self.card_stats):
+            group = card.serial or card.device
+            for op in IO_OPS:
+                for metric in stats.latency[op].collect():
+                    for s in metric.samples:
+                        if s.name.endswith("_bucket") or s.name.endswith("_count") or s.name.endswith("_sum"):
+                            family.samples.append(s._replace(labels={"group": group, "op": op, **s.labels}))
+        yield family
+
+
+class GatewayMetrics:
+    """The registry of one gateway and where it goes: the status file and /metrics."""
+
+    def __init__(self, cards: Sequence, card_stats: Sequence):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._figures = FiguresCollector()
+        self.registry.register(self._figures)
+        self.registry.register(CardLatencyCollector(cards, card_stats))
+        self._server = None
+        self._server_thread: Optional[threading.Thread] = None
+
+    def update(self, figures: dict) -> None:
+        """The gateway's latest figures (the STATS dict); any thread."""
+        self._figures.figures = figures
+
+    def exposition(self) -> bytes:
+        """The Prometheus text exposition of everything in the registry."""
+        return generate_latest(self.registry)
+
+    def write_textfile(self, path: str) -> None:
+        """Replace ``path`` atomically with the exposition (the node exporter's textfile
+        collector reads files ending in ``.prom``)."""
+        write_to_textfile(path, self.registry)
+
+    def serve(self, address: str, port: int) -> None:
+        """Serve ``/metrics`` on ``address:port`` from a thread of its own. A port that cannot
+        be had leaves the gateway serving without it (one warning): metrics never stop the cache."""
+        try:
+            self._server, self._server_thread = start_http_server(port, address, self.registry)
+        except OSError as exc:
+            logger.warning("Metrics endpoint off: cannot listen on %s:%d: %s", address, port, exc)
+            return
+        logger.info("Metrics at http://%s:%d/metrics", address, port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
