@@ -69,6 +69,14 @@ def cmd_usage(args) -> int:
     objs = sum(c["objects"] for c in stats["cards"])
     print(f"{used} bytes used of {cap} ({100.0 * used / cap if cap else 0:.2f}%), {objs} objects "
           f"on {len(stats['cards'])} card(s)")
+    if args.json:
+        print(json.dumps(stats.get("tenants", []), indent=2))
+        return 0
+    for t in stats.get("tenants", []):
+        name = f"{t['namespace']} (id:{t['id']})" if t["namespace"] else f"id:{t['id']}"
+        quota = f"quota {t['quota_bytes']} bytes per card" if t["quota_bytes"] else "no quota"
+        print(f"namespace {name}: {t['used_bytes']} bytes, {t['objects']} objects, {quota}, "
+              f"{t['evicted']} evicted over quota")
     return 0
 
 
@@ -131,7 +139,8 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("status", parents=[shared], help="cards, health, fingerprint, usage")
     s.add_argument("--json", action="store_true")
-    sub.add_parser("usage", parents=[shared], help="bytes and objects stored")
+    u = sub.add_parser("usage", parents=[shared], help="bytes and objects stored, per namespace (tenant) too")
+    u.add_argument("--json", action="store_true", help="the namespaces' rows as JSON")
     c = sub.add_parser("clean", parents=[shared], help="delete everything (refused on shared storage)")
     c.add_argument("--yes", action="store_true")
     b = sub.add_parser("bench", parents=[shared],

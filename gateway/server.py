@@ -26,6 +26,7 @@ import zmq
 
 from adpkv_core import protocol as P
 from adpkv_core.door import SHM_DIR, door_path
+from adpkv_core.keys import namespace_id
 from adpkv_core.ring import MEMFD_NAME_PREFIX, Ring, max_parallel_ios, object_stride
 
 from . import io_procs
@@ -321,6 +322,10 @@ class Gateway:
         def answer(figures):
             if not shows_engine:     # namespaces are the engine owner's (or an operator's) to see
                 figures["objects_by_namespace"] = {}
+            if not session.operator:     # a user sees the usage of its own engine's namespace only
+                own = namespace_id(engine.namespace).hex() if shows_engine and engine is not None else None
+                figures["tenants"] = [t for t in figures["tenants"] if t["id"] == own]
+                figures["namespace_names"] = {k: v for k, v in figures["namespace_names"].items() if k == own}
             if not shows_engine and figures["engine"] is not None:
                 figures["engine"] = {"id": "(another user's)", "world": figures["engine"]["world"],
                                      "ranks": figures["engine"]["ranks"], "namespace": "(another user's)"}

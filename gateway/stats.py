@@ -8,7 +8,11 @@ from __future__ import annotations
 import collections
 import time
 
+from adpkv_core import __version__
+from adpkv_core.keys import namespace_id
+
 from .cards import CardUsage
+from .quotas import ID_PREFIX, TenantUsage
 from .store import ObjectStore
 
 
@@ -38,15 +42,39 @@ def loop_snapshot(gateway) -> dict:
                                                "ranks": sorted(engine.ranks), "namespace": engine.namespace},
         "counters": dict(gateway.counters), "objects": dict(sum(store.counters.values(), collections.Counter())),
         "objects_by_namespace": {ns: dict(c) for ns, c in store.counters.items()}, "cards": cards,
+        "namespace_names": namespace_names(config.namespace_quotas, engine), "version": __version__,
     }
 
 
-def card_usages(store: ObjectStore) -> list[CardUsage]:
-    """Each card's usage (bytes, capacity, objects); runs on the I/O pool."""
-    return [card.usage() if active else CardUsage(0, 0, 0) for card, active in zip(store.cards, store.active)]
+def card_usages(store: ObjectStore) -> list[tuple[CardUsage, list[TenantUsage]]]:
+    """Each card's usage (bytes, capacity, objects) and its namespaces' (fs cards); runs on
+    the I/O pool."""
+    return [(card.usage(), card.tenant_usage()) if active else (CardUsage(0, 0, 0), [])
+            for card, active in zip(store.cards, store.active)]
 
 
-def merge(snapshot: dict, usages: list[CardUsage]) -> dict:
-    for c, u in zip(snapshot["cards"], usages):
+def merge(snapshot: dict, usages: list[tuple[CardUsage, list[TenantUsage]]]) -> dict:
+    """The snapshot with each card's usage, and ``tenants``: each namespace's bytes, objects and
+    quota evictions summed over the cards (``quota_bytes`` is per card), by id, with its name
+    where the gateway knows it (a configured quota, the attached engine's namespace)."""
+    names = snapshot["namespace_names"]
+    tenants: dict[str, dict] = {}
+    for c, (u, per_namespace) in zip(snapshot["cards"], usages):
         c.update(used_bytes=u.used_bytes, capacity_bytes=u.capacity_bytes, objects=u.objects)
+        for t in per_namespace:
+            row = tenants.setdefault(t.tenant, {"id": t.tenant, "namespace": names.get(t.tenant, ""),
+                                                "used_bytes": 0, "objects": 0, "quota_bytes": t.quota_bytes,
+                                                "evicted": 0})
+            row["used_bytes"] += t.used_bytes
+            row["objects"] += t.objects
+            row["evicted"] += t.evicted
+    snapshot["tenants"] = sorted(tenants.values(), key=lambda r: (-r["used_bytes"], r["id"]))
     return snapshot
+
+
+def namespace_names(quotas: dict, engine) -> dict[str, str]:
+    """Namespace id (hex) -> name, for the namespaces the gateway knows by name."""
+    names = {namespace_id(n).hex(): n for n in quotas if not n.startswith(ID_PREFIX)}
+    if engine is not None and engine.namespace:
+        names[namespace_id(engine.namespace).hex()] = engine.namespace
+    return names

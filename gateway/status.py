@@ -108,4 +108,23 @@ def card_families(s: dict) -> Iterable[Metric]:
         yield nodes
 
 
-FAMILIES = (gateway_families, object_families, card_families)
+def tenant_families(s: dict) -> Iterable[Metric]:
+    """Each key namespace on the fs cards (``namespace``: its name where the gateway knows it,
+    else ``id:<hex>``): bytes and objects summed over the cards, quota per card, evictions for
+    being over it (``namespace_quotas``, docs/gateway.md "Tenant quotas")."""
+    used = _gauge("namespace_used_bytes", "Bytes a key namespace holds on the fs cards", labels=["namespace"])
+    objects = _gauge("namespace_objects", "Objects a key namespace holds on the fs cards", labels=["namespace"])
+    quota = _gauge("namespace_quota_bytes", "Bytes a key namespace may hold per card (0: no quota)",
+                   labels=["namespace"])
+    evicted = CounterMetricFamily(PREFIX + "namespace_quota_evicted",
+                                  "Objects evicted because their namespace was over its quota", labels=["namespace"])
+    for t in s.get("tenants", []):
+        label = [t["namespace"] or "id:" + t["id"]]
+        used.add_metric(label, t["used_bytes"])
+        objects.add_metric(label, t["objects"])
+        quota.add_metric(label, t["quota_bytes"])
+        evicted.add_metric(label, t["evicted"])
+    yield from (used, objects, quota, evicted)
+
+
+FAMILIES = (gateway_families, object_families, card_families, tenant_families)

@@ -325,7 +325,7 @@ class FsCard(Card):
         victims: list[str] = []
         with self._lock:
             for tid in self._tenants.quotas:
-                n = self._evict_own(tid, 0, b"", victims)
+                n = self._evict_own(tid, 0, b"", victims, pins=False)   # nothing is pinned before serving
                 if n:
                     self.evicted += n
                     logger.info("fs card %s: namespace id %s was over its quota; %d objects evicted",
@@ -506,7 +506,7 @@ class FsCard(Card):
         self._unlink(victims)
         return ok
 
-    def _evict_own(self, tid: bytes, nbytes: int, keep: bytes, victims: list[str]) -> int:
+    def _evict_own(self, tid: bytes, nbytes: int, keep: bytes, victims: list[str], pins: bool = True) -> int:
         """(lock held) Evict namespace ``tid``'s least recently used objects (never ``keep``
         nor a pinned one) until it can take ``nbytes`` more within its quota; their files go
         to ``victims``. How many objects were evicted."""
@@ -516,7 +516,7 @@ class FsCard(Card):
         for key in self._tenants.oldest(tid):
             if not self._tenants.over_by(tid, nbytes):
                 break
-            if key == keep or self.is_pinned(key[:KEY_BYTES]):
+            if key == keep or (pins and self.is_pinned(key[:KEY_BYTES])):
                 continue
             paths = self._take(key)
             if paths is not None:
