@@ -41,19 +41,17 @@ docs/gateway.md for why not redis-py's ``RedisCluster``.
 
 from __future__ import annotations
 
-import binascii
 import logging
-import os
-import socket
 import threading
-import time
 import uuid
 from typing import Callable, Optional
 
 import xxhash
 
 from . import objfmt
-from .base import Card, CardError, CardIOError, CardUnavailable, CardUsage, NodeIOError, is_head, object_key
+from .base import Card, CardIOError, CardUnavailable, CardUsage, NodeIOError, is_head, object_key
+from .cluster_map import (TRANSPORT_ERRORS, Addr, Redirect, SlotMap, fmt_addr, is_retryable, key_slot,
+                          parse_cluster_url, redirect_of)
 from .resp_conn import RespConnection, RespError, ThreadConnections
 
 logger = logging.getLogger("adpkv.gateway.resp_cluster")
@@ -61,82 +59,9 @@ logger = logging.getLogger("adpkv.gateway.resp_cluster")
 SCHEMES = ("redis+cluster://", "rediss+cluster://")
 SERIAL_KEY = b"adpkv:card:serial"
 KEY_PREFIX = b"adpkv:{"
-SLOTS = 16384
 MAX_REDIRECTS = 5
-REFRESH_MIN_INTERVAL_S = 0.2
-NODE_RETRY_S = 0.5            # a node that failed is not tried again before this (fail fast)
 READ_WINDOW_BYTES = 1 << 20   # values in flight per node in a batched read (2 GETs at least)
-_TRANSPORT = (OSError, ConnectionError, socket.timeout)
-_NODE_ERRORS = ("CLUSTERDOWN", "LOADING", "TRYAGAIN", "MASTERDOWN")
-
-Addr = tuple[str, int]
-
-
-def key_slot(key: bytes) -> int:
-    """The cluster slot of a key (CRC16/XMODEM of its hash tag, or of the whole key)."""
-    s = key.find(b"{")
-    if s >= 0:
-        e = key.find(b"}", s + 1)
-        if e > s + 1:
-            key = key[s + 1:e]
-    return binascii.crc_hqx(key, 0) % SLOTS
-
-
-def parse_cluster_url(url: str) -> tuple[list[Addr], Optional[str]]:
-    """Seed nodes and password of ``redis+cluster://[:password@]host:port[,host:port...]``."""
-    if url.startswith("rediss+cluster://"):
-        raise CardError(f"{url}: TLS (rediss+cluster://) is not supported yet; use redis+cluster:// "
-                        "on a trusted network or a TLS tunnel")
-    if not url.startswith("redis+cluster://"):
-        raise CardError(f"a cluster card is redis+cluster://host:port[,host:port...], not {url!r}")
-    rest = url[len("redis+cluster://"):].split("/", 1)[0].split("?", 1)[0]
-    password = None
-    if "@" in rest:
-        cred, rest = rest.rsplit("@", 1)
-        password = cred.split(":", 1)[1] if ":" in cred else cred
-        from urllib.parse import unquote
-        password = unquote(password) or None
-    seeds: list[Addr] = []
-    for part in rest.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        host, _, port = part.rpartition(":")
-        if not host:
-            host, port = part, "6379"
-        try:
-            seeds.append((host.strip("[]"), int(port)))
-        except ValueError:
-            raise CardError(f"{url}: {part!r} is not host:port") from None
-    if not seeds:
-        raise CardError(f"{url}: names no seed node")
-    if password is None:
-        password = os.environ.get("ADPKV_RESP_PASSWORD") or None
-        path = os.environ.get("ADPKV_RESP_PASSWORD_FILE")
-        if password is None and path:
-            with open(path, "r", encoding="utf-8") as fh:
-                password = fh.read().strip() or None
-    return seeds, password
-
-
-def _fmt(addr: Addr) -> str:
-    return f"{addr[0]}:{addr[1]}"
-
-
-class _Redirect(Exception):
-    def __init__(self, kind: str, slot: int, addr: Addr):
-        super().__init__(kind)
-        self.kind, self.slot, self.addr = kind, slot, addr
-
-
-def _redirect(err: RespError) -> Optional[_Redirect]:
-    """A MOVED/ASK error reply as a redirection (None for any other error)."""
-    text = str(err)
-    if text.startswith(("MOVED ", "ASK ")):
-        kind, slot, where = text.split()[:3]
-        host, _, port = where.rpartition(":")
-        return _Redirect(kind, int(slot), (host, int(port)))
-    return None
+_TRANSPORT = TRANSPORT_ERRORS
 
 
 class ClusterCard(Card):
@@ -152,13 +77,8 @@ class ClusterCard(Card):
         self.wait_ms = int(wait_ms)
         self._local = threading.local()          # per-thread header buffer
         self._conns = ThreadConnections()
-        self._map_lock = threading.Lock()
-        self._slots: list[Optional[Addr]] = [None] * SLOTS
-        self._replicas: dict[Addr, list[Addr]] = {}
-        self._refreshed = 0.0
-        self._down_until: dict[Addr, float] = {}
-        self._down_logged: set[Addr] = set()
-        self.counters = {"moved": 0, "ask": 0, "node_errors": 0, "map_refreshes": 0, "wait_short": 0}
+        self.map = SlotMap(device, self.seeds, self._connect, probe_timeout_s=min(self.timeout_s, 1.0))
+        self.counters = {"moved": 0, "ask": 0, "node_errors": 0, "wait_short": 0}
         self._status: dict = {"cluster_state": "unknown", "cluster_nodes": []}
 
     # ------------------------------------------------------------------ connections
@@ -173,111 +93,30 @@ class ClusterCard(Card):
         return conn
 
     def _conn(self, addr: Addr) -> RespConnection:
-        if not self._conns.has(addr):
-            until = self._down_until.get(addr, 0.0)
-            if until and time.monotonic() < until:
-                self._refresh()            # rate-limited: learns a failover as soon as it happened
-                raise NodeIOError(f"cluster card {self.device}: node {_fmt(addr)} is down")
+        if not self._conns.has(addr) and self.map.resting(addr):
+            self.map.refresh()             # rate-limited: learns a failover as soon as it happened
+            raise NodeIOError(f"cluster card {self.device}: node {fmt_addr(addr)} is down")
         return self._conns.get(addr, lambda: self._connect(addr, self.timeout_s))
 
     def _drop(self, addr: Addr) -> None:
         self._conns.drop(addr)
 
     def _node_failed(self, addr: Addr, exc: BaseException) -> NodeIOError:
-        """A node did not answer: fail fast on it for a while, refresh the map, and the
-        error the command raises (a miss, no strike against the card)."""
+        """A node did not answer: its connection is dropped, it rests a while (``SlotMap``)
+        and the error the command raises is a miss, no strike against the card."""
         self._drop(addr)
         self.counters["node_errors"] += 1
-        self._down_until[addr] = time.monotonic() + NODE_RETRY_S
-        if addr not in self._down_logged:
-            self._down_logged.add(addr)
-            logger.warning("cluster card %s: node %s does not answer (%s); its slots are misses until "
-                           "it answers or the cluster fails over", self.device, _fmt(addr), exc)
-        self._refresh()
-        return NodeIOError(f"cluster card {self.device}: node {_fmt(addr)}: {exc}")
-
-    def _node_ok(self, addr: Addr) -> None:
-        if addr in self._down_until:
-            self._down_until.pop(addr, None)
-        if addr in self._down_logged:
-            self._down_logged.discard(addr)
-            logger.info("cluster card %s: node %s answers again", self.device, _fmt(addr))
+        self.map.node_failed(addr, exc)
+        return NodeIOError(f"cluster card {self.device}: node {fmt_addr(addr)}: {exc}")
 
     def reset_connections(self) -> None:
         self._conns.reset()
-
-    # ------------------------------------------------------------------ the slot map
-    def _known_nodes(self) -> list[Addr]:
-        seen: dict[Addr, None] = {}
-        for addr in self._slots:
-            if addr is not None:
-                seen.setdefault(addr)
-        for reps in self._replicas.values():
-            for r in reps:
-                seen.setdefault(r)
-        for s in self.seeds:
-            seen.setdefault(s)
-        now = time.monotonic()
-        return sorted(seen, key=lambda a: self._down_until.get(a, 0.0) > now)   # answering nodes first
-
-    def _refresh(self, force: bool = False) -> bool:
-        """Learn the slot map from the first node that answers (rate-limited)."""
-        if not self._map_lock.acquire(blocking=force):
-            return True                    # another thread is refreshing it
-        try:
-            now = time.monotonic()
-            if not force and now - self._refreshed < REFRESH_MIN_INTERVAL_S:
-                return True
-            self._refreshed = now
-            for addr in self._known_nodes():
-                try:
-                    conn = self._connect(addr, min(self.timeout_s, 1.0))
-                    try:
-                        reply = conn.command(b"CLUSTER", b"SLOTS")
-                    finally:
-                        conn.close()
-                except (_TRANSPORT + (RespError,)):
-                    continue
-                slots: list[Optional[Addr]] = [None] * SLOTS
-                replicas: dict[Addr, list[Addr]] = {}
-                for entry in reply or []:
-                    start, end, primary = int(entry[0]), int(entry[1]), entry[2]
-                    p = self._addr(primary, addr)
-                    for s in range(start, end + 1):
-                        slots[s] = p
-                    replicas.setdefault(p, [])
-                    for r in entry[3:]:
-                        ra = self._addr(r, addr)
-                        if ra not in replicas[p]:
-                            replicas[p].append(ra)
-                self._slots, self._replicas = slots, replicas
-                self.counters["map_refreshes"] += 1
-                return True
-            return False
-        finally:
-            self._map_lock.release()
-
-    @staticmethod
-    def _addr(node: list, asked: Addr) -> Addr:
-        host = node[0].decode() if isinstance(node[0], bytes) else str(node[0])
-        if host in ("", "?"):
-            host = asked[0]
-        return host, int(node[1])
-
-    def _primary(self, slot: int) -> Addr:
-        addr = self._slots[slot]
-        if addr is None:
-            self._refresh()
-            addr = self._slots[slot]
-            if addr is None:
-                raise NodeIOError(f"cluster card {self.device}: slot {slot} has no node")
-        return addr
 
     # ------------------------------------------------------------------ one command, redirected
     def _run(self, key: bytes, fn: Callable[[RespConnection], object]):
         """``fn(conn)`` on the primary of the key's slot, following MOVED and ASK."""
         slot = key_slot(key)
-        addr, asking = self._primary(slot), False
+        addr, asking = self.map.primary(slot), False
         for _ in range(MAX_REDIRECTS):
             try:
                 conn = self._conn(addr)
@@ -287,22 +126,21 @@ class ClusterCard(Card):
             except _TRANSPORT as exc:
                 raise self._node_failed(addr, exc) from None
             except RespError as exc:
-                red = _redirect(exc)
+                red = redirect_of(exc)
                 if red is None:
-                    if str(exc).startswith(_NODE_ERRORS):
+                    if is_retryable(exc):        # a busy or failing node
                         raise self._node_failed(addr, exc) from None
                     raise
                 addr, asking = self._follow(red)
                 continue
-            self._node_ok(addr)
+            self.map.node_ok(addr)
             return result
         raise NodeIOError(f"cluster card {self.device}: too many redirections for slot {slot}")
 
-    def _follow(self, red: _Redirect) -> tuple[Addr, bool]:
+    def _follow(self, red: Redirect) -> tuple[Addr, bool]:
         if red.kind == "MOVED":
             self.counters["moved"] += 1
-            self._slots[red.slot] = red.addr
-            self._refresh()
+            self.map.moved(red.slot, red.addr)
             return red.addr, False
         self.counters["ask"] += 1
         return red.addr, True
@@ -316,7 +154,7 @@ class ClusterCard(Card):
         by_node: dict[Addr, list[int]] = {}
         for i, cmd in enumerate(commands):
             try:
-                by_node.setdefault(self._primary(key_slot(cmd[1])), []).append(i)
+                by_node.setdefault(self.map.primary(key_slot(cmd[1])), []).append(i)
             except NodeIOError as exc:
                 out[i] = exc
         sent: list[tuple[Addr, RespConnection, list[int]]] = []
@@ -340,12 +178,12 @@ class ClusterCard(Card):
                     try:
                         out[i] = conn.read_reply()
                     except RespError as exc:
-                        if _redirect(exc) is not None or str(exc).startswith(_NODE_ERRORS):
+                        if is_retryable(exc):
                             retry.append(i)
                         else:
                             out[i] = exc
                     done += 1
-                self._node_ok(addr)
+                self.map.node_ok(addr)
             except _TRANSPORT as exc:
                 err = self._node_failed(addr, exc)
                 for i in idx[done:]:
@@ -356,11 +194,6 @@ class ClusterCard(Card):
             except (NodeIOError, RespError) as exc:
                 out[i] = exc
         return out
-
-    def _primaries(self) -> list[Addr]:
-        if all(a is None for a in self._slots):
-            self._refresh(force=True)
-        return sorted({a for a in self._slots if a is not None})
 
     # ------------------------------------------------------------------ keys
     @staticmethod
@@ -373,7 +206,7 @@ class ClusterCard(Card):
 
     # ------------------------------------------------------------------ setup & health
     def open(self) -> None:
-        if not self._refresh(force=True):
+        if not self.map.refresh(force=True):
             raise CardUnavailable(f"cluster card {self.device}: no seed node answers CLUSTER SLOTS")
         try:
             serial = self._run(SERIAL_KEY, lambda c: c.command(b"GET", SERIAL_KEY))
@@ -387,7 +220,7 @@ class ClusterCard(Card):
             raise CardUnavailable(f"cluster card {self.device}: the serial could not be stored")
         self.serial = serial.decode()
         self._update_status()
-        logger.info("cluster card %s: serial %s, %d primaries", self.device, self.serial, len(self._primaries()))
+        logger.info("cluster card %s: serial %s, %d primaries", self.device, self.serial, len(self.map.primaries()))
 
     def probe_serial(self) -> Optional[str]:
         """The serial the cluster holds now: None if it cannot be read (the node of its slot
@@ -397,8 +230,11 @@ class ClusterCard(Card):
             return serial.decode() if serial else ""
         except (CardIOError, RespError, OSError):
             pass
-        primary = self._slots[key_slot(SERIAL_KEY)]
-        for rep in self._replicas.get(primary, []) if primary else []:
+        try:
+            replicas = self.map.replicas_of(self.map.primary(key_slot(SERIAL_KEY)))
+        except NodeIOError:
+            return None
+        for rep in replicas:
             try:
                 conn = self._connect(rep, 1.0)
                 try:
@@ -416,7 +252,7 @@ class ClusterCard(Card):
         costs its slots only (its commands are misses), not the card."""
         if not self.serial:
             return False
-        self._refresh(force=True)
+        self.map.refresh(force=True)
         self._update_status()
         serial = self.probe_serial()
         if serial is None:
@@ -424,46 +260,10 @@ class ClusterCard(Card):
         return serial == self.serial
 
     def _update_status(self) -> None:
-        """Cache the cluster's own view (CLUSTER INFO / NODES of a node that answers) and
-        ours (which nodes answer us) for STATS and the status file."""
-        state, nodes = "unknown", []
-        for addr in self._known_nodes():
-            try:
-                conn = self._connect(addr, 1.0)
-                try:
-                    info = conn.command(b"CLUSTER", b"INFO").decode()
-                    listing = conn.command(b"CLUSTER", b"NODES").decode()
-                finally:
-                    conn.close()
-            except (_TRANSPORT + (RespError,)):
-                continue
-            fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-            state = fields.get("cluster_state", "unknown").strip()
-            now = time.monotonic()
-            for line in listing.splitlines():
-                parts = line.split()
-                if len(parts) < 8:
-                    continue
-                host_port = parts[1].split("@", 1)[0]
-                host, _, port = host_port.rpartition(":")
-                flags = parts[2].split(",")
-                role = "primary" if "master" in flags else "replica" if "slave" in flags else "unknown"
-                slots = 0
-                for r in parts[8:]:
-                    if r.startswith("["):
-                        continue
-                    a, _, b = r.partition("-")
-                    slots += (int(b) - int(a) + 1) if b else 1
-                a = (host or addr[0], int(port or 0))
-                nodes.append({"node": _fmt(a), "role": role, "slots": slots,
-                              "failed": "fail" in flags or "fail?" in flags,
-                              "answers": self._down_until.get(a, 0.0) <= now})
-            break
-        nodes.sort(key=lambda n: (n["role"] != "primary", n["node"]))
-        self._status = {"cluster_state": state, "cluster_nodes": nodes}
+        self._status = self.map.topology()
 
     def details(self) -> dict:
-        return {**self._status, "cluster_counters": dict(self.counters)}
+        return {**self._status, "cluster_counters": {**self.counters, "map_refreshes": self.map.refreshes}}
 
     # ------------------------------------------------------------------ data
     def _header_buf(self) -> memoryview:
@@ -503,7 +303,7 @@ class ClusterCard(Card):
         for i, (db, fkey, _, tag) in enumerate(items):
             keys.append(self._key(db, fkey, tag))
             try:
-                by_node.setdefault(self._primary(key_slot(keys[i])), []).append(i)
+                by_node.setdefault(self.map.primary(key_slot(keys[i])), []).append(i)
             except NodeIOError as exc:
                 out[i] = exc
         header = self._header_buf()
@@ -548,7 +348,7 @@ class ClusterCard(Card):
                         try:
                             out[i] = self._checked(conn.read_value_into(header, buf), header, fkey, buf)
                         except RespError as exc:
-                            if _redirect(exc) is not None or str(exc).startswith(_NODE_ERRORS):
+                            if is_retryable(exc):
                                 again.append(i)
                             else:
                                 logger.warning("cluster card %s: GET %s: %s; a miss", self.device, fkey.hex(), exc)
@@ -559,7 +359,7 @@ class ClusterCard(Card):
                     if node[4] == len(idx):
                         nodes.remove(node)
                         if not isinstance(out[idx[-1]], NodeIOError):
-                            self._node_ok(addr)
+                            self.map.node_ok(addr)
         except BaseException:
             for node in nodes:          # replies left unread: these connections are out of step
                 self._drop(node[0])
@@ -632,7 +432,7 @@ class ClusterCard(Card):
 
     def clean(self) -> int:
         removed = 0
-        for addr in self._primaries():
+        for addr in self.map.primaries():
             try:
                 conn = self._connect(addr, self.timeout_s)
             except _TRANSPORT as exc:
@@ -655,7 +455,7 @@ class ClusterCard(Card):
 
     def usage(self) -> CardUsage:
         used = cap = objects = 0
-        for addr in self._primaries():
+        for addr in self.map.primaries():
             try:
                 conn = self._conn(addr)
                 info = conn.command(b"INFO", b"memory").decode()

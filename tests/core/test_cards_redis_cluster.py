@@ -19,7 +19,7 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
-from adpkv_gateway.cards.resp_cluster import key_slot
+from adpkv_gateway.cards.cluster_map import key_slot
 
 from .rankproc import pattern
 
@@ -116,7 +116,7 @@ def cluster_gateway(start_gateway, cluster, **kw):
 
 def test_cluster_urls_and_key_slots(monkeypatch, tmp_path):
     from adpkv_gateway.cards.base import CardError
-    from adpkv_gateway.cards.resp_cluster import parse_cluster_url
+    from adpkv_gateway.cards.cluster_map import parse_cluster_url
     assert parse_cluster_url("redis+cluster://a:7000,b:7001") == ([("a", 7000), ("b", 7001)], None)
     assert parse_cluster_url("redis+cluster://:p%40ss@a:7000,b") == ([("a", 7000), ("b", 6379)], "p@ss")
     monkeypatch.setenv("ADPKV_RESP_PASSWORD", "from-env")
@@ -393,8 +393,8 @@ def test_batched_reads_check_every_fragment_and_follow_redirections(redis_cluste
         got, bufs = read_all()
         assert [i for i, ok in enumerate(got) if ok is not True] == [1, 4]
         # a stale slot map: every slot points at one node; the others answer MOVED
-        wrong = card._slots[key_slot(bad_key)]
-        card._slots = [wrong] * len(card._slots)
+        wrong = card.map.primary(key_slot(bad_key))
+        card.map._slots = [wrong] * len(card.map._slots)
         moved = card.counters["moved"]
         got, bufs = read_all()
         assert [i for i, ok in enumerate(got) if ok is not True] == [1, 4]
