@@ -8,6 +8,7 @@ through ``adpkv_core.attachment``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -45,28 +46,58 @@ class AdapterSettings:
     exist_layers: str = "ends"      # "ends": EXIST layer 0 and the last layer; "all": every layer
     lookup_wait_s: float = 0.05     # how long the scheduler waits for an EXIST before asking again
     respect_fail_policy: bool = False
+    nvlink_fanout: bool = False     # MLA with TP: each rank copies its share, NVLink the rest (fanout.py)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, block_size: int,
-                          chunk_key: str = "chunk_size") -> "AdapterSettings":
+                          chunk_key: str = "chunk_size", hash_block_size: int | None = None,
+                          ) -> "AdapterSettings":
+        """``block_size``/``hash_block_size``: the tokens of a KV block and of one of vLLM's
+        block hashes; a chunk is a whole number of both. A chunk size that is not is
+        rounded up to the next one that is, with one log line: a setting that cannot
+        apply never stops the engine (vLLM picks block sizes per model, e.g. 544 tokens
+        for a Gated DeltaNet hybrid, so no fixed chunk size fits every model)."""
         extra = dict(extra or {})
         client = ClientConfig.from_settings(extra, prefix=PREFIX)
+        unit = math.lcm(block_size, hash_block_size or block_size)
         raw = extra.get(PREFIX + chunk_key, extra.get(chunk_key))
-        if raw is None:
-            chunk = max(block_size, DEFAULT_CHUNK_TOKENS)
-            chunk = -(-chunk // block_size) * block_size
-        else:
-            chunk = int(raw)
-        if chunk <= 0 or chunk % block_size:
-            raise ValueError(f"adpkv: {PREFIX}{chunk_key}={chunk} must be a positive multiple of "
-                             f"the block size {block_size}")
+        chunk = rounded_chunk(raw, unit, PREFIX + chunk_key)
         exist_layers = str(extra.get(PREFIX + "exist_layers", "ends"))
         if exist_layers not in ("ends", "all"):
             raise ValueError(f"adpkv: {PREFIX}exist_layers must be 'ends' or 'all', not {exist_layers!r}")
         return cls(client=client, chunk_size=chunk, exist_layers=exist_layers,
                    lookup_wait_s=float(extra.get(PREFIX + "lookup_wait_s", 0.05)),
                    respect_fail_policy=parse_bool(extra.get(PREFIX + "respect_fail_policy", False),
-                                                  PREFIX + "respect_fail_policy"))
+                                                  PREFIX + "respect_fail_policy"),
+                   nvlink_fanout=parse_bool(extra.get(PREFIX + "nvlink_fanout", False), PREFIX + "nvlink_fanout"))
+
+
+def rounded_chunk(raw: Any, unit: int, name: str) -> int:
+    """Tokens per stored object: ``raw`` (the setting; None: ``DEFAULT_CHUNK_TOKENS``)
+    rounded up to a positive multiple of ``unit`` (the block and hash block sizes).
+    A value that had to change is logged once, with what it became."""
+    if raw is None:
+        return -(-max(unit, DEFAULT_CHUNK_TOKENS) // unit) * unit
+    try:
+        asked = int(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"adpkv: {name}={raw!r} is not a number of tokens") from None
+    chunk = -(-max(asked, 1) // unit) * unit
+    if chunk != asked:
+        warn_once(f"adpkv: {name}={asked} is not a positive multiple of this model's block size "
+                  f"({unit} tokens); using {chunk}")
+    return chunk
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Log a warning once per process (the scheduler and worker roles of one engine may
+    share a process and resolve the same settings)."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s", message)
 
 
 # --------------------------------------------------------------------------- hashing

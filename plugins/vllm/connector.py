@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - old vLLM
     class SupportsHMA:  # type: ignore[no-redef]
         pass
 
-from .common import check_hash_stability, ensure_logging
+from .common import check_hash_stability, ensure_logging, warn_once
 from .metadata import AdpConnectorMetadata, ChunkPlan, ConnectorConfig
 from .scheduler import AdpConnectorScheduler
 from .worker import AdpConnectorWorker
@@ -67,7 +67,7 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
                                       ktc.engine_id)
         self.config = cfg
         if not cfg.supported:
-            logger.warning("adpkv: external KV cache disabled for this model: %s", cfg.why)
+            warn_once(f"adpkv: external KV cache disabled for this model: {cfg.why}")
         self.connector_scheduler: Optional[AdpConnectorScheduler] = None
         self.connector_worker: Optional[AdpConnectorWorker] = None
         if role == KVConnectorRole.SCHEDULER:
@@ -75,9 +75,10 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.connector_scheduler = AdpConnectorScheduler(cfg, ktc)
         else:
             self.connector_worker = AdpConnectorWorker(cfg, getattr(kv_cache_config, "num_blocks", 0))
-        logger.info("adpkv connector (%s): namespace %r, chunk %d tokens (%d blocks), %d layers%s",
-                    role.name, cfg.namespace, cfg.chunk_size, cfg.blocks_per_chunk, len(cfg.layer_names),
-                    f", sliding window {cfg.sliding_window} tokens" if cfg.sliding_window else "")
+        if cfg.supported:
+            logger.info("adpkv connector (%s): namespace %r, chunk %d tokens (%d blocks), %d layers in "
+                        "KV cache groups [%s]", role.name, cfg.namespace, cfg.chunk_size,
+                        cfg.blocks_per_chunk, len(cfg.layer_names), "; ".join(g.describe() for g in cfg.groups))
 
     @property
     def requires_kv_delivery(self) -> bool:

