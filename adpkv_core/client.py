@@ -31,7 +31,7 @@ from .settings import ClientConfig
 logger = logging.getLogger("adpkv.client")
 
 TURNED_OFF_MESSAGE = "External KV cache turned off on this rank"
-REGION_WRITE_MARGIN_S = 0.5     # a GET into a region: the gateway stops writing this long before we give up
+REGION_WRITE_MARGIN_S = 0.5     # a request into/out of a region: the gateway stops touching it this long before we give up
 LOOKUPS_OFF_MESSAGE = "External KV cache lookups turned off for this engine"   # a lookup-only peer
 
 
@@ -83,7 +83,7 @@ BatchCallback = Callable[[RingBatch], Optional[bool]]
 class _Pending:
     """A request in flight: how its replies decode and where its result goes."""
 
-    __slots__ = ("future", "op", "n", "on_batch", "deadline", "ok", "slice", "replies", "write_by")
+    __slots__ = ("future", "op", "n", "on_batch", "deadline", "ok", "slice", "replies", "region_by")
 
     def __init__(self, future, op, n, on_batch, deadline, slice_, replies: P.ReplyDecoder, data=False):
         self.future = future
@@ -95,7 +95,9 @@ class _Pending:
         self.ok = (bytearray(n) if on_batch is not None else b"\x01" * n) if data else None
         self.slice = slice_
         self.replies = replies
-        self.write_by: Optional[float] = None   # a GET into a region: the gateway's last moment to write
+        # a request into/out of one of our regions: the gateway's last moment to write into it
+        # (GET) or read from it (PUT)
+        self.region_by: Optional[float] = None
 
 
 # How the replies to each kind of request decode (an ERROR is always possible).
@@ -364,11 +366,15 @@ class GatewayClient:
                       tag=None if tag is None else str(tag), region=region, at=at)
         msg = P.Get(unlock=bool(unlock), **fields) if op == "GET" else P.Put(**fields)
         pending = _Pending(Future(), op, n, on_batch, 0.0, slice_ or (0, int(object_bytes)), _DATA, data=True)
-        if op == "GET" and region is not None:
-            # The gateway writes into our buffer only until we give up on the request: after
-            # that the engine may reuse it (a stalled gateway must not write into it later).
-            pending.write_by = time.monotonic() + self.config.timeout_s - REGION_WRITE_MARGIN_S
-            msg.write_by = pending.write_by
+        if region is not None:
+            # The gateway writes into (GET) or reads from (PUT) our buffer only until we give up
+            # on the request: after that the engine may reuse it. A stalled gateway must neither
+            # write into it later nor store what the engine put there since under these keys.
+            pending.region_by = time.monotonic() + self.config.timeout_s - REGION_WRITE_MARGIN_S
+            if op == "GET":
+                msg.write_by = pending.region_by
+            else:
+                msg.read_by = pending.region_by
         return self._submit(msg, pending)
 
     def _call(self, msg: P.Message, replies: P.ReplyDecoder, convert, miss: Any = None, raw_errors: bool = False):
@@ -404,8 +410,8 @@ class GatewayClient:
         req_id = next(self._ids)
         msg.id = req_id
         pending.deadline = time.monotonic() + self.config.timeout_s
-        if pending.write_by is not None:
-            pending.deadline = max(pending.deadline, pending.write_by + REGION_WRITE_MARGIN_S)
+        if pending.region_by is not None:
+            pending.deadline = max(pending.deadline, pending.region_by + REGION_WRITE_MARGIN_S)
         self._outbox.append((req_id, pending, msg))
         self._wake()
         return returned if returned is not None else pending.future
@@ -542,14 +548,15 @@ class GatewayClient:
             self._turn_off(f"send failed: {exc}")
 
     def _fail(self, pending: _Pending) -> None:
-        """Resolve a request that will get no answer as a miss / not stored. A GET into one of
-        our regions resolves only once the gateway may no longer write into it (``write_by``):
-        until then the engine must not reuse the buffer."""
+        """Resolve a request that will get no answer as a miss / not stored. A request into or
+        out of one of our regions resolves only once the gateway may no longer touch it
+        (``region_by``): until then the engine must not reuse the buffer."""
         if pending.future.done():
             return
-        wait = pending.write_by - time.monotonic() if pending.write_by is not None else 0.0
+        wait = pending.region_by - time.monotonic() if pending.region_by is not None else 0.0
         if wait > 0:
-            timer = threading.Timer(wait, lambda: pending.future.done() or pending.future.set_result([False] * pending.n))
+            pending.region_by = None
+            timer = threading.Timer(wait, lambda: self._fail(pending))
             timer.daemon = True
             timer.start()
             return

@@ -181,7 +181,13 @@ class Get(_Data, **_op("GET")):
 
 
 class Put(_Data, **_op("PUT")):
-    """Store objects from the ring (BATCH to fill per ring extent, then DONE) or from a region."""
+    """Store objects from the ring (BATCH to fill per ring extent, then DONE) or from a region.
+
+    ``read_by`` (from a region): the time, on the host's monotonic clock, after which the
+    client has given up on the request and its engine may put other bytes in the buffer: the
+    gateway stores nothing it read from the region after it."""
+
+    read_by: Optional[float] = None
 
 
 class Release(Message, **_op("RELEASE")):

@@ -72,7 +72,9 @@ class DataJob:
         # descriptor itself (``Region``, and each object's offset in its file)
         self.region: Optional[Region] = None
         self.places: list[int] = []
-        self.write_by: Optional[float] = None     # GET into a region: no write after this (monotonic)
+        # into (GET) / out of (PUT) a region: no write into it / nothing read from it stored
+        # after this moment (the client's give-up time, monotonic clock)
+        self.region_by: Optional[float] = None
         self.namespace = ""                       # of the engine that asked (the metrics' label)
 
     @property

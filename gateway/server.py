@@ -362,7 +362,7 @@ class Gateway:
             job = DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock)
             job.region = regions[region]
             job.places = job.region.places(msg.at, obj)
-            job.write_by = msg.write_by if isinstance(msg, P.Get) else None
+            job.region_by = msg.write_by if isinstance(msg, P.Get) else msg.read_by
             self.counters[job.op.lower() + "_region_requests"] += 1
             self._start(job)
             return

@@ -298,13 +298,14 @@ class ObjectStore:
             f.db, f.fkey, obj[f.offset:f.offset + f.length], object_bytes=len(obj) if f.offset == 0 else 0,
             tag=f.slot_tag)) for frags in plans])
 
-    def write_from_fds(self, items) -> list[tuple[int, bool]]:
+    def write_from_fds(self, items, read_by: Optional[float] = None) -> list[tuple[int, bool]]:
         """Write ``(j, replica plans, descriptor, offset, object bytes)`` items straight from a
         client's buffer (``Card.write_from_fd``: every card of the plans has
-        ``direct_writes``); ``(j, ok)`` for each, as ``write_many``."""
+        ``direct_writes``), nothing read at or after ``read_by``; ``(j, ok)`` for each, as
+        ``write_many``."""
         return [(j, any([self._write_object(frags, n, lambda card, f, fd=fd, at=at, n=n: card.write_from_fd(
-            f.db, f.fkey, f.length, fd, at + f.offset, object_bytes=n if f.offset == 0 else 0, tag=f.slot_tag))
-            for frags in plans]))
+            f.db, f.fkey, f.length, fd, at + f.offset, object_bytes=n if f.offset == 0 else 0, tag=f.slot_tag,
+            read_by=read_by)) for frags in plans]))
             for j, plans, fd, at, n in items]
 
     def _write_object(self, frags: Sequence[Fragment], object_bytes: int,

@@ -164,7 +164,7 @@ class Transfers:
         elif stage is Stage.TO_REGION:
             items = [(j, self._slot(batch, j), job.places[batch.first + j])
                      for j in range(batch.count) if batch.flags[j] and j not in batch.direct]
-            self._submit(batch, lambda group: _to_region(job.region, group, job.write_by), items)
+            self._submit(batch, lambda group: _to_region(job.region, group, job.region_by), items)
         if batch.pending == 0 and not batch.waiting:
             self._advance(batch)
 
@@ -213,7 +213,7 @@ class Transfers:
             if self.procs:
                 reads = self._read_in_processes(batch, reads)
             self._submit(batch, self.store.read_many, reads)
-            region, write_by = job.region, job.write_by
+            region, write_by = job.region, job.region_by
             self._submit(batch, lambda group: _direct_reads(self.store, region, group, write_by), direct)
         else:
             writes, direct, via_ring = [], [], []
@@ -240,9 +240,9 @@ class Transfers:
                     via_ring.append((j, plans, self._slot(batch, j), job.places[i]))
             batch.stage = Stage.WRITE
             self._submit(batch, self.store.write_many, writes)
-            self._submit(batch, self.store.write_from_fds, direct)
-            region = job.region
-            self._submit(batch, lambda group: _write_via_ring(self.store, region, group), via_ring)
+            region, read_by = job.region, job.region_by
+            self._submit(batch, lambda group: self.store.write_from_fds(group, read_by), direct)
+            self._submit(batch, lambda group: _write_via_ring(self.store, region, group, read_by), via_ring)
         if batch.pending == 0:
             self._advance(batch)
 
@@ -396,15 +396,18 @@ def _to_region(region, items: list, write_by: Optional[float]) -> list[tuple[int
     return out
 
 
-def _write_via_ring(store: ObjectStore, region, items: list) -> list[tuple[int, bool]]:
+def _write_via_ring(store: ObjectStore, region, items: list, read_by: Optional[float]) -> list[tuple[int, bool]]:
     """Store ``(j, replica plans, ring view, file offset)`` items of a client's region on
     cards that cannot read it themselves: ``preadv`` into the ring slot, then written as a
-    ring PUT (runs on the pool). A region shorter than the object stores nothing of it."""
+    ring PUT (runs on the pool). A region shorter than the object stores nothing of it, nor
+    does a read that ended at or after ``read_by`` (the client had given up: its engine may
+    have put other bytes there)."""
     out = []
     for j, plans, view, place in items:
         try:
             ok = os.preadv(region.fd, [view], place) == len(view)
         except OSError:
             ok = False
+        ok = ok and (read_by is None or time.monotonic() < read_by)
         out.append((j, ok and store.write_replicas(plans, view)))
     return out

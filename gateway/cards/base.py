@@ -131,11 +131,13 @@ class Card(abc.ABC):
         return None
 
     def write_from_fd(self, db: int, fkey: bytes, length: int, in_fd: int, in_offset: int,
-                      object_bytes: int = 0, tag: bytes = b"") -> bool:
+                      object_bytes: int = 0, tag: bytes = b"", read_by: Optional[float] = None) -> bool:
         """``write`` of the ``length`` bytes at ``in_offset`` of a client's buffer, read by
         descriptor (``pread``) straight into the card's object, without the ring; the checksum
-        is of exactly the bytes stored. False when it could not be stored, or when the buffer
-        is shorter now than that (nothing is left behind). Only cards with ``direct_writes``."""
+        is of exactly the bytes stored. False when it could not be stored: the buffer is
+        shorter now than that, or its last byte was read at or after ``read_by`` (monotonic;
+        the client had given up, its engine may have reused the buffer); nothing is left
+        behind. Only cards with ``direct_writes``."""
         raise NotImplementedError(f"{type(self).__name__} has no direct writes")
 
     def process_read(self, fkey: bytes):

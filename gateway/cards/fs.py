@@ -393,8 +393,8 @@ class FsCard(Card):
         return False
 
     def write_from_fd(self, db: int, fkey: bytes, length: int, in_fd: int, in_offset: int,
-                      object_bytes: int = 0, tag: bytes = b"") -> bool:
-        return self.write(db, fkey, FdSlice(in_fd, in_offset, length), object_bytes, tag)
+                      object_bytes: int = 0, tag: bytes = b"", read_by: Optional[float] = None) -> bool:
+        return self.write(db, fkey, FdSlice(in_fd, in_offset, length, read_by), object_bytes, tag)
 
     def write(self, db: int, fkey: bytes, buf, object_bytes: int = 0, tag: bytes = b"") -> bool:
         """``buf``: a memoryview, or an ``FdSlice`` of a client's region (``write_from_fd``)."""

@@ -14,6 +14,7 @@ import ctypes
 import mmap
 import os
 import threading
+import time
 from typing import Optional
 
 from ..checksum import Xxh3Stream
@@ -171,12 +172,13 @@ def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: in
 
 class FdSlice:
     """``length`` bytes at ``offset`` of an open descriptor (a client's region): what a card
-    writes from, read by the gateway with ``pread`` (never mapped, see ``copy_object_file``)."""
+    writes from, read by the gateway with ``pread`` (never mapped, see ``copy_object_file``).
+    ``read_by``: the moment (monotonic) the client gives up; bytes read later are not stored."""
 
-    __slots__ = ("fd", "offset", "length")
+    __slots__ = ("fd", "offset", "length", "read_by")
 
-    def __init__(self, fd: int, offset: int, length: int):
-        self.fd, self.offset, self.length = fd, offset, length
+    def __init__(self, fd: int, offset: int, length: int, read_by: Optional[float] = None):
+        self.fd, self.offset, self.length, self.read_by = fd, offset, length, read_by
 
     def __len__(self) -> int:
         return self.length
@@ -192,7 +194,9 @@ def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct
     ``FdSlice`` (a client's region): read piece by piece into a per-thread buffer that stays
     in the CPU cache, hashed there and written on from there; the header, with the checksum
     of exactly the bytes written, goes last. One copy of the payload, no ring. A region
-    shorter than the slice (the client truncated it) fails the write."""
+    shorter than the slice (the client truncated it) fails the write, and so does a last
+    read that ended at or after the slice's ``read_by`` (by then the engine may have put
+    other bytes there: they must not be stored under this key)."""
     header = memoryview(scratch.header)
     if not isinstance(payload, FdSlice):
         n = len(payload)
@@ -216,6 +220,8 @@ def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct
             piece[k:out] = bytes(out - k)
         if os.pwrite(fd, piece[:out], HEADER_BYTES + pos) != out:
             raise OSError("short write")
+    if payload.read_by is not None and time.monotonic() >= payload.read_by:
+        raise OSError("read from the region after its client gave up on the store")
     objfmt.fill_header_of(header, fkey, n, hasher.digest(), object_bytes)
     if os.pwrite(fd, header, 0) != HEADER_BYTES:
         raise OSError("short write")

@@ -267,3 +267,195 @@ def test_a_stalled_gateway_never_writes_into_a_region_after_the_client_gave_up(g
         assert bytes(arr[4 << 20:(4 << 20) + 4 * OBJ]) == b"\x22" * (4 * OBJ), "a stale write hit the buffer"
     finally:
         c.close()
+
+
+def test_a_stalled_gateway_never_stores_what_the_engine_put_in_the_region_after_it_gave_up(gateway, shm_buffer):
+    """The store side of the same race: a PUT from a region whose gateway stalls past the
+    client's timeout. The client reports "not stored" and the engine reuses its buffer for other
+    blocks; the resumed gateway must not store those bytes under the old keys (a wrong hit for
+    everyone later). Each region PUT carries ``read_by``; nothing read from the region at or
+    after it is stored."""
+    import signal
+    import time
+    path, arr = shm_buffer
+    keys = make_keys(4)
+    c = GatewayClient(ClientConfig(port=gateway.port, timeout_s=1.5, busy_wait_s=0), "region-put-stall", 0, 1)
+    try:
+        region = c.register_region(path, 0, len(arr)).result(5)
+        arr[:4 * OBJ] = b"\x33" * (4 * OBJ)
+        gateway.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            fut = c.put_from(region, [i * OBJ for i in range(4)], keys, OBJ)
+            assert fut.result(10).stored == [False] * 4          # the client gave up: not stored
+            assert time.monotonic() - t0 >= 1.0
+            arr[:4 * OBJ] = b"\x44" * (4 * OBJ)                 # the engine reuses its buffer
+        finally:
+            gateway.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        s = None
+        while time.monotonic() < deadline:
+            s = control.request(gateway.port, {"op": "STATS"}, timeout_s=2.0)
+            s = s and s["stats"]
+            if s and s["requests_in_flight"] == 0 and s["counters"].get("put_region_requests", 0) >= 1:
+                break
+        assert s and s["requests_in_flight"] == 0 and s["counters"].get("put_region_requests", 0) >= 1
+    finally:
+        c.close()
+    c = _client(gateway.port, "region-put-stall-after")         # the first one turned itself off
+    try:
+        assert c.exist(keys).result(5) == [False] * 4, "bytes read after the client gave up were stored"
+        # the same keys stored now, in time, hold the engine's current bytes
+        region = c.register_region(path, 0, len(arr)).result(5)
+        assert c.put_from(region, [i * OBJ for i in range(4)], keys, OBJ).result(10).stored == [True] * 4
+        assert c.get_into(region, [(4 << 20) + i * OBJ for i in range(4)], keys, OBJ).result(10) == [True] * 4
+        assert bytes(arr[4 << 20:(4 << 20) + 4 * OBJ]) == b"\x44" * (4 * OBJ)
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def big_region():
+    """A 64 MiB /dev/shm region for the store races below."""
+    path = f"/dev/shm/adpkv-test-region-{uuid.uuid4().hex[:8]}"
+    size = 64 << 20
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, size)
+    mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
+    os.close(fd)
+    yield path, mm
+    try:
+        mm.close()
+    except BufferError:
+        pass
+    os.unlink(path)
+
+
+BIG = 1 << 20
+
+
+def _fill_rows(arr, n, seed):
+    rng = random.Random(seed)
+    rows = [rng.randbytes(BIG) for _ in range(n)]
+    for i, row in enumerate(rows):
+        arr[i * BIG:(i + 1) * BIG] = row
+    return rows
+
+
+def _ring_read(c, keys):
+    """Objects read back through the ring (not through the region under test): key -> bytes."""
+    out = {}
+
+    def copy_out(b):
+        for j in range(b.count):
+            if b.hits[j]:
+                out[keys[b.first + j]] = bytes(c.ring[b.offset + j * b.stride:b.offset + j * b.stride + BIG])
+    c.get(keys, BIG, copy_out).result(30)
+    return out
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_a_region_truncated_during_a_store_stores_whole_objects_or_none(start_gateway, big_region, round_):
+    """The engine shrinks its region while the gateway is storing from it (one copy, the card
+    reading the region by descriptor): each object is stored whole with the bytes it had, or
+    not at all; the gateway serves on."""
+    import threading
+    import time
+    gw = start_gateway()
+    path, arr = big_region
+    n = 48
+    rows = _fill_rows(arr, n, round_)
+    keys = make_keys(n + 1)[1:]
+    c = _client(gw.port, f"region-truncate-store-{round_}")
+    try:
+        region = c.register_region(path, 0, len(arr)).result(5)
+        cut_at = (16 + 8 * round_) * BIG + BIG // 3          # mid-object
+        futs = [c.put_from(region, [i * BIG for i in range(j, j + 8)], keys[j:j + 8], BIG) for j in range(0, n, 8)]
+        cut = threading.Timer(0.004 * round_, lambda: os.truncate(path, cut_at))
+        cut.start()
+        cut.join()
+        stored = [s for f in futs for s in f.result(30).stored]
+        assert gw.alive() and c.enabled
+        back = _ring_read(c, keys)
+        assert set(back) == {k for k, s in zip(keys, stored) if s}
+        for i, k in enumerate(keys):
+            if k in back:
+                assert back[k] == rows[i], f"object {i} was stored with other bytes than the region had"
+        # after the cut, the rows past it (the one cut in two included) store nothing
+        late = make_keys(n + 1 + n)[n + 1:]
+        cut_row = cut_at // BIG
+        after = c.put_from(region, [i * BIG for i in range(cut_row, n)], late[cut_row:], BIG).result(30)
+        assert not any(after.stored)
+        assert os.path.getsize(path) == cut_at        # nothing grew the engine's file
+    finally:
+        c.close()
+
+
+def test_a_gateway_killed_mid_store_keeps_only_whole_objects(start_gateway, big_region, tmp_path):
+    """SIGKILL while region PUTs are being written: after a restart on the same card every
+    object found reads back byte for byte (no partial file is ever an object); the rest miss."""
+    import signal
+    import time
+    gw = start_gateway()
+    path, arr = big_region
+    n = 64
+    rows = _fill_rows(arr, n, 7)
+    keys = make_keys(n + 1)[1:]
+    c = _client(gw.port, "region-kill-store")
+    try:
+        region = c.register_region(path, 0, len(arr)).result(5)
+        futs = [c.put_from(region, [i * BIG for i in range(j, j + 4)], keys[j:j + 4], BIG) for j in range(0, n, 4)]
+        deadline = time.monotonic() + 10
+        writing = False
+        while time.monotonic() < deadline and not writing:      # until a store is on its way to the card
+            writing = any(p.name.startswith(".") for p in (tmp_path / "card0").rglob("*") if p.is_file())
+        assert writing, "no store was in progress to interrupt"
+        gw.proc.send_signal(signal.SIGKILL)
+        gw.proc.wait(10)
+        for f in futs:
+            f.result(30)
+    finally:
+        c.close()
+    again = start_gateway([str(tmp_path / "card0")])
+    c = _client(again.port, "region-kill-store-after")
+    try:
+        back = _ring_read(c, keys)
+        for i, k in enumerate(keys):
+            if k in back:
+                assert back[k] == rows[i], f"object {i} differs after the restart"
+        assert c.exist(keys).result(5) == [k in back for k in keys]      # what is found reads whole
+    finally:
+        c.close()
+
+
+def test_region_stores_racing_evictions_never_serve_other_bytes(start_gateway, big_region):
+    """A card far smaller than what is stored: region PUTs evict older objects while region
+    GETs of those objects run. Every hit holds exactly the bytes stored under its key."""
+    gw = start_gateway(capacity_bytes=12 * (BIG + 8192))
+    path, arr = big_region
+    n = 32
+    rows = _fill_rows(arr, n, 11)
+    keys = make_keys(n + 1)[1:]
+    c = _client(gw.port, "region-evict-race")
+    try:
+        region = c.register_region(path, 0, len(arr)).result(5)
+        dst = 40 * BIG
+        checked = 0
+        for rnd in range(4):
+            puts = [c.put_from(region, [i * BIG for i in range(j, j + 4)], keys[j:j + 4], BIG) for j in range(0, n, 4)]
+            gets = [c.get_into(region, [dst + (i % 16) * BIG for i in range(j, j + 4)], keys[j:j + 4], BIG)
+                    for j in range(0, 16, 4)]
+            for j, g in zip(range(0, 16, 4), gets):
+                hits = g.result(30)
+                for i, hit in zip(range(j, j + 4), hits):
+                    if hit:
+                        got = bytes(arr[dst + (i % 16) * BIG:dst + (i % 16 + 1) * BIG])
+                        assert got == rows[i], f"object {i} read back with other bytes (round {rnd})"
+                        checked += 1
+            for p in puts:
+                p.result(30)
+        assert gw.alive()
+        s = _stats(gw.port)
+        assert s["objects"]["stored"] > 12            # evictions happened
+    finally:
+        c.close()
