@@ -9,11 +9,15 @@ Every copy is one batched tensor op per ring batch (gather with
 ``index_select`` / scatter with ``index_copy_`` over the block ids); there is no
 per-block Python loop. On CPU the gather writes straight into the ring slots;
 on GPU it runs on a CUDA stream of the connector's own and the ring copy is
-one device<->host copy.
+one device<->host DMA: a plain copy when the batch's parts are back to back, a
+2-D copy (``cuMemcpy2DAsync``: rows of ``part_bytes``, one per slot, ``stride``
+apart) when a TP rank's slices sit strided in the ring, straight from/to the
+pinned ring with no host pass.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 from typing import Optional, Sequence
@@ -89,15 +93,13 @@ class PagedLayer:
             torch.index_select(self.view, 0, ids[j], out=self._typed_object(parts[j], nblocks))
 
     def _gather_gpu(self, parts, block_ids, nblocks, stream, ready):
-        count = parts.shape[0]
         with torch.cuda.stream(stream) if stream is not None else _null():
             if ready is not None:
                 torch.cuda.current_stream().wait_event(ready)
             ids = block_ids.to(self.device, non_blocking=True)
             staged = self.view.index_select(0, ids)
-            host = parts.view(self.dtype).view(count, nblocks, *self.page_shape)
             # asynchronous when the ring is pinned (cuda_ring.pin_ring); synchronized below
-            host.copy_(staged.view(count, nblocks, *self.page_shape), non_blocking=host.is_contiguous())
+            copy_parts(parts, staged.view(torch.uint8).view(parts.shape))
         # the ring slot is handed back when on_batch returns: the copy must be complete
         (stream or torch.cuda.current_stream()).synchronize()
 
@@ -125,13 +127,122 @@ class PagedLayer:
     def _scatter_gpu(self, parts, dst_block_ids, src_positions, nblocks, stream):
         count = parts.shape[0]
         with torch.cuda.stream(stream) if stream is not None else _null():
-            host = parts if parts.is_contiguous() else parts.contiguous()
-            dev = host.to(self.device, non_blocking=True)
+            dev = torch.empty(parts.shape, dtype=torch.uint8, device=self.device)
+            copy_parts(dev, parts)
             src = dev.view(self.dtype).view(count * nblocks, *self.page_shape)
             if src_positions is not None:
                 src = src.index_select(0, src_positions.to(self.device))
             self.view.index_copy_(0, dst_block_ids.to(self.device), src)
         (stream or torch.cuda.current_stream()).synchronize()
+
+
+# ---------------------------------------------------------------------------- ring <-> GPU DMA
+def copy_parts(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ring parts to or from the GPU on the current stream: ``dst`` and ``src`` are
+    (count, part_bytes) uint8, one of them in the ring (rows ``stride`` apart), the other a
+    contiguous GPU tensor. Back-to-back parts are one plain copy; strided ones one 2-D DMA
+    straight from/to the (pinned) ring. Asynchronous when the ring is pinned."""
+    host = src if dst.is_cuda else dst
+    if host.is_contiguous():
+        dst.copy_(src, non_blocking=True)
+    elif not _dma_2d(dst, src):
+        # no driver entry point: torch makes the strided side contiguous on the host first
+        dst.copy_(src.contiguous() if src is host else src, non_blocking=False)
+
+
+class _Memcpy2D(ctypes.Structure):
+    """The CUDA driver's ``CUDA_MEMCPY2D``."""
+
+    _fields_ = [(side + name, kind) for side in ("src", "dst") for name, kind in (
+        ("XInBytes", ctypes.c_size_t), ("Y", ctypes.c_size_t), ("MemoryType", ctypes.c_int),
+        ("Host", ctypes.c_void_p), ("Device", ctypes.c_uint64), ("Array", ctypes.c_void_p),
+        ("Pitch", ctypes.c_size_t))] + [("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
+
+
+_CU_MEMORYTYPE_HOST, _CU_MEMORYTYPE_DEVICE = 1, 2
+
+
+class _Driver:
+    """``cuMemcpy2DAsync`` of ``libcuda.so.1`` (loaded once), run in the device's primary
+    context (torch's), pushed for the call: the caller's thread needs no context of its own."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.memcpy2d = lib.cuMemcpy2DAsync_v2
+        self.memcpy2d.argtypes = (ctypes.POINTER(_Memcpy2D), ctypes.c_void_p)
+        self.device_get, self.retain = lib.cuDeviceGet, lib.cuDevicePrimaryCtxRetain
+        self.push, self.pop = lib.cuCtxPushCurrent_v2, lib.cuCtxPopCurrent_v2
+        self.push.argtypes = (ctypes.c_void_p,)
+        self._ctx: dict[int, ctypes.c_void_p] = {}
+
+    def context(self, ordinal: int) -> ctypes.c_void_p:
+        ctx = self._ctx.get(ordinal)
+        if ctx is None:
+            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+            _check(self.device_get(ctypes.byref(dev), ordinal), "cuDeviceGet")
+            _check(self.retain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self._ctx[ordinal] = ctx
+        return ctx
+
+
+_driver: "Optional[_Driver] | bool" = None
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise OSError(f"{what} returned CUDA error {rc}")
+
+
+def rows_of(t: torch.Tensor) -> Optional[tuple[int, int, int]]:
+    """(row bytes, rows, pitch in bytes) of a 2-D tensor whose rows are each contiguous."""
+    if t.dim() != 2 or (t.stride(1) != 1 and t.shape[1] > 1) or t.stride(0) < t.shape[1]:
+        return None
+    size = t.element_size()
+    return t.shape[1] * size, t.shape[0], t.stride(0) * size
+
+
+def _dma_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """One ``cuMemcpy2DAsync`` of ``src`` into ``dst`` (rows of equal length, pitches their
+    own) on the current stream; False where the driver cannot do it (then nothing was copied)."""
+    global _driver
+    rd, rs = rows_of(dst), rows_of(src)
+    if rd is None or rs is None or rd[:2] != rs[:2]:
+        return False
+    if _driver is None:
+        try:
+            _driver = _Driver()
+        except (OSError, AttributeError) as exc:
+            logger.warning("adpkv: no CUDA driver 2-D copy (%s): strided ring parts are made contiguous "
+                           "on the host before each copy", exc)
+            _driver = False
+    if not _driver:
+        return False
+    gpu = dst if dst.is_cuda else src
+    p = _Memcpy2D(WidthInBytes=rs[0], Height=rs[1], srcPitch=rs[2], dstPitch=rd[2])
+    for side, t in (("src", src), ("dst", dst)):
+        if t.is_cuda:
+            setattr(p, side + "MemoryType", _CU_MEMORYTYPE_DEVICE)
+            setattr(p, side + "Device", t.data_ptr())
+        else:
+            setattr(p, side + "MemoryType", _CU_MEMORYTYPE_HOST)
+            setattr(p, side + "Host", t.data_ptr())
+    stream = torch.cuda.current_stream(gpu.device)
+    try:
+        _check(_driver.push(_driver.context(gpu.device.index)), "cuCtxPushCurrent")
+    except OSError as exc:
+        logger.warning("adpkv: %s: strided ring parts go through a host copy", exc)
+        _driver = False
+        return False
+    try:
+        rc = _driver.memcpy2d(ctypes.byref(p), ctypes.c_void_p(stream.cuda_stream))
+    finally:
+        _driver.pop(ctypes.byref(ctypes.c_void_p()))
+    if rc != 0:
+        logger.warning("adpkv: cuMemcpy2DAsync returned CUDA error %d (rows of %d bytes, pitches %d/%d): "
+                       "strided ring parts go through a host copy from now on", rc, rs[0], rs[2], rd[2])
+        _driver = False
+        return False
+    return True
 
 
 class _null:

@@ -58,3 +58,40 @@ def test_block_dim_is_found_or_refused():
     assert block_major_view(torch.zeros(NB * 4, 3), NB).shape == (NB, 4, 3)
     with pytest.raises(ValueError):
         block_major_view(torch.zeros(7, 5), NB)
+
+
+def test_rows_of_strided_ring_parts():
+    from adpkv_vllm.copy import rows_of
+    ring = torch.zeros(10_000, dtype=torch.uint8)
+    parts = ring.as_strided((5, 300), (1000, 1), 64)          # a rank's slice of 5 ring slots
+    assert rows_of(parts) == (300, 5, 1000)
+    assert rows_of(torch.zeros(5, 300, dtype=torch.uint8)) == (300, 5, 300)
+    assert rows_of(torch.zeros(4, 6).t()) is None               # rows not contiguous
+    assert rows_of(ring.as_strided((5, 300), (100, 1), 0)) is None   # rows overlap
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the 2-D DMA needs a CUDA GPU")
+def test_strided_parts_go_by_one_2d_dma_not_a_host_copy():
+    """A TP rank's slices, strided in a pinned ring, are copied by cuMemcpy2DAsync (the driver
+    path is taken and stays on), byte for byte, both ways."""
+    from adpkv_vllm import copy as copy_mod
+    from adpkv_vllm.cuda_ring import pin_ring, unpin_ring
+    ring = torch.zeros(64 << 20, dtype=torch.uint8)
+    assert pin_ring(ring)
+    try:
+        g = torch.Generator().manual_seed(1)
+        for part, stride, count in ((1 << 20, 2 << 20, 7), (4096 * 3, 4096 * 8, 33), (1000, 1536, 3)):
+            src = ring.as_strided((count, part), (stride, 1), 128)
+            src.copy_(torch.randint(0, 256, (count, part), dtype=torch.uint8, generator=g))
+            dev = torch.full((count, part), 7, dtype=torch.uint8, device="cuda")
+            copy_mod.copy_parts(dev, src)
+            torch.cuda.synchronize()
+            assert torch.equal(dev.cpu(), src)
+            back = ring.as_strided((count, part), (stride, 1), 256 + count * stride)   # other slots
+            back.zero_()
+            copy_mod.copy_parts(back, dev)
+            torch.cuda.synchronize()
+            assert torch.equal(back, src)
+            assert isinstance(copy_mod._driver, copy_mod._Driver)
+    finally:
+        unpin_ring(ring)
