@@ -7,9 +7,10 @@ Two kinds of collectors feed the registry:
 - the gateway's figures (what STATS answers, taken once a second by the loop and the pool):
   every function of ``FROM_FIGURES`` maps those figures to metric families
   (``gateway/status.py`` holds the gateway's own, with the names the specification defines);
-- live instruments updated where things happen: each card's I/O latency histogram
-  (``CardStats.latency``, one ``prometheus_client.Histogram`` per operation, observed by the
-  I/O threads), exported by ``CardLatencyCollector`` under the card's current serial.
+- what the I/O threads count as it happens: each card's I/O latency buckets per operation
+  (``CardStats.latency``, kept under the card's counter lock: cheaper on the I/O path than a
+  ``prometheus_client.Histogram``, see benchmarks/metrics_overhead.py), exported by
+  ``CardLatencyCollector`` as a histogram under the card's current serial.
 
 To add metrics, either append ``fn(figures) -> iterable of metric families`` to
 ``FROM_FIGURES`` (the figures are the STATS dict: put what you need into it in
@@ -21,11 +22,12 @@ state that is safe to read from there).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from typing import Callable, Iterable, Optional, Sequence
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server, write_to_textfile
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server, write_to_textfile
 from prometheus_client.core import HistogramMetricFamily, Metric
 
 from .status import FAMILIES, PREFIX
@@ -40,13 +42,6 @@ IO_OPS = ("read", "write")
 
 FigureFamilies = Callable[[dict], Iterable[Metric]]
 FROM_FIGURES: list[FigureFamilies] = list(FAMILIES)     # gateway/status.py's, and whoever adds metrics
-
-
-def io_latency_histogram() -> Histogram:
-    """One card operation's latency histogram (unregistered: ``CardLatencyCollector`` exports it
-    with the card's labels). ``observe`` is thread-safe and costs about a microsecond."""
-    return Histogram(PREFIX + "storage_io_seconds", "Card I/O latency", registry=None,
-                     buckets=IO_LATENCY_BUCKETS)
 
 
 class FiguresCollector:
@@ -65,8 +60,8 @@ class FiguresCollector:
 
 class CardLatencyCollector:
     """``adpkv_gateway_storage_io_seconds{group=<card serial>, op=read|write}``: each card's
-    ``CardStats.latency`` histograms, labelled with the card's serial as it is now (a card that
-    was not available at start gets its serial when it joins)."""
+    latency buckets (``CardStats.latency``) as a Prometheus histogram, labelled with the card's
+    serial as it is now (a card that was not available at start gets its serial when it joins)."""
 
     def __init__(self, cards: Sequence, card_stats: Sequence):
         self.cards = cards
@@ -76,13 +71,12 @@ class CardLatencyCollector:
         family = HistogramMetricFamily(PREFIX + "storage_io_seconds",
                                        "Card I/O latency by card and operation (a batched read: "
                                        "each fragment its share)", labels=["group", "op"])
+        bounds = [str(float(b)) for b in IO_LATENCY_BUCKETS] + ["+Inf"]
         for card, stats in zip(self.cards, self.card_stats):
-            group = card.serial or card.device
             for op in IO_OPS:
-                for metric in stats.latency[op].collect():
-                    for s in metric.samples:
-                        if s.name.endswith("_bucket") or s.name.endswith("_count") or s.name.endswith("_sum"):
-                            family.samples.append(s._replace(labels={"group": group, "op": op, **s.labels}))
+                counts, seconds = stats.latency(op)
+                family.add_metric([card.serial or card.device, op],
+                                  list(zip(bounds, itertools.accumulate(counts))), seconds)
         yield family
 
 
