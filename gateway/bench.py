@@ -17,7 +17,6 @@ import multiprocessing as mp
 import os
 import shutil
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import xxhash
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.ring import align_up
 
+from . import progress
 from .spawn import GatewayProcess
 
 MiB = 1 << 20
@@ -50,12 +50,6 @@ class Result:
     @property
     def restore_vs_raw(self) -> float:
         return self.restore_gbs / self.raw_read_gbs if self.raw_read_gbs else 0.0
-
-
-def _progress(text: str) -> None:
-    if sys.stderr.isatty():
-        sys.stderr.write("\r\033[K" + text)
-        sys.stderr.flush()
 
 
 # ---------------------------------------------------------------------- gateway side
@@ -198,41 +192,50 @@ def run(directory: str, sizes: list[int], regimes: list[str], total_bytes: int, 
     """Run every (regime, size) ``repeat`` times, alternating gateway and raw runs so the
     noise of a shared machine hits both alike; report the median of each."""
     results = []
-    for regime in regimes:
-        for size in sizes:
-            count = max(8, total_bytes // size)
-            card = os.path.join(directory, f"card-{regime}-{size}")
-            shutil.rmtree(card, ignore_errors=True)
-            gw = None
-            if port is None:
-                gw = GatewayProcess(card, o_direct=(regime == "cold"), thread_pool_size=threads,
-                                    shared_memory_size=max(256 * MiB, 8 * per_request * align_up(size)),
-                                    log_path=card + ".log").start()
-            runs = []
-            try:
-                for rep in range(repeat):
-                    _progress(f"{regime} {size // 1024} KiB run {rep + 1}/{repeat}: gateway ...")
-                    # a fresh namespace each run: the gateway skips keys it has stored already
-                    t_store, t_restore = bench_gateway(gw.port if gw else port, size, count, ranks, per_request,
-                                                       namespace=f"adpkv-bench-{os.getpid()}-{rep}")
-                    _progress(f"{regime} {size // 1024} KiB run {rep + 1}/{repeat}: raw files ...")
-                    t_w, t_r = bench_raw(os.path.join(directory, "raw"), size, count, threads, regime == "cold")
-                    runs.append((t_store, t_restore, t_w, t_r))
-            finally:
-                if gw is not None:
-                    gw.stop()
-                shutil.rmtree(card, ignore_errors=True)
-            t_store, t_restore, t_w, t_r = (statistics.median(col) for col in zip(*runs))
-            nbytes = size * count
-            r = Result(regime, size, count, ranks, nbytes / t_store / 1e9, nbytes / t_restore / 1e9,
-                       nbytes / t_w / 1e9, nbytes / t_r / 1e9)
-            results.append(r)
-            _progress("")
-            out(f"{regime:4s} {size // 1024:5d} KiB x {count:5d} ranks={ranks}: "
-                f"store {r.store_gbs:6.2f} GB/s (raw {r.raw_write_gbs:6.2f}, x{r.store_vs_raw:.2f})  "
-                f"restore {r.restore_gbs:6.2f} GB/s (raw {r.raw_read_gbs:6.2f}, x{r.restore_vs_raw:.2f})  "
-                f"[median of {repeat}]")
+    with progress.track("adpkv bench", 2 * repeat * len(regimes) * len(sizes), "runs") as shown:
+        for regime in regimes:
+            for size in sizes:
+                results.append(_measure(directory, regime, size, total_bytes, ranks, per_request, threads, port,
+                                        repeat, shown))
+                r = results[-1]
+                out(f"{regime:4s} {size // 1024:5d} KiB x {r.count:5d} ranks={ranks}: "
+                    f"store {r.store_gbs:6.2f} GB/s (raw {r.raw_write_gbs:6.2f}, x{r.store_vs_raw:.2f})  "
+                    f"restore {r.restore_gbs:6.2f} GB/s (raw {r.raw_read_gbs:6.2f}, x{r.restore_vs_raw:.2f})  "
+                    f"[median of {repeat}]")
     return results
+
+
+def _measure(directory: str, regime: str, size: int, total_bytes: int, ranks: int, per_request: int,
+             threads: int, port, repeat: int, shown: progress.Progress) -> Result:
+    """One (regime, size): ``repeat`` gateway runs alternating with raw runs; the medians."""
+    count = max(8, total_bytes // size)
+    card = os.path.join(directory, f"card-{regime}-{size}")
+    shutil.rmtree(card, ignore_errors=True)
+    gw = None
+    if port is None:
+        gw = GatewayProcess(card, o_direct=(regime == "cold"), thread_pool_size=threads,
+                            shared_memory_size=max(256 * MiB, 8 * per_request * align_up(size)),
+                            log_path=card + ".log").start()
+    runs = []
+    try:
+        for rep in range(repeat):
+            shown.note(f"adpkv bench: {regime} {size // 1024} KiB run {rep + 1}/{repeat}, gateway")
+            # a fresh namespace each run: the gateway skips keys it has stored already
+            t_store, t_restore = bench_gateway(gw.port if gw else port, size, count, ranks, per_request,
+                                               namespace=f"adpkv-bench-{os.getpid()}-{rep}")
+            shown.advance()
+            shown.note(f"adpkv bench: {regime} {size // 1024} KiB run {rep + 1}/{repeat}, raw files")
+            t_w, t_r = bench_raw(os.path.join(directory, "raw"), size, count, threads, regime == "cold")
+            shown.advance()
+            runs.append((t_store, t_restore, t_w, t_r))
+    finally:
+        if gw is not None:
+            gw.stop()
+        shutil.rmtree(card, ignore_errors=True)
+    t_store, t_restore, t_w, t_r = (statistics.median(col) for col in zip(*runs))
+    nbytes = size * count
+    return Result(regime, size, count, ranks, nbytes / t_store / 1e9, nbytes / t_restore / 1e9,
+                  nbytes / t_w / 1e9, nbytes / t_r / 1e9)
 
 
 def headline(results: list[Result]) -> Result:

@@ -1,4 +1,4 @@
-"""``adpkv``: the operator CLI (status, usage, clean, bench, demo)."""
+"""``adpkv``: the operator CLI (status, usage, clean, bench, doctor, demo)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,14 @@ import argparse
 import json
 import os
 import sys
+import threading
 
-from . import control
+from . import control, progress
 from .config import load_yaml
 
 MiB = 1 << 20
+CLEAN_POLL_S = 0.5        # how often adpkv clean asks for the gateway's progress
+CLEAN_WAIT_S = 24 * 3600  # a clean of a huge card may take long: the gateway answers when done
 
 
 def _size(text: str) -> int:
@@ -67,11 +70,12 @@ def cmd_usage(args) -> int:
     used = sum(c["used_bytes"] for c in stats["cards"])
     cap = sum(c["capacity_bytes"] for c in stats["cards"])
     objs = sum(c["objects"] for c in stats["cards"])
+    if args.json:
+        print(json.dumps({"used_bytes": used, "capacity_bytes": cap, "objects": objs, "cards": len(stats["cards"]),
+                          "namespaces": stats.get("tenants", [])}, indent=2))
+        return 0
     print(f"{used} bytes used of {cap} ({100.0 * used / cap if cap else 0:.2f}%), {objs} objects "
           f"on {len(stats['cards'])} card(s)")
-    if args.json:
-        print(json.dumps(stats.get("tenants", []), indent=2))
-        return 0
     for t in stats.get("tenants", []):
         name = f"{t['namespace']} (id:{t['id']})" if t["namespace"] else f"id:{t['id']}"
         quota = f"quota {t['quota_bytes']} bytes per card" if t["quota_bytes"] else "no quota"
@@ -83,12 +87,44 @@ def cmd_usage(args) -> int:
 def cmd_clean(args) -> int:
     if not args.yes:
         raise SystemExit("adpkv clean deletes every object on the gateway's cards; add --yes to confirm")
-    reply = _ask(args, "CLEAN")
+    reply = _clean_showing_progress(args)
     if reply["op"] == "ERROR":
         print(f"adpkv clean: {reply['code']}: {reply['msg']}", file=sys.stderr)
         return 1
     print(f"deleted {reply['deleted']} objects")
     return 0
+
+
+def _clean_showing_progress(args) -> dict:
+    """CLEAN, and while the gateway works on it, its progress (the ``work`` STATS lists) as a
+    bar on a terminal or plain lines on stderr. The CLEAN reply is awaited as long as the
+    gateway answers STATS."""
+    host, port = _target(args)
+    answer: dict = {}
+    thread = threading.Thread(target=lambda: answer.update(
+        reply=control.request(port, {"op": "CLEAN"}, host=host, timeout_s=CLEAN_WAIT_S)), daemon=True)
+    thread.start()
+    shown: dict[str, progress.Progress] = {}
+    try:
+        while thread.is_alive():
+            thread.join(CLEAN_POLL_S)
+            if not thread.is_alive():
+                break
+            reply = control.request(port, {"op": "STATS"}, host=host, timeout_s=args.timeout)
+            if reply is None or reply.get("op") != "OK":
+                break                           # the gateway stopped answering: no CLEAN reply either
+            for work in reply["stats"].get("work", []):
+                if "cleaning" not in work["what"]:
+                    continue
+                if work["what"] not in shown:
+                    shown[work["what"]] = progress.track(work["what"], work["total"], work["unit"])
+                shown[work["what"]].set(work["done"])
+    finally:
+        for p in shown.values():
+            p.close()
+    if thread.is_alive() or answer.get("reply") is None:
+        raise SystemExit(f"adpkv: no gateway answered on {host}:{port} (is adpkv-gateway running? see --port/--config)")
+    return answer["reply"]
 
 
 def cmd_bench(args) -> int:
@@ -110,6 +146,28 @@ def cmd_bench(args) -> int:
     top = bench.headline(results)
     print(f"store_vs_raw={top.store_vs_raw:.2f} restore_vs_raw={top.restore_vs_raw:.2f}")
     return 0
+
+
+def cmd_doctor(args) -> int:
+    from . import doctor
+    from .config import make_config
+    try:
+        settings = load_yaml(args.config) if args.config else {}
+        if not args.config:
+            settings["port"] = args.port
+        config = make_config(settings)
+    except (OSError, ValueError) as exc:
+        print(f"FAIL  config         {args.config}: {exc}")
+        return 1
+    host = _target(args)[0]
+    h = doctor.Host(config, config_given=bool(args.config), host=host, timeout_s=args.timeout, engine=args.engine,
+                    hash_algo=args.hash_algo, engine_user=args.engine_user, shm_bytes=args.shm_bytes)
+    try:
+        findings = doctor.examine(h)
+    except ValueError as exc:
+        raise SystemExit(f"adpkv doctor: {exc}")
+    print(doctor.report(findings))
+    return doctor.exit_code(findings)
 
 
 def cmd_demo(args) -> int:
@@ -140,7 +198,7 @@ def main(argv=None) -> int:
     s = sub.add_parser("status", parents=[shared], help="cards, health, fingerprint, usage")
     s.add_argument("--json", action="store_true")
     u = sub.add_parser("usage", parents=[shared], help="bytes and objects stored, per namespace (tenant) too")
-    u.add_argument("--json", action="store_true", help="the namespaces' rows as JSON")
+    u.add_argument("--json", action="store_true", help="the totals and the namespaces' rows as JSON")
     c = sub.add_parser("clean", parents=[shared], help="delete everything (refused on shared storage)")
     c.add_argument("--yes", action="store_true")
     b = sub.add_parser("bench", parents=[shared],
@@ -154,6 +212,15 @@ def main(argv=None) -> int:
                    help="I/O threads of the gateway and of the raw baseline (0: the gateway's default)")
     b.add_argument("--repeat", type=int, default=3, help="runs per size, alternating gateway and raw; median")
     b.add_argument("--dir", default="./adpkv-bench", help="where the bench card and raw files go")
+    dr = sub.add_parser("doctor", parents=[shared], help="check this host before the engine starts; exit 0 when all "
+                        "is well, 1 on a problem, 2 on warnings only (run it as the engine's user, in its environment)")
+    dr.add_argument("--engine", choices=["vllm", "sglang", "lmcache"], default="",
+                    help="the engine that will use the gateway (checks what its keys rest on)")
+    dr.add_argument("--hash-algo", default="", help="its prefix hash setting: vLLM --prefix-caching-hash-algo "
+                    "(default sha256), LMCache pre_caching_hash_algorithm (default builtin)")
+    dr.add_argument("--engine-user", default="", help="the user the engine runs as (default: this one)")
+    dr.add_argument("--shm-bytes", type=_size, default=0,
+                    help="what the engine itself puts in /dev/shm (LMCache's L1 pool with --shm-name)")
     d = sub.add_parser("demo", parents=[shared], help="start a gateway on ./adpkv-card, store a prompt's KV, restart, restore")
     d.add_argument("--dir", default="./adpkv-card")
     d.add_argument("--tokens", type=int, default=16384)
@@ -162,7 +229,8 @@ def main(argv=None) -> int:
     args.port_given = args.port is not None or args.config is not None
     if args.port is None:
         args.port = 5557
-    handlers = {"status": cmd_status, "usage": cmd_usage, "clean": cmd_clean, "bench": cmd_bench, "demo": cmd_demo}
+    handlers = {"status": cmd_status, "usage": cmd_usage, "clean": cmd_clean, "bench": cmd_bench, "demo": cmd_demo,
+                "doctor": cmd_doctor}
     return handlers[args.cmd](args)
 
 

@@ -11,6 +11,7 @@ import time
 from adpkv_core import __version__
 from adpkv_core.keys import namespace_id
 
+from . import progress
 from .cards import CardUsage
 from .quotas import ID_PREFIX, TenantUsage
 from .store import ObjectStore
@@ -43,6 +44,7 @@ def loop_snapshot(gateway) -> dict:
         "counters": dict(gateway.counters), "objects": dict(sum(store.counters.values(), collections.Counter())),
         "objects_by_namespace": {ns: dict(c) for ns, c in store.counters.items()}, "cards": cards,
         "namespace_names": namespace_names(config.namespace_quotas, engine), "version": __version__,
+        "work": progress.running(),
     }
 
 
