@@ -80,7 +80,10 @@ class Rows:
                     and (got[k:] == self.patterns[key[0] % len(self.patterns)][k:]).all())
 
 
-def steps_until(m, done, timeout_s=600.0, pause=0.0002) -> float:
+STEP_S = 0.0002     # the pause between two engine steps (--step-ms)
+
+
+def steps_until(m, done, timeout_s=600.0) -> float:
     from vllm.v1.kv_offload.base import ScheduleEndContext
     step = ScheduleEndContext((), ())
     t0 = time.perf_counter()
@@ -88,7 +91,7 @@ def steps_until(m, done, timeout_s=600.0, pause=0.0002) -> float:
         if time.perf_counter() - t0 > timeout_s:
             raise RuntimeError("timed out")
         m.on_schedule_end(step)
-        time.sleep(pause)
+        time.sleep(STEP_S)
     return time.perf_counter() - t0
 
 
@@ -143,7 +146,7 @@ def do_load(m, keys, job_rows, rows: Rows) -> tuple[float, float, int]:
     t0 = time.perf_counter()
     while not lookup_all(m, reqs):                 # lookups, one engine step at a time
         m.on_schedule_end(ScheduleEndContext((), ()))
-        time.sleep(0.0002)
+        time.sleep(STEP_S)
     t_lookup = time.perf_counter() - t0
     t1 = time.perf_counter()
     m.on_schedule_end(ScheduleEndContext((), ()))  # the promotions are submitted
@@ -192,6 +195,64 @@ def drop_caches() -> bool:
         return False
 
 
+def physical_limits(directory: str, nbytes: int, row: int, threads: int) -> dict[str, float]:
+    """GB/s of the same bytes moved by plain system calls, on the same disk, in this run:
+    the ceilings the two tiers work under. One file per row, as both tiers store them.
+
+    memcpy: one core copying memory (numpy, both buffers touched first).
+    write/read O_DIRECT: ``threads`` threads, one row per call straight from/into memory
+      (what vLLM's ``fs`` tier does: the disk's DMA, no CPU copy).
+    write/read page cache: 2 threads (the cores), ``os.pwrite`` into new files /
+      ``os.preadv`` of cached files: the CPU copy into or out of the page cache.
+    read after a drop: ``threads`` threads, page cache dropped first (root only)."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+    n = nbytes // row
+    lim_dir = os.path.join(directory, "limits")
+    os.makedirs(lim_dir, exist_ok=True)
+    src = mmap.mmap(-1, nbytes)
+    dst = mmap.mmap(-1, nbytes)
+    a, b = np.frombuffer(src, np.uint8), np.frombuffer(dst, np.uint8)
+    a[:] = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+    b[:] = 1
+    out: dict[str, float] = {}
+
+    def timed(name, fn, workers):
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(workers) as ex:
+            list(ex.map(fn, range(n)))
+        out[name] = gbs(nbytes, time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    b[:] = a
+    out["memcpy"] = gbs(nbytes, time.perf_counter() - t0)
+    view_src, view_dst = memoryview(src), memoryview(dst)
+
+    def write(i, direct, tag):
+        fd = os.open(os.path.join(lim_dir, f"{tag}{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                     | (os.O_DIRECT if direct else 0), 0o600)
+        try:
+            assert os.pwrite(fd, view_src[i * row:(i + 1) * row], 0) == row
+        finally:
+            os.close(fd)
+
+    def read(i, direct, tag):
+        fd = os.open(os.path.join(lim_dir, f"{tag}{i}"), os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            assert os.preadv(fd, [view_dst[i * row:(i + 1) * row]], 0) == row
+        finally:
+            os.close(fd)
+
+    timed("write O_DIRECT", lambda i: write(i, True, "d"), threads)
+    timed("write page cache", lambda i: write(i, False, "b"), 2)
+    timed("read O_DIRECT", lambda i: read(i, True, "d"), threads)
+    timed("read page cache", lambda i: read(i, False, "b"), 2)
+    if drop_caches():
+        timed("read after a drop", lambda i: read(i, False, "b"), threads)
+    shutil.rmtree(lim_dir, ignore_errors=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/tmp/adpkv-tiering-bench", help="both tiers store under it (one disk)")
@@ -202,7 +263,12 @@ def main(argv=None) -> int:
     ap.add_argument("--lookups", type=int, default=20, help="16k-token prompts looked up per tier")
     ap.add_argument("--fs-threads", type=int, default=16, help="vLLM fs tier: read and write threads each")
     ap.add_argument("--gateway", default="", help="extra gateway settings, e.g. o_direct=1,thread_pool_size=8")
+    ap.add_argument("--step-ms", type=float, default=0.2,
+                    help="pause between engine steps while jobs run (a real engine's step takes milliseconds; "
+                         "on a 2-core machine a tight loop takes CPU from a tier that copies)")
     args = ap.parse_args(argv)
+    global STEP_S
+    STEP_S = args.step_ms / 1e3
 
     from adpkv_gateway.spawn import GatewayProcess
 
@@ -233,6 +299,8 @@ def main(argv=None) -> int:
               f"{n} rows ({n * row >> 20} MiB) per run, jobs of {args.job_rows} rows; vLLM fs tier O_DIRECT="
               f"{getattr(fs_tier, '_use_o_direct', '?')}, {args.fs_threads}+{args.fs_threads} threads; gateway "
               f"{gw_settings}", flush=True)
+        limits = physical_limits(args.dir, n * row, row, args.fs_threads)
+        print("physical limits, GB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in limits.items()), flush=True)
         can_drop = drop_caches()
         if not can_drop:
             print("page cache drop refused (not root): the 'dropped' runs are not run", flush=True)
@@ -273,6 +341,20 @@ def main(argv=None) -> int:
             print(f"| {name} | {gbs(n * row, med(r['store'])):.2f} | {gbs(n * row, med(r['hot'])):.2f} | "
                   + (f"{gbs(n * row, med(r['cold'])):.2f}" if r["cold"] else "not run")
                   + f" | {med(r['lookup']) * 1e3:.2f} | {checked[name]} |")
+        after = physical_limits(args.dir, n * row, row, args.fs_threads)
+        print("physical limits after the runs, GB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in after.items()))
+        ceiling = {k: max(v, after.get(k, 0.0)) for k, v in limits.items()}
+        print("\nof the limits (best of before/after): store vs write O_DIRECT / page cache; hot load vs read "
+              "page cache; dropped load vs read O_DIRECT / after a drop")
+        for name in names:
+            r = res[name]
+            parts = [f"store {gbs(n * row, med(r['store'])) / ceiling['write O_DIRECT']:.0%} / "
+                     f"{gbs(n * row, med(r['store'])) / ceiling['write page cache']:.0%}",
+                     f"hot {gbs(n * row, med(r['hot'])) / ceiling['read page cache']:.0%}"]
+            if r["cold"] and "read after a drop" in ceiling:
+                parts.append(f"dropped {gbs(n * row, med(r['cold'])) / ceiling['read O_DIRECT']:.0%} / "
+                             f"{gbs(n * row, med(r['cold'])) / ceiling['read after a drop']:.0%}")
+            print(f"  {name}: " + ", ".join(parts))
         a, f = res["adpkv"], res["vllm-fs"]
         ratios = {"store": med(f["store"]) / med(a["store"]), "load_hot": med(f["hot"]) / med(a["hot"])}
         if a["cold"]:
