@@ -33,6 +33,7 @@ import uuid
 from typing import Callable, Optional
 
 from ..fragments import fragment_extents
+from .. import progress
 from ..quotas import TenantBook, TenantUsage, tenant_of
 from adpkv_core.keys import KEY_BYTES
 
@@ -262,31 +263,30 @@ class FsCard(Card):
         header = memoryview(bytearray(objfmt.HEADER_CORE))
         groups: dict[bytes, dict[bytes, tuple]] = collections.defaultdict(dict)
         bad = 0
-        for name in sorted(os.listdir(self.root)):
-            if not (name.startswith("db") and name[2:].isdigit()):
-                continue
-            db = int(name[2:])
-            with os.scandir(os.path.join(self.root, name)) as it:
-                for e in it:
-                    if e.name.startswith("."):
-                        try:
-                            os.unlink(e.path)  # a temp file of a write that never finished
-                        except OSError:
-                            pass
+        listing = [(int(name[2:]), os.path.join(self.root, name), os.listdir(os.path.join(self.root, name)))
+                   for name in sorted(os.listdir(self.root)) if name.startswith("db") and name[2:].isdigit()]
+        with progress.track(f"fs card {self.root}: indexing", sum(len(names) for _, _, names in listing),
+                            "files", log=logger) as shown:
+            for db, directory, names in listing:
+                for name in names:
+                    shown.advance()
+                    path = os.path.join(directory, name)
+                    if name.startswith("."):
+                        self._unlink([path])  # a temp file of a write that never finished
                         continue
                     try:
-                        fkey = bytes.fromhex(e.name)
+                        fkey = bytes.fromhex(name)
                     except ValueError:
                         continue
                     if len(fkey) <= 2:
                         continue
                     try:
-                        info = self._scan_file(e.path, fkey, header)
+                        info = self._scan_file(path, fkey, header)
                     except OSError:
                         continue
                     if isinstance(info, str):
-                        logger.warning("fs card %s: %s is %s; removing it", self.root, e.path, info)
-                        self._unlink([e.path])
+                        logger.warning("fs card %s: %s is %s; removing it", self.root, path, info)
+                        self._unlink([path])
                         bad += 1
                         continue
                     groups[object_key(fkey)][fkey] = (db,) + info
@@ -584,7 +584,10 @@ class FsCard(Card):
             self._objects.clear()
             self._tenants.clear()
             self._used = self._files = 0
-        self._unlink(paths)
+        with progress.track(f"fs card {self.root}: cleaning", len(paths), "files", log=logger) as shown:
+            for path in paths:
+                self._unlink((path,))
+                shown.advance()
         logger.info("fs card %s: cleaned, %d objects removed", self.root, len(paths))
         return len(paths)
 
