@@ -28,6 +28,7 @@ import torch
 from adpkv_core.attachment import Attachment, Session
 
 from .copy import PagedLayer, as_index
+from .fanout import Fanout, LayerLoad, for_vllm
 from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
 
 logger = logging.getLogger("adpkv.vllm")
@@ -48,7 +49,8 @@ class AdpConnectorWorker:
         self._layer_index = cfg.layer_index
         self._group_of = cfg.group_of_layer
         self._num_blocks = num_blocks
-        self._load_futs: dict[str, tuple[Any, ChunkPlanIndex]] = {}
+        self._load_futs: dict[str, tuple[Any, ChunkPlanIndex, Optional[LayerLoad]]] = {}
+        self.fanout: Optional[Fanout] = None   # MLA with adpkv.nvlink_fanout (fanout.py)
         self._load_errors: set[int] = set()
         self._saved_layers: set[str] = set()
         self._jobs_by_req: dict[str, list[_PutJob]] = {}
@@ -88,6 +90,8 @@ class AdpConnectorWorker:
                                      on_attach=self._on_attach, on_detach=self._on_detach,
                                      name="adpkv-vllm")
         self._use(self.attachment.session)
+        self.fanout = for_vllm(cfg.settings.nvlink_fanout, any(g.tp_shared for g in cfg.groups), cfg.tp_size,
+                               first.device)
         logger.info("adpkv: rank %d registered %d layers, page %s %s (%d bytes), object %d bytes",
                     self.rank, len(self.layers), first.page_shape, first.dtype, first.page_bytes,
                     first.page_bytes * cfg.blocks_per_chunk * cfg.tp_size)
@@ -133,7 +137,10 @@ class AdpConnectorWorker:
         return self.cfg.tp_size > 1 and not group.tp_shared
 
     def _tag(self, kind: str, step: int, layer: str) -> Optional[str]:
-        if not self._collective(self._group_of[layer]):
+        group = self._group_of[layer]
+        # fan-out: an MLA layer's GET is collective, so the group reads each object into the ring once
+        fanned = kind == "L" and group.tp_shared and self.fanout is not None
+        if not (self._collective(group) or fanned):
             return None
         return f"{kind}{step}:{self._layer_index[layer]}"
 
@@ -147,6 +154,10 @@ class AdpConnectorWorker:
         if not self._active():
             for index in indexes.values():
                 self._load_errors.update(index.all_blocks)
+            if self.fanout is not None:    # the exchange is collective: take part, sourcing nothing
+                for name in cfg.layer_names:
+                    if indexes[self._group_of[name].index].digests:
+                        self._load_futs[name] = (None, indexes[self._group_of[name].index], None)
             return
         client, ring = self.client, self.ring   # the whole load runs on this step's attachment
         for name in cfg.layer_names:     # layer 0 first: it is needed first
@@ -158,7 +169,12 @@ class AdpConnectorWorker:
             obj, sl = self._part(layer, group)
             keys = cfg.keys.keys(index.digests, (self._layer_index[name],), kind=group.index)
 
-            def on_batch(b, layer=layer, sl=sl, index=index):
+            load = self.fanout.begin(len(index.digests)) if self.fanout is not None else None
+
+            def on_batch(b, layer=layer, sl=sl, index=index, load=load):
+                if load is not None:     # fan-out: this rank's share; the rest comes over NVLink
+                    self.fanout.scatter_share(load, layer, ring, b, sl, index, cfg.blocks_per_chunk, self._stream)
+                    return True
                 dst, pos = index.batch_blocks(b.first, b.count, b.hits)
                 if dst is None:
                     return True
@@ -168,18 +184,20 @@ class AdpConnectorWorker:
 
             fut = client.get(keys, obj, on_batch, marks=index.marks,
                              tag=self._tag("L", meta.step, name), slice=sl)
-            self._load_futs[name] = (fut, index)
+            self._load_futs[name] = (fut, index, load)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         entry = self._load_futs.pop(layer_name, None)
         if entry is not None:
-            self._settle_load(*entry)
+            self._settle_load(layer_name, *entry)
 
-    def _settle_load(self, fut, index: "ChunkPlanIndex") -> None:
+    def _settle_load(self, name: str, fut, index: "ChunkPlanIndex", load: Optional[LayerLoad]) -> None:
         try:
-            hits = fut.result()
+            hits = fut.result() if fut is not None else [False] * len(index.digests)
         except Exception:
             hits = [False] * len(index.digests)
+        if self.fanout is not None:   # every rank, every loaded layer, in layer order (collective)
+            hits = self.fanout.exchange(load, self.layers[name], index).tolist()
         for i, h in enumerate(hits):
             if not h:
                 self._load_errors.update(index.object_blocks(i))
@@ -198,7 +216,7 @@ class AdpConnectorWorker:
     def wait_for_save(self, meta: Any) -> None:
         # every GET of this step is settled before the step ends (errors are reported now)
         for name in list(self._load_futs):
-            self._settle_load(*self._load_futs.pop(name))
+            self._settle_load(name, *self._load_futs.pop(name))
         if isinstance(meta, AdpConnectorMetadata):
             with self._lock:
                 self._had_saves.update(p.req_id for p in meta.saves)
