@@ -60,6 +60,10 @@ EXPECTED = {
     P + "storage_evicted": ("counter", {"group"}),
     P + "worker_oldest_io_age_seconds": ("gauge", set()),
     P + "storage_io_seconds": ("histogram", {"group", "op"}),
+    P + "namespace_used_bytes": ("gauge", {"namespace"}),
+    P + "namespace_objects": ("gauge", {"namespace"}),
+    P + "namespace_quota_bytes": ("gauge", {"namespace"}),
+    P + "namespace_quota_evicted": ("counter", {"namespace"}),
 }
 
 
@@ -98,7 +102,7 @@ def busy_gateway(start_gateway, tmp_path):
     metrics_port = free_port()
     status = tmp_path / "status.prom"
     gw = start_gateway(status_file=str(status), metrics_port=metrics_port, capacity_bytes=24 * (OBJ + 512),
-                       eviction_watermark=0.9, eviction_ratio=0.2)
+                       eviction_watermark=0.9, eviction_ratio=0.2, namespace_quotas=f"tenant-a={1 << 30}")
     client = GatewayClient(ClientConfig(port=gw.port, namespace="tenant-a"), "engine-a")
     assert client.enabled
     keys = make_keys(40, namespace="tenant-a")
@@ -229,9 +233,31 @@ def test_every_dashboard_query_uses_names_that_exist(busy_gateway):
         assert not unknown, f"{expr}: {unknown} is no metric the gateway exposes"
         assert grouping_labels_in(expr) <= labels, expr
         used |= names
-    # the dashboard covers hit rate, restore GB/s, card health, capacity and eviction
-    for needed in ("adpkv_gateway_hits_total", "adpkv_gateway_misses_total", "adpkv_gateway_restored_bytes_total",
+    # the dashboard covers hit rate, restore GB/s, card health, capacity and eviction, tenants
+    for needed in ("adpkv_gateway_namespace_used_bytes", "adpkv_gateway_namespace_quota_evicted_total","adpkv_gateway_hits_total", "adpkv_gateway_misses_total", "adpkv_gateway_restored_bytes_total",
                    "adpkv_gateway_storage_group_active", "adpkv_gateway_storage_io_seconds_bucket",
                    "adpkv_gateway_storage_used_bytes", "adpkv_gateway_storage_capacity_bytes",
                    "adpkv_gateway_storage_evicted_total", "adpkv_gateway_worker_oldest_io_age_seconds"):
         assert needed in used, needed
+
+
+def test_latency_buckets_hold_each_io_at_the_first_bound_at_or_above_it():
+    """Prometheus buckets are ``le``: an I/O of exactly a bound counts in that bucket."""
+    from types import SimpleNamespace
+
+    from adpkv_gateway.metrics import IO_LATENCY_BUCKETS, GatewayMetrics
+    from adpkv_gateway.store import CardStats
+    stats = CardStats()
+    for seconds in (0.00001, 0.001, 0.001, 0.0011, 99.0):
+        stats.record(False, True, 4096, seconds)
+    stats.record(True, False, 4096, 0.002)
+    card = SimpleNamespace(serial="FS0001", device="/cards/a")     # only its names are read
+    fam = parse(GatewayMetrics([card], [stats]).exposition().decode())
+    bucket = {s.labels["le"]: s.value for s in fam[P + "storage_io_seconds"].samples
+              if s.name.endswith("_bucket") and s.labels["op"] == "read"}
+    assert len(bucket) == len(IO_LATENCY_BUCKETS) + 1
+    assert bucket["5e-05"] == 1 and bucket["0.0005"] == 1 and bucket["0.001"] == 3 and bucket["0.0025"] == 4
+    assert bucket["10.0"] == 4 and bucket["+Inf"] == 5
+    assert value(fam, P + "storage_io_seconds_count", group="FS0001", op="read") == 5
+    assert value(fam, P + "storage_io_seconds_sum", group="FS0001", op="read") == pytest.approx(99.00311)
+    assert value(fam, P + "storage_io_seconds_count", group="FS0001", op="write") == 1
