@@ -66,7 +66,7 @@ class Holder(int):
 class CardStats:
     """I/O counters of one card (updated from the I/O threads), and its latency histogram per
     operation (counts per bucket of ``metrics.IO_LATENCY_BUCKETS`` and their sum, under the
-    counters' own lock: a third of the cost of a ``prometheus_client.Histogram.observe``;
+    counters' own lock: +0.6 us per I/O where a ``prometheus_client.Histogram.observe`` adds 1.6;
     exported by ``metrics.CardLatencyCollector`` through ``latency``)."""
 
     def __init__(self):
