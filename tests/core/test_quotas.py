@@ -10,6 +10,7 @@ restart (index rebuild), and a quota lowered at a restart trims only its own nam
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from adpkv_gateway import control
 from adpkv_gateway.quotas import parse_quotas, quotas_by_id
 
 from .rankproc import make_keys, pattern
+from .test_security import as_nobody, open_dir, root_engine  # noqa: F401  (fixtures: root's engine, a world-usable door)
 
 OBJ = 64 * 1024
 ON_DISK = OBJ + 4096                       # the fs card's 4 KiB header
@@ -117,8 +119,12 @@ def _tenant_row(s, tid):
     return rows[0]
 
 
-def test_a_tenant_over_its_quota_evicts_only_its_own_objects_under_load(start_gateway, tmp_path):
-    gw = start_gateway(namespace_quotas=f"tenant-a={QUOTA}", capacity_bytes=64 << 20, thread_pool_size=4)
+@pytest.mark.parametrize("fragment_size", [0, 16 * 1024], ids=["whole", "4-fragments"])
+def test_a_tenant_over_its_quota_evicts_only_its_own_objects_under_load(start_gateway, fragment_size):
+    on_disk = ON_DISK if not fragment_size else (OBJ // fragment_size) * (4096 + fragment_size)
+    quota = QUOTA_OBJECTS * on_disk
+    gw = start_gateway(namespace_quotas=f"tenant-a={quota}", capacity_bytes=64 << 20, thread_pool_size=4,
+                       fragment_size=fragment_size)
     a_keys = make_keys(8 * QUOTA_OBJECTS, namespace="tenant-a")          # 8x its quota
     b_keys = make_keys(3 * QUOTA_OBJECTS, namespace="tenant-b")          # no quota; 3x a's quota
     (_, a_stored, a_newest, a_wrong), (_, b_stored, b_newest, b_wrong) = _run_tenants(
@@ -130,11 +136,11 @@ def test_a_tenant_over_its_quota_evicts_only_its_own_objects_under_load(start_ga
 
     s = stats(gw.port)
     a, b = _tenant_row(s, A_ID), _tenant_row(s, B_ID)
-    assert a["namespace"] == "tenant-a" and a["quota_bytes"] == QUOTA
-    assert a["used_bytes"] <= QUOTA and a["objects"] <= QUOTA_OBJECTS
+    assert a["namespace"] == "tenant-a" and a["quota_bytes"] == quota
+    assert a["used_bytes"] <= quota and a["objects"] <= QUOTA_OBJECTS
     assert a["evicted"] >= len(a_keys) - QUOTA_OBJECTS
     assert b["quota_bytes"] == 0 and b["evicted"] == 0
-    assert b["objects"] == len(b_keys) and b["used_bytes"] == len(b_keys) * ON_DISK
+    assert b["objects"] == len(b_keys) and b["used_bytes"] == len(b_keys) * on_disk
     assert s["cards"][0]["used_bytes"] == a["used_bytes"] + b["used_bytes"]
 
     b_hits, b_wrong = _read_all(gw.port, b_keys, "reader-b")
@@ -152,14 +158,15 @@ def test_a_tenant_over_its_quota_evicts_only_its_own_objects_under_load(start_ga
     assert _tenant_row(s2, B_ID)["used_bytes"] == b["used_bytes"]
     a_after, wrong = _read_all(gw.port, a_keys, "reader-a2")
     assert a_after == a_hits and not wrong
-    gw.settings["namespace_quotas"] = f"tenant-a={QUOTA // 4}"
+    gw.settings["namespace_quotas"] = f"tenant-a={quota // 4}"
     gw.restart()
     s3 = stats(gw.port)
-    assert _tenant_row(s3, A_ID)["used_bytes"] <= QUOTA // 4
+    assert _tenant_row(s3, A_ID)["used_bytes"] <= quota // 4
     assert _tenant_row(s3, B_ID)["used_bytes"] == b["used_bytes"]
     a_low, wrong = _read_all(gw.port, a_keys, "reader-a3")
     assert not wrong and 0 < sum(a_low) <= QUOTA_OBJECTS // 4
-    assert all(a_low[-sum(a_low):]), "a lowered quota keeps the most recently used objects"
+    # the index is rebuilt in the order the files were written: the last PUT's objects stay
+    assert not any(a_low[:-8]), "a lowered quota keeps the most recently written objects"
     b_hits, b_wrong = _read_all(gw.port, b_keys, "reader-b2")
     assert all(b_hits) and not b_wrong
 
@@ -238,3 +245,17 @@ def test_quotas_from_yaml_and_by_id():
     assert parse_quotas({"tenant-a": 100, f"id:{B_ID}": "200"}) == {"tenant-a": 100, f"id:{B_ID}": 200}
     assert quotas_by_id(parse_quotas(f"tenant-a=100,id:{B_ID}=200")) == {
         namespace_id("tenant-a"): 100, namespace_id("tenant-b"): 200}
+
+
+def _stats_of_another_user(port):
+    return control.request(port, {"op": "STATS"})["stats"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the gateway runs as root, the other user as 65534")
+def test_another_user_sees_no_other_tenants_usage(root_engine):
+    gw, rank, keys = root_engine
+    root_id = namespace_id("root-tenant").hex()
+    assert _tenant_row(stats(gw.port), root_id)["objects"] == 4          # the operator sees it
+    seen = as_nobody(_stats_of_another_user, gw.port)
+    assert seen["tenants"] == [] and seen["namespace_names"] == {}
+    assert root_id not in repr(seen)
