@@ -36,9 +36,13 @@ shared region ``/dev/shm/vllm_offload_<engine_id>.mmap``) to and from storage.
   scheduler steps) and registers the region again.
 - **KV events** (with ``--kv-events-config`` on): stored events for rows the
   gateway holds after a store (also when it held them already), removed events
-  for rows this tier announced and later found missing (a lookup or a load
-  that missed while the gateway answered: an eviction by the gateway or an
-  ``adpkv clean``). Medium ``STORAGE``; ``locality`` as configured.
+  for rows this tier announced and later found missing while the gateway
+  answered (an eviction by the gateway, an ``adpkv clean``): by a lookup or a
+  load that missed, and by the sweep, which checks every announced row with the
+  gateway every ``events_sweep_s`` (EXISTs of ``SWEEP_KEYS`` keys, one at a
+  time, answered on the client's thread), so an eviction reaches the engine's
+  KV-event publisher also when nobody asks for the row. Medium ``STORAGE``;
+  ``locality`` as configured.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ logger = logging.getLogger("adpkv.vllm")
 KIND_TIER_ROW = 7          # the cache kind of a CPU-tier row object (keeps it apart from other formats)
 ROW_FORMAT = "vllm-tiering-row/1"
 MAX_ANNOUNCED = 1 << 20    # stored keys remembered for removed events
+SWEEP_KEYS = 4096          # announced keys checked by one EXIST of the events sweep
 
 
 class TierMetrics:
@@ -155,7 +160,9 @@ class AdpSecondaryTier(SecondaryTierManager):
     Tier settings (the tier's JSON object, besides ``type``/``module_path``): ``port``,
     ``host``, ``namespace``, ``key_namespace_from_model``, ``timeout_s``, ``reconnect_s``
     (also spelt ``adpkv.<name>``), ``locality`` (``LOCAL``/``REMOTE``, for KV events),
-    ``enable_kv_events`` (default true; effective with vLLM's KV events on).
+    ``enable_kv_events`` (default true; effective with vLLM's KV events on),
+    ``events_sweep_s`` (default 10; how often every announced row is checked for removed
+    events; 0: only lookups and loads find them).
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -178,7 +185,8 @@ class AdpSecondaryTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec: "OffloadingSpec", primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: "Optional[BackpressureDetector]" = None,
-                 locality: Optional[str] = None, enable_kv_events: bool = True, **settings: Any):
+                 locality: Optional[str] = None, enable_kv_events: bool = True, events_sweep_s: float = 10.0,
+                 **settings: Any):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         ensure_logging()
         unknown = sorted(set(settings) - _known_settings())
@@ -203,8 +211,15 @@ class AdpSecondaryTier(SecondaryTierManager):
         self._warned_ring = False
         events = bool(enable_kv_events) and bool(offloading_spec.kv_events_config.enable_kv_cache_events)
         self._events: Optional[collections.deque] = collections.deque() if events else None
-        self._announced: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
+        # announced (stored) keys -> the number of their last stored event (a sweep forgets
+        # a key only if no stored event came after it looked)
+        self._announced: "collections.OrderedDict[bytes, int]" = collections.OrderedDict()
         self._announced_lock = threading.Lock()
+        self._announces = 0
+        self.events_sweep_s = max(0.0, float(events_sweep_s))
+        self._sweep_todo: list[tuple[bytes, int]] = []
+        self._sweep_next = time.monotonic() + self.events_sweep_s
+        self._sweep_busy = False
         self._finished: collections.deque = collections.deque()    # (_Job) filled by I/O threads
         self._cv = threading.Condition()
         self._inflight: dict[int, _Job] = {}
@@ -277,22 +292,62 @@ class AdpSecondaryTier(SecondaryTierManager):
             return
         with self._announced_lock:
             for k in keys:
-                self._announced[bytes(k)] = None
+                self._announces += 1
+                self._announced[bytes(k)] = self._announces
                 self._announced.move_to_end(bytes(k))
             while len(self._announced) > MAX_ANNOUNCED:
                 self._announced.popitem(last=False)
         self._events.append(OffloadingEvent(keys=list(keys), medium=self.medium, removed=False,
                                             locality=self.locality))
 
-    def _forget(self, keys: list[OffloadKey]) -> None:
+    def _forget(self, keys: list[OffloadKey], seen: Optional[list[int]] = None) -> None:
+        """Removed events for announced keys found missing (``seen``: the stored-event number
+        each had when it was looked for; a key stored again since is kept)."""
         if self._events is None or not keys:
             return
+        gone = []
         with self._announced_lock:
-            gone = [k for k in keys if self._announced.pop(bytes(k), False) is None]
+            for i, k in enumerate(keys):
+                number = self._announced.get(bytes(k))
+                if number is not None and (seen is None or seen[i] == number):
+                    del self._announced[bytes(k)]
+                    gone.append(k)
         if gone:
             self._counters[TierMetrics.REMOVED] += len(gone)
             self._events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True,
                                                 locality=self.locality))
+
+    def _sweep(self) -> None:
+        """(scheduler thread) Send the next EXIST of the events sweep, if one is due and none
+        is in flight: every ``events_sweep_s`` all announced rows, ``SWEEP_KEYS`` at a time.
+        Rows the gateway no longer holds become removed events (on the client's thread)."""
+        s = self._session
+        if self._events is None or not self.events_sweep_s or self._sweep_busy or s is None or not s.enabled:
+            return
+        if not self._sweep_todo:
+            now = time.monotonic()
+            if now < self._sweep_next:
+                return
+            self._sweep_next = now + self.events_sweep_s
+            with self._announced_lock:
+                self._sweep_todo = list(self._announced.items())
+            if not self._sweep_todo:
+                return
+        chunk = self._sweep_todo[-SWEEP_KEYS:]
+        del self._sweep_todo[-SWEEP_KEYS:]
+        self._sweep_busy = True
+        client = s.client
+
+        def answered(fut) -> None:
+            try:
+                flags = fut.result()
+                if client.enabled and len(flags) == len(chunk):
+                    missing = [(k, n) for (k, n), hit in zip(chunk, flags) if not hit]
+                    self._forget([OffloadKey(k) for k, _ in missing], [n for _, n in missing])
+            finally:
+                self._sweep_busy = False
+
+        client.exist([self.storage_key(OffloadKey(k)) for k, _ in chunk]).add_done_callback(answered)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._events is None:
@@ -321,6 +376,7 @@ class AdpSecondaryTier(SecondaryTierManager):
             self._counters[TierMetrics.REATTACHES] += 1
         self._session = s
         self._lookups.flush()
+        self._sweep()
 
     # ------------------------------------------------------------------ transfers
     def _submit(self, job: TransferJob, store: bool) -> None:

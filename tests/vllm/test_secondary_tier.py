@@ -200,6 +200,40 @@ def test_evictions_are_removed_events_and_a_lost_row_is_recomputed(model_dir, st
         conn.shutdown()
 
 
+def test_gateway_evictions_become_removed_events_without_a_lookup(model_dir, start_gateway):
+    """The events sweep: rows the gateway evicts (a small card) reach vLLM's KV events as
+    removed events while nobody looks them up; rows it still holds are never reported."""
+    gw = start_gateway(capacity_bytes=3 << 20, eviction_watermark=0.9, eviction_ratio=0.3)
+    sweep_s = 0.2
+    conn, m = engine_tiering(model_dir, tier_json(gw.port, events_sweep_s=sweep_s))
+    tier = adp_tier(m)
+    try:
+        rows = keys_of(8, seed=6) + keys_of(8, seed=7)
+        store(m, rows[:8], "s0")
+        store(m, rows[8:], "s1")
+        removed = events(m)["removed"]
+        held = tier._session.client.exist([tier.storage_key(k) for k in rows]).result(5)
+        gone = {k for k, h in zip(rows, held) if not h}
+        assert gone, "the gateway evicted nothing"
+        deadline = time.monotonic() + 15
+        while set(removed) != gone:
+            assert time.monotonic() < deadline, f"{len(set(removed))} of {len(gone)} evictions reported"
+            assert set(removed) <= gone, "a row the gateway holds was reported removed"
+            m.on_schedule_end(STEP)                  # engine steps, no lookup, no load
+            removed += events(m)["removed"]
+            time.sleep(0.01)
+        # further sweeps report nothing more (each row once, held rows never)
+        quiet_until = time.monotonic() + 3 * sweep_s
+        while time.monotonic() < quiet_until:
+            m.on_schedule_end(STEP)
+            removed += events(m)["removed"]
+            time.sleep(0.01)
+        assert sorted(removed) == sorted(gone)
+        assert tier.get_stats().reduce().get("vllm:kv_offload_adpkv_blocks_removed") == len(gone)
+    finally:
+        conn.shutdown()
+
+
 def test_engine_end_to_end():
     from vllm.platforms import current_platform
     if not (current_platform.is_cuda_alike() or current_platform.is_xpu()):
