@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     dr.add_argument("--engine", choices=["vllm", "sglang", "lmcache"], default="",
                     help="the engine that will use the gateway (checks what its keys rest on)")
     dr.add_argument("--hash-algo", default="", help="its prefix hash setting: vLLM --prefix-caching-hash-algo "
-                    "(default sha256), LMCache pre_caching_hash_algorithm (default builtin)")
+                    "(default sha256), lmcache server --hash-algorithm (default blake3)")
     dr.add_argument("--engine-user", default="", help="the user the engine runs as (default: this one)")
     dr.add_argument("--shm-bytes", type=_size, default=0,
                     help="what the engine itself puts in /dev/shm (LMCache's L1 pool with --shm-name)")

@@ -19,9 +19,12 @@ the doctor's own), with the gateway's YAML (``--config``) or its port; the check
   ``key_layout_fingerprint`` and against the running gateway's;
 - ``prefix hash``: what the engine's keys rest on stays the same across restarts:
   vLLM's ``prefix_caching_hash_algo`` (``--hash-algo``; xxhash/xxhash_cbor draw a random
-  seed per process unless ``PYTHONHASHSEED`` is set), LMCache's
-  ``pre_caching_hash_algorithm`` (``builtin``: Python's ``hash`` of a string, stable only
-  with ``PYTHONHASHSEED`` set to a number), SGLang (SHA-256 of the token ids: nothing to set).
+  seed per process unless ``PYTHONHASHSEED`` is set), the LMCache server's ``--hash-algorithm``
+  (default blake3 of the token ids: stable; ``builtin`` is Python's ``hash`` of
+  ``(prefix, tokens, None)``: on Python < 3.12 ``hash(None)`` is None's address, different in
+  every process whatever ``PYTHONHASHSEED`` says, and from 3.12 stable only with a numeric
+  ``PYTHONHASHSEED``; the others are vLLM's functions and vLLM's seed rule), SGLang (SHA-256 of
+  the token ids: nothing to set).
 
 Every check gives OK, WARN or FAIL (SKIP where it cannot apply). The exit code is 0 when
 all are OK, 1 with any FAIL, 2 with warnings only.
@@ -36,6 +39,7 @@ import mmap
 import os
 import pwd
 import stat
+import sys
 from typing import Iterable, Optional
 
 from adpkv_core import __version__
@@ -77,6 +81,7 @@ class Host:
     engine_user: str = ""              # who runs the engine ("" = the doctor's user)
     shm_bytes: int = 0                 # what the engine itself puts in /dev/shm
     environ: dict = dataclasses.field(default_factory=lambda: dict(os.environ))
+    python: tuple = tuple(sys.version_info[:2])   # the engine's Python (the doctor runs in its environment)
 
 
 def examine(h: Host) -> list[Finding]:
@@ -424,15 +429,22 @@ def _prefix_hash(h: Host) -> list[Finding]:
                         f"rest on; PYTHONHASHSEED is {'unset' if seed is None else seed}")]
     if h.engine == "sglang":
         return [Finding("prefix hash", OK, "SGLang's page hashes are SHA-256 of the token ids: the same in every run")]
-    algo = h.hash_algo or ("sha256" if h.engine == "vllm" else "builtin")
-    setting = "prefix_caching_hash_algo" if h.engine == "vllm" else "pre_caching_hash_algorithm"
+    algo = h.hash_algo or ("sha256" if h.engine == "vllm" else "blake3")
+    setting = "prefix_caching_hash_algo" if h.engine == "vllm" else "lmcache server --hash-algorithm"
     never = "a persistent cache never hits after a restart"
+    if h.engine == "lmcache" and algo == "blake3":
+        return [Finding("prefix hash", OK, f"{setting} blake3: a digest of the token ids, the same in every run")]
     if h.engine == "lmcache" and algo == "builtin":
+        fix = f"{setting} blake3 (the default)"
+        if h.python < (3, 12):
+            return [Finding("prefix hash", FAIL, f"{setting} builtin is Python's hash of (prefix, tokens, None); on "
+                            f"Python {h.python[0]}.{h.python[1]} hash(None) is None's address, another in every "
+                            f"process whatever PYTHONHASHSEED says: {never}", fix)]
         if seed is None or seed == "random":
-            return [Finding("prefix hash", FAIL, f"LMCache {setting} builtin is Python's hash of strings, random per "
-                            f"process with PYTHONHASHSEED {'unset' if seed is None else seed}: {never}",
-                            "export PYTHONHASHSEED=0 (the same number) for every LMCache and engine process")]
-        return [Finding("prefix hash", OK, f"LMCache {setting} builtin with PYTHONHASHSEED={seed}: keep it in every "
+            return [Finding("prefix hash", FAIL, f"{setting} builtin is Python's hash, random per process with "
+                            f"PYTHONHASHSEED {'unset' if seed is None else seed}: {never}",
+                            fix + ", or export PYTHONHASHSEED=0 for every LMCache process")]
+        return [Finding("prefix hash", OK, f"{setting} builtin with PYTHONHASHSEED={seed}: keep it in every "
                         "process and restart")]
     if algo in VLLM_SEEDED_ALGOS and seed is None:
         return [Finding("prefix hash", FAIL, f"{setting} {algo} with PYTHONHASHSEED unset: vLLM draws a random "

@@ -82,23 +82,35 @@ def test_a_gateway_of_another_version(tmp_path):
     assert level(out, "gateway") == "WARN" and "adpkv 0.0.9; this host has" in out
 
 
-@pytest.mark.parametrize("engine, algo, seed, want", [
-    ("vllm", "xxhash", None, "FAIL"),
-    ("vllm", "xxhash_cbor", None, "FAIL"),
-    ("vllm", "xxhash", "0", "OK"),
-    ("vllm", "xxhash", "random", "OK"),       # vLLM takes the string as the seed: the same every run
-    ("vllm", "", None, "OK"),                 # sha256: vLLM's fixed default seed
-    ("lmcache", "", None, "FAIL"),            # builtin: Python's hash of strings
-    ("lmcache", "", "random", "FAIL"),
-    ("lmcache", "", "42", "OK"),
-    ("lmcache", "xxhash", None, "FAIL"),
-    ("sglang", "", None, "OK"),
+@pytest.mark.parametrize("engine, algo, seed, python, want", [
+    ("vllm", "xxhash", None, (3, 11), "FAIL"),
+    ("vllm", "xxhash_cbor", None, (3, 11), "FAIL"),
+    ("vllm", "xxhash", "0", (3, 11), "OK"),
+    ("vllm", "xxhash", "random", (3, 11), "OK"),       # vLLM takes the string as the seed: the same every run
+    ("vllm", "", None, (3, 11), "OK"),                 # sha256: vLLM's fixed default seed
+    ("lmcache", "", None, (3, 11), "OK"),              # the server's default, blake3
+    ("lmcache", "builtin", "42", (3, 11), "FAIL"),     # hash(None) differs per process before 3.12
+    ("lmcache", "builtin", None, (3, 12), "FAIL"),
+    ("lmcache", "builtin", "random", (3, 12), "FAIL"),
+    ("lmcache", "builtin", "42", (3, 12), "OK"),
+    ("lmcache", "xxhash", None, (3, 11), "FAIL"),      # vLLM's function, vLLM's seed rule
+    ("sglang", "", None, (3, 11), "OK"),
 ])
-def test_prefix_hash(engine, algo, seed, want):
-    h = doctor.Host(make_config({}), engine=engine, hash_algo=algo,
+def test_prefix_hash(engine, algo, seed, python, want):
+    h = doctor.Host(make_config({}), engine=engine, hash_algo=algo, python=python,
                     environ={} if seed is None else {"PYTHONHASHSEED": seed})
     (finding,) = doctor._prefix_hash(h)
     assert finding.level == want, finding
+
+
+def test_the_python_fact_behind_lmcache_builtin():
+    """What the builtin rule rests on, checked on this interpreter: on Python < 3.12 the hash of
+    None (part of every LMCache builtin chunk hash) differs between two processes even with
+    the same PYTHONHASHSEED."""
+    probe = [sys.executable, "-c", "print(hash((7, (1, 2, 3), None)))"]
+    runs = {subprocess.run(probe, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"},
+                           check=True).stdout for _ in range(3)}
+    assert (len(runs) > 1) == (sys.version_info < (3, 12)), runs
 
 
 def test_prefix_hash_from_the_environment(start_gateway):
