@@ -128,6 +128,7 @@ def _attack_another_users_engine(port, engine_id, keys):
     seen = {}
     stats = control.request(port, {"op": "STATS"})
     seen["stats_engine"] = stats["stats"]["engine"]
+    seen["stats_by_namespace"] = stats["stats"]["objects_by_namespace"]
     peer = GatewayClient(ClientConfig(port=port, busy_wait_s=0), engine_id, rank=None)
     seen["lookup_enabled"] = peer.enabled
     seen["lookup_error"] = peer.attach_error
@@ -141,11 +142,14 @@ def test_another_user_cannot_act_on_an_engine_or_clean(root_engine):
     gw, rank, keys = root_engine
     seen = as_nobody(_attack_another_users_engine, gw.port, "root-engine-7f3a", keys)
     assert "root-engine-7f3a" not in repr(seen["stats_engine"])      # STATS does not show it
+    assert seen["stats_by_namespace"] == {}                           # nor its namespace's counters
     assert seen["lookup_enabled"] is False and seen["lookup_error"].startswith(P.FORBIDDEN)
     assert seen["deleted"] == 0
     assert seen["clean"] == P.FORBIDDEN
     assert rank.exist(keys).result(5) == [True] * 4                  # all still there
-    assert "root-engine-7f3a" in repr(control.request(gw.port, {"op": "STATS"})["stats"]["engine"])
+    own = control.request(gw.port, {"op": "STATS"})["stats"]
+    assert "root-engine-7f3a" in repr(own["engine"])
+    assert [c["stored"] for c in own["objects_by_namespace"].values()] == [4]
 
 
 # ---------------------------------------------------------------- regions
