@@ -27,7 +27,7 @@ logger = logging.getLogger("adpkv.sglang")
 METRICS_CAP = 10000
 
 COUNTERS = ("exist_requests", "get_requests", "put_requests", "pages_read", "pages_written",
-            "pages_skipped_nonwriter")
+            "pages_skipped_nonwriter", "pages_rewritten", "groups_rejected")
 
 
 class Tally:

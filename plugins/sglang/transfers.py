@@ -1,23 +1,25 @@
 """The data paths of the SGLang backend: one GET or PUT per call, pages or tensors ⇄ ring.
 
-- v1 (zero copy, ``interface_v1``): ``get_pages`` / ``set_pages`` move host-pool pages
-  named by SGLang's ``host_indices``; each ring batch is copied between the ring slots
-  and the pool's page segments (``pages.PageGeometry``: one ``memmove`` per segment).
+- pool pages (v1 ``interface_v1`` for the KV pool, v2 for the auxiliary pools):
+  ``read_pages`` / ``write_pages`` move the host-pool pages starting at ``starts``; each
+  ring batch is copied between the ring slots and the pool (``pools.PageIO``: the pool's
+  own page segments, one ``memmove`` per segment, or SGLang's flat data pages), and, for a
+  hybrid model, each object's stamp (``groups.Stamps``) as its last segment.
 - generic: ``get_values`` / ``set_values`` move SGLang's flat data pages (tensors),
   one request per object size.
 
-Both store the same objects (a page in SGLang's flat-data-page format), so each path
-reads what the other wrote. Keys, dialog marks, the session and the ``Tally`` come from
-the facade (``backend.AdpHiCacheStorage``), which also turns any exception into SGLang's
-failure value.
+Both store a page in SGLang's flat-data-page format, so each path reads what the other
+wrote (unstamped objects). Keys, dialog marks, the session and the ``Tally`` come from
+the facade (``backend.AdpHiCacheStorage``), which also decides which hits it takes and
+turns any exception into SGLang's failure value.
 
 Threads: these functions run on the SGLang thread that called the backend
-(``batch_get_v1``: the prefetch I/O thread; ``batch_set_v1``: the backup thread; the
-generic path: whichever calls it) and block until the request resolves; the client
-resolves every request (at the latest when it turns off after ``timeout_s``), so they
-never return while a copy into or out of SGLang's memory could still run. The copy
-callbacks (``on_batch``) run on the client's I/O thread and must not block: they copy
-one batch and return True.
+(``batch_get_v1``/``batch_get_v2``: the prefetch I/O thread; ``batch_set_v1``/``batch_set_v2``:
+the backup thread; the generic path: whichever calls it) and block until the request
+resolves; the client resolves every request (at the latest when it turns off after
+``timeout_s``), so they never return while a copy into or out of SGLang's memory could
+still run. The copy callbacks (``on_batch``) run on the client's I/O thread and must not
+block: they copy one batch and return True.
 """
 
 from __future__ import annotations
@@ -26,21 +28,17 @@ import time
 from concurrent.futures import Future
 from typing import Any, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from adpkv_core.attachment import Session
 from adpkv_core.client import RingBatch, StoreResult
 from adpkv_core.grouping import group_by_size
 
+from .groups import Stamps
 from .housekeeping import Tally
-from .pages import (
-    PageGeometry,
-    copy_pages_to_ring,
-    copy_ring_to_pages,
-    copy_ring_to_tensor,
-    copy_tensor_to_ring,
-    tensor_nbytes,
-)
+from .pages import copy_ring_to_tensor, copy_tensor_to_ring, tensor_nbytes
+from .pools import HostPool
 
 
 def stored_flags(result: StoreResult) -> list:
@@ -52,62 +50,82 @@ def _pick(seq: Optional[Sequence], idx: Sequence[int]) -> Optional[list]:
     return None if seq is None else [seq[i] for i in idx]
 
 
-# ---------------------------------------------------------------------------- v1 (zero copy)
-def get_pages(s: Session, geo: PageGeometry, host_indices: torch.Tensor, keys: List[bytes],
-              marks: Optional[List[int]], tally: Tally) -> List[bool]:
-    """GET ``keys`` into the pool pages at ``host_indices``; hits per key (misses untouched)."""
-    n = len(keys)
-    ptrs = geo.pointers(geo.page_starts(host_indices, n))
+# ---------------------------------------------------------------------------- pool pages (v1 and v2)
+def read_pages(s: Session, hp: HostPool, starts: np.ndarray, keys: List[bytes], marks: Optional[List[int]],
+               stamps: Optional[Stamps], tally: Tally, kind: str = "prefetch") -> tuple[List[bool], Any]:
+    """GET ``keys`` into the pool pages starting at ``starts`` (and their stamps into
+    ``stamps``); the hits, and what ``hp.io.finish_get`` needs (flat pages) once the caller
+    decided which hits it takes. Misses are never written."""
+    addrs, held = hp.io.addresses(starts, stamps, for_get=True)
+    segments = hp.io.segments(stamps is not None)
     ring = s.ring
 
     def copy_out(batch: RingBatch) -> bool:
-        copy_ring_to_pages(geo, ring, ptrs, batch)
-        return True
+        return ring.drain(batch, addrs, segments)
 
     t0 = time.perf_counter()
     tally.count("get_requests")
-    hits = s.client.get(keys, geo.page_bytes, copy_out, marks).result()
-    got = sum(1 for h in hits if h)
+    hits = [bool(h) for h in s.client.get(keys, hp.object_bytes, copy_out, marks).result()]
+    got = sum(hits)
     tally.count("pages_read", got)
-    tally.record("prefetch", got, time.perf_counter() - t0, geo.page_bytes)
-    return [bool(h) for h in hits]
+    tally.record(kind, got, time.perf_counter() - t0, hp.io.page_bytes)
+    return hits, held
 
 
-def set_pages(s: Session, geo: PageGeometry, host_indices: torch.Tensor, keys: List[bytes],
-              marks: Optional[List[int]], skip_existing: bool, tally: Tally) -> List[bool]:
-    """PUT the pool pages at ``host_indices`` under ``keys``; stored per key. With
-    ``skip_existing`` one EXIST first: pages stored already count as stored and are not sent."""
+def write_pages(s: Session, hp: HostPool, starts: np.ndarray, keys: List[bytes], marks: Optional[List[int]],
+                stamps: Optional[Stamps], skip_existing: bool, tally: Tally,
+                rewrite: Optional[Sequence[bool]] = None) -> tuple[List[bool], List[bool]]:
+    """PUT the pool pages starting at ``starts`` under ``keys``; per key: stored, and stored
+    already (the gateway keeps the first object of a key: keys name content). With
+    ``skip_existing`` one EXIST first: pages stored already count as stored and are not
+    sent. Pages marked in ``rewrite`` must carry this write's stamp: a stored one is deleted
+    first and written again."""
     n = len(keys)
-    ptrs = geo.pointers(geo.page_starts(host_indices, n))
-    ring = s.ring
-    result = [False] * n
+    stored, existed = [False] * n, [False] * n
     todo = list(range(n))
-    if skip_existing:
-        # pages stored already (by an earlier backup, another replica) are not copied again
-        have = s.client.exist(keys, marks).result()
-        todo = [i for i in range(n) if not have[i]]
-        for i in range(n):
-            result[i] = bool(have[i])
-        if not todo:
-            return result
-        if len(todo) < n:
-            ptrs = ptrs[todo]
-            keys = _pick(keys, todo)
-            marks = _pick(marks, todo)
+    must = rewrite is not None and any(rewrite)
+    if skip_existing or must:
+        have = list(s.client.exist(keys, marks).result())
+        if must:
+            stale = [i for i in range(n) if have[i] and rewrite[i]]
+            if stale:
+                s.client.delete(_pick(keys, stale), _pick(marks, stale)).result()
+                tally.count("pages_rewritten", len(stale))
+                for i in stale:
+                    have[i] = False
+        if skip_existing:
+            # pages stored already (by an earlier backup, another replica) are not copied again
+            todo = [i for i in range(n) if not have[i]]
+            for i in range(n):
+                stored[i] = existed[i] = bool(have[i])
+    if not todo:
+        return stored, existed
+    if len(todo) < n:
+        starts = starts[todo]
+        keys = _pick(keys, todo)
+        marks = _pick(marks, todo)
+        if stamps is not None:
+            stamps = stamps.subset(todo)
+    addrs, held = hp.io.addresses(starts, stamps, for_get=False)
+    segments = hp.io.segments(stamps is not None)
+    ring = s.ring
 
     def fill(batch: RingBatch) -> bool:
-        copy_pages_to_ring(geo, ring, ptrs, batch)
-        return True
+        return ring.fill(batch, addrs, segments)
 
     t0 = time.perf_counter()
     tally.count("put_requests")
-    flags = stored_flags(s.client.put(keys, geo.page_bytes, fill, marks).result())
-    stored = sum(1 for f in flags if f)
-    tally.count("pages_written", stored)
-    tally.record("backup", stored, time.perf_counter() - t0, geo.page_bytes)
-    for i, f in zip(todo, flags):
-        result[i] = bool(f)
-    return result
+    result = s.client.put(keys, hp.object_bytes, fill, marks).result()
+    del held                     # flat pages (a copy of each page) stay alive until the PUT resolved
+    flags = stored_flags(result)
+    was = list(result.existed)
+    written = sum(1 for f, e in zip(flags, was) if f and not e)
+    tally.count("pages_written", written)
+    tally.record("backup", written, time.perf_counter() - t0, hp.io.page_bytes)
+    for i, f, e in zip(todo, flags, was):
+        stored[i] = bool(f)
+        existed[i] = bool(e)
+    return stored, existed
 
 
 # ---------------------------------------------------------------------------- generic path

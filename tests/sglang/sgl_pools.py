@@ -90,3 +90,61 @@ def page_hashes(n: int, salt: str = "") -> list[str]:
     from sglang.srt.mem_cache.utils import get_hash_str
     tokens = [(i * 7 + len(salt) * 13 + sum(map(ord, salt))) % 32000 for i in range(n * 4)]
     return get_hash_str(tokens, None, page_size=4)
+
+
+# ---------------------------------------------------------------------------- hybrid models' pools
+def mamba_pool(slots: int = 24, layers: int = 3, heads: int = 4, head_dim: int = 8, state_dim: int = 8,
+               conv_dim: int = 32, conv_width: int = 3, layout: str = "page_first"):
+    """SGLang's Mamba state host pool (one state a slot, page size 1), built from CPU "device"
+    state buffers of a Qwen3-Next-like shape: temporal (heads x head_dim x state_dim, fp32) and
+    one conv state (conv_dim x conv_width, bf16)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+    dev_slots = 4
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, dev_slots, heads, head_dim, state_dim, dtype=torch.float32),
+        conv=(torch.zeros(layers, dev_slots, conv_dim, conv_width, dtype=torch.bfloat16),))
+    with _budget():
+        return MambaPoolHost(info, slots / dev_slots, 0, device_capacity=dev_slots, pin_memory=False,
+                             device="cpu", layout=layout)
+
+
+def indexer_pool(anchor, index_bytes_per_token: int = 132):
+    """SGLang's DSA indexer host pool beside an MLA anchor pool (same page indices). Its
+    device pool (DSATokenToKVPool needs CUDA) is a stand-in holding the attributes the host
+    pool reads: one uint8 index buffer per layer."""
+    from types import SimpleNamespace
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
+    from sglang.srt.mem_cache.pool_host.host_pool_decl import HostPoolDecl, HostPoolStorageInfo
+    layers = anchor.layer_num
+    dev = SimpleNamespace(store_dtype=torch.uint8, start_layer=0, end_layer=layers, layer_num=layers,
+                          device="cpu", layer_shard_enabled=False,
+                          index_k_with_scale_buffer=[torch.zeros(anchor.page_size, index_bytes_per_token,
+                                                                 dtype=torch.uint8) for _ in range(layers)])
+    decl = HostPoolDecl(pool_name=PoolName.INDEXER, device_pool=dev, indices_from_pool=PoolName.KV,
+                        layout_source=PoolName.KV, host_pool_builder=None,
+                        storage_info=HostPoolStorageInfo(bytes_per_token_per_layer=index_bytes_per_token,
+                                                         dtype=torch.uint8))
+    with _budget():
+        return DSAIndexerPoolHost(decl, anchor, pin_memory=False, device="cpu")
+
+
+def host_group(**pools):
+    """SGLang's HostPoolGroup of a hybrid model: ``kv=`` the anchor, then ``mamba=``, ``swa=``,
+    ``indexer=``, ``draft=`` ... (SGLang's pool names)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+    entries = [PoolEntry(name=PoolName(name), host_pool=p, device_pool=None, layer_mapper=lambda i: i,
+                         is_primary_index_anchor=name == "kv") for name, p in pools.items()]
+    return HostPoolGroup(entries)
+
+
+def fill_pool_random(pool, seed: int) -> None:
+    """Random bytes in every buffer of any host pool (``fill_random`` for one-buffer pools)."""
+    g = torch.Generator().manual_seed(seed)
+    bufs = [pool.temporal_buffer, *pool.conv_buffer] if hasattr(pool, "temporal_buffer") else \
+        [pool.index_k_with_scale_buffer] if hasattr(pool, "index_k_with_scale_buffer") else [pool.kv_buffer]
+    for b in bufs:
+        raw = b.view(-1).view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))

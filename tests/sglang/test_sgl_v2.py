@@ -1,0 +1,414 @@
+"""Storage v2 (hybrid models) against real SGLang host pools, driven by SGLang's own controller code.
+
+The pools are SGLang's: ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost`` (KV, SWA, draft),
+``MambaPoolHost`` (Mamba states), ``DSAIndexerPoolHost`` (DSA indexer), grouped in SGLang's
+``HostPoolGroup``. The calls are made by SGLang's ``HybridCacheController`` methods
+(``_page_backup``, ``_storage_hit_query``, ``_page_transfer``: backup, hit query, prefetch with
+its KV-derived and trailing sidecars, in SGLang's order and with its extra_info). What did not run:
+the controller's ``__init__`` (it needs CUDA streams and a GPU device pool), so the controller object
+is made with ``__new__`` and given the attributes those methods read; its threads, the rank
+all-reduce of the hit query (``_sync_prefetch_hit_query``: one rank here) and the host<->GPU copies.
+The DSA indexer pool's device pool (``DSATokenToKVPool`` needs CUDA) is a stand-in holding its
+per-layer buffers (``sgl_pools.indexer_pool``).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+    HybridCacheController,
+    PrefetchOperation,
+    StorageOperation,
+)
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+from sgl_pools import (fill_pool_random, host_group, indexer_pool, mamba_pool, mha_pool, mla_pool,
+                       page_bytes, storage_config)
+
+from adpkv_sglang.hitpolicy import PoolPresence, restorable
+
+SWA_WINDOW = 3      # pages of the sliding window the SWA pool keeps
+
+
+# ---------------------------------------------------------------------------- a hybrid model
+MODELS = {
+    # Qwen3-Next-like: full attention KV + one Mamba state per prefix
+    "qwen3next": dict(mla=False, aux=("mamba",)),
+    # gpt-oss / Gemma-like: full attention KV + sliding-window KV (the window's last pages)
+    "swa": dict(mla=False, aux=("swa",)),
+    # DeepSeek sparse attention: MLA latent KV + DSA indexer pages beside every KV page
+    "dsa": dict(mla=True, aux=("indexer",)),
+    # a hybrid with an MTP draft model: KV + draft KV beside every page + Mamba state
+    "draft": dict(mla=False, aux=("draft", "mamba")),
+}
+
+
+def make_pools(model: str, layout: str, seed: int):
+    spec = MODELS[model]
+    kv = (mla_pool if spec["mla"] else mha_pool)(layout, pages=40)
+    pools = {"kv": kv}
+    for name in spec["aux"]:
+        if name == "mamba":
+            pools[name] = mamba_pool(slots=16)
+        elif name == "swa":
+            pools[name] = mha_pool(layout, layers=2, heads=1, pages=40)
+        elif name == "indexer":
+            pools[name] = indexer_pool(kv)
+        elif name == "draft":
+            pools[name] = mha_pool(layout, layers=1, pages=40)
+    for i, p in enumerate(pools.values()):
+        fill_pool_random(p, seed * 10 + i)
+    return pools
+
+
+def attach(backends, cfg, pools):
+    """What HybridCacheController.attach_storage_backend does with the backend: the anchor pool,
+    then every pool of the group through v2, then on_host_pools_registered."""
+    group = host_group(**pools)
+    b = backends(cfg)
+    b.register_mem_pool_host(group.anchor_entry.host_pool)
+    for entry in group.entries:
+        b.register_mem_host_pool_v2(entry.host_pool, entry.name)
+    b.on_host_pools_registered()
+    return b, group
+
+
+def controller(b, group) -> HybridCacheController:
+    c = HybridCacheController.__new__(HybridCacheController)   # __init__ needs a GPU (see the docstring)
+    c.storage_backend = b
+    c.storage_backend_type = "dynamic"
+    c.storage_config = b.storage_config
+    c.mem_pool_host = group
+    c.storage_host_pool = group.anchor_entry.host_pool
+    c.page_size = group.page_size
+    c.prefetch_sync_queue = queue.Queue()
+    c.page_get_func = c._page_get_zero_copy
+    c.page_set_func = c._page_set_zero_copy
+    return c
+
+
+def tokens_for(n_pages: int, page: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 3 + salt) % 32000 for i in range(n_pages * page)]
+
+
+class Backup:
+    """One backup operation as the radix cache hands it to the controller (BACKUP_STORAGE)."""
+
+    def __init__(self, pools, hashes, kv_idx, aux=None):
+        self.transfers, self.aux_idx = [], {}
+        page = pools["kv"].page_size
+        for name in aux if aux is not None else [n for n in pools if n != "kv"]:
+            p = pools[name]
+            if name == "mamba":                       # one state, at the last page of the span
+                idx = p.alloc(1)
+                self.transfers.append(PoolTransfer(name=PoolName.MAMBA, host_indices=idx, keys=[hashes[-1]],
+                                                   hit_policy=PoolHitPolicy.TRAILING_PAGES))
+            elif name == "swa":                       # the window's last pages
+                w = min(SWA_WINDOW, len(hashes))
+                idx = p.alloc(w * page)
+                self.transfers.append(PoolTransfer(name=PoolName.SWA, host_indices=idx, keys=hashes[-w:],
+                                                   hit_policy=PoolHitPolicy.TRAILING_PAGES))
+            else:                                     # beside the KV pages: KV's indices and hashes
+                idx = kv_idx
+                self.transfers.append(PoolTransfer(name=PoolName(name), indices_from_pool=PoolName.KV))
+            self.aux_idx[name] = idx
+
+
+def backup(c, pools, tokens, prefix_hash=None, prefix_keys=None, aux=None):
+    """Back up ``tokens`` (after ``prefix_hash``) with SGLang's controller; returns what was stored."""
+    page = pools["kv"].page_size
+    hashes = get_storage_hash_str(tokens, prefix_hash, page_size=page)
+    kv_idx = pools["kv"].alloc(len(hashes) * page)
+    plan = Backup(pools, hashes, kv_idx, aux)
+    op = StorageOperation(kv_idx, tokens, hash_value=hashes, prefix_keys=prefix_keys,
+                          pool_transfers=plan.transfers)
+    c._page_backup(op)
+    if c.storage_config.is_storage_writer:
+        assert op.completed_tokens == len(tokens), "the KV pages were not all stored"
+    return SimpleNamespace(hashes=hashes, kv_idx=kv_idx, aux_idx=plan.aux_idx, op=op)
+
+
+def prefetch(c, pools, tokens, names=None, prefix_keys=None):
+    """SGLang's prefetch of ``tokens``: hit query, host allocation, transfer (KV batches with their
+    KV-derived pools, then the trailing pools). Returns the hit, the acks and the host indices."""
+    page = pools["kv"].page_size
+    names = [n for n in pools if n != "kv"] if names is None else names
+    transfers = []
+    for name in names:
+        if name == "mamba":
+            transfers.append(PoolTransfer(name=PoolName.MAMBA, keys=["__placeholder__"],
+                                          hit_policy=PoolHitPolicy.TRAILING_PAGES))
+        elif name == "swa":
+            transfers.append(PoolTransfer(name=PoolName.SWA, keys=["__placeholder__"] * SWA_WINDOW,
+                                          hit_policy=PoolHitPolicy.TRAILING_PAGES))
+        else:
+            transfers.append(PoolTransfer(name=PoolName(name), indices_from_pool=PoolName.KV))
+    op = PrefetchOperation(CacheRequestHandle(rid="req", attempt_id=0), tokens, prefix_keys=prefix_keys,
+                           pool_transfers=transfers)
+    hit_hashes, hit_tokens = c._storage_hit_query(op)
+    out = SimpleNamespace(hit_pages=hit_tokens // page, restorable=op.pool_storage_result.restorable_prefix_pages,
+                          query_pool_hits=dict(op.query_pool_hit_pages), aux_idx={}, acks=[], kv_idx=None)
+    if not hit_tokens:
+        return out
+    op.hash_value = hit_hashes
+    op.host_indices = out.kv_idx = pools["kv"].alloc(hit_tokens)
+    for t in transfers:                                   # staging for the trailing pools
+        if t.name == PoolName.MAMBA:
+            t.host_indices = out.aux_idx["mamba"] = pools["mamba"].alloc(1)
+        elif t.name == PoolName.SWA:
+            w = min(SWA_WINDOW, out.hit_pages)
+            t.host_indices = out.aux_idx["swa"] = pools["swa"].alloc(w * page)
+    c._page_transfer(op)
+    while not c.prefetch_sync_queue.empty():
+        out.acks.append(c.prefetch_sync_queue.get_nowait())
+    out.completed_pages = max((a.completed_tokens or 0 for a in out.acks), default=0) // page
+    out.pool_hits = {str(k): v for a in out.acks for k, v in (getattr(a, "pool_hits", None) or {}).items()}
+    return out
+
+
+def pages_of(pool, idx, n=None):
+    p = pool.page_size
+    n = len(idx) // p if n is None else n
+    return [page_bytes(pool, int(idx[i * p])) for i in range(n)]
+
+
+def cfg_for(gw, model, **extra):
+    return storage_config({"port": gw.port, "model_id": f"tiny-{model}", "interface_v1": 1, **extra},
+                          mla=MODELS[model]["mla"])
+
+
+# ---------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_hybrid_prefix_restores_byte_exact_after_new_instance_and_gateway_restart(start_gateway, backends,
+                                                                                  model, layout):
+    # (DSA indexer pages in layer_first have no page metadata: they move as SGLang's flat data pages)
+    gw = start_gateway()
+    src = make_pools(model, layout, seed=1)
+    w, group = attach(backends, cfg_for(gw, model), src)
+    n = 20
+    tokens = tokens_for(n, src["kv"].page_size)
+    stored = backup(controller(w, group), src, tokens)
+    w.close()
+    gw.restart(hard=True)                                  # kill -9, a new gateway process on the same card
+
+    dst = make_pools(model, layout, seed=2)                 # other bytes everywhere
+    r, group = attach(backends, cfg_for(gw, model), dst)
+    got = prefetch(controller(r, group), dst, tokens)
+    assert got.hit_pages == n and got.restorable[-1] == n
+    assert got.completed_pages == n
+    assert pages_of(dst["kv"], got.kv_idx) == pages_of(src["kv"], stored.kv_idx)
+    for name in MODELS[model]["aux"]:
+        if name in ("mamba", "swa"):
+            assert pages_of(dst[name], got.aux_idx[name]) == pages_of(src[name], stored.aux_idx[name]), name
+            assert got.pool_hits[name] == len(stored.aux_idx[name]) // dst[name].page_size
+        else:                                              # beside the KV pages, at KV's indices
+            assert pages_of(dst[name], got.kv_idx) == pages_of(src[name], stored.kv_idx), name
+
+
+def test_missing_mamba_state_gives_the_shorter_prefix(gateway, backends):
+    pools = make_pools("qwen3next", "page_first", seed=3)
+    b, group = attach(backends, cfg_for(gateway, "qwen3next"), pools)
+    c = controller(b, group)
+    P = pools["kv"].page_size
+    first = tokens_for(6, P)
+    more = tokens_for(5, P, salt=11)
+    a = backup(c, pools, first)                             # pages 0..5, state at page 5
+    backup(c, pools, more, prefix_hash=a.hashes[-1], aux=[])   # pages 6..10, their state lost
+    b.close()
+    dst = make_pools("qwen3next", "page_first", seed=4)
+    r, group = attach(backends, cfg_for(gateway, "qwen3next"), dst)
+    got = prefetch(controller(r, group), dst, first + more)
+    assert got.query_pool_hits[PoolName.KV] == 11          # the KV pages are all there
+    assert got.hit_pages == 6 and got.restorable == [6]    # but only a prefix with its state is usable
+    assert got.completed_pages == 6 and got.pool_hits["mamba"] == 1
+    assert pages_of(dst["mamba"], got.aux_idx["mamba"]) == pages_of(pools["mamba"], a.aux_idx["mamba"])
+
+
+def test_trailing_window_makes_five_pages_restorable_while_four_are_not(gateway, backends):
+    pools = make_pools("swa", "page_first", seed=5)
+    b, group = attach(backends, cfg_for(gateway, "swa"), pools)
+    c = controller(b, group)
+    P = pools["kv"].page_size
+    head, tail = tokens_for(2, P), tokens_for(3, P, salt=5)
+    h = backup(c, pools, head, aux=[])                      # pages 0..1 without SWA pages
+    backup(c, pools, tail, prefix_hash=h.hashes[-1])         # pages 2..4 with their SWA pages
+    res = b.batch_exists_v2(h.hashes + get_storage_hash_str(tail, h.hashes[-1], page_size=P),
+                            [PoolTransfer(name=PoolName.SWA, keys=["x"] * SWA_WINDOW,
+                                          hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert res.kv_hit_pages == 5 and res.restorable_prefix_pages == [5]
+
+
+# ---------------------------------------------------------------------------- never a mixed group
+def test_a_state_from_another_write_is_never_restored_with_this_kv(gateway, backends):
+    """Two writes of the same prefix with different bytes (two servers, or a server and its
+    restart). B's server dies between its sidecars (batch_set_v2) and its KV pages
+    (batch_set_v1); then A backs the prefix up whole. Objects are never overwritten (a key names
+    its content), so the card holds B's Mamba state and A's KV pages: they are not restored
+    together (the state is reported not loaded, the usable prefix shrinks) and the stale state
+    is dropped; the next backup stores the group whole and it restores, with one write's bytes."""
+    P = 8
+    tokens = tokens_for(4, P)
+    hashes = get_storage_hash_str(tokens, None, page_size=P)
+    src = {w: make_pools("qwen3next", "page_first", seed) for w, seed in (("A", 6), ("B", 7), ("C", 8))}
+
+    def server(who):
+        b, group = attach(backends, cfg_for(gateway, "qwen3next"), src[who])
+        return b, controller(b, group)
+
+    B, _ = server("B")
+    b_kv = src["B"]["kv"].alloc(len(hashes) * P)
+    assert all(B.batch_set_v2(Backup(src["B"], hashes, b_kv).transfers)[PoolName.MAMBA])
+    B.close()                                                       # ... and B's KV never comes
+    A, ca = server("A")
+    a = backup(ca, src["A"], tokens)
+    A.close()
+
+    def restore(seed):
+        dst = make_pools("qwen3next", "page_first", seed)
+        r, group = attach(backends, cfg_for(gateway, "qwen3next"), dst)
+        got = prefetch(controller(r, group), dst, tokens)
+        got.counters = dict(r.counters)
+        r.close()
+        return dst, got
+
+    dst, got = restore(9)
+    assert got.hit_pages == 4 and got.completed_pages == 4          # every object is stored ...
+    assert pages_of(dst["kv"], got.kv_idx) == pages_of(src["A"]["kv"], a.kv_idx)
+    assert got.pool_hits.get("mamba", 0) == 0, "B's state must not be restored with A's KV pages"
+    assert got.counters["groups_rejected"] == 1
+
+    C, cc = server("C")                                             # the next backup of the prefix
+    c = backup(cc, src["C"], tokens)
+    assert C.counters["pages_rewritten"] == 1                       # the KV page the state closes
+    C.close()
+    dst, got = restore(10)
+    assert got.completed_pages == 4 and got.pool_hits["mamba"] == 1
+    assert pages_of(dst["mamba"], got.aux_idx["mamba"]) == pages_of(src["C"]["mamba"], c.aux_idx["mamba"])
+    kv = pages_of(dst["kv"], got.kv_idx)
+    assert kv[:3] == pages_of(src["A"]["kv"], a.kv_idx)[:3]          # KV pages: content-addressed
+    assert kv[3] == pages_of(src["C"]["kv"], c.kv_idx)[3]            # the state's own page: its write
+
+
+def _object_files(card_dir, key: bytes) -> list[str]:
+    out = []
+    for d in os.listdir(card_dir):
+        if d.startswith("db"):
+            out += [os.path.join(card_dir, d, n) for n in os.listdir(os.path.join(card_dir, d))
+                    if n.startswith(key.hex())]
+    return out
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_corrupt_or_missing_aux_pages_shrink_the_hit_never_wrong_bytes(gateway, backends, damage):
+    pools = make_pools("draft", "page_first", seed=12)
+    b, group = attach(backends, cfg_for(gateway, "draft"), pools)
+    P = pools["kv"].page_size
+    tokens = tokens_for(6, P)
+    stored = backup(controller(b, group), pools, tokens)
+    b.close()
+    bad_page = 3                                            # the draft page beside KV page 3
+    key = b.pools["draft"].storage_keys([stored.hashes[bad_page]])[0]
+    files = _object_files(gateway.card_dirs[0], key)
+    assert files, "the draft page's object file"
+    for f in files:
+        if damage == "missing":
+            os.unlink(f)
+        else:
+            with open(f, "r+b") as fh:
+                fh.seek(os.path.getsize(f) - 40)
+                fh.write(b"\xff" * 8)
+    dst = make_pools("draft", "page_first", seed=13)
+    r, group = attach(backends, cfg_for(gateway, "draft"), dst)
+    untouched = pages_of(dst["draft"], torch.arange(0, dst["draft"].size))
+    got = prefetch(controller(r, group), dst, tokens, names=["draft"])
+    # the hit query may still count the page (the gateway's index); the load stops before it
+    assert got.hit_pages in (bad_page, 6)
+    assert got.completed_pages == bad_page
+    n = bad_page
+    assert pages_of(dst["kv"], got.kv_idx, n) == pages_of(pools["kv"], stored.kv_idx, n)
+    assert pages_of(dst["draft"], got.kv_idx, n) == pages_of(pools["draft"], stored.kv_idx, n)
+    if damage == "missing":                                 # a miss never writes into the pool
+        bad = int(got.kv_idx[bad_page * P])
+        assert page_bytes(dst["draft"], bad) == untouched[bad // P]
+
+
+# ---------------------------------------------------------------------------- keys: pools, ranks, namespaces
+def test_namespaces_and_ranks_never_see_each_others_pages(gateway, backends):
+    pools = make_pools("qwen3next", "page_first", seed=20)
+    b, group = attach(backends, cfg_for(gateway, "qwen3next"), pools)
+    P = pools["kv"].page_size
+    tokens = tokens_for(5, P)
+    stored = backup(controller(b, group), pools, tokens)
+    mamba = [PoolTransfer(name=PoolName.MAMBA, keys=["x"], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    assert b.batch_exists_v2(stored.hashes, mamba).kv_hit_pages == 5
+    b.close()
+    for other in (dict(model_id="other"), dict(namespace="tenant-b")):
+        o, _ = attach(backends, cfg_for(gateway, "qwen3next", **other), make_pools("qwen3next", "page_first", 21))
+        res = o.batch_exists_v2(stored.hashes, mamba)
+        assert res.kv_hit_pages == 0 and res.extra_pool_hit_pages == {}, other
+        assert o.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=stored.hashes[-1:],
+                                            host_indices=torch.tensor([0]))]) == {PoolName.MAMBA: [False]}
+        o.close()
+    # TP rank 1 of the same model: its own heads and its own Mamba shard, nothing of rank 0
+    cfg1 = storage_config({"port": gateway.port, "model_id": "tiny-qwen3next", "interface_v1": 1},
+                          tp_rank=1, tp_size=2)
+    cfg0 = storage_config({"port": gateway.port, "model_id": "tiny-qwen3next", "interface_v1": 1},
+                          tp_rank=0, tp_size=2)
+    r0, _ = attach(backends, cfg0, make_pools("qwen3next", "page_first", 22))
+    r1, _ = attach(backends, cfg1, make_pools("qwen3next", "page_first", 23))
+    k0 = r0.pools["mamba"].storage_keys(["h"])[0]
+    k1 = r1.pools["mamba"].storage_keys(["h"])[0]
+    assert k0 != k1 and r0.kv.storage_keys(["h"]) != r1.kv.storage_keys(["h"])
+    # the KV pool and the Mamba pool of one rank never share a key for the same page hash
+    assert b.kv.storage_keys(["h"]) != b.pools["mamba"].storage_keys(["h"])
+
+
+def test_mla_indexer_is_stored_once_and_read_by_every_rank(gateway, backends):
+    """DSA: the MLA latent page and its indexer page are the same on every TP rank: the storage
+    writer stores them once, the other rank sends nothing, both read the writer's bytes."""
+    cfgs = [storage_config({"port": gateway.port, "model_id": "tiny-dsa", "interface_v1": 1}, mla=True,
+                           tp_rank=rk, tp_size=2) for rk in range(2)]
+    src = [make_pools("dsa", "page_first", seed=30 + rk) for rk in range(2)]
+    ranks = [attach(backends, cfgs[rk], src[rk]) for rk in range(2)]
+    P = src[0]["kv"].page_size
+    tokens = tokens_for(4, P)
+    out = [backup(controller(b, g), src[rk], tokens) for rk, (b, g) in enumerate(ranks)]
+    stats = ranks[0][0].gateway_stats()
+    assert stats["objects"]["stored"] == 2 * 4                # 4 latent + 4 indexer pages, once
+    for b, _ in ranks:
+        b.close()
+    for rk in range(2):
+        dst = make_pools("dsa", "page_first", seed=40 + rk)
+        b, g = attach(backends, cfgs[rk], dst)
+        got = prefetch(controller(b, g), dst, tokens)
+        assert got.completed_pages == 4
+        assert pages_of(dst["kv"], got.kv_idx) == pages_of(src[0]["kv"], out[0].kv_idx)
+        assert pages_of(dst["indexer"], got.kv_idx) == pages_of(src[0]["indexer"], out[0].kv_idx)
+
+
+# ---------------------------------------------------------------------------- hit policies
+def test_hit_policies_as_sglang_documents_them():
+    T, F = True, False
+    trailing = PoolPresence(PoolName.SWA, PoolHitPolicy.TRAILING_PAGES, [F, F, T, T, T, F], window=3)
+    res = restorable([T] * 6, [trailing])
+    assert res.kv_hit_pages == 5 and res.restorable_prefix_pages == [5]     # 5 restorable, 4 not
+    state = PoolPresence(PoolName.MAMBA, PoolHitPolicy.TRAILING_PAGES, [F, T, F, T, F, F])
+    assert restorable([T] * 6, [state]).restorable_prefix_pages == [2, 4]
+    every = PoolPresence(PoolName.INDEXER, PoolHitPolicy.ALL_PAGES, [T, T, F, T])
+    res = restorable([T, T, T, T], [every])
+    assert res.kv_hit_pages == 2 and res.extra_pool_hit_pages == {PoolName.KV: 4, PoolName.INDEXER: 2}
+    assert restorable([T, F, T], [every]).kv_hit_pages == 1                 # KV's own prefix first
+    blocks = PoolPresence("deepseek_v4_c4", PoolHitPolicy.BLOCK_GROUPS, [T, T, T, F, T, T],
+                          block_pages=4, group_pages=2)
+    res = restorable([T] * 8, [blocks])                   # one complete group: its block's pages
+    assert res.kv_hit_pages == 8 and res.extra_pool_hit_pages["deepseek_v4_c4"] == 4
+    assert restorable([F, T], [state]).kv_hit_pages == 0
