@@ -26,6 +26,9 @@ def ensure_logging() -> None:
     visible inside vLLM, which configures only its own ``vllm`` loggers. Nothing is
     added when the application has configured logging itself."""
     root_adpkv = logging.getLogger("adpkv")
+    level = os.environ.get("ADPKV_LOG_LEVEL")
+    if level and root_adpkv.level == logging.NOTSET:
+        root_adpkv.setLevel(level.upper())     # asked for explicitly: also under the application's handlers
     if root_adpkv.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler()

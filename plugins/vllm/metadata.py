@@ -68,6 +68,9 @@ class CacheGroup:
     kind: str                         # "full" | "sliding" | "mla"
     layer_names: tuple[str, ...]      # in key order
     sliding_window: Optional[int] = None   # tokens ("sliding" only)
+    # caches read before any layer hook runs (DeepSeek sparse attention's indexer keys,
+    # MLAAttentionSpec with cache_role "indexer"): loaded completely before the pass
+    before_pass: tuple[str, ...] = ()
 
     @property
     def tp_shared(self) -> bool:
@@ -180,9 +183,14 @@ def cache_groups(vllm_config, kv_cache_config) -> tuple[list[CacheGroup], str]:
         windows = {getattr(sp, "sliding_window", None) for sp in specs} if kind == "sliding" else {None}
         if len(windows) != 1:
             return [], f"KV cache group {gid} mixes sliding windows {sorted(windows)}"
+        per_layer = getattr(g.kv_cache_spec, "kv_cache_specs", None)
+        roles = {n: getattr(per_layer[n] if isinstance(per_layer, dict) else g.kv_cache_spec,
+                            "cache_role", None) for n in g.layer_names}
         groups.append(CacheGroup(index=gid, kind=kind,
                                  layer_names=tuple(ordered_layer_names(g.layer_names)),
-                                 sliding_window=windows.pop()))
+                                 sliding_window=windows.pop(),
+                                 before_pass=tuple(n for n in g.layer_names
+                                                   if getattr(roles[n], "value", roles[n]) == "indexer")))
     if not groups:
         return [], "no KV cache group to store"
     sizes = {kv_cache_config.kv_cache_groups[g.index].kv_cache_spec.block_size for g in groups}

@@ -48,6 +48,7 @@ class AdpConnectorWorker:
         self.rank = 0
         self._layer_index = cfg.layer_index
         self._group_of = cfg.group_of_layer
+        self._before_pass = [n for g in cfg.groups for n in g.before_pass]
         self._num_blocks = num_blocks
         self._load_futs: dict[str, tuple[Any, ChunkPlanIndex, Optional[LayerLoad]]] = {}
         self.fanout: Optional[Fanout] = None   # MLA with adpkv.nvlink_fanout (fanout.py)
@@ -185,6 +186,11 @@ class AdpConnectorWorker:
             fut = client.get(keys, obj, on_batch, marks=index.marks,
                              tag=self._tag("L", meta.step, name), slice=sl)
             self._load_futs[name] = (fut, index, load)
+        # caches the model reads before any layer hook (the sparse-attention indexer's keys)
+        # are complete before the pass begins
+        for name in self._before_pass:
+            if name in self._load_futs:
+                self._settle_load(name, *self._load_futs.pop(name))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         entry = self._load_futs.pop(layer_name, None)

