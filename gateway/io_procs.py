@@ -11,13 +11,20 @@ placement, corrupt files, statistics, health) in its own process
 
 from __future__ import annotations
 
+import fcntl
+import itertools
+import logging
 import multiprocessing
 import os
+import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, Future
+from multiprocessing.connection import wait
 from typing import Optional
 
 from adpkv_core.ring import Ring
+
+logger = logging.getLogger("adpkv.gateway")
 
 _ring: Optional[Ring] = None
 
@@ -38,11 +45,172 @@ def read_files(items: list) -> list:
     return out
 
 
-def start(processes: int, ring: Ring) -> ProcessPoolExecutor:
-    """A pool of ``processes`` readers mapping ``ring`` (spawned: the gateway has threads).
-    They open the ring through the gateway's descriptor (``/proc/<pid>/fd/<n>``)."""
-    pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init, initargs=(f"/proc/{os.getpid()}/fd/{ring.fd}", ring.size))
-    for f in [pool.submit(read_files, []) for _ in range(processes)]:
-        f.result()          # start them now, not on the first restore
+def _serve(ring_path: str, ring_size: int, tasks, task_lock, results, result_lock) -> None:
+    """A reader process: run the tasks of the shared task pipe until told to stop (None)."""
+    _init(ring_path, ring_size)
+    with result_lock:
+        results.send((None, True, None))          # ready
+    while True:
+        with task_lock:
+            item = tasks.recv()
+        if item is None:
+            return
+        task_id, fn, args = item
+        try:
+            msg = (task_id, True, fn(*args))
+        except BaseException as exc:       # noqa: BLE001 -- handed back to the caller's future
+            msg = (task_id, False, exc)
+        with result_lock:
+            results.send(msg)
+
+
+READY_TIMEOUT_S = 120
+PIPE_BYTES = 1 << 20      # the task pipe holds this much (about 300 tasks) before a submit waits
+
+
+class ReaderPool(Executor):
+    """``processes`` spawned readers (the gateway has threads) mapping the ring, fed from one
+    task pipe that the submitting thread writes itself; one thread here reads the results.
+
+    Against ``ProcessPoolExecutor``: a task crosses no manager or feeder thread of the gateway
+    (each a wait for the GIL while the control loop runs), and every task of a batch is queued
+    at once, so a reader that finishes takes the next one without waiting for the gateway
+    (a ``ProcessPoolExecutor`` queues only one task more than it has processes).
+    A reader that dies (killed, crashed) takes the others with it: every pending future fails
+    (its reads are misses) and a fresh set of readers with fresh pipes starts, so no task
+    queued before can still write into a ring slot that was handed on since.
+    """
+
+    def __init__(self, processes: int, ring: Ring):
+        self._ctx = multiprocessing.get_context("spawn")
+        self._n = processes
+        self._ring_args = (f"/proc/{os.getpid()}/fd/{ring.fd}", ring.size)
+        self._lock = threading.Lock()          # the generation and its futures
+        self._ids = itertools.count()
+        self._closed = False
+        self._generation = self._spawn()
+
+    def _spawn(self) -> "_Generation":
+        gen = _Generation(self._ctx)
+        gen.procs = [self._ctx.Process(target=_serve, args=(*self._ring_args, gen.task_r, gen.task_lock,
+                                                            gen.result_w, gen.result_lock),
+                                       name=f"adpkv-io-{i}", daemon=True) for i in range(self._n)]
+        for proc in gen.procs:
+            proc.start()
+        gen.collector = threading.Thread(target=self._collect, args=(gen,), name="adpkv-io-results", daemon=True)
+        gen.collector.start()
+        return gen
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until every reader of the current set has mapped the ring."""
+        return self._generation.ready.wait(timeout)
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        if kwargs:
+            raise TypeError("ReaderPool tasks take positional arguments only")
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the reader pool is shut down")
+            gen, task_id = self._generation, next(self._ids)
+            gen.futures[task_id] = fut
+        try:
+            with gen.send_lock:             # outside self._lock: a full pipe waits for readers, not the collector
+                gen.task_w.send((task_id, fn, args))
+        except OSError as exc:              # the generation was torn down meanwhile
+            with self._lock:
+                gen.futures.pop(task_id, None)
+            if not fut.done():
+                fut.set_exception(exc)
+        return fut
+
+    def _collect(self, gen: "_Generation") -> None:
+        """Hand results to their futures; on a reader's death, fail everything and start anew."""
+        sentinels = [p.sentinel for p in gen.procs]
+        while True:
+            ready = wait([gen.result_r] + sentinels)
+            if gen.result_r in ready:
+                msg = gen.result_r.recv()
+                if msg is None:
+                    return                      # shut down
+                task_id, ok, value = msg
+                if task_id is None:
+                    gen.started += 1
+                    if gen.started == len(gen.procs):
+                        gen.ready.set()
+                    continue
+                with self._lock:
+                    fut = gen.futures.pop(task_id, None)
+                if fut is not None:
+                    fut.set_result(value) if ok else fut.set_exception(value)
+                continue
+            if self._closed:
+                return                          # readers leaving at shutdown
+            with self._lock:                    # a reader died: all go, then a fresh set
+                for p in gen.procs:
+                    p.kill()
+                for p in gen.procs:
+                    p.join()
+                dead = [f"{p.name} (exit {p.exitcode})" for p in gen.procs if p.sentinel in ready]
+                pending, gen.futures = list(gen.futures.values()), {}
+                if not self._closed:
+                    logger.error("gateway I/O process %s died: %d pending read tasks fail (misses); "
+                                 "the I/O processes start again", ", ".join(dead), len(pending))
+                    self._generation = self._spawn()
+            gen.close()
+            for fut in pending:
+                fut.set_exception(RuntimeError("a gateway I/O process died"))
+            return
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            gen = self._generation
+        with gen.send_lock:
+            for _ in gen.procs:
+                gen.task_w.send(None)
+        if wait:
+            for p in gen.procs:
+                p.join()
+        gen.result_w.send(None)
+        gen.collector.join()
+        if wait:
+            gen.close()
+        for fut in gen.futures.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError("the reader pool is shut down"))
+
+
+class _Generation:
+    """One set of readers: their pipes and locks, the futures of the tasks sent to them."""
+
+    def __init__(self, ctx):
+        self.task_r, self.task_w = ctx.Pipe(duplex=False)
+        self.result_r, self.result_w = ctx.Pipe(duplex=False)
+        self.task_lock, self.result_lock = ctx.Lock(), ctx.Lock()
+        self.send_lock = threading.Lock()
+        self.futures: dict[int, Future] = {}
+        self.procs: list = []
+        self.collector: Optional[threading.Thread] = None
+        self.started = 0                        # readers that mapped the ring
+        self.ready = threading.Event()
+        try:
+            fcntl.fcntl(self.task_w.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        except (OSError, AttributeError):
+            pass                                # the default pipe size: submits wait sooner
+
+    def close(self) -> None:
+        for end in (self.task_r, self.task_w, self.result_r, self.result_w):
+            end.close()
+
+
+def start(processes: int, ring: Ring) -> ReaderPool:
+    """A pool of ``processes`` readers mapping ``ring``. They open the ring through the
+    gateway's descriptor (``/proc/<pid>/fd/<n>``)."""
+    pool = ReaderPool(processes, ring)
+    if not pool.wait_ready(READY_TIMEOUT_S):          # started now, not on the first restore
+        logger.warning("gateway I/O processes: not all %d mapped the ring within %d s", processes,
+                       READY_TIMEOUT_S)
     return pool

@@ -202,3 +202,87 @@ def test_reads_in_io_processes_are_counted_on_every_card(start_gateway, tmp_path
     per_card = [c["reads"] - b for c, b in zip(cards, before)]
     assert sum(per_card) == 32 and all(n > 0 for n in per_card), per_card
     assert all(c["bytes_read"] > 0 and c["read_errors"] == 0 for c in cards)
+
+
+def _io_processes(gateway_pid: int) -> list[int]:
+    """The gateway's I/O reader processes (its spawned children, not multiprocessing's tracker)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == gateway_pid and b"multiprocessing" in cmd and b"resource_tracker" not in cmd:
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+def _queued_task_bytes(pid: int) -> int:
+    """Bytes waiting in the pipes of a process (its task pipe: read tasks sent, not yet taken)."""
+    import fcntl
+    import struct
+    import termios
+    total = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            if not os.readlink(path).startswith("pipe:"):
+                continue
+            probe = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            total += struct.unpack("i", fcntl.ioctl(probe, termios.FIONREAD, b"\0" * 4))[0]
+        finally:
+            os.close(probe)
+    return total
+
+
+def _until(what, deadline_s: float = 60.0):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError("condition not met before the deadline")
+
+
+def test_io_process_killed_mid_read_gives_misses_then_fresh_readers(start_gateway):
+    """A reader killed while reads wait on it: the GET ends (no hang) with misses for what it
+    could not read and exact bytes for every hit; the readers start again and the next GET
+    hits everything. Nothing read by the dead set lands after the GET was answered."""
+    import threading
+    gw = start_gateway(io_processes=2)
+    keys = make_keys(16)
+    assert all(all(f) for _, f, _, _ in run_ranks(gw.port, 1, "PUT", keys, 96 * 1024, engine="w"))
+    readers = _until(lambda: (lambda p: p if len(p) == 2 else None)(_io_processes(gw.proc.pid)))
+    result = {}
+    t = threading.Thread(target=lambda: result.update(
+        r=run_ranks(gw.port, 1, "GET", keys, 96 * 1024, engine="r", timeout=120)))
+    try:
+        for pid in readers:
+            os.kill(pid, signal.SIGSTOP)          # the reads of the next GET queue up behind them
+        t.start()
+        _until(lambda: _queued_task_bytes(readers[0]) > 0)     # its reads wait for the readers
+        os.kill(readers[0], signal.SIGKILL)
+        _until(lambda: "died" in gw.log())        # the other reader, still stopped, went with it
+    finally:
+        try:
+            os.kill(readers[1], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    t.join(120)
+    assert not t.is_alive(), "the GET hung on a dead reader"
+    (_, hits, exact, _), = result["r"]
+    assert exact is True and not any(hits)
+    fresh = _until(lambda: (lambda p: p if len(p) == 2 and not set(p) & set(readers) else None)(
+        _io_processes(gw.proc.pid)))
+    assert fresh
+    (_, hits, exact, _), = run_ranks(gw.port, 1, "GET", keys, 96 * 1024, engine="r2")
+    assert all(hits) and exact is True
