@@ -3,8 +3,9 @@
 - ``Progress`` itself, both shapes, driven by a clock the test moves (so "after 2 s" and
   "every 5 s" are exact, not slept);
 - a real gateway indexing a real card at start and cleaning it, its stderr a pty: the bar;
-  the same with stderr a log file: quiet for short work (the lines-when-long rule is the
-  clock-driven test: indexing a card for seconds takes GBs of files on this shared machine);
+  the same with stderr a log file: quiet for short work, and plain lines when the rebuild
+  is long (held past 2 s by SIGSTOP while it has a card file open: indexing for seconds
+  would take GBs of files on this shared machine);
 - ``adpkv bench`` on a pty draws its bar; piped, it prints no bar codes.
 """
 
@@ -16,9 +17,12 @@ import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from adpkv_core.keys import KeyBuilder
 from adpkv_gateway import control, progress
@@ -175,3 +179,57 @@ def test_bench_draws_a_bar_on_a_terminal_and_none_when_piped(tmp_path):
     piped = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0 and "\033[K" not in piped.stderr + piped.stdout
     assert re.fullmatch(r"store_vs_raw=\d+\.\d\d restore_vs_raw=\d+\.\d\d", piped.stdout.strip().splitlines()[-1])
+
+
+def _stop_while_indexing(proc, card_root: str, deadline: float) -> bool:
+    """SIGSTOP the gateway while it has a file of ``card_root``'s databases open (it is
+    indexing them); False if it got past the index first."""
+    fd_dir = f"/proc/{proc.pid}/fd"
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            names = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for n in names:
+            try:
+                target = os.readlink(os.path.join(fd_dir, n))
+            except OSError:
+                continue
+            if re.fullmatch(re.escape(card_root) + r"/db\d+/[0-9a-f]+", target):   # an object file, not a listing
+                os.kill(proc.pid, signal.SIGSTOP)
+                return True
+        if b"indexed in" in open(proc.log_path, "rb").read():
+            return False
+    return False
+
+
+def test_a_long_index_rebuild_writes_plain_lines_in_the_log(tmp_path):
+    """The log shape with a real gateway: the rebuild is held (SIGSTOP while it has a card
+    file open) past the 2 s after which a log gets its first progress line."""
+    _card_of(tmp_path / "card", 4000)
+    root = str(tmp_path / "card")
+    for attempt in range(5):
+        log_path = str(tmp_path / f"gw{attempt}.log")
+        gw = GatewayProcess(root, shared_memory_size=8 << 20, log_path=log_path)
+        gw.start(wait=False)
+        gw.proc.log_path = log_path
+        caught = _stop_while_indexing(gw.proc, root, time.monotonic() + 60)
+        if caught:
+            held = time.monotonic() + 2.5          # the stimulus: the gateway's clock moves on while stopped
+            while time.monotonic() < held:
+                time.sleep(0.1)
+            os.kill(gw.proc.pid, signal.SIGCONT)
+        up = gw._wait_until_up(60)
+        gw.stop()
+        assert up, gw.log()
+        if caught:
+            break
+    else:
+        pytest.fail("the gateway indexed 4000 files before the test could catch it, 5 times")
+    log = open(log_path).read()
+    lines = re.findall(rf"fs card {re.escape(root)}: indexing: (\d+)/4000 files \((\d+)%\), (\d+\.\d) s", log)
+    assert lines, log
+    done, pct, elapsed = lines[0]
+    assert 0 < int(done) <= 4000 and float(elapsed) >= 2.0
+    assert re.search(rf"fs card {re.escape(root)}: indexing: done, 4000 files in \d+\.\d s", log), log
+    assert "\033[K" not in log, "no bar codes in a log"
