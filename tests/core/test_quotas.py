@@ -259,3 +259,18 @@ def test_another_user_sees_no_other_tenants_usage(root_engine):
     seen = as_nobody(_stats_of_another_user, gw.port)
     assert seen["tenants"] == [] and seen["namespace_names"] == {}
     assert root_id not in repr(seen)
+
+
+def test_a_resp_card_says_quotas_do_not_bind_it_and_still_serves(redis_servers, start_gateway):
+    server, = redis_servers(1)
+    gw = start_gateway(card_dirs=[server.url], storage_backend="resp", namespace_quotas=f"tenant-a={ON_DISK}")
+    assert gw.log().count("namespace_quotas do not apply to " + server.url) == 1
+    client = _client(gw.port, "resp", 0, 1)
+    try:
+        keys = make_keys(3, namespace="tenant-a")
+        assert all(_put(client, keys))
+        wrong: list = []
+        assert all(_get(client, keys, wrong)) and not wrong, "the Redis server holds them; nothing is evicted"
+    finally:
+        client.close()
+    assert stats(gw.port)["tenants"] == [], "no usage per namespace from a card without an index"
