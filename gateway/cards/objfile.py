@@ -11,6 +11,7 @@ its bookkeeping. These functions run in the gateway's I/O threads and in its I/O
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -138,7 +139,11 @@ def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: in
     The destination is touched only by the kernel: a client that shrinks its buffer makes
     ``pwrite`` come back short, it cannot make the gateway fault. The bytes land before the
     checksum is known, as with any read into a buffer: a mismatch reports the object missing
-    and the engine does not use them."""
+    and the engine does not use them.
+
+    A file whose header is not in the page cache (``cachestat`` says so: dropped, or never
+    read since the gateway started) is read with O_DIRECT instead (``_copy_uncached``): one
+    disk read of the whole file, not the page cache's readahead piece by piece."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -147,6 +152,10 @@ def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: in
     piece = scratch.bounce_of(READ_PIECE)
     hasher = scratch.hasher
     try:
+        if n <= UNCACHED_WHOLE_MAX and page_cached(fd) is False:
+            problem = _copy_uncached(path, fkey, n, out_fd, out_offset, scratch)
+            if problem is not _NO_DIRECT_IO:
+                return problem
         if os.preadv(fd, [header], 0) < HEADER_BYTES:
             return "truncated"
         if not objfmt.check_header(header, fkey, n):
@@ -168,6 +177,70 @@ def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: in
     finally:
         os.close(fd)
     return None if hasher.digest() == objfmt.payload_checksum(header) else "checksum mismatch"
+
+
+UNCACHED_WHOLE_MAX = 16 << 20   # objects up to this size are read whole with O_DIRECT when not cached
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [("nr_cache", ctypes.c_uint64), ("nr_dirty", ctypes.c_uint64), ("nr_writeback", ctypes.c_uint64),
+                ("nr_evicted", ctypes.c_uint64), ("nr_recently_evicted", ctypes.c_uint64)]
+
+
+_SYS_CACHESTAT = 451 if os.uname().machine in ("x86_64", "aarch64") else None     # Linux 6.5+
+_libc = ctypes.CDLL(None, use_errno=True) if _SYS_CACHESTAT is not None else None
+
+
+def page_cached(fd: int) -> Optional[bool]:
+    """Whether the first page of a file is in the page cache (Linux ``cachestat``: it only
+    looks, it starts no readahead, unlike a probing ``RWF_NOWAIT`` read); None where the
+    kernel cannot tell."""
+    global _SYS_CACHESTAT
+    if _SYS_CACHESTAT is None:
+        return None
+    rng, stat = _CachestatRange(0, ALIGN), _Cachestat()
+    if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(stat), 0) != 0:
+        if ctypes.get_errno() == errno.ENOSYS:
+            _SYS_CACHESTAT = None          # an older kernel: never ask again
+        return None
+    return stat.nr_cache > 0
+_NO_DIRECT_IO = "no O_DIRECT"   # the file system refuses O_DIRECT: read through the page cache
+
+
+def _copy_uncached(path: str, fkey: bytes, n: int, out_fd: int, out_offset: int, scratch: Scratch) -> Optional[str]:
+    """``copy_object_file`` of a file that is not in the page cache: header and payload in one
+    O_DIRECT read into the per-thread bounce buffer (the disk's DMA, no page-cache copy),
+    checked there, then one ``pwrite`` to the destination: nothing lands before the checksum
+    is known. ``_NO_DIRECT_IO`` when the file system refuses O_DIRECT."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except FileNotFoundError:
+        return "missing"
+    except OSError:
+        return _NO_DIRECT_IO
+    buf = scratch.bounce_of(HEADER_BYTES + -(-n // ALIGN) * ALIGN)
+    try:
+        got = os.preadv(fd, [buf], 0)
+    except OSError as exc:
+        return _NO_DIRECT_IO if exc.errno == errno.EINVAL else f"I/O error: {exc}"
+    finally:
+        os.close(fd)
+    if got < HEADER_BYTES + n:
+        return "truncated"
+    header, payload = buf[:HEADER_BYTES], buf[HEADER_BYTES:HEADER_BYTES + n]
+    if not objfmt.check_header(header, fkey, n):
+        return "bad header"
+    if not objfmt.payload_ok(header, payload):
+        return "checksum mismatch"
+    try:
+        written = os.pwrite(out_fd, payload, out_offset)
+    except OSError:
+        written = -1
+    return None if written == n else REGION_WRITE_FAILED
 
 
 class FdSlice:

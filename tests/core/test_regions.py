@@ -459,3 +459,76 @@ def test_region_stores_racing_evictions_never_serve_other_bytes(start_gateway, b
         assert s["objects"]["stored"] > 12            # evictions happened
     finally:
         c.close()
+
+
+def _evict_from_page_cache(path) -> None:
+    """Write the file back and drop its pages (this file only, no global drop)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _cached(path) -> bool:
+    """Whether the file's first page is in the page cache (Linux cachestat; no readahead)."""
+    from adpkv_gateway.cards.objfile import page_cached
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        cached = page_cached(fd)
+    finally:
+        os.close(fd)
+    if cached is None:
+        pytest.skip("this kernel cannot tell what is in the page cache (cachestat: Linux 6.5+)")
+    return cached
+
+
+def _object_files(card_dir):
+    return sorted(p for p in card_dir.rglob("*") if p.is_file() and p.name != "adpkv-card.json")
+
+
+@pytest.mark.parametrize("damage", ["none", "flipped byte", "truncated"])
+def test_objects_not_in_the_page_cache_are_read_whole_and_checked_before_they_land(gateway, shm_buffer, tmp_path,
+                                                                                   damage):
+    """A file out of the page cache is read into the region with one O_DIRECT read (the
+    dropped-cache load) and checked before anything is written: byte exact when intact; a
+    flipped byte or a cut file is a miss that leaves the engine's buffer as it was."""
+    path, arr = shm_buffer
+    keys = make_keys(3)
+    rng = random.Random(5)
+    rows = [rng.randbytes(OBJ) for _ in range(3)]
+    for i, row in enumerate(rows):
+        arr[i * OBJ:(i + 1) * OBJ] = row
+    c = _client(gateway.port, f"region-uncached-{damage.replace(' ', '-')}")
+    try:
+        region = c.register_region(path, 0, len(arr)).result(5)
+        assert c.put_from(region, [i * OBJ for i in range(3)], keys, OBJ).result(10).stored == [True] * 3
+        files = _object_files(tmp_path / "card0")
+        assert len(files) == 3
+        victim = files[1]
+        if damage == "flipped byte":
+            with open(victim, "r+b") as fh:
+                fh.seek(-100, os.SEEK_END)
+                b = fh.read(1)
+                fh.seek(-100, os.SEEK_END)
+                fh.write(bytes([b[0] ^ 0x5A]))
+        elif damage == "truncated":
+            os.truncate(victim, victim.stat().st_size - 4096)
+        for f in files:
+            _evict_from_page_cache(f)
+            assert not _cached(f)
+        dst = 4 << 20
+        arr[dst:dst + 3 * OBJ] = b"\xee" * (3 * OBJ)
+        hits = c.get_into(region, [dst + i * OBJ for i in range(3)], keys, OBJ).result(10)
+        intact = damage == "none"
+        assert hits.count(True) == (3 if intact else 2)
+        for i in range(3):
+            got = bytes(arr[dst + i * OBJ:dst + (i + 1) * OBJ])
+            if hits[i]:
+                assert got == rows[i], f"object {i} differs"
+            else:
+                assert got == b"\xee" * OBJ, "a damaged object wrote into the engine's buffer"
+        assert not any(_cached(f) for f in files if f.exists()), "read through the page cache"
+    finally:
+        c.close()
