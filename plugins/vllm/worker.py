@@ -159,6 +159,7 @@ class AdpConnectorWorker:
                 for name in cfg.layer_names:
                     if indexes[self._group_of[name].index].digests:
                         self._load_futs[name] = (None, indexes[self._group_of[name].index], None)
+                self._settle_before_pass()   # in the same order as the other ranks
             return
         client, ring = self.client, self.ring   # the whole load runs on this step's attachment
         for name in cfg.layer_names:     # layer 0 first: it is needed first
@@ -186,8 +187,11 @@ class AdpConnectorWorker:
             fut = client.get(keys, obj, on_batch, marks=index.marks,
                              tag=self._tag("L", meta.step, name), slice=sl)
             self._load_futs[name] = (fut, index, load)
-        # caches the model reads before any layer hook (the sparse-attention indexer's keys)
-        # are complete before the pass begins
+        self._settle_before_pass()
+
+    def _settle_before_pass(self) -> None:
+        """Caches the model reads before any layer hook (the sparse-attention indexer's keys)
+        are complete before the pass begins."""
         for name in self._before_pass:
             if name in self._load_futs:
                 self._settle_load(name, *self._load_futs.pop(name))
