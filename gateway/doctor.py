@@ -1,7 +1,9 @@
 """``adpkv doctor``: check a host before the engine starts, and say what to fix.
 
-Run it where the engine will run (its user, its environment: ``PYTHONHASHSEED`` is read from
-the doctor's own), with the gateway's YAML (``--config``) or its port; the checks:
+Run it on the engine's host, as root or the gateway's user (it looks into the card), in the
+engine's environment (``PYTHONHASHSEED`` is read from the doctor's own), naming the engine's user
+(``--engine-user``), with the gateway's YAML (``--config``; relative card paths resolve from
+the doctor's working directory) or its port (the running gateway's cards then); the checks:
 
 - ``gateway``: it answers PING and STATS; its adpkv version against this host's;
 - ``door``: the gateway's Unix socket exists, and the engine's user (``--engine-user``,
@@ -281,7 +283,7 @@ def _fs_devices(h: Host, stats: Optional[dict]) -> list[str]:
     if h.config_given or stats is None:
         devices = list(h.config.storage_devices)
     else:
-        devices = [c["device"] for c in stats["cards"] if c["kind"] == "fs"]
+        devices = [c.get("path", c["device"]) for c in stats["cards"] if c["kind"] == "fs"]
     return [d for d in devices if "://" not in str(d)]
 
 
@@ -334,14 +336,15 @@ def _card(h: Host, device: str, stats: Optional[dict]) -> list[Finding]:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        return [Finding(name, FAIL, f"{existing} is not a writable directory", "create the card's directory "
-                        "for the gateway's user, or point storage_devices elsewhere")]
+        return [Finding(name, FAIL, f"{existing} is not a directory this user may write", "create the card's "
+                        "directory for the gateway's user (and run the doctor as that user or root), or point "
+                        "storage_devices elsewhere")]
     out = []
     point, fstype = _mount_of(os.path.realpath(existing))
     vfs = os.statvfs(existing)
     free = vfs.f_bavail * vfs.f_frsize
     used = next((c.get("used_bytes", 0) for c in (stats or {}).get("cards", [])
-                 if os.path.abspath(c["device"]) == root), 0)
+                 if c.get("path", c["device"]) == root), 0)
     where = f"{fstype} on {point}, {free / (1 << 30):.1f} GiB free" + ("" if root == existing else ", to be created")
     cap = h.config.capacity_bytes
     if fstype in EPHEMERAL_FS:
@@ -388,7 +391,8 @@ def _card_permissions(h: Host, root: str) -> list[Finding]:
 
 
 def _fingerprint(h: Host, stats: Optional[dict]) -> list[Finding]:
-    devices = list(h.config.storage_devices) if h.config_given or stats is None else [c["device"] for c in stats["cards"]]
+    devices = (list(h.config.storage_devices) if h.config_given or stats is None
+               else [c.get("path", c["device"]) for c in stats["cards"]])
     serials = []
     for device in devices:
         if "://" in str(device):
@@ -399,6 +403,9 @@ def _fingerprint(h: Host, stats: Optional[dict]) -> list[Finding]:
                 serials.append(str(json.load(fh)["serial"]))
         except FileNotFoundError:
             return [Finding("fingerprint", SKIP, f"{device} is no card yet (the gateway creates it at first start)")]
+        except PermissionError:
+            return [Finding("fingerprint", SKIP, f"this user may not read {device}/{CARD_FILE} (run the doctor as "
+                            "root or the gateway's user)")]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return [Finding("fingerprint", FAIL, f"{device}/{CARD_FILE} is unreadable: {exc}",
                             "restore the card's file or give the gateway an empty directory")]

@@ -595,6 +595,9 @@ class FsCard(Card):
         with self._lock:
             return CardUsage(self._used, self.capacity_bytes, self._files)
 
+    def details(self) -> dict:
+        return {"path": self.root}
+
     def tenant_usage(self) -> list[TenantUsage]:
         with self._lock:
             return self._tenants.usage()
