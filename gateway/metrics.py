@@ -118,4 +118,5 @@ class GatewayMetrics:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
-            self._server = None
+            self._server_thread.join(5)
+            self._server = self._server_thread = None
