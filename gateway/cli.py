@@ -51,6 +51,8 @@ def cmd_status(args) -> int:
     engine = "none" if eng is None else f"{eng['id']} ranks {eng['ranks']} of {eng['world']}"
     print(f"engine  : {engine}  ring {stats['ring_in_use'] / MiB:.0f}/{stats['ring_size'] / MiB:.0f} MiB  "
           f"requests in flight {stats['requests_in_flight']}")
+    for w in stats.get("work", []):
+        print(f"working : {w['what']} {w['done']}/{w['total']} {w['unit']} ({w['elapsed_s']:.0f} s)")
     o = stats["objects"]
     print(f"objects : hits {o.get('hits', 0)}  misses {o.get('misses', 0)}  stored {o.get('stored', 0)}  "
           f"store failed {o.get('store_failed', 0)}")

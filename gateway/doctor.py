@@ -8,7 +8,8 @@ the doctor's working directory) or its port (the running gateway's cards then); 
 - ``gateway``: it answers PING and STATS; its adpkv version against this host's;
 - ``door``: the gateway's Unix socket exists, and the engine's user (``--engine-user``,
   default the doctor's) may connect to it (write permission on the socket by owner, group
-  or others, as the kernel decides); a door any local user may open is a warning;
+  or others, as the kernel decides); a door any local user may open is a warning, one in a
+  world-writable directory without the sticky bit (anyone may replace it) a failure;
 - ``ring memory``: the ring is a sealed memfd (not a file in ``/dev/shm``): before the gateway
   runs, ``shared_memory_size`` must fit the host's available memory and this cgroup's limit;
 - ``/dev/shm``: a writable tmpfs (the door lives there by default) with room for what the
@@ -187,6 +188,11 @@ def _door(h: Host) -> list[Finding]:
                         f"put {name} in group {_gname(st.st_gid)} or set control_socket_group to a group of it "
                         "(docs/gateway.md, Security)")]
     found = f"{path} ({owner}), user {name} may connect"
+    parent = os.stat(os.path.dirname(path) or ".")
+    if parent.st_mode & stat.S_IWOTH and not parent.st_mode & stat.S_ISVTX:
+        return [Finding("door", FAIL, f"{found}; but every user may write {os.path.dirname(path)} and it has no "
+                        "sticky bit: anyone may remove or replace the door",
+                        f"chmod +t {os.path.dirname(path)} (as /dev/shm is: 1777), or a control_socket elsewhere")]
     if mode & stat.S_IWOTH:
         return [Finding("door", WARN, found + "; so may every local user",
                         "control_socket_mode 0660 with control_socket_group set to the engines' group")]

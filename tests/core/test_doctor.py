@@ -161,6 +161,21 @@ def test_the_door(start_gateway):
     assert doctor.may_connect(st, 65534, {65534}) is False and doctor.may_connect(st, st.st_uid, set()) is True
 
 
+def test_a_door_anyone_may_replace(start_gateway, tmp_path):
+    shared = tmp_path / "doors"
+    shared.mkdir()
+    os.chmod(shared, 0o777)                     # world-writable, no sticky bit
+    gw = start_gateway(control_socket=str(shared / "adpkv.sock"))
+    yaml = tmp_path / "gw.yaml"
+    yaml.write_text(f"port: {gw.port}\ncontrol_socket: {shared / 'adpkv.sock'}\n"
+                    f"storage_devices: [{gw.card_dirs[0]}]\nshared_memory_size: {64 << 20}\n")
+    code, out = run_doctor("--config", str(yaml), "--engine", "sglang")
+    assert code == 1 and level(out, "door") == "FAIL" and "anyone may remove or replace the door" in out
+    os.chmod(shared, 0o1777)
+    code, out = run_doctor("--config", str(yaml), "--engine", "sglang")
+    assert level(out, "door") == "OK", out
+
+
 def test_fingerprints(start_gateway, tmp_path):
     gw = start_gateway()
     code, out = run_doctor("--config", yaml_for(tmp_path, gw, key_layout_fingerprint="0123456789abcdef"),
