@@ -29,7 +29,8 @@ import time
 
 from prometheus_client import Histogram
 
-from adpkv_gateway.metrics import IO_LATENCY_BUCKETS, GatewayMetrics
+from adpkv_gateway.latency import IO_LATENCY_BUCKETS
+from adpkv_gateway.metrics import GatewayMetrics
 from adpkv_gateway.store import CardStats
 
 
@@ -85,6 +86,7 @@ def figures(cards: int) -> dict:
             "evicted": 10 ** 5, "used_bytes": 10 ** 12, "capacity_bytes": 2 * 10 ** 12, "objects": 10 ** 7}
     return {"fingerprint": "0123456789abcdef", "placement": "dialog", "ring_size": 1 << 30, "ring_in_use": 0,
             "requests_in_flight": 3, "pinned": 100, "sessions": 4,
+            "request_latency": {"get": ([10] * 18, 1.5), "put": ([10] * 18, 2.5)},
             "engine": {"id": "e", "world": 8, "ranks": list(range(8)), "namespace": "ns0"},
             "counters": {"get_requests": 10 ** 6, "put_requests": 10 ** 6, "exist_requests": 10 ** 6},
             "objects_by_namespace": {f"ns{i}": {"hits": 10 ** 6, "misses": 10 ** 5, "stored": 10 ** 6,

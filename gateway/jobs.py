@@ -9,6 +9,7 @@ in several batches and the ring size never limits a request.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class DataJob:
         # after this moment (the client's give-up time, monotonic clock)
         self.region_by: Optional[float] = None
         self.namespace = ""                       # of the engine that asked (the metrics' label)
+        self.started = time.monotonic()           # every part arrived (the request latency's start)
 
     @property
     def n(self) -> int:

@@ -8,9 +8,10 @@ Two kinds of collectors feed the registry:
   every function of ``FROM_FIGURES`` maps those figures to metric families
   (``gateway/status.py`` holds the gateway's own, with the names the specification defines);
 - what the I/O threads count as it happens: each card's I/O latency buckets per operation
-  (``CardStats.latency``, kept under the card's counter lock: cheaper on the I/O path than a
-  ``prometheus_client.Histogram``, see benchmarks/metrics_overhead.py), exported by
-  ``CardLatencyCollector`` as a histogram under the card's current serial.
+  (``CardStats.latency``, ``gateway/latency.py``: kept under the card's counter lock, cheaper on
+  the I/O path than a ``prometheus_client.Histogram``, see benchmarks/metrics_overhead.py),
+  exported by ``CardLatencyCollector`` as a histogram under the card's current serial, at each
+  scrape. (The requests' latency is a figure: ``stats.py`` copies it on the loop.)
 
 To add metrics, either append ``fn(figures) -> iterable of metric families`` to
 ``FROM_FIGURES`` (the figures are the STATS dict: put what you need into it in
@@ -22,7 +23,6 @@ state that is safe to read from there).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from typing import Callable, Iterable, Optional, Sequence
@@ -30,14 +30,11 @@ from typing import Callable, Iterable, Optional, Sequence
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server, write_to_textfile
 from prometheus_client.core import HistogramMetricFamily, Metric
 
+from .latency import histogram_buckets
 from .status import FAMILIES, PREFIX
 
 logger = logging.getLogger("adpkv.gateway.metrics")
 
-# Upper bounds (seconds) of the card I/O latency buckets: a page-cache read of a small
-# object (tens of microseconds) to a card past any sane io_timeout_ms.
-IO_LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                      0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 IO_OPS = ("read", "write")
 
 FigureFamilies = Callable[[dict], Iterable[Metric]]
@@ -71,12 +68,10 @@ class CardLatencyCollector:
         family = HistogramMetricFamily(PREFIX + "storage_io_seconds",
                                        "Card I/O latency by card and operation (a batched read: "
                                        "each fragment its share)", labels=["group", "op"])
-        bounds = [str(float(b)) for b in IO_LATENCY_BUCKETS] + ["+Inf"]
         for card, stats in zip(self.cards, self.card_stats):
             for op in IO_OPS:
                 counts, seconds = stats.latency(op)
-                family.add_metric([card.serial or card.device, op],
-                                  list(zip(bounds, itertools.accumulate(counts))), seconds)
+                family.add_metric([card.serial or card.device, op], histogram_buckets(counts), seconds)
         yield family
 
 

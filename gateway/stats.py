@@ -45,6 +45,7 @@ def loop_snapshot(gateway) -> dict:
         "objects_by_namespace": {ns: dict(c) for ns, c in store.counters.items()}, "cards": cards,
         "namespace_names": namespace_names(config.namespace_quotas, engine), "version": __version__,
         "work": progress.running(),
+        "request_latency": {op.lower(): b.copy() for op, b in gateway.transfers.request_latency.items()},
     }
 
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily,
+                                    Metric)
+
+from .latency import histogram_buckets
 
 PREFIX = "adpkv_gateway_"
 
@@ -47,6 +50,15 @@ def gateway_families(s: dict) -> Iterable[Metric]:
     for kind, value in sorted(s["counters"].items()):
         requests.add_metric([kind], value)
     yield requests
+
+
+def request_families(s: dict) -> Iterable[Metric]:
+    """Data requests' latency, from their arrival (every rank's part) to DONE, by op."""
+    family = HistogramMetricFamily(PREFIX + "request_seconds", "Data request latency, arrival (every rank's "
+                                   "part) to DONE, the ranks' copies included", labels=["op"])
+    for op, (counts, seconds) in sorted(s["request_latency"].items()):
+        family.add_metric([op], histogram_buckets(counts), seconds)
+    yield family
 
 
 def object_families(s: dict) -> Iterable[Metric]:
@@ -127,4 +139,4 @@ def tenant_families(s: dict) -> Iterable[Metric]:
     yield from (used, objects, quota, evicted)
 
 
-FAMILIES = (gateway_families, object_families, card_families, tenant_families)
+FAMILIES = (gateway_families, request_families, object_families, card_families, tenant_families)

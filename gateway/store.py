@@ -14,7 +14,6 @@ replica; a write that fails halfway removes what it wrote.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 import itertools
@@ -24,7 +23,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from .fragments import fragment_db, fragment_extents, fragment_key
-from .metrics import IO_LATENCY_BUCKETS
+from .latency import LatencyBuckets
 
 from .cards.base import Card, CardIOError, NodeIOError, object_key
 from .placement import Placement, key_layout_fingerprint
@@ -65,9 +64,9 @@ class Holder(int):
 
 class CardStats:
     """I/O counters of one card (updated from the I/O threads), and its latency histogram per
-    operation (counts per bucket of ``metrics.IO_LATENCY_BUCKETS`` and their sum, under the
-    counters' own lock: +0.6 us per I/O where a ``prometheus_client.Histogram.observe`` adds 1.6;
-    exported by ``metrics.CardLatencyCollector`` through ``latency``)."""
+    operation (``latency.LatencyBuckets``, under the counters' own lock: +0.6 us per I/O where a
+    ``prometheus_client.Histogram.observe`` adds 1.6; exported by ``metrics.CardLatencyCollector``
+    through ``latency``)."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -76,8 +75,7 @@ class CardStats:
         self.io_seconds = 0.0
         self.io_count = 0
         self.io_max_s = 0.0
-        self._buckets = {"read": [0] * (len(IO_LATENCY_BUCKETS) + 1), "write": [0] * (len(IO_LATENCY_BUCKETS) + 1)}
-        self._seconds = {"read": 0.0, "write": 0.0}
+        self._latency = {"read": LatencyBuckets(), "write": LatencyBuckets()}
         self._inflight: dict[int, float] = {}
         self._ids = itertools.count()
 
@@ -112,15 +110,13 @@ class CardStats:
             self.io_seconds += seconds
             self.io_count += 1
             self.io_max_s = max(self.io_max_s, seconds)
-            op = "write" if write else "read"
-            self._buckets[op][bisect.bisect_left(IO_LATENCY_BUCKETS, seconds)] += 1   # the first bound >= it
-            self._seconds[op] += seconds
+            self._latency["write" if write else "read"].add(seconds)
 
     def latency(self, op: str) -> tuple[list[int], float]:
         """``op``'s (``read`` or ``write``) I/O count per latency bucket (the last: above every
         bound) and their total seconds, taken together."""
         with self.lock:
-            return list(self._buckets[op]), self._seconds[op]
+            return self._latency[op].copy()
 
     def oldest_io_age(self) -> float:
         with self.lock:

@@ -42,6 +42,7 @@ from adpkv_core.ring import Ring
 
 from . import io_procs
 from .jobs import Batch, DataJob
+from .latency import LatencyBuckets
 from .ring_alloc import RingAllocator
 from .store import ObjectStore
 
@@ -90,6 +91,8 @@ class Transfers:
         self._unpin = unpin
         self.jobs: "collections.OrderedDict[int, DataJob]" = collections.OrderedDict()
         self.batches: dict[int, Batch] = {}
+        # seconds from a request's arrival to its DONE, by op (the loop's thread only)
+        self.request_latency = {"GET": LatencyBuckets(), "PUT": LatencyBuckets()}
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ entry points
@@ -275,6 +278,7 @@ class Transfers:
 
     def _finish(self, job: DataJob) -> None:
         del self.jobs[id(job)]
+        self.request_latency[job.op].add(time.monotonic() - job.started)
         for p in job.participants:
             if not self._attached(p.identity):
                 continue

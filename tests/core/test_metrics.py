@@ -60,6 +60,7 @@ EXPECTED = {
     P + "storage_evicted": ("counter", {"group"}),
     P + "worker_oldest_io_age_seconds": ("gauge", set()),
     P + "storage_io_seconds": ("histogram", {"group", "op"}),
+    P + "request_seconds": ("histogram", {"op"}),
     P + "namespace_used_bytes": ("gauge", {"namespace"}),
     P + "namespace_objects": ("gauge", {"namespace"}),
     P + "namespace_quota_bytes": ("gauge", {"namespace"}),
@@ -158,6 +159,11 @@ def test_exposition_names_labels_and_values(busy_gateway):
             assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == count
             assert value(fam, P + "storage_io_seconds_sum", group=group, op=op) > 0
         assert card["writes"] >= 40 and card["reads"] >= b["hits"]
+        # one PUT and one GET request, each timed from arrival to DONE
+        for op in ("get", "put"):
+            assert value(fam, P + "request_seconds_count", op=op) == 1
+            assert value(fam, P + "request_seconds_bucket", op=op, le="+Inf") == 1
+            assert 0 < value(fam, P + "request_seconds_sum", op=op) < 30
 
 
 def test_metrics_endpoint_is_off_by_default_and_a_busy_port_does_not_stop_the_gateway(start_gateway):
@@ -234,7 +240,8 @@ def test_every_dashboard_query_uses_names_that_exist(busy_gateway):
         assert grouping_labels_in(expr) <= labels, expr
         used |= names
     # the dashboard covers hit rate, restore GB/s, card health, capacity and eviction, tenants
-    for needed in ("adpkv_gateway_namespace_used_bytes", "adpkv_gateway_namespace_quota_evicted_total","adpkv_gateway_hits_total", "adpkv_gateway_misses_total", "adpkv_gateway_restored_bytes_total",
+    for needed in ("adpkv_gateway_namespace_used_bytes", "adpkv_gateway_namespace_quota_evicted_total",
+                   "adpkv_gateway_request_seconds_bucket","adpkv_gateway_hits_total", "adpkv_gateway_misses_total", "adpkv_gateway_restored_bytes_total",
                    "adpkv_gateway_storage_group_active", "adpkv_gateway_storage_io_seconds_bucket",
                    "adpkv_gateway_storage_used_bytes", "adpkv_gateway_storage_capacity_bytes",
                    "adpkv_gateway_storage_evicted_total", "adpkv_gateway_worker_oldest_io_age_seconds"):
@@ -245,7 +252,8 @@ def test_latency_buckets_hold_each_io_at_the_first_bound_at_or_above_it():
     """Prometheus buckets are ``le``: an I/O of exactly a bound counts in that bucket."""
     from types import SimpleNamespace
 
-    from adpkv_gateway.metrics import IO_LATENCY_BUCKETS, GatewayMetrics
+    from adpkv_gateway.latency import IO_LATENCY_BUCKETS
+    from adpkv_gateway.metrics import GatewayMetrics
     from adpkv_gateway.store import CardStats
     stats = CardStats()
     for seconds in (0.00001, 0.001, 0.001, 0.0011, 99.0):
