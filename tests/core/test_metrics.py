@@ -13,6 +13,7 @@ import time
 import urllib.request
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from adpkv_core.client import GatewayClient
@@ -25,6 +26,7 @@ from .rankproc import make_keys
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "adpkv-gateway.json"
+ALERTS = REPO / "deploy" / "prometheus" / "adpkv-alerts.yaml"
 OBJ = 8192
 P = "adpkv_gateway_"
 
@@ -183,12 +185,12 @@ def test_metrics_endpoint_is_off_by_default_and_a_busy_port_does_not_stop_the_ga
         make_config({"metrics_port": 5557, "port": 5557})
 
 
-# ---------------------------------------------------------------- the Grafana dashboard
+# ---------------------------------------------------------------- the Grafana dashboard and the alerts
 PROMQL_WORDS = {
     # functions and aggregations the dashboard may use, and PromQL keywords
     "sum", "max", "min", "avg", "count", "rate", "irate", "increase", "histogram_quantile", "clamp_min",
     "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-    "offset", "label_values",
+    "offset", "label_values", "absent",
 }
 
 
@@ -269,3 +271,20 @@ def test_latency_buckets_hold_each_io_at_the_first_bound_at_or_above_it():
     assert value(fam, P + "storage_io_seconds_count", group="FS0001", op="read") == 5
     assert value(fam, P + "storage_io_seconds_sum", group="FS0001", op="read") == pytest.approx(99.00311)
     assert value(fam, P + "storage_io_seconds_count", group="FS0001", op="write") == 1
+
+
+def test_every_alert_rule_is_complete_and_uses_names_that_exist(busy_gateway):
+    fam = parse(scrape(busy_gateway["metrics_port"]))
+    samples = {s.name for f in fam.values() for s in f.samples}
+    labels = set().union(*(set(s.labels) for f in fam.values() for s in f.samples)) | {"instance", "job"}
+    rules = [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+    assert {r["alert"] for r in rules} >= {"AdpkvCardOutOfService", "AdpkvKeyLayoutMismatch", "AdpkvCardIOStuck"}
+    for rule in rules:
+        assert set(rule) == {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
+        assert re.fullmatch(r"\d+[smh]", rule["for"]) and rule["labels"]["severity"] in ("warning", "critical")
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+        names = metric_names_in(rule["expr"])
+        assert names and names <= samples, f"{rule['alert']}: {names - samples} is no metric the gateway exposes"
+        assert grouping_labels_in(rule["expr"]) <= labels, rule["alert"]
+        for used in re.findall(r"\$labels\.(\w+)", json.dumps(rule["annotations"])):
+            assert used in labels, f"{rule['alert']}: no label {used}"
