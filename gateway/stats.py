@@ -9,7 +9,7 @@ import collections
 import time
 
 from adpkv_core import __version__
-from adpkv_core.keys import namespace_id
+from adpkv_core.keys import DEFAULT_NAMESPACE, namespace_id
 
 from . import progress
 from .cards import CardUsage
@@ -76,8 +76,9 @@ def merge(snapshot: dict, usages: list[tuple[CardUsage, list[TenantUsage]]]) -> 
 
 
 def namespace_names(quotas: dict, engine) -> dict[str, str]:
-    """Namespace id (hex) -> name, for the namespaces the gateway knows by name."""
-    names = {namespace_id(n).hex(): n for n in quotas if not n.startswith(ID_PREFIX)}
+    """Namespace id (hex) -> name, for the namespaces the gateway knows by name: ``default``
+    (an adapter's namespace when none is set), the quotas', the attached engine's."""
+    names = {namespace_id(n).hex(): n for n in [DEFAULT_NAMESPACE, *quotas] if not n.startswith(ID_PREFIX)}
     if engine is not None and engine.namespace:
         names[namespace_id(engine.namespace).hex()] = engine.namespace
     return names

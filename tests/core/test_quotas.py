@@ -274,3 +274,13 @@ def test_a_resp_card_says_quotas_do_not_bind_it_and_still_serves(redis_servers, 
     finally:
         client.close()
     assert stats(gw.port)["tenants"] == [], "no usage per namespace from a card without an index"
+
+
+def test_the_default_namespace_is_named(gateway):
+    client = _client(gateway.port, "unnamed", 0, 1)     # no namespace set: keys in "default"
+    try:
+        assert all(_put(client, make_keys(2, namespace="default")))
+    finally:
+        client.close()
+    row = _tenant_row(stats(gateway.port), namespace_id("default").hex())
+    assert row["namespace"] == "default" and row["objects"] == 2
