@@ -269,3 +269,41 @@ def test_the_manifest_gateway_runs_and_its_probe_and_metrics_answer(manifest, tm
         wait_for(lambda: b"adpkv_gateway_storage_groups_active 1.0" in urllib.request.urlopen(url, timeout=5).read())
     out = subprocess.run(probe, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "no gateway answered" in out.stderr, shlex.join(probe)
+
+
+# ---------------------------------------------------------------- one host: Docker Compose
+COMPOSE = DEPLOY / "compose.yaml"
+CHECK_JSONSCHEMA = pathlib.Path(sys.executable).parent / "check-jsonschema"
+
+
+def test_compose_file_validates_against_the_compose_specification(tmp_path):
+    ok = subprocess.run([str(CHECK_JSONSCHEMA), "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    typo = tmp_path / "compose.yaml"
+    typo.write_text(COMPOSE.read_text().replace("    group_add:", "    groups_add:"))
+    bad = subprocess.run([str(CHECK_JSONSCHEMA), "--builtin-schema", "vendor.compose-spec", str(typo)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0, "the schema check took an unknown key"
+
+
+def test_compose_wiring(tmp_path):
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    gw, engine = services["gateway"], services["vllm"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in gw["volumes"]}     # container path -> host path
+    args = gateway_parser().parse_args(gw["command"])
+    config = settings_of((COMPOSE.parent / mounts[args.config]).read_text(), tmp_path)
+    assert gw["user"].split(":")[0] != "0" and not int(config.start_clean)
+    assert mounts[config.storage_devices[0]].startswith("/")          # the card: a host directory
+    assert gw["healthcheck"]["test"] == ["CMD", "adpkv", "status", "--config", args.config]
+    assert f"{config.metrics_port}:{config.metrics_port}" in gw["ports"] and config.metrics_address == "0.0.0.0"
+    # the engine: in the gateway's IPC namespace (its /dev/shm and so the door), network (the
+    # control port on 127.0.0.1) and the door's group; started once the gateway is healthy
+    assert gw["ipc"] == "shareable" and engine["ipc"] == "service:gateway"
+    assert engine["network_mode"] == "service:gateway" and config.bind_address == "127.0.0.1"
+    assert config.control_socket_group in engine["group_add"] and cfg.socket_mode(config) == 0o660
+    assert engine["depends_on"]["gateway"]["condition"] == "service_healthy"
+    kv = json.loads(engine["command"][engine["command"].index("--kv-transfer-config") + 1])
+    extra = kv["kv_connector_extra_config"]
+    assert extra["adpkv.port"] == config.port and defines_class(extra["spec_module_path"], extra["spec_name"])
+    assert engine["environment"]["PYTHONHASHSEED"] == "0"

@@ -1,4 +1,4 @@
-"""The vLLM command lines of deploy/k8s/ (vllm.yaml, lmcache.yaml) are real: vLLM's own
+"""The vLLM command lines of deploy/k8s/ (vllm.yaml, lmcache.yaml) and deploy/compose.yaml are real: vLLM's own
 `vllm serve` parser takes them and its own validation passes; the --kv-transfer-config becomes a
 KVTransferConfig whose connector vLLM knows and whose offloading spec is our class, resolved by
 vLLM's own factory, pointed at the port of the pod's gateway. Nothing is started (no GPU here)."""
@@ -55,6 +55,13 @@ def test_lmcache_manifest_vllm_talks_to_the_lmcache_server_of_its_pod():
     spec = next(d for d in objects if d["kind"] == "Deployment")["spec"]["template"]["spec"]
     server = next(c for c in spec["containers"] if c["name"] == "lmcache")
     assert f"--port={kv.kv_connector_extra_config['lmcache.mp.port']}" in server["args"]
+
+
+def test_compose_vllm_command_parses():
+    """deploy/compose.yaml: the image's entrypoint is `vllm serve`, the command its arguments."""
+    engine = yaml.safe_load((DEPLOY.parent / "compose.yaml").read_text())["services"]["vllm"]
+    kv = parse({"command": ["vllm", "serve"], "args": engine["command"]}).kv_transfer_config
+    assert OffloadingSpecFactory.get_spec_cls(kv.kv_connector_extra_config).__module__.startswith("adpkv_vllm")
 
 
 def test_a_wrong_option_is_caught():
