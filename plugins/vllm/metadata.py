@@ -157,6 +157,15 @@ def cache_groups(vllm_config, kv_cache_config) -> tuple[list[CacheGroup], str]:
         return [], "no KV cache config"
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         return [], "pipeline parallelism > 1 is not supported"
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None and spec.use_eagle():
+        # an EAGLE/MTP drafter's KV at a position depends on the token after it (its input is
+        # shifted by one), which a block's hash does not cover; vLLM's own prefix cache drops
+        # the last block of a hit for it. Restoring it under the block's key could hand the
+        # drafter KV of another continuation.
+        return [], (f"speculative decoding with a {spec.method!r} drafter: its KV at the end of a "
+                    "chunk depends on the token after the chunk, which the chunk's key does not "
+                    "cover, so it cannot be restored correctly")
     groups: list[CacheGroup] = []
     for gid, g in enumerate(kv_cache_config.kv_cache_groups):
         if not getattr(g, "enable_kv_transfer", True):

@@ -143,6 +143,7 @@ def run_subprocess(model_dir, prompts, conn=None, salts=None, log_path=None, tim
     import subprocess
     spec = dict(model=model_dir, prompts=prompts, connector=conn, salts=salts, max_tokens=8, **spec)
     env = dict(os.environ, PYTHONHASHSEED="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.setdefault("ADPKV_LOG_LEVEL", "INFO")    # the connector's lines also where a model configured logging
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(spec)],
                           capture_output=True, text=True, timeout=timeout, env=env)
     log = proc.stdout + proc.stderr

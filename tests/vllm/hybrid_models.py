@@ -30,6 +30,15 @@ HYBRID_MODELS: dict[str, dict] = {
         kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
         n_group=1, topk_group=1, topk_method="greedy", max_position_embeddings=32768,
         initializer_range=0.2, tie_word_embeddings=False, rope_scaling=None)),
+    # DeepSeek V3 with one MTP draft layer (model.layers.2: enorm, hnorm, eh_proj, shared_head
+    # and a decoder layer), served with speculative_config {"method": "mtp"}
+    "deepseek_mtp": dict(dtype="bfloat16", mtp_layers=1, config=dict(
+        model_type="deepseek_v3", vocab_size=1024, hidden_size=128, intermediate_size=256,
+        moe_intermediate_size=64, num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, num_attention_heads=2, num_key_value_heads=2,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        n_group=1, topk_group=1, topk_method="noaux_tc", max_position_embeddings=32768,
+        initializer_range=0.2, tie_word_embeddings=False, rope_scaling=None)),
     # Mamba-type hybrids (recurrent state)
     "qwen3_next": dict(dtype="bfloat16", config=dict(
         model_type="qwen3_next", vocab_size=1024, hidden_size=128, intermediate_size=256,
@@ -49,4 +58,35 @@ HYBRID_MODELS: dict[str, dict] = {
 def build(name: str, path: str) -> str:
     from engine_run import make_hf_model
     m = HYBRID_MODELS[name]
-    return make_hf_model(path, m["config"], dtype=m["dtype"])
+    if not m.get("mtp_layers"):
+        return make_hf_model(path, m["config"], dtype=m["dtype"])
+    import json
+    import os
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    # Transformers has no MTP module: build the model with the draft layer as one more
+    # decoder layer, then add the MTP projections vLLM's DeepSeekMTP loads and declare it
+    cfg = dict(m["config"])
+    n = cfg["num_hidden_layers"]
+    cfg["num_hidden_layers"] = n + m["mtp_layers"]
+    make_hf_model(path, cfg, dtype=m["dtype"])
+    import torch
+    from safetensors.torch import load_file, save_file
+    file = os.path.join(path, "model.safetensors")
+    w = load_file(file)
+    h, g = cfg["hidden_size"], torch.Generator().manual_seed(1)
+    dt = getattr(torch, m["dtype"])
+    for layer in range(n, n + m["mtp_layers"]):
+        p = f"model.layers.{layer}."
+        w[p + "enorm.weight"] = torch.ones(h, dtype=dt)
+        w[p + "hnorm.weight"] = torch.ones(h, dtype=dt)
+        w[p + "eh_proj.weight"] = (torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5).to(dt)
+        w[p + "shared_head.norm.weight"] = torch.ones(h, dtype=dt)
+        w[p + "shared_head.head.weight"] = w["lm_head.weight"].clone()
+    save_file(w, file)
+    with open(os.path.join(path, "config.json")) as fh:
+        conf = json.load(fh)
+    conf.update(num_hidden_layers=n, num_nextn_predict_layers=m["mtp_layers"])
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(conf, fh)
+    return path
