@@ -31,6 +31,9 @@ from adpkv_gateway.fragments import fragment_key
 from adpkv_gateway.spawn import GatewayProcess, free_port
 
 
+ADPKV_CLI = [sys.executable, "-m", "adpkv_gateway.cli"]
+
+
 class Clock:
     def __init__(self):
         self.now = 100.0
@@ -233,3 +236,46 @@ def test_a_long_index_rebuild_writes_plain_lines_in_the_log(tmp_path):
     assert 0 < int(done) <= 4000 and float(elapsed) >= 2.0
     assert re.search(rf"fs card {re.escape(root)}: indexing: done, 4000 files in \d+\.\d s", log), log
     assert "\033[K" not in log, "no bar codes in a log"
+
+
+def test_adpkv_clean_draws_the_gateways_progress_on_a_terminal(start_gateway, tmp_path):
+    """``adpkv clean`` on a pty draws the clean the gateway reports in STATS. The gateway is
+    held (SIGSTOP, 1.5 s: less than the CLI's 3 s STATS timeout) as soon as its clean has
+    removed a first file, so the CLI's next STATS finds the clean under way."""
+    _card_of(tmp_path / "card0", 8000)
+    gw = start_gateway(card_dirs=[str(tmp_path / "card0")])
+    db = tmp_path / "card0" / "db000"
+    full = len(os.listdir(db))
+    master, slave = pty.openpty()
+    cli = subprocess.Popen(ADPKV_CLI + ["clean", "--yes", "--port", str(gw.port)], stdout=subprocess.PIPE,
+                           stderr=slave)
+    os.close(slave)
+    deadline = time.monotonic() + 60
+    while len(os.listdir(db)) == full:
+        assert time.monotonic() < deadline and cli.poll() is None, "the clean did not start"
+    os.kill(gw.proc.pid, signal.SIGSTOP)
+    held = time.monotonic() + 1.5              # the stimulus: the CLI polls while the clean is held
+    while time.monotonic() < held:
+        time.sleep(0.1)
+    os.kill(gw.proc.pid, signal.SIGCONT)
+    got = b""
+    while True:
+        ready = select.select([master], [], [], 1.0)[0]
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            got += chunk
+        elif cli.poll() is not None:
+            break
+        assert time.monotonic() < deadline, got
+    os.close(master)
+    out = cli.communicate(timeout=60)[0].decode()
+    assert cli.returncode == 0 and "deleted 8000 objects" in out, out
+    text = got.decode(errors="replace")
+    assert re.search(rf"fs card {re.escape(str(tmp_path / 'card0'))}: cleaning \[[#.]{{30}}\] +\d+\.\d% "
+                     r"\d+/8000 files", text), text
+    assert text.endswith("\n") and text.count("\n") == 1, "one bar, ended once"
