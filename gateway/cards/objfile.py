@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Optional
 
-from ..checksum import Xxh3Stream
+from ..checksum import Xxh3Stream, xxh3_64
 from . import objfmt
 
 HEADER_BYTES = 4096          # the object header (objfmt), padded to one aligned block
@@ -152,7 +152,7 @@ def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: in
     piece = scratch.bounce_of(READ_PIECE)
     hasher = scratch.hasher
     try:
-        if n <= UNCACHED_WHOLE_MAX and page_cached(fd) is False:
+        if n <= WHOLE_MAX and page_cached(fd) is False:
             problem = _copy_uncached(path, fkey, n, out_fd, out_offset, scratch)
             if problem is not _NO_DIRECT_IO:
                 return problem
@@ -179,7 +179,7 @@ def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: in
     return None if hasher.digest() == objfmt.payload_checksum(header) else "checksum mismatch"
 
 
-UNCACHED_WHOLE_MAX = 16 << 20   # objects up to this size are read whole with O_DIRECT when not cached
+WHOLE_MAX = 16 << 20            # objects up to this size move in one I/O: an uncached read, a store from a region
 
 
 class _CachestatRange(ctypes.Structure):
@@ -264,9 +264,11 @@ def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct
     ``OSError`` when the file is not whole.
 
     ``payload`` is a memoryview (the ring: one ``pwritev`` of header and payload) or an
-    ``FdSlice`` (a client's region): read piece by piece into a per-thread buffer that stays
-    in the CPU cache, hashed there and written on from there; the header, with the checksum
-    of exactly the bytes written, goes last. One copy of the payload, no ring. A region
+    ``FdSlice`` (a client's region): read into a per-thread buffer, hashed there and written
+    from there, the header carrying the checksum of exactly the bytes written. One copy of
+    the payload, no ring. Up to ``WHOLE_MAX`` the payload is read whole and written
+    with its header in one ``pwritev`` (one I/O, which is what counts with O_DIRECT); larger
+    ones piece by piece (``READ_PIECE``, cache-resident), the header last. A region
     shorter than the slice (the client truncated it) fails the write, and so does a last
     read that ended at or after the slice's ``read_by`` (by then the engine may have put
     other bytes there: they must not be stored under this key)."""
@@ -279,6 +281,21 @@ def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct
             raise OSError("short write")
         return
     n = payload.length
+    if n <= WHOLE_MAX:
+        # the whole payload into the per-thread buffer (one read, one hash), then header and
+        # payload in one write: one I/O per object, also with O_DIRECT
+        out = -(-n // ALIGN) * ALIGN if o_direct else n
+        buf = scratch.bounce_of(out)
+        if os.preadv(payload.fd, [buf[:n]], payload.offset) != n:
+            raise OSError("the region is shorter than the object (truncated by its client)")
+        if payload.read_by is not None and time.monotonic() >= payload.read_by:
+            raise OSError("read from the region after its client gave up on the store")
+        if out > n:
+            buf[n:out] = bytes(out - n)
+        objfmt.fill_header_of(header, fkey, n, xxh3_64(buf[:n]), object_bytes)
+        if os.pwritev(fd, [header, buf[:out]], 0) != HEADER_BYTES + out:
+            raise OSError("short write")
+        return
     piece = scratch.bounce_of(READ_PIECE)
     hasher = scratch.hasher
     hasher.reset()
