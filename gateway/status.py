@@ -18,13 +18,13 @@ from .latency import histogram_buckets
 
 PREFIX = "adpkv_gateway_"
 
-OBJECT_COUNTERS = (   # per namespace: (figure, metric name without _total, help)
-    ("hits", "hits", "Objects found by GET"),
-    ("misses", "misses", "Objects not found by GET"),
-    ("stored", "stored", "Objects stored by PUT (or already there)"),
-    ("store_failed", "store_failed", "Objects PUT could not store"),
-    ("restored_bytes", "restored_bytes", "Bytes of objects found by GET (handed to the engine)"),
-    ("stored_bytes", "stored_bytes", "Bytes of objects stored by PUT (or already there)"),
+OBJECT_COUNTERS = (   # per namespace: (the figure, also the metric's name without _total; help)
+    ("hits", "Objects found by GET"),
+    ("misses", "Objects not found by GET"),
+    ("stored", "Objects stored by PUT (or already there)"),
+    ("store_failed", "Objects PUT could not store"),
+    ("restored_bytes", "Bytes of objects found by GET (handed to the engine)"),
+    ("stored_bytes", "Bytes of objects stored by PUT (or already there)"),
 )
 
 
@@ -64,8 +64,8 @@ def request_families(s: dict) -> Iterable[Metric]:
 def object_families(s: dict) -> Iterable[Metric]:
     """Hits, misses, stored objects and bytes, by the namespace of the engine that asked."""
     by_namespace = s["objects_by_namespace"]
-    for figure, name, help_ in OBJECT_COUNTERS:
-        family = CounterMetricFamily(PREFIX + name, help_, labels=["namespace"])
+    for figure, help_ in OBJECT_COUNTERS:
+        family = CounterMetricFamily(PREFIX + figure, help_, labels=["namespace"])
         for namespace, counts in sorted(by_namespace.items()):
             family.add_metric([namespace], counts.get(figure, 0))
         yield family
