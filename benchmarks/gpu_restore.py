@@ -119,7 +119,7 @@ def store(client, ring, cache: PagedCache, kb, stream) -> float:
             ids = cache.block_ids[b.first * cache.nb:(b.first + b.count) * cache.nb]
             layer.gather(ring, b.offset, b.stride, b.count, 0, cache.obj, ids, cache.nb, stream=stream)
         futs.append(client.put(keys_for(cache, kb, i), cache.obj, fill))
-    ok = all(all(f.result()) for f in futs)
+    ok = all(all(f.result().stored) for f in futs)
     t = time.perf_counter() - t0
     if not ok:
         raise RuntimeError("store failed")
