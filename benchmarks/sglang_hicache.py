@@ -19,6 +19,18 @@ the disk's O_DIRECT read and a single-thread memcpy. Medians and ranges over the
 repetitions are printed, with the ratios ours / HiCacheFile.
 
     python benchmarks/sglang_hicache.py [--pages 128] [--reps 3] [--dir /var/tmp/adpkv-bench]
+
+``--hybrid``: a Qwen3-Next-like hybrid through SGLang's storage v2 (one rank of TP 4 of
+Qwen3-Next-80B-A3B: 12 full-attention layers' KV pages, page 64 = 0.75 MiB, and one Mamba
+state of the 36 linear-attention layers, 18.4 MiB, per page group). Both backends are
+driven by SGLang's own ``HybridCacheController`` storage methods (``_page_backup``,
+``_storage_hit_query``, ``_page_transfer``; the object is made without its GPU ``__init__``):
+ours with ``interface_v1`` (KV pages by ``batch_*_v1``, the state by ``batch_*_v2``),
+``HiCacheFile`` (SGLang's v2-capable file backend) as SGLang runs it (KV pages by the
+generic path, the state by its ``batch_*_v2``). ``--groups`` page groups (requests) of
+``--group-pages`` pages each per repetition; every KV page and state restored is compared.
+
+    python benchmarks/sglang_hicache.py --hybrid [--groups 6] [--group-pages 32] [--reps 3]
 """
 
 from __future__ import annotations
@@ -179,6 +191,196 @@ def run_batches(fn, keys, host_indices, page_size, batch):
     return done
 
 
+# ------------------------------------------------------------------------ hybrid (storage v2)
+QWEN3_NEXT = dict(
+    # Qwen3-Next-80B-A3B, one rank of TP 4: 12 full-attention layers (1 KV head of 256 per rank,
+    # bf16) and 36 Gated-DeltaNet layers, whose recurrent state is a Mamba pool slot: temporal
+    # 8 heads x 128 x 128 fp32, conv 2048 channels x 3 bf16 (18.4 MiB a state)
+    kv_layers=12, kv_heads=1, head_dim=256, mamba_layers=36, ssm_heads=8, ssm_head_dim=128,
+    ssm_state=128, conv_dim=2048, conv_width=3)
+
+
+class HybridRun:
+    """One backend behind SGLang's HybridCacheController storage methods, on its own pools."""
+
+    def __init__(self, name, backend, zero_copy, cfg, pools):
+        from sgl_pools import host_group, hybrid_controller
+        self.name = name
+        self.backend = backend
+        self.pools = pools
+        group = host_group(**pools)
+        backend.register_mem_pool_host(pools["kv"])           # as attach_storage_backend does
+        for entry in group.entries:
+            backend.register_mem_host_pool_v2(entry.host_pool, entry.name)
+        backend.on_host_pools_registered()
+        self.c = hybrid_controller(backend, group, zero_copy=zero_copy, config=cfg)
+
+    def backup(self, spans):
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import StorageOperation
+        for sp in spans:
+            t = PoolTransfer(name=PoolName.MAMBA, host_indices=sp.src_state, keys=[sp.hashes[-1]],
+                             hit_policy=PoolHitPolicy.TRAILING_PAGES)
+            op = StorageOperation(sp.src_kv, sp.tokens, hash_value=sp.hashes, pool_transfers=[t])
+            self.c._page_backup(op)
+            if op.completed_tokens != len(sp.tokens):
+                raise SystemExit(f"{self.name}: backup stored {op.completed_tokens} of {len(sp.tokens)} tokens")
+
+    def prefetch(self, spans):
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
+        for i, sp in enumerate(spans):
+            t = PoolTransfer(name=PoolName.MAMBA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+            op = PrefetchOperation(CacheRequestHandle(rid=f"r{i}", attempt_id=0), sp.tokens, pool_transfers=[t])
+            hit_hashes, hit_tokens = self.c._storage_hit_query(op)
+            if hit_tokens != len(sp.tokens):
+                raise SystemExit(f"{self.name}: hit query found {hit_tokens} of {len(sp.tokens)} tokens")
+            op.hash_value = hit_hashes
+            op.host_indices = sp.dst_kv
+            t.host_indices = sp.dst_state
+            self.c._page_transfer(op)
+            acks = [self.c.prefetch_sync_queue.get_nowait() for _ in range(self.c.prefetch_sync_queue.qsize())]
+            done = max((a.completed_tokens or 0) for a in acks)
+            state = sum((a.pool_hits or {}).get(PoolName.MAMBA, 0) for a in acks if getattr(a, "pool_hits", None))
+            if done != len(sp.tokens) or state != 1:
+                raise SystemExit(f"{self.name}: prefetch loaded {done} tokens, {state} states")
+
+
+def hf3fs_mock(pools, cfg, path: str, pages: int):
+    """SGLang's HiCacheHF3FS on its file-backed mock client (``Hf3fsMockClient``: pread/pwrite
+    of one local file; the real client needs a 3FS cluster), with the local metadata client,
+    sized as SGLang's factory sizes it (``bytes_per_page`` from the KV pool)."""
+    from sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server import Hf3fsLocalMetadataClient
+    from sglang.srt.mem_cache.storage.hf3fs.storage_hf3fs import HiCacheHF3FS
+    kv = pools["kv"]
+    bytes_per_page = kv.get_ksize_per_token() * kv.page_size
+    os.makedirs(path, exist_ok=True)
+    state = pools["mamba"].get_ksize_per_token()
+    return HiCacheHF3FS(rank=0, file_path=os.path.join(path, "hicache.0.bin"),
+                        file_size=max(2 * pages * bytes_per_page, pages * state), numjobs=4,
+                        bytes_per_page=bytes_per_page, entries=8, client_timeout=60, dtype=kv.dtype,
+                        metadata_client=Hf3fsLocalMetadataClient(), is_page_first_layout=True,
+                        use_mock_client=True)
+
+
+def run_hybrid(args, root, card, fdir) -> int:
+    """KV pages + one Mamba state per page group, through storage v2, adpkv vs HiCacheFile."""
+    from types import SimpleNamespace
+    from sgl_pools import mamba_pool, mha_pool, storage_config
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+    from adpkv_gateway.spawn import GatewayProcess
+    from adpkv_sglang import AdpHiCacheStorage
+
+    g = QWEN3_NEXT
+    P, G, n = args.page_size, args.groups, args.group_pages
+    tokens_per_group = n * P
+
+    def make_pools():
+        kv = mha_pool("page_first", layers=g["kv_layers"], heads=g["kv_heads"], head_dim=g["head_dim"], page=P,
+                      pages=2 * G * n + 2)
+        m = mamba_pool(slots=2 * G + 2, layers=g["mamba_layers"], heads=g["ssm_heads"], head_dim=g["ssm_head_dim"],
+                       state_dim=g["ssm_state"], conv_dim=g["conv_dim"], conv_width=g["conv_width"])
+        return {"kv": kv, "mamba": m}
+
+    def cfg(extra):
+        return storage_config(extra, model_name="Qwen/Qwen3-Next-80B-A3B", layout="page_first")
+
+    gw = GatewayProcess([card], log_path=os.path.join(root, "gateway.log"),
+                        shared_memory_size=args.ring_mib << 20, o_direct=bool(args.o_direct)).start()
+    runs = []
+    try:
+        ours_cfg = cfg({"port": gw.port, "model_id": "qwen3-next", "interface_v1": 1, "timeout_s": 120})
+        file_cfg = cfg({"file_storage_path": fdir})
+        runs = [HybridRun("adpkv", AdpHiCacheStorage(ours_cfg, {}), True, ours_cfg, make_pools()),
+                HybridRun("HiCacheFile", HiCacheFile(file_cfg), False, file_cfg, make_pools())]
+        if args.hf3fs_mock:
+            pools = make_pools()
+            hf_cfg = cfg({"use_mock_hf3fs_client": True})
+            runs.append(HybridRun("HF3FS-mock", hf3fs_mock(pools, hf_cfg, os.path.join(root, "hf3fs"),
+                                                           args.reps * G * (n + 32)), True, hf_cfg, pools))
+        kv_page = runs[0].backend.kv.io.page_bytes
+        state = runs[0].backend.pools["mamba"].io.page_bytes
+        nbytes = G * (n * kv_page + state)
+        print(f"hybrid (Qwen3-Next-80B-A3B, TP 4 rank): {g['kv_layers']} KV layers x {g['kv_heads']} head x "
+              f"{g['head_dim']} bf16, page {P} = {kv_page / 2**20:.2f} MiB; Mamba state of {g['mamba_layers']} layers "
+              f"= {state / 2**20:.2f} MiB; {G} page groups of {n} pages + 1 state = {nbytes / 2**30:.2f} GiB a run")
+        print(f"reference: memcpy {memcpy_gbs():.2f} GB/s, disk O_DIRECT read {disk_odirect_read_gbs(root):.2f} GB/s")
+        results = {r.name: {"set": [], "hot": [], "cold": []} for r in runs}
+        roots = [card, fdir] + ([os.path.join(root, "hf3fs")] if args.hf3fs_mock else [])
+        drop_how = "-"
+        for rep in range(args.reps):
+            for r in (runs if rep % 2 == 0 else runs[::-1]):
+                kv, mam = r.pools["kv"], r.pools["mamba"]
+                spans = []
+                for i in range(G):
+                    tok = [int(x) for x in torch.randint(0, 32000, (tokens_per_group,))]
+                    spans.append(SimpleNamespace(
+                        tokens=tok, hashes=get_storage_hash_str(tok, None, page_size=P),
+                        src_kv=torch.arange(i * n * P, (i + 1) * n * P), dst_kv=torch.arange((G + i) * n * P, (G + i + 1) * n * P),
+                        src_state=torch.tensor([i]), dst_state=torch.tensor([G + i])))
+                kv.kv_buffer.view(torch.int16)[:, : G * n * P].random_(-32768, 32767)
+                for b in (mam.temporal_buffer, *mam.conv_buffer):
+                    b.view(torch.int16)[:G].random_(-32768, 32767)
+                t = time.perf_counter()
+                r.backup(spans)
+                results[r.name]["set"].append(nbytes / (time.perf_counter() - t) / GB)
+                for regime in ("hot", "cold"):
+                    if regime == "cold":
+                        if args.no_cold:
+                            continue
+                        drop_how = drop_page_cache(roots)
+                    kv.kv_buffer[:, G * n * P: 2 * G * n * P].zero_()
+                    for b in (mam.temporal_buffer, *mam.conv_buffer):
+                        b[G: 2 * G].zero_()
+                    t = time.perf_counter()
+                    r.prefetch(spans)
+                    results[r.name][regime].append(nbytes / (time.perf_counter() - t) / GB)
+                    raw = kv.kv_buffer.view(torch.int16)
+                    same = torch.equal(raw[:, : G * n * P], raw[:, G * n * P: 2 * G * n * P]) and all(
+                        torch.equal(b.view(torch.int16)[:G], b.view(torch.int16)[G: 2 * G])
+                        for b in (mam.temporal_buffer, *mam.conv_buffer))
+                    if not same:
+                        raise SystemExit(f"{r.name}: restored pages or states differ from the originals ({regime})")
+                res = results[r.name]
+                print(f"rep {rep} {r.name:12s} set {res['set'][-1]:6.2f}  hot get {res['hot'][-1]:6.2f}  cold get "
+                      f"{res['cold'][-1] if res['cold'] else float('nan'):6.2f} GB/s", flush=True)
+    finally:
+        for r in runs:
+            if hasattr(r.backend, "close"):
+                r.backend.close()
+        gw.stop()
+    return summarize(results, args, drop_how)
+
+
+def summarize(results, args, drop_how) -> int:
+    """Medians and ranges; ratios of the first backend (ours) to each of the others."""
+    names = list(results)
+    ours = names[0]
+    print(f"\nmedian GB/s over {args.reps} runs [min-max]   (cold: page cache dropped by {drop_how})")
+    summary = {}
+    for op in ("set", "hot", "cold"):
+        a = results[ours][op]
+        if not a:
+            continue
+        ma = statistics.median(a)
+        summary[op] = {ours: ma}
+        line = f"{ {'set': 'batch set', 'hot': 'get, hot', 'cold': 'get, cold'}[op]:10s} {ours} {ma:6.2f} " \
+               f"[{min(a):.2f}-{max(a):.2f}]"
+        for peer in names[1:]:
+            f = results[peer][op]
+            mf = statistics.median(f)
+            summary[op][peer] = mf
+            summary[op][f"ratio_{peer}"] = ma / mf
+            line += f"   {peer} {mf:6.2f} [{min(f):.2f}-{max(f):.2f}] ratio {ma / mf:5.2f}x"
+        print(line)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "runs": results, "median": summary}, fh, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pages", type=int, default=128, help="pages per repetition (8 MiB each)")
@@ -193,6 +395,12 @@ def main(argv=None) -> int:
     ap.add_argument("--o-direct", action="store_true", help="the gateway's fs card uses O_DIRECT")
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="Qwen3-Next-like hybrid through storage v2: KV pages + one Mamba state per page group")
+    ap.add_argument("--groups", type=int, default=6, help="--hybrid: page groups (requests) a run")
+    ap.add_argument("--group-pages", type=int, default=32, help="--hybrid: KV pages per page group")
+    ap.add_argument("--hf3fs-mock", action="store_true",
+                    help="--hybrid: also SGLang's HiCacheHF3FS on its file-backed mock client")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     for noisy in ("sglang", "adpkv"):
@@ -206,6 +414,11 @@ def main(argv=None) -> int:
     os.makedirs(root)
     card, fdir = os.path.join(root, "card"), os.path.join(root, "hicache-file")
     os.makedirs(fdir)
+    if args.hybrid:
+        try:
+            return run_hybrid(args, root, card, fdir)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
 
     pool = mha_pool("page_first", layers=args.layers, heads=args.heads, head_dim=args.head_dim,
                     page=args.page_size, pages=2 * args.pages + 2)
@@ -262,21 +475,7 @@ def main(argv=None) -> int:
         gw.stop()
         shutil.rmtree(root, ignore_errors=True)
 
-    print(f"\nmedian GB/s over {args.reps} runs [min-max]   (cold: page cache dropped by {drop_how})")
-    summary = {}
-    for op in ("set", "hot", "cold"):
-        a, f = results["adpkv"][op], results["HiCacheFile"][op]
-        if not a:
-            continue
-        ma, mf = statistics.median(a), statistics.median(f)
-        summary[op] = {"adpkv": ma, "HiCacheFile": mf, "ratio": ma / mf}
-        label = {"set": "batch set", "hot": "get, hot", "cold": "get, cold"}[op]
-        print(f"{label:10s} adpkv {ma:6.2f} [{min(a):.2f}-{max(a):.2f}]   HiCacheFile {mf:6.2f} "
-              f"[{min(f):.2f}-{max(f):.2f}]   ratio {ma / mf:5.2f}x")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "runs": results, "median": summary}, fh, indent=1)
-    return 0
+    return summarize(results, args, drop_how)
 
 
 if __name__ == "__main__":

@@ -148,3 +148,25 @@ def fill_pool_random(pool, seed: int) -> None:
     for b in bufs:
         raw = b.view(-1).view(torch.uint8)
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+
+
+def hybrid_controller(backend, group, zero_copy: bool, config=None):
+    """SGLang's ``HybridCacheController`` for its storage methods (``_page_backup``,
+    ``_storage_hit_query``, ``_page_transfer``), with ``backend`` attached to ``group``.
+    Its ``__init__`` needs CUDA streams and a GPU device pool, so the object is made with
+    ``__new__`` and given the attributes those methods read; ``zero_copy`` picks the KV page
+    functions as SGLang does (``interface_v1`` and the zero-copy backends: batch_*_v1; the
+    others: the generic path); ``config``: the storage config (default: the backend's)."""
+    import queue
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    c = HybridCacheController.__new__(HybridCacheController)
+    c.storage_backend = backend
+    c.storage_backend_type = "dynamic"
+    c.storage_config = config if config is not None else backend.storage_config
+    c.mem_pool_host = group
+    c.storage_host_pool = group.anchor_entry.host_pool
+    c.page_size = group.page_size
+    c.prefetch_sync_queue = queue.Queue()
+    c.page_get_func = c._page_get_zero_copy if zero_copy else c._generic_page_get
+    c.page_set_func = c._page_set_zero_copy if zero_copy else c._generic_page_set
+    return c

@@ -15,7 +15,6 @@ per-layer buffers (``sgl_pools.indexer_pool``).
 from __future__ import annotations
 
 import os
-import queue
 from types import SimpleNamespace
 
 import pytest
@@ -30,8 +29,8 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
 )
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-from sgl_pools import (fill_pool_random, host_group, indexer_pool, mamba_pool, mha_pool, mla_pool,
-                       page_bytes, storage_config)
+from sgl_pools import (fill_pool_random, host_group, hybrid_controller, indexer_pool, mamba_pool, mha_pool,
+                       mla_pool, page_bytes, storage_config)
 
 from adpkv_sglang.hitpolicy import PoolPresence, restorable
 
@@ -82,17 +81,7 @@ def attach(backends, cfg, pools):
 
 
 def controller(b, group) -> HybridCacheController:
-    c = HybridCacheController.__new__(HybridCacheController)   # __init__ needs a GPU (see the docstring)
-    c.storage_backend = b
-    c.storage_backend_type = "dynamic"
-    c.storage_config = b.storage_config
-    c.mem_pool_host = group
-    c.storage_host_pool = group.anchor_entry.host_pool
-    c.page_size = group.page_size
-    c.prefetch_sync_queue = queue.Queue()
-    c.page_get_func = c._page_get_zero_copy
-    c.page_set_func = c._page_set_zero_copy
-    return c
+    return hybrid_controller(b, group, zero_copy=True)
 
 
 def tokens_for(n_pages: int, page: int, salt: int = 0) -> list[int]:
