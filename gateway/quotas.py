@@ -98,18 +98,20 @@ class TenantUsage:
     objects: int
     quota_bytes: int         # 0: no quota (only the card's capacity binds it)
     evicted: int             # objects evicted because this namespace was over its quota
+    capacity_evicted: int = 0   # objects the card's own LRU evicted (the card past its watermark)
 
 
 class Tenant:
     """What one namespace holds on a card: bytes on disk, its objects in LRU order."""
 
-    __slots__ = ("used", "lru", "quota", "evicted")
+    __slots__ = ("used", "lru", "quota", "evicted", "capacity_evicted")
 
     def __init__(self, quota: int):
         self.used = 0
         self.lru: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
         self.quota = quota
         self.evicted = 0
+        self.capacity_evicted = 0
 
 
 class TenantBook:
@@ -163,15 +165,22 @@ class TenantBook:
         t = self._tenants.get(tid)
         return list(t.lru) if t is not None else []
 
-    def count_eviction(self, tid: bytes) -> None:
-        self._get(tid).evicted += 1
+    def count_eviction(self, tid: bytes, over_quota: bool = True) -> None:
+        """One of namespace ``tid``'s objects evicted: for its quota, or by the card's LRU."""
+        t = self._get(tid)
+        if over_quota:
+            t.evicted += 1
+        else:
+            t.capacity_evicted += 1
 
     def usage(self) -> list[TenantUsage]:
         """Every namespace the card holds or has a quota for."""
-        tids = set(self.quotas) | {tid for tid, t in self._tenants.items() if t.lru or t.used or t.evicted}
+        tids = set(self.quotas) | {tid for tid, t in self._tenants.items()
+                                   if t.lru or t.used or t.evicted or t.capacity_evicted}
         out = []
         for tid in tids:
             t = self._tenants.get(tid)
             out.append(TenantUsage(tid.hex(), t.used if t else 0, len(t.lru) if t else 0,
-                                   self.quotas.get(tid, 0), t.evicted if t else 0))
+                                   self.quotas.get(tid, 0), t.evicted if t else 0,
+                                   t.capacity_evicted if t else 0))
         return sorted(out, key=lambda u: u.tenant)

@@ -57,8 +57,8 @@ def card_usages(store: ObjectStore) -> list[tuple[CardUsage, list[TenantUsage]]]
 
 
 def merge(snapshot: dict, usages: list[tuple[CardUsage, list[TenantUsage]]]) -> dict:
-    """The snapshot with each card's usage, and ``tenants``: each namespace's bytes, objects and
-    quota evictions summed over the cards (``quota_bytes`` is per card), by id, with its name
+    """The snapshot with each card's usage, and ``tenants``: each namespace's bytes, objects,
+    quota evictions and the cards' LRU evictions summed over the cards (``quota_bytes`` is per card), by id, with its name
     where the gateway knows it (a configured quota, the attached engine's namespace)."""
     names = snapshot["namespace_names"]
     tenants: dict[str, dict] = {}
@@ -67,10 +67,11 @@ def merge(snapshot: dict, usages: list[tuple[CardUsage, list[TenantUsage]]]) -> 
         for t in per_namespace:
             row = tenants.setdefault(t.tenant, {"id": t.tenant, "namespace": names.get(t.tenant, ""),
                                                 "used_bytes": 0, "objects": 0, "quota_bytes": t.quota_bytes,
-                                                "evicted": 0})
+                                                "evicted": 0, "capacity_evicted": 0})
             row["used_bytes"] += t.used_bytes
             row["objects"] += t.objects
             row["evicted"] += t.evicted
+            row["capacity_evicted"] += t.capacity_evicted
     snapshot["tenants"] = sorted(tenants.values(), key=lambda r: (-r["used_bytes"], r["id"]))
     return snapshot
 

@@ -130,13 +130,17 @@ def tenant_families(s: dict) -> Iterable[Metric]:
                    labels=["namespace"])
     evicted = CounterMetricFamily(PREFIX + "namespace_quota_evicted",
                                   "Objects evicted because their namespace was over its quota", labels=["namespace"])
+    lru = CounterMetricFamily(PREFIX + "namespace_capacity_evicted",
+                              "Objects of the namespace the cards' LRU evicted (a card past its watermark)",
+                              labels=["namespace"])
     for t in s.get("tenants", []):
         label = [t["namespace"] or "id:" + t["id"]]
         used.add_metric(label, t["used_bytes"])
         objects.add_metric(label, t["objects"])
         quota.add_metric(label, t["quota_bytes"])
         evicted.add_metric(label, t["evicted"])
-    yield from (used, objects, quota, evicted)
+        lru.add_metric(label, t["capacity_evicted"])
+    yield from (used, objects, quota, evicted, lru)
 
 
 FAMILIES = (gateway_families, request_families, object_families, card_families, tenant_families)

@@ -539,6 +539,7 @@ class FsCard(Card):
                 if key == okey or self.is_pinned(key[:KEY_BYTES]):
                     continue
                 victims.extend(self._take(key))
+                self._tenants.count_eviction(tenant_of(key), over_quota=False)
                 evicted += 1
             if self._used + nbytes - freed_by_overwrite > self.capacity_bytes:
                 logger.warning("fs card %s is full (%d of %d bytes, the rest pinned): not storing",

@@ -67,6 +67,7 @@ EXPECTED = {
     P + "namespace_objects": ("gauge", {"namespace"}),
     P + "namespace_quota_bytes": ("gauge", {"namespace"}),
     P + "namespace_quota_evicted": ("counter", {"namespace"}),
+    P + "namespace_capacity_evicted": ("counter", {"namespace"}),
 }
 
 
@@ -148,6 +149,9 @@ def test_exposition_names_labels_and_values(busy_gateway):
         assert value(fam, P + "stored_bytes_total", namespace="tenant-a") == 40 * OBJ
         evicted = value(fam, P + "storage_evicted_total", group=group)
         assert evicted == card["evicted"] > 0
+        # all of them tenant-a's, by the card's LRU (its quota is far away)
+        assert value(fam, P + "namespace_capacity_evicted_total", namespace="tenant-a") == evicted
+        assert value(fam, P + "namespace_quota_evicted_total", namespace="tenant-a") == 0
         assert value(fam, P + "storage_capacity_bytes", group=group) == card["capacity_bytes"]
         assert value(fam, P + "ring_bytes") == stats["ring_size"]
         assert value(fam, P + "engine_attached") == 0          # the client closed
@@ -243,6 +247,7 @@ def test_every_dashboard_query_uses_names_that_exist(busy_gateway):
         used |= names
     # the dashboard covers hit rate, restore GB/s, card health, capacity and eviction, tenants
     for needed in ("adpkv_gateway_namespace_used_bytes", "adpkv_gateway_namespace_quota_evicted_total",
+                   "adpkv_gateway_namespace_capacity_evicted_total",
                    "adpkv_gateway_request_seconds_bucket","adpkv_gateway_hits_total", "adpkv_gateway_misses_total", "adpkv_gateway_restored_bytes_total",
                    "adpkv_gateway_storage_group_active", "adpkv_gateway_storage_io_seconds_bucket",
                    "adpkv_gateway_storage_used_bytes", "adpkv_gateway_storage_capacity_bytes",
