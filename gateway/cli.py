@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -168,8 +169,12 @@ def cmd_doctor(args) -> int:
         findings = doctor.examine(h)
     except ValueError as exc:
         raise SystemExit(f"adpkv doctor: {exc}")
-    print(doctor.report(findings))
-    return doctor.exit_code(findings)
+    code = doctor.exit_code(findings)
+    if args.json:
+        print(json.dumps({"exit_code": code, "findings": [dataclasses.asdict(f) for f in findings]}, indent=2))
+    else:
+        print(doctor.report(findings))
+    return code
 
 
 def cmd_demo(args) -> int:
@@ -221,6 +226,7 @@ def main(argv=None) -> int:
     dr.add_argument("--hash-algo", default="", help="its prefix hash setting: vLLM --prefix-caching-hash-algo "
                     "(default sha256), lmcache server --hash-algorithm (default blake3)")
     dr.add_argument("--engine-user", default="", help="the user the engine runs as (default: this one)")
+    dr.add_argument("--json", action="store_true", help="the findings as JSON (check, level, found, fix)")
     dr.add_argument("--shm-bytes", type=_size, default=0,
                     help="what the engine itself puts in /dev/shm (LMCache's L1 pool with --shm-name)")
     d = sub.add_parser("demo", parents=[shared], help="start a gateway on ./adpkv-card, store a prompt's KV, restart, restore")

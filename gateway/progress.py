@@ -61,7 +61,7 @@ class Progress:
         self.clock = clock
         self.started = clock()
         self._next = self.started + (REDRAW_S if self.bar else first_line_s)
-        self._lines = 0
+        self._lines = 0                     # lines written, or bar frames drawn
         self._closed = False
         with _running_lock:
             _running.append(self)
@@ -91,7 +91,7 @@ class Progress:
             if self in _running:
                 _running.remove(self)
         elapsed = self.clock() - self.started
-        if self.bar:
+        if self.bar and (self.done or self._lines):     # nothing to do (an empty card): nothing drawn
             self._write("\r\033[K" + self._text(elapsed) + "\n")
         elif self._lines:
             self._line(f"{self.what}: done, {self.done} {self.unit} in {elapsed:.1f} s".replace("  ", " "))
@@ -120,6 +120,7 @@ class Progress:
         if self.bar:
             self._write("\r\033[K" + self._text(elapsed))
             self._next = now + REDRAW_S
+            self._lines += 1
             return
         pct = f" ({100.0 * self.done / self.total:.0f}%)" if self.total else ""
         of = f"/{self.total}" if self.total else ""

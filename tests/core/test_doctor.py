@@ -67,6 +67,11 @@ def test_no_gateway(tmp_path):
     assert code == 1
     assert level(out, "gateway") == "FAIL" and f"no gateway answers on 127.0.0.1:{port}" in out
     assert level(out, "door") == "FAIL" and "fix: start the gateway" in out
+    code, out = run_doctor("--port", str(port), "--engine", "sglang", "--json")
+    report = json.loads(out)
+    assert code == 1 and report["exit_code"] == 1
+    gateway = next(f for f in report["findings"] if f["check"] == "gateway")
+    assert gateway["level"] == "FAIL" and gateway["fix"].startswith("start adpkv-gateway")
 
 
 def test_a_gateway_of_another_version(tmp_path):

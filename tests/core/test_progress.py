@@ -279,3 +279,10 @@ def test_adpkv_clean_draws_the_gateways_progress_on_a_terminal(start_gateway, tm
     assert re.search(rf"fs card {re.escape(str(tmp_path / 'card0'))}: cleaning \[[#.]{{30}}\] +\d+\.\d% "
                      r"\d+/8000 files", text), text
     assert text.endswith("\n") and text.count("\n") == 1, "one bar, ended once"
+
+
+def test_nothing_to_do_draws_nothing_on_a_terminal():
+    tty = Tty()
+    with progress.track("fs card /x: indexing", 0, "files", stream=tty, clock=Clock()):
+        pass
+    assert tty.getvalue() == ""
