@@ -401,3 +401,22 @@ def test_hit_policies_as_sglang_documents_them():
     res = restorable([T] * 8, [blocks])                   # one complete group: its block's pages
     assert res.kv_hit_pages == 8 and res.extra_pool_hit_pages["deepseek_v4_c4"] == 4
     assert restorable([F, T], [state]).kv_hit_pages == 0
+
+
+def test_hybrid_without_interface_v1_uses_the_generic_kv_path(gateway, backends):
+    """SGLang without ``interface_v1``: KV pages through the generic path (flat pages, no stamps),
+    the Mamba state through v2; the prefix restores byte for byte."""
+    src = make_pools("qwen3next", "page_first", seed=50)
+    cfg = storage_config({"port": gateway.port, "model_id": "tiny-qwen3next"})
+    w, group = attach(backends, cfg, src)
+    assert not w.kv.stamped
+    tokens = tokens_for(6, src["kv"].page_size)
+    c = hybrid_controller(w, group, zero_copy=False)
+    stored = backup(c, src, tokens)
+    w.close()
+    dst = make_pools("qwen3next", "page_first", seed=51)
+    r, group = attach(backends, cfg, dst)
+    got = prefetch(hybrid_controller(r, group, zero_copy=False), dst, tokens)
+    assert got.hit_pages == 6 and got.completed_pages == 6 and got.pool_hits["mamba"] == 1
+    assert pages_of(dst["kv"], got.kv_idx) == pages_of(src["kv"], stored.kv_idx)
+    assert pages_of(dst["mamba"], got.aux_idx["mamba"]) == pages_of(src["mamba"], stored.aux_idx["mamba"])
