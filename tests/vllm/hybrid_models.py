@@ -48,6 +48,12 @@ HYBRID_MODELS: dict[str, dict] = {
         moe_intermediate_size=64, shared_expert_intermediate_size=64, decoder_sparse_step=1,
         full_attention_interval=2, max_position_embeddings=32768, initializer_range=0.1,
         tie_word_embeddings=False)),
+    "falcon_h1": dict(dtype="float32", config=dict(
+        model_type="falcon_h1", vocab_size=1024, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16,
+        mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, max_position_embeddings=32768,
+        initializer_range=0.1, tie_word_embeddings=False)),
     "mamba2": dict(dtype="float32", config=dict(
         model_type="mamba2", vocab_size=1024, hidden_size=128, state_size=16, num_hidden_layers=2,
         expand=2, head_dim=32, num_heads=8, n_groups=1, conv_kernel=4, initializer_range=0.1,

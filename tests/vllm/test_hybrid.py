@@ -9,8 +9,8 @@ fresh engine processes (``engine_run.py``):
   restores the block floor of the prompt with greedy tokens identical to the baseline's;
 - DeepSeek V3 with an MTP draft layer: the drafter's KV cannot be restored correctly under
   a chunk's key, so the cache turns itself off for that engine (one log line);
-- Mamba-type models (Qwen3-Next with Gated DeltaNet layers, bf16; pure Mamba2 with vLLM's
-  defaults, i.e. prefix caching off): the engine starts and serves with the connector,
+- Mamba-type models (Qwen3-Next with Gated DeltaNet layers, bf16; Falcon-H1, a Mamba-2
+  hybrid; pure Mamba2 with vLLM's defaults, i.e. prefix caching off): the engine starts and serves with the connector,
   the cache turns itself off with one log line, and the output equals the baseline.
 """
 
@@ -106,6 +106,9 @@ def test_mtp_drafter_turns_the_cache_off(start_gateway, tmp_path):
     # Qwen3-Next: bf16 only on CPU; vLLM picks its own block (256 here, 544 for the real
     # model's geometry) and caches Mamba state in "align" mode
     ("qwen3_next", dict(chunk=64), "recurrent state (MambaSpec) in KV cache group"),
+    # a Mamba-2 hybrid (Mamba-2 and attention layers side by side); vLLM-CPU's SSD kernel runs
+    # it only one block (128 tokens) per step
+    ("falcon_h1", dict(chunk=64, max_num_batched_tokens=128), "recurrent state (MambaSpec) in KV cache group"),
     # pure Mamba2 with vLLM's defaults: prefix caching off, one state per request, hash block 8192
     ("mamba2", dict(chunk=64, prefix_caching=None), "mamba_cache_mode='none'"),
 ])
