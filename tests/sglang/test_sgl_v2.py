@@ -420,3 +420,39 @@ def test_hybrid_without_interface_v1_uses_the_generic_kv_path(gateway, backends)
     assert got.hit_pages == 6 and got.completed_pages == 6 and got.pool_hits["mamba"] == 1
     assert pages_of(dst["kv"], got.kv_idx) == pages_of(src["kv"], stored.kv_idx)
     assert pages_of(dst["mamba"], got.aux_idx["mamba"]) == pages_of(src["mamba"], stored.aux_idx["mamba"])
+
+
+def test_v2_without_a_gateway_and_with_bad_indices_never_raises(gateway, backends):
+    """The cache never stops the engine: no gateway means misses and failed sets; bad host indices
+    or an unregistered pool fail that pool's pages only, and nothing is written into the pools."""
+    from adpkv_gateway.spawn import free_port
+    pools = make_pools("qwen3next", "page_first", seed=60)
+    down = storage_config({"port": free_port(), "model_id": "m", "interface_v1": 1, "connect_timeout_s": 0.5,
+                           "reconnect_s": 0})
+    b, _ = attach(backends, down, pools)
+    hashes = get_storage_hash_str(tokens_for(3, 8), None, page_size=8)
+    state = PoolTransfer(name=PoolName.MAMBA, keys=hashes[-1:], host_indices=torch.tensor([1]),
+                         hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    before = pools["mamba"].get_data_page(1).clone()
+    res = b.batch_exists_v2(hashes, [state])
+    assert res.kv_hit_pages == 0 and res.restorable_prefix_pages == []
+    assert b.batch_set_v2([state]) == {PoolName.MAMBA: [False]}
+    assert b.batch_get_v2([state]) == {PoolName.MAMBA: [False]}
+    assert torch.equal(pools["mamba"].get_data_page(1), before)
+    b.close()
+
+    up, _ = attach(backends, cfg_for(gateway, "qwen3next"), pools)
+    outside = PoolTransfer(name=PoolName.MAMBA, keys=hashes[-1:], host_indices=torch.tensor([10 ** 6]),
+                           hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    two_for_one = PoolTransfer(name=PoolName.MAMBA, keys=hashes[-1:], host_indices=torch.tensor([1, 2]),
+                               hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    unknown = PoolTransfer(name=PoolName.INDEXER, keys=hashes, host_indices=torch.arange(0, 24))
+    got = up.batch_set_v2([outside])
+    assert got == {PoolName.MAMBA: [False]}
+    assert up.batch_set_v2([two_for_one, unknown]) == {PoolName.MAMBA: [False], PoolName.INDEXER: [False] * 3}
+    assert up.batch_get_v2([outside, unknown]) == {PoolName.MAMBA: [False], PoolName.INDEXER: [False] * 3}
+    assert up.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=[])]) == {PoolName.MAMBA: []}
+    assert up.gateway_stats()["objects"].get("stored", 0) == 0
+    assert all(up.batch_set_v1(hashes, pools["kv"].alloc(3 * 8)))
+    assert up.batch_exists_v2(hashes, []).kv_hit_pages == 3
+    assert up.batch_exists_v2(hashes, [unknown]).kv_hit_pages == 0   # a pool never registered: not usable
