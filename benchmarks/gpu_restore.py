@@ -172,6 +172,14 @@ def diagnose(client, ring, cache: PagedCache, kb, card: str, threads: int) -> di
     futs = [client.get(keys_for(cache, kb, i), obj, lambda b: None) for i in range(len(cache.layers))]
     assert all(all(f.result()) for f in futs)
     out["gateway_only_GBs"] = len(files) * obj / (time.perf_counter() - t0) / 1e9
+    # the same while the GPU pulls from pinned host memory at full speed (as during a restore):
+    # how much the reads lose to the DMA sharing the host's memory
+    pull = _H2DPull()
+    t0 = time.perf_counter()
+    futs = [client.get(keys_for(cache, kb, i), obj, lambda b: None) for i in range(len(cache.layers))]
+    assert all(all(f.result()) for f in futs)
+    out["gateway_only_gpu_pulling_GBs"] = len(files) * obj / (time.perf_counter() - t0) / 1e9
+    out["gpu_pull_meanwhile_GBs"] = pull.finish()
     stream = torch.cuda.Stream()
     for count in (16, 128):                     # objects per ring batch: 16 MiB and 128 MiB copies
         ids = cache.block_ids[: count * cache.nb]
@@ -186,6 +194,31 @@ def diagnose(client, ring, cache: PagedCache, kb, card: str, threads: int) -> di
         out[f"ring_to_gpu_{count}obj_GBs"] = moved / (time.perf_counter() - t0) / 1e9
     log("diagnose: " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()))
     return out
+
+
+class _H2DPull:
+    """A thread copying 1 GiB of pinned host memory to the GPU over and over until ``finish``."""
+
+    def __init__(self):
+        import threading
+        self.host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+        self.stop, self.moved, self.t0 = threading.Event(), 0, time.perf_counter()
+        self.thread = threading.Thread(target=self._pull)
+        self.thread.start()
+
+    def _pull(self) -> None:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            while not self.stop.is_set():
+                self.dev.copy_(self.host, non_blocking=True)
+                stream.synchronize()
+                self.moved += GiB
+
+    def finish(self) -> float:
+        self.stop.set()
+        self.thread.join()
+        return self.moved / (time.perf_counter() - self.t0) / 1e9
 
 
 def drop_caches() -> bool:

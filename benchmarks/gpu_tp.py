@@ -232,11 +232,12 @@ def nvlink_probe(rank: int, world: int, group, device, mib: int = 256) -> float:
 # ---------------------------------------------------------------------------- main
 def worker(rank: int, args, port: int, ring_path: str, ring_bytes: int) -> None:
     on_gpu = args.device == "cuda"
-    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+    device = torch.device("cuda", 0 if args.share_gpu else rank) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=args.gpus, **({"device_id": device} if on_gpu else {}))
+    backend = args.backend or ("nccl" if on_gpu else "gloo")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.gpus,
+                            **({"device_id": device} if backend == "nccl" else {}))
     group = dist.new_group(list(range(args.gpus)))
     ring = torch.from_file(ring_path, shared=True, size=ring_bytes, dtype=torch.uint8)
     pinned = pin_ring(ring) if on_gpu else False
@@ -246,9 +247,8 @@ def worker(rank: int, args, port: int, ring_path: str, ring_bytes: int) -> None:
         report["allgather_GBs"] = nvlink_probe(rank, args.gpus, group, device)
         log(rank, f"all-gather over the group: {report['allgather_GBs']:.1f} GB/s received per rank")
     for part in args.parts.split(","):
-        if part == "mla" and args.gpus < 2:
-            log(rank, "mla: fan-out needs two GPUs or more: skipped")
-            continue
+        if part == "mla" and (args.gpus < 2 or args.share_gpu):
+            log(rank, "mla: ranks do not have a GPU each: a check of the code on CUDA, no fan-out figure")
         for tokens in [int(t) for t in args.tokens.split(",")]:
             s = Setup(part, tokens, rank, args.tp if part == "gqa" else args.gpus, ring, args.ring_layers, device)
             if s.ring_layers * s.layer_bytes > ring_bytes:
@@ -283,6 +283,9 @@ def main() -> int:
     ap.add_argument("--ring-layers", type=int, default=6, help="distinct layer images in the ring")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--backend", default=None, help="torch.distributed backend (default: nccl on GPUs, gloo on CPU)")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="every rank on GPU 0 (with --backend gloo): checks the code on CUDA with one GPU")
     args = ap.parse_args()
     if args.gpus == 0:
         args.gpus = torch.cuda.device_count() if args.device == "cuda" else 2

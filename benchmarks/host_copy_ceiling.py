@@ -10,7 +10,8 @@ processes that each map a /dev/shm ring like the gateway's I/O processes do:
 * ``pread+xxh3``    the same and the xxh3 of the whole payload afterwards (a second pass over
   the bytes: the gateway's earlier read path, kept for comparison);
 * ``pread+xxh3/chunked``  read in pieces, each hashed right after its read, while in cache (the
-  gateway's read path today: ``_read_hashed`` in gateway/cards/fs.py);
+  gateway's read path today: ``_read_hashed`` in gateway/cards/objfile.py); ``...:N`` reads
+  pieces of N KiB instead of 256;
 * ``mmap+memcpy``   the file mapped (MAP_POPULATE) and copied to the ring by memmove;
 
 and, where the kernel allows it, the same with the ring on transparent huge pages. With
@@ -78,6 +79,8 @@ def _work(job) -> int:
     kind, items, slots = job
     view = memoryview(_ring)
     src_addr = ctypes.addressof(ctypes.c_char.from_buffer(_src))
+    kind, _, piece_kib = kind.partition(":")          # "pread+xxh3/chunked:1024": pieces of 1 MiB
+    piece = int(piece_kib) << 10 if piece_kib else PIECE
     state = _xx.XXH3_createState() if kind == "pread+xxh3/chunked" else None
     moved = 0
     for i, path in items:
@@ -97,7 +100,7 @@ def _work(job) -> int:
             os.preadv(fd, [view[off:off + HEADER]], 0)
             pos = 0
             while pos < OBJ:
-                n = os.preadv(fd, [view[off + HEADER + pos:off + HEADER + pos + PIECE]], HEADER + pos)
+                n = os.preadv(fd, [view[off + HEADER + pos:off + HEADER + pos + piece]], HEADER + pos)
                 _xx.XXH3_64bits_update(state, _ring_addr + off + HEADER + pos, n)
                 pos += n
             _xx.XXH3_64bits_digest(state)
