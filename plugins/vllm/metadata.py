@@ -67,7 +67,7 @@ class CacheGroup:
     index: int                        # vLLM's KV cache group id (position in kv_cache_groups)
     kind: str                         # "full" | "sliding" | "mla"
     layer_names: tuple[str, ...]      # in key order
-    sliding_window: Optional[int] = None   # tokens ("sliding" only)
+    sliding_window: Optional[int] = None   # tokens whose blocks vLLM keeps ("sliding" only)
     # caches read before any layer hook runs (DeepSeek sparse attention's indexer keys,
     # MLAAttentionSpec with cache_role "indexer"): loaded completely before the pass
     before_pass: tuple[str, ...] = ()
@@ -189,7 +189,10 @@ def cache_groups(vllm_config, kv_cache_config) -> tuple[list[CacheGroup], str]:
         if kind is None:
             return [], (f"KV cache spec {name} (group {gid}) is not supported (full attention, "
                         "sliding window or MLA)")
-        windows = {getattr(sp, "sliding_window", None) for sp in specs} if kind == "sliding" else {None}
+        # a sliding group keeps its blocks from ``window + extra_retained_tokens`` back (vLLM
+        # retains, unattended, the extra ones for multi-module spec decoding): all are restored
+        windows = ({sp.sliding_window + getattr(sp, "extra_retained_tokens", 0) for sp in specs}
+                   if kind == "sliding" else {None})
         if len(windows) != 1:
             return [], f"KV cache group {gid} mixes sliding windows {sorted(windows)}"
         per_layer = getattr(g.kv_cache_spec, "kv_cache_specs", None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import uuid
 
+import pytest
 import torch
 
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
@@ -34,9 +35,9 @@ def full(heads=2):
     return FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=64, dtype=torch.float32)
 
 
-def sliding():
+def sliding(extra=0):
     return SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32,
-                             sliding_window=WINDOW)
+                             sliding_window=WINDOW, extra_retained_tokens=extra)
 
 
 def mla(role=SparseCacheRole.SPARSE, head=96):
@@ -61,8 +62,9 @@ def store_and_restore(model_dir, port, groups, toks, **kw):
     return b, b.add(toks)
 
 
-def test_sliding_and_full_groups_restore_byte_for_byte(gateway, model_dir):
-    groups = [(layers(0, 2), sliding()), (layers(1, 3), full())]
+@pytest.mark.parametrize("extra", [0, 70])    # 70: blocks vLLM retains unattended past the window
+def test_sliding_and_full_groups_restore_byte_for_byte(gateway, model_dir, extra):
+    groups = [(layers(0, 2), sliding(extra)), (layers(1, 3), full())]
     toks = tokens(700, 1)
     h, req = store_and_restore(model_dir, gateway.port, groups, toks)
     try:
