@@ -83,7 +83,7 @@ def cmd_usage(args) -> int:
         name = f"{t['namespace']} (id:{t['id']})" if t["namespace"] else f"id:{t['id']}"
         quota = f"quota {t['quota_bytes']} bytes per card" if t["quota_bytes"] else "no quota"
         print(f"namespace {name}: {t['used_bytes']} bytes, {t['objects']} objects, {quota}, "
-              f"{t['evicted']} evicted over quota")
+              f"{t['evicted']} evicted over quota, {t.get('capacity_evicted', 0)} by the card's LRU")
     return 0
 
 
