@@ -269,14 +269,21 @@ def test_a_stalled_gateway_never_writes_into_a_region_after_the_client_gave_up(g
         c.close()
 
 
-def test_a_stalled_gateway_never_stores_what_the_engine_put_in_the_region_after_it_gave_up(gateway, shm_buffer):
+@pytest.mark.parametrize("card", ["fs", "resp"])
+def test_a_stalled_gateway_never_stores_what_the_engine_put_in_the_region_after_it_gave_up(
+        start_gateway, redis_servers, shm_buffer, card):
     """The store side of the same race: a PUT from a region whose gateway stalls past the
     client's timeout. The client reports "not stored" and the engine reuses its buffer for other
     blocks; the resumed gateway must not store those bytes under the old keys (a wrong hit for
     everyone later). Each region PUT carries ``read_by``; nothing read from the region at or
-    after it is stored."""
+    after it is stored: by an fs card reading the region itself, nor through the ring (resp)."""
     import signal
     import time
+    if card == "resp":
+        server, = redis_servers(1)
+        gateway = start_gateway(card_dirs=[server.url], storage_backend="resp")
+    else:
+        gateway = start_gateway()
     path, arr = shm_buffer
     keys = make_keys(4)
     c = GatewayClient(ClientConfig(port=gateway.port, timeout_s=1.5, busy_wait_s=0), "region-put-stall", 0, 1)
@@ -530,5 +537,34 @@ def test_objects_not_in_the_page_cache_are_read_whole_and_checked_before_they_la
             else:
                 assert got == b"\xee" * OBJ, "a damaged object wrote into the engine's buffer"
         assert not any(_cached(f) for f in files if f.exists()), "read through the page cache"
+    finally:
+        c.close()
+
+
+def test_a_card_that_cannot_read_regions_stores_them_through_the_ring(redis_servers, start_gateway, shm_buffer):
+    """A resp card (real redis-server) has no direct region I/O: region PUTs go region ->
+    ring slot -> card, GETs card -> ring -> region. Byte exact, fragments included; a region
+    truncated before the PUT stores nothing of the objects past its end."""
+    server, = redis_servers(1)
+    gw = start_gateway(card_dirs=[server.url], storage_backend="resp", fragment_size=64 * 1024, num_dbs=4)
+    path, arr = shm_buffer
+    keys = make_keys(8)
+    rng = random.Random(9)
+    rows = [rng.randbytes(OBJ) for _ in range(8)]
+    for i, row in enumerate(rows):
+        arr[i * OBJ:(i + 1) * OBJ] = row
+    c = _client(gw.port, "region-resp")
+    try:
+        region = c.register_region(path, 0, len(arr)).result(5)
+        assert c.put_from(region, [i * OBJ for i in range(6)], keys[:6], OBJ).result(10).stored == [True] * 6
+        dst = 4 << 20
+        arr[dst:dst + 6 * OBJ] = bytes(6 * OBJ)
+        assert c.get_into(region, [dst + i * OBJ for i in range(6)], keys[:6], OBJ).result(10) == [True] * 6
+        for i in range(6):
+            assert bytes(arr[dst + i * OBJ:dst + (i + 1) * OBJ]) == rows[i], f"object {i} differs"
+        os.truncate(path, 6 * OBJ + OBJ // 2)                  # object 6 cut in two, 7 gone
+        assert c.put_from(region, [6 * OBJ, 7 * OBJ], keys[6:], OBJ).result(10).stored == [False, False]
+        assert c.exist(keys).result(5) == [True] * 6 + [False] * 2
+        assert gw.alive() and c.enabled
     finally:
         c.close()
