@@ -176,7 +176,11 @@ class AdpHiCacheStorage(HiCacheStorage):
         self.pools[name] = hp
         if not self.hybrid:
             self.hybrid = True
+            had_kv = self.kv is not None and self._attachment is not None and self._attachment.enabled
             self._make_kv_pool()     # KV objects carry stamps from now on (their own namespace)
+            if had_kv and self.interface_v1:
+                logger.warning("adpkv: pool %s registered after the KV pool was in use: KV pages now carry "
+                               "page-group stamps, in a namespace of their own (earlier KV pages miss)", name)
         logger.info("adpkv: pool %s: %s pages of %d bytes (%s, %s), namespace %s", name, hp.kind,
                     hp.io.page_bytes, "zero copy" if hp.io.zero_copy else "flat pages",
                     "one object for all ranks" if hp.replicated else f"rank shard {hp.shard}",
@@ -356,6 +360,8 @@ class AdpHiCacheStorage(HiCacheStorage):
             all_marks = list(marks) if marks is not None else None
             spans = []
             for t in pool_transfers or []:
+                if str(t.name) == PoolName.KV.value:
+                    continue                     # the KV pages themselves: counted above
                 hp = self.pools.get(str(t.name))
                 pool_keys = list(t.keys or keys) if t.hit_policy == PoolHitPolicy.BLOCK_GROUPS else keys
                 if hp is None:
@@ -385,6 +391,9 @@ class AdpHiCacheStorage(HiCacheStorage):
         results: dict[str, List[bool]] = {}
         for t in transfers:
             keys = list(t.keys or [])
+            if str(t.name) == PoolName.KV.value:     # KV pages handed over as a pool: the v1 path
+                results[t.name] = self.batch_set_v1(keys, t.host_indices, extra_info) if keys else []
+                continue
             results[t.name] = self._set_pool(t, keys, extra_info) if keys else []
         return results
 
@@ -440,6 +449,9 @@ class AdpHiCacheStorage(HiCacheStorage):
         results: dict[str, List[bool]] = {}
         for t in transfers:
             keys = list(t.keys or [])
+            if str(t.name) == PoolName.KV.value:     # KV pages handed over as a pool: the v1 path
+                results[t.name] = self.batch_get_v1(keys, t.host_indices, extra_info) if keys else []
+                continue
             results[t.name] = self._get_pool(t, keys, extra_info) if keys else []
         return results
 

@@ -456,3 +456,17 @@ def test_v2_without_a_gateway_and_with_bad_indices_never_raises(gateway, backend
     assert all(up.batch_set_v1(hashes, pools["kv"].alloc(3 * 8)))
     assert up.batch_exists_v2(hashes, []).kv_hit_pages == 3
     assert up.batch_exists_v2(hashes, [unknown]).kv_hit_pages == 0   # a pool never registered: not usable
+
+
+def test_kv_pages_handed_over_as_a_v2_pool_take_the_v1_path(gateway, backends):
+    pools = make_pools("qwen3next", "page_first", seed=70)
+    b, _ = attach(backends, cfg_for(gateway, "qwen3next"), pools)
+    P = pools["kv"].page_size
+    hashes = get_storage_hash_str(tokens_for(4, P), None, page_size=P)
+    src = pools["kv"].alloc(4 * P)
+    assert b.batch_set_v2([PoolTransfer(name=PoolName.KV, keys=hashes, host_indices=src)]) == {PoolName.KV: [True] * 4}
+    assert b.batch_exists_v2(hashes, [PoolTransfer(name=PoolName.KV, keys=hashes)]).kv_hit_pages == 4
+    assert b.batch_exists(hashes) == 4
+    dst = pools["kv"].alloc(4 * P)
+    assert b.batch_get_v2([PoolTransfer(name=PoolName.KV, keys=hashes, host_indices=dst)]) == {PoolName.KV: [True] * 4}
+    assert pages_of(pools["kv"], dst) == pages_of(pools["kv"], src)
