@@ -234,6 +234,33 @@ def test_gateway_evictions_become_removed_events_without_a_lookup(model_dir, sta
         conn.shutdown()
 
 
+def test_rows_go_through_the_ring_where_the_region_cannot_be_registered(model_dir, gateway, monkeypatch, caplog):
+    """The fallback: vLLM 0.32's CPU tier is always a /dev/shm file, so this test hides it from
+    the tier (``_find_region_file`` answers None) to run the path a tier takes when the file
+    cannot be registered: rows copied through the gateway's ring in this process, byte exact,
+    logged once."""
+    import logging
+
+    from adpkv_vllm import AdpSecondaryTier
+    from vllm.v1.kv_offload.base import LookupResult
+    caplog.set_level(logging.WARNING, logger="adpkv")
+    monkeypatch.setattr(AdpSecondaryTier, "_find_region_file", lambda self, spec: None)
+    conn, m = engine_tiering(model_dir, tier_json(gateway.port))
+    tier = adp_tier(m)
+    try:
+        assert tier._session.state["region"] is None
+        keys = keys_of(12, seed=8)
+        assert store(m, keys, "s0") == keys
+        m.reset_cache()
+        res, data, _ = load(m, keys, "l0")
+        assert res == [LookupResult.HIT] * len(keys)
+        for k in keys:
+            assert (data[k] == payload(k, ROW_BYTES)).all(), "a row through the ring must be the stored row"
+        assert sum("through the ring" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        conn.shutdown()
+
+
 def test_engine_end_to_end():
     from vllm.platforms import current_platform
     if not (current_platform.is_cuda_alike() or current_platform.is_xpu()):
