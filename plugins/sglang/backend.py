@@ -58,14 +58,16 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from adpkv_core.affinity import dialog_marks
 from adpkv_core.attachment import Attachment, Session
 from adpkv_core.keys import KIND_KV, KeyBuilder
 from adpkv_core.settings import parse_bool
-
-from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult
 
 from . import groups, housekeeping, hitpolicy, transfers
 from .config import SglangSettings, key_namespace, shard_suffix
