@@ -50,9 +50,9 @@ MODELS = {
 }
 
 
-def make_pools(model: str, layout: str, seed: int):
+def make_pools(model: str, layout: str, seed: int, pages: int = 40):
     spec = MODELS[model]
-    kv = (mla_pool if spec["mla"] else mha_pool)(layout, pages=40)
+    kv = (mla_pool if spec["mla"] else mha_pool)(layout, pages=pages)
     pools = {"kv": kv}
     for name in spec["aux"]:
         if name == "mamba":
@@ -144,7 +144,8 @@ def prefetch(c, pools, tokens, names=None, prefix_keys=None):
                            pool_transfers=transfers)
     hit_hashes, hit_tokens = c._storage_hit_query(op)
     out = SimpleNamespace(hit_pages=hit_tokens // page, restorable=op.pool_storage_result.restorable_prefix_pages,
-                          query_pool_hits=dict(op.query_pool_hit_pages), aux_idx={}, acks=[], kv_idx=None)
+                          query_pool_hits=dict(op.query_pool_hit_pages), aux_idx={}, acks=[], kv_idx=None,
+                          completed_pages=0, pool_hits={})
     if not hit_tokens:
         return out
     op.hash_value = hit_hashes
@@ -470,3 +471,72 @@ def test_kv_pages_handed_over_as_a_v2_pool_take_the_v1_path(gateway, backends):
     dst = pools["kv"].alloc(4 * P)
     assert b.batch_get_v2([PoolTransfer(name=PoolName.KV, keys=hashes, host_indices=dst)]) == {PoolName.KV: [True] * 4}
     assert pages_of(pools["kv"], dst) == pages_of(pools["kv"], src)
+
+
+def test_backup_and_prefetch_race_on_an_evicting_card_never_restore_wrong_bytes(start_gateway, backends):
+    """SGLang's backup thread stores page groups while its prefetch thread restores earlier ones,
+    on a card small enough to evict while they run: every restore is a byte-exact prefix of what
+    was stored, and a state is only restored with its whole prefix."""
+    import random
+    import threading
+
+    P, n, groups_n = 8, 6, 10
+    pools = make_pools("qwen3next", "page_first", seed=80, pages=80)
+    kv_page = len(page_bytes(pools["kv"], 0)) + 16
+    state = pools["mamba"].get_data_page(0).numel() + 16
+    gw = start_gateway(capacity_bytes=6 * (n * kv_page + state) + (64 << 10), eviction_ratio=0.3)
+    b, group = attach(backends, cfg_for(gw, "qwen3next"), pools)
+    writer, reader = controller(b, group), controller(b, group)
+    spans = [tokens_for(n, P, salt=1000 * g) for g in range(groups_n)]
+    stored: dict[int, SimpleNamespace] = {}
+    failures: list[str] = []
+    done = threading.Event()
+
+    def backup_thread():
+        try:
+            for g, tok in enumerate(spans):
+                stored[g] = backup(writer, pools, tok)
+        except Exception as exc:                      # reported by the main thread
+            failures.append(f"backup: {exc!r}")
+        finally:
+            done.set()
+
+    checked = {"full": 0, "partial": 0, "none": 0}
+
+    def prefetch_thread():
+        rnd = random.Random(1)
+        try:
+            while not done.is_set() or sum(checked.values()) < 12:
+                if not stored:
+                    done.wait(0.01)
+                    continue
+                g = rnd.choice(list(stored))
+                got = prefetch(reader, pools, spans[g])
+                k = got.completed_pages if got.hit_pages else 0
+                src = stored[g]
+                if k and pages_of(pools["kv"], got.kv_idx, k) != pages_of(pools["kv"], src.kv_idx, k):
+                    failures.append(f"group {g}: KV pages differ")
+                if got.pool_hits.get("mamba"):
+                    if k != n:
+                        failures.append(f"group {g}: a state restored with {k} of {n} pages")
+                    elif pages_of(pools["mamba"], got.aux_idx["mamba"]) != \
+                            pages_of(pools["mamba"], src.aux_idx["mamba"]):
+                        failures.append(f"group {g}: the state differs")
+                checked["full" if k == n else "partial" if k else "none"] += 1
+                if got.kv_idx is not None:                # give the host slots back
+                    pools["kv"].free(got.kv_idx)
+                if "mamba" in got.aux_idx:
+                    pools["mamba"].free(got.aux_idx["mamba"])
+        except Exception as exc:
+            failures.append(f"prefetch: {exc!r}")
+
+    threads = [threading.Thread(target=backup_thread), threading.Thread(target=prefetch_thread)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not failures, failures
+    assert checked["full"] > 0, checked
+    still = [b.batch_exists(stored[g].hashes) for g in range(groups_n)]
+    assert min(still) < n, f"the card should have evicted ({still})"
