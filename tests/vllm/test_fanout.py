@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -183,3 +184,124 @@ def test_exchange_between_two_ranks(exchanged, name):
                 assert (kv[d] == POISON).all(), (name, r, d)
         untouched = sorted(set(range(NB)) - set(dst.tolist()))
         assert (kv[untouched] == POISON).all()
+
+
+# ----------------------------------------------------------------------------- the worker, two ranks, a real gateway
+W_BLOCK, W_HEAD, W_BLOCKS, W_CHUNK, W_CHUNKS = 16, 96, 128, 32, 6     # MLA latent pages of 96 floats
+W_LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+
+
+def _worker_rank(rank: int, port: int, gw_port: int, model_dir: str, engine_id: str, out: str) -> None:
+    """One TP rank: the connector's worker role (``AdpKVConnector``) with MLA latent pages on CPU,
+    fan-out over gloo. Stand-ins, because vLLM's distributed state and NCCL need GPUs: the TP rank
+    comes from a patched ``get_tensor_model_parallel_rank``, the communicator is gloo's."""
+    import vllm.distributed.parallel_state as ps
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                             VllmConfig)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+
+    from adpkv_core.client import GatewayClient
+    from adpkv_core.settings import ClientConfig
+    from adpkv_vllm.connector import AdpKVConnector
+    from adpkv_vllm.metadata import AdpConnectorMetadata
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ps.get_tensor_model_parallel_rank = lambda: rank
+    try:
+        group = dist.new_group([0, 1], backend="gloo", use_local_synchronization=True)
+        spec = MLAAttentionSpec(block_size=W_BLOCK, num_kv_heads=1, head_size=W_HEAD, dtype=torch.float32)
+        conf = {"adpkv.port": gw_port, "adpkv.namespace": "fanout", "adpkv.chunk_size": W_CHUNK,
+                "adpkv.timeout_s": 5.0, "adpkv.nvlink_fanout": True}
+        vcfg = VllmConfig(
+            model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32",
+                                     max_model_len=4096, seed=0),
+            cache_config=CacheConfig(block_size=W_BLOCK, enable_prefix_caching=True),
+            parallel_config=ParallelConfig(tensor_parallel_size=2),
+            kv_transfer_config=KVTransferConfig(kv_connector="AdpKVConnector", kv_connector_module_path="adpkv_vllm",
+                                                kv_role="kv_both", engine_id=engine_id,
+                                                kv_connector_extra_config=conf),
+            device_config=DeviceConfig("cpu"))
+        kcfg = KVCacheConfig(num_blocks=W_BLOCKS, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec(list(W_LAYERS), spec)])
+        conn = AdpKVConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+        kv = {n: torch.full((W_BLOCKS, W_BLOCK, W_HEAD), POISON) for n in W_LAYERS}
+        conn.register_kv_caches(kv)
+        worker = conn.connector_worker
+        off_on_cpu = worker.fanout is None                 # for_vllm: the KV cache is not on CUDA
+        worker.fanout = Fanout(group, rank, 2, torch.device("cpu"))
+        copied = []
+        share_copy = worker.fanout.scatter_share
+        worker.fanout.scatter_share = lambda load, layer, ring, b, *a, **k: (
+            copied.append(share(b.first, b.count, rank, 2)), share_copy(load, layer, ring, b, *a, **k))[1]
+        bpc = W_CHUNK // W_BLOCK
+        src = torch.randn(len(W_LAYERS), W_CHUNKS * bpc, W_BLOCK, W_HEAD, generator=torch.Generator().manual_seed(5))
+        digests = [b"chunk-%010d" % c for c in range(W_CHUNKS)]
+        marks = [0] * W_CHUNKS
+        save_blocks = list(range(1, 1 + W_CHUNKS * bpc))
+        # rank 0 stores the chunks (MLA: one writer for the group), all but chunk 3
+        stored = [c for c in range(W_CHUNKS) if c != 3]
+        if rank == 0:
+            for li, n in enumerate(W_LAYERS):
+                kv[n][save_blocks] = src[li]
+            plan = ChunkPlan("w", [digests[c] for c in stored], [0] * len(stored),
+                             [save_blocks[c * bpc + b] for c in stored for b in range(bpc)])
+            meta = AdpConnectorMetadata(step=1, saves=[plan])
+            conn.bind_connector_metadata(meta)
+            conn.start_load_kv(None)
+            for n in W_LAYERS:
+                conn.wait_for_layer_load(n)
+                conn.save_kv_layer(n, kv[n], None)
+            conn.wait_for_save()
+            conn.clear_connector_metadata()
+            keys = [k for li in range(len(W_LAYERS)) for k in worker.cfg.keys.keys(
+                [digests[c] for c in stored], (li,), kind=0)]
+            probe = GatewayClient(ClientConfig(port=gw_port, namespace="fanout"), worker.cfg.engine_id, None, 2)
+            deadline = time.monotonic() + 60
+            while not all(probe.exist(keys).result()):
+                assert time.monotonic() < deadline, "the chunks were not stored"
+                time.sleep(0.05)
+            probe.close()
+        dist.barrier(group)
+        # both ranks restore every chunk into other blocks: chunk 3 is missing
+        load_blocks = list(range(64, 64 + W_CHUNKS * bpc))
+        plan = ChunkPlan("r", digests, marks, load_blocks)
+        meta = AdpConnectorMetadata(step=2, loads=[plan])
+        conn.bind_connector_metadata(meta)
+        conn.start_load_kv(None)
+        for n in W_LAYERS:
+            conn.wait_for_layer_load(n)
+        conn.wait_for_save()
+        errors = conn.get_block_ids_with_load_errors()
+        conn.clear_connector_metadata()
+        torch.save({"kv": kv, "errors": sorted(errors), "src": src, "load_blocks": load_blocks,
+                    "copied": copied, "off_on_cpu": off_on_cpu}, os.path.join(out, f"worker{rank}.pt"))
+        conn.shutdown()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_worker_restores_mla_pages_through_the_fanout(start_gateway, model_dir, tmp_path):
+    """Two TP ranks' real worker roles on a real gateway: rank 0 stores an MLA model's chunks,
+    both restore them with one collective GET per layer, each copying half of every ring batch
+    and the rest arriving by the exchange; every page right on both ranks, the missing chunk an
+    error on both, its blocks untouched."""
+    import uuid
+    gw = start_gateway()
+    mp.start_processes(_worker_rank, args=(_free_port(), gw.port, model_dir, str(uuid.uuid4()), str(tmp_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    bpc = W_CHUNK // W_BLOCK
+    for r in range(2):
+        res = torch.load(tmp_path / f"worker{r}.pt")
+        assert res["off_on_cpu"]
+        missing = res["load_blocks"][3 * bpc:4 * bpc]
+        assert res["errors"] == sorted(missing)
+        for li, n in enumerate(W_LAYERS):
+            kv = res["kv"][n]
+            for q, b in enumerate(res["load_blocks"]):
+                if b in missing:
+                    assert (kv[b] == POISON).all(), (r, n, b)
+                else:
+                    assert torch.equal(kv[b], res["src"][li][q]), (r, n, b)
+        # per layer one ring batch here: this rank copied its half of it, the other half came by NVLink's stand-in
+        assert res["copied"] and all(hi - lo == W_CHUNKS // 2 for lo, hi in res["copied"]), res["copied"]
