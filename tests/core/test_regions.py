@@ -524,7 +524,9 @@ def test_objects_not_in_the_page_cache_are_read_whole_and_checked_before_they_la
             os.truncate(victim, victim.stat().st_size - 4096)
         for f in files:
             _evict_from_page_cache(f)
-            assert not _cached(f)
+            if _cached(f):
+                pytest.skip(f"the card's file system keeps its files in memory ({f.parent}: tmpfs?); "
+                            "nothing here is out of the page cache")
         dst = 4 << 20
         arr[dst:dst + 3 * OBJ] = b"\xee" * (3 * OBJ)
         hits = c.get_into(region, [dst + i * OBJ for i in range(3)], keys, OBJ).result(10)
