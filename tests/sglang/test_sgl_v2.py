@@ -540,3 +540,28 @@ def test_backup_and_prefetch_race_on_an_evicting_card_never_restore_wrong_bytes(
     assert checked["full"] > 0, checked
     still = [b.batch_exists(stored[g].hashes) for g in range(groups_n)]
     assert min(still) < n, f"the card should have evicted ({still})"
+
+
+def test_same_backend_restores_hybrid_groups_after_the_gateway_is_killed(start_gateway, backends):
+    """kill -9 of the gateway: the v2 calls miss (never raise) until the backend re-attached by
+    itself; then the same instance restores the page groups it stored before."""
+    import time
+
+    gw = start_gateway(engine_timeout_s=1)
+    pools = make_pools("qwen3next", "page_first", seed=90)
+    cfg = cfg_for(gw, "qwen3next", timeout_s=1.5, reconnect_s=0.2, connect_timeout_s=1.0)
+    b, group = attach(backends, cfg, pools)
+    c = controller(b, group)
+    P = pools["kv"].page_size
+    tokens = tokens_for(5, P)
+    stored = backup(c, pools, tokens)
+    gw.restart(hard=True)
+    mamba = [PoolTransfer(name=PoolName.MAMBA, keys=["x"], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    deadline = time.monotonic() + 20
+    while b.batch_exists_v2(stored.hashes, mamba).kv_hit_pages != 5:
+        assert time.monotonic() < deadline, "the backend did not come back"
+        time.sleep(0.1)                                   # polling with a deadline
+    got = prefetch(c, pools, tokens)
+    assert got.completed_pages == 5 and got.pool_hits["mamba"] == 1
+    assert pages_of(pools["kv"], got.kv_idx) == pages_of(pools["kv"], stored.kv_idx)
+    assert pages_of(pools["mamba"], got.aux_idx["mamba"]) == pages_of(pools["mamba"], stored.aux_idx["mamba"])
