@@ -17,12 +17,17 @@ Every restored layer is checked byte for byte against the ring.
   stream, the main thread exchanges each layer over NVLink (``Fanout.exchange``) as it comes,
   as the vLLM worker does (I/O thread / ``wait_for_layer_load``).
 
-The pages are in the ring before the clock starts (the card -> ring reads are measured by
+* ``mla-restore`` (the same geometry): whole restores through a real gateway on an fs card, page
+  cache hot: rank 0 stores every layer once, then every rank restores every layer (one GET per
+  layer, all in flight). Fan-out off: each rank its own GET of every object (the worker without
+  the setting); on: one collective GET per layer, shares, and the exchange in layer order.
+
+For ``gqa`` and ``mla`` the pages are in the ring before the clock starts (the card -> ring reads are measured by
 ``gpu_restore.py``); ``--ring-layers`` distinct layer images are cycled over the layers.
 The restore plan is the all-hits case of the worker's ``ChunkPlanIndex`` (``FullPlan``
 below: that class imports vLLM, which this machine lacks).
 
-    python benchmarks/gpu_tp.py --out OUT --parts gqa,mla --tokens 32768,131072
+    python benchmarks/gpu_tp.py --out OUT --parts gqa,mla,mla-restore --tokens 32768,131072
     python benchmarks/gpu_tp.py --device cpu --gpus 2 --tokens 2048 --ring-layers 2   # smoke test (gloo)
 """
 
@@ -212,6 +217,79 @@ def run_mla(s: Setup, rank: int, world: int, group, stream, reps: int) -> dict:
     return row
 
 
+# ---------------------------------------------------------------------------- MLA: whole restores
+def _pages(s: Setup, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s stored pages (every loaded block's), the same on every rank: drawn from
+    a generator seeded with the layer, on this rank's device."""
+    g = torch.Generator(device=s.device).manual_seed(1000 + layer)
+    shape = (len(s.dst), *s.layers[0].page_shape)
+    return torch.randint(-30000, 30000, shape, dtype=torch.int16, device=s.device, generator=g).view(torch.bfloat16)
+
+
+def run_mla_restore(s: Setup, rank: int, world: int, group, stream, reps: int, gw_port: int, engine: str,
+                    tokens: int) -> dict:
+    """Card -> ring -> GPUs through a real gateway, page cache hot: rank 0 stores every layer once
+    (MLA: one writer), then each restore GETs every layer at once. Fan-out off: each rank its own
+    GET of every object, as the worker does without the setting. Fan-out on: one collective GET
+    per layer, each rank copies its share, the main thread exchanges each layer in order."""
+    from adpkv_core.client import GatewayClient
+    from adpkv_core.keys import KeyBuilder
+    from adpkv_core.settings import ClientConfig
+    from adpkv_vllm.copy import ring_tensor
+    client = GatewayClient(ClientConfig(port=gw_port, timeout_s=600), engine, rank, world)
+    ring = ring_tensor(client)
+    pinned = pin_ring(ring) if s.device.type == "cuda" else False
+    fan = Fanout(group, rank, world, s.device)
+    kb = KeyBuilder(f"{engine}-{tokens}")
+    keys = [kb.keys([b"chunk-%d" % c for c in range(s.objects)], [i]) for i in range(s.layers_n)]
+    if rank == 0:
+        futs = []
+        for i, layer in enumerate(s.layers):
+            layer.view.index_copy_(0, s.dst_dev, _pages(s, i))
+
+            def fill(b, layer=layer):
+                ids = s.dst[b.first * s.bpc:(b.first + b.count) * s.bpc]
+                layer.gather(ring, b.offset, b.stride, b.count, 0, s.part, ids, s.bpc, stream=stream)
+            futs.append(client.put(keys[i], s.obj, fill))
+        assert all(all(f.result().stored) for f in futs), "store failed"
+    dist.barrier()
+
+    def restore(on: bool, tag: str) -> None:
+        loads = [fan.begin(s.objects) for _ in s.layers] if on else None
+        futs = []
+        for i, layer in enumerate(s.layers):
+            def copy(b, i=i, layer=layer):
+                if on:
+                    fan.scatter_share(loads[i], layer, ring, b, (0, s.part), s.plan, s.bpc, stream)
+                else:
+                    dst, _ = s.plan.batch_blocks(b.first, b.count, None)
+                    layer.scatter(ring, b.offset, b.stride, b.count, 0, s.part, dst, None, s.bpc, stream)
+            futs.append(client.get(keys[i], s.obj, copy, tag=f"{tag}:{i}" if on else None, slice=(0, s.part)))
+        for i, layer in enumerate(s.layers):        # wait_for_layer_load(i), in layer order
+            assert all(futs[i].result()), f"layer {i} missed"
+            if on:
+                fan.exchange(loads[i], layer, s.plan)
+
+    def exact() -> bool:
+        return all(torch.equal(layer.view.index_select(0, s.dst_dev).view(torch.int16), _pages(s, i).view(torch.int16))
+                   for i, layer in enumerate(s.layers))
+    row = {"kv_bytes_per_rank": s.part * s.objects * s.layers_n, "ring_pinned": pinned}
+    for mode in ("off", "on"):
+        times, ok = [], True
+        for k in range(reps):
+            s.poison()
+            times += timed(lambda: restore(mode == "on", f"{mode}{k}"), s.device, 1)
+            ok = ok and exact()
+        row[f"restore_{mode}_s"] = times
+        row[f"restore_{mode}_exact"] = ok
+    row["restore_speedup"] = min(row["restore_off_s"]) / min(row["restore_on_s"])
+    if pinned:
+        unpin_ring(ring)
+    del ring
+    client.close()
+    return row
+
+
 class _Batch:
     """A ring batch of one layer, all objects found (``adpkv_core.client.RingBatch``'s fields)."""
 
@@ -230,7 +308,7 @@ def nvlink_probe(rank: int, world: int, group, device, mib: int = 256) -> float:
 
 
 # ---------------------------------------------------------------------------- main
-def worker(rank: int, args, port: int, ring_path: str, ring_bytes: int) -> None:
+def worker(rank: int, args, port: int, ring_path: str, ring_bytes: int, gw_port: int) -> None:
     on_gpu = args.device == "cuda"
     device = torch.device("cuda", 0 if args.share_gpu else rank) if on_gpu else torch.device("cpu")
     if on_gpu:
@@ -247,14 +325,20 @@ def worker(rank: int, args, port: int, ring_path: str, ring_bytes: int) -> None:
         report["allgather_GBs"] = nvlink_probe(rank, args.gpus, group, device)
         log(rank, f"all-gather over the group: {report['allgather_GBs']:.1f} GB/s received per rank")
     for part in args.parts.split(","):
-        if part == "mla" and (args.gpus < 2 or args.share_gpu):
+        if part.startswith("mla") and (args.gpus < 2 or args.share_gpu):
             log(rank, "mla: ranks do not have a GPU each: a check of the code on CUDA, no fan-out figure")
         for tokens in [int(t) for t in args.tokens.split(",")]:
-            s = Setup(part, tokens, rank, args.tp if part == "gqa" else args.gpus, ring, args.ring_layers, device)
+            s = Setup("gqa" if part == "gqa" else "mla", tokens, rank, args.tp if part == "gqa" else args.gpus,
+                      ring, args.ring_layers, device)
             if s.ring_layers * s.layer_bytes > ring_bytes:
                 raise SystemExit(f"ring of {ring_bytes} bytes too small for {part} {tokens}")
-            row = run_gqa(s, rank, stream, args.reps) if part == "gqa" else \
-                run_mla(s, rank, args.gpus, group, stream, args.reps)
+            if part == "gqa":
+                row = run_gqa(s, rank, stream, args.reps)
+            elif part == "mla":
+                row = run_mla(s, rank, args.gpus, group, stream, args.reps)
+            else:
+                row = run_mla_restore(s, rank, args.gpus, group, stream, args.reps, gw_port,
+                                      f"gpu-tp-{os.getppid()}", tokens)
             row.update(part=part, tokens=tokens)
             report["runs"].append(row)
             log(rank, f"{part} {tokens}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
@@ -276,7 +360,7 @@ def worker(rank: int, args, port: int, ring_path: str, ring_bytes: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gpu-tp-out")
-    ap.add_argument("--parts", default="gqa,mla")
+    ap.add_argument("--parts", default="gqa,mla,mla-restore")
     ap.add_argument("--tokens", default="32768,131072")
     ap.add_argument("--gpus", type=int, default=0, help="processes, one per GPU (0: every GPU)")
     ap.add_argument("--tp", type=int, default=2, help="GQA: TP size of the geometry (heads per rank = 8/tp)")
@@ -284,6 +368,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--backend", default=None, help="torch.distributed backend (default: nccl on GPUs, gloo on CPU)")
+    ap.add_argument("--card-root", default="/tmp/adpkv-gpu-tp", help="mla-restore: where the fs card goes")
+    ap.add_argument("--gateway-ring-gib", type=int, default=8, help="mla-restore: the gateway's ring")
+    ap.add_argument("--io-processes", type=int, default=15, help="mla-restore: the gateway's io_processes")
     ap.add_argument("--share-gpu", action="store_true",
                     help="every rank on GPU 0 (with --backend gloo): checks the code on CUDA with one GPU")
     args = ap.parse_args()
@@ -302,11 +389,21 @@ def main() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    gw = None
+    if "mla-restore" in args.parts.split(","):      # a real gateway on an fs card for the whole restores
+        from adpkv_gateway.spawn import GatewayProcess
+        card = os.path.join(args.card_root, f"card-{os.getpid()}")
+        gw = GatewayProcess(card, shared_memory_size=args.gateway_ring_gib * GiB, thread_pool_size=16,
+                            io_processes=args.io_processes, log_path=card + ".log").start(timeout_s=120)
     try:
-        mp.start_processes(worker, args=(args, port, ring_path, ring_bytes), nprocs=args.gpus, join=True,
-                           start_method="spawn")
+        mp.start_processes(worker, args=(args, port, ring_path, ring_bytes, gw.port if gw else 0),
+                           nprocs=args.gpus, join=True, start_method="spawn")
     finally:
         os.unlink(ring_path)
+        if gw is not None:
+            gw.stop(timeout_s=120)
+            import shutil
+            shutil.rmtree(card, ignore_errors=True)
     return 0
 
 
