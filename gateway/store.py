@@ -215,11 +215,12 @@ class ObjectStore:
         """(read ok, transport ok) of one fragment."""
         return self._card_call(frag, False, lambda card: card.read(frag.db, frag.fkey, buf, frag.slot_tag))
 
-    def read_to_fds(self, items) -> list[tuple[int, bool]]:
+    def read_to_fds(self, items, write_by: Optional[float] = None) -> list[tuple[int, bool]]:
         """Read ``(j, fragment, descriptor, offset)`` items straight into a client's buffer
-        (``Card.read_to_fd``); ``(j, ok)`` each, with statistics and health as ``read_many``."""
+        (``Card.read_to_fd``, nothing written at or after ``write_by``); ``(j, ok)`` each, with
+        statistics and health as ``read_many``."""
         return [(j, self._card_call(frag, False, lambda card, f=frag, d=fd, o=offset:
-                                    card.read_to_fd(f.db, f.fkey, f.length, d, o))[0])
+                                    card.read_to_fd(f.db, f.fkey, f.length, d, o, write_by))[0])
                 for j, frag, fd, offset in items]
 
     def _read_batched(self, items) -> list[tuple[bool, bool]]:

@@ -371,13 +371,14 @@ def _writable(region, write_by: Optional[float]) -> Optional[int]:
 
 def _direct_reads(store: ObjectStore, region, items: list, write_by: Optional[float]) -> list[tuple[int, bool]]:
     """Read ``(j, fragment, file offset)`` items from their cards straight into a client's
-    region (runs on the pool), each only while the client still waits for it and only where
-    the region is still as large as registered."""
+    region (runs on the pool), each only while the client still waits for it (checked again
+    before every write into the region) and only where the region is still as large as
+    registered."""
     out = []
     for j, frag, place in items:
         size_now = _writable(region, write_by)
         ok = size_now is not None and place + frag.length <= size_now
-        out.extend(store.read_to_fds([(j, frag, region.fd, place)]) if ok else [(j, False)])
+        out.extend(store.read_to_fds([(j, frag, region.fd, place)], write_by) if ok else [(j, False)])
     return out
 
 

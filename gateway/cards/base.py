@@ -123,11 +123,13 @@ class Card(abc.ABC):
         """Remove many fragments; how many of them existed."""
         return sum(self.delete(db, fkey, tags[i] if tags else b"") for i, (db, fkey) in enumerate(items))
 
-    def read_to_fd(self, db: int, fkey: bytes, length: int, out_fd: int, out_offset: int) -> Optional[bool]:
+    def read_to_fd(self, db: int, fkey: bytes, length: int, out_fd: int, out_offset: int,
+                   write_by: Optional[float] = None) -> Optional[bool]:
         """Copy the fragment (``length`` bytes) into a client's buffer by descriptor, at
         ``out_offset``, without the ring and without touching the buffer from user space;
-        False on any miss (or when the buffer took less). None: this card cannot (the gateway
-        then reads into the ring and copies from there)."""
+        False on any miss (or when the buffer took less, or ``write_by``, monotonic, came
+        before a write into it: the client gave up, nothing more is written). None: this card
+        cannot (the gateway then reads into the ring and copies from there)."""
         return None
 
     def write_from_fd(self, db: int, fkey: bytes, length: int, in_fd: int, in_offset: int,

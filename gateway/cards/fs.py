@@ -371,11 +371,12 @@ class FsCard(Card):
     def process_read_result(self, task, problem: Optional[str]) -> bool:
         return self.read_result(task.fkey, task.path, problem)
 
-    def read_to_fd(self, db: int, fkey: bytes, length: int, out_fd: int, out_offset: int) -> bool:
+    def read_to_fd(self, db: int, fkey: bytes, length: int, out_fd: int, out_offset: int,
+                   write_by: Optional[float] = None) -> bool:
         path = self.locate(fkey)
         if path is None:
             return False
-        problem = copy_object_file(path, fkey, length, out_fd, out_offset, self._scratch)
+        problem = copy_object_file(path, fkey, length, out_fd, out_offset, self._scratch, write_by)
         if problem == REGION_WRITE_FAILED:
             return False          # the client's buffer refused the bytes; the object is fine
         return self.read_result(fkey, path, problem)

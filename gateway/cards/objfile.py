@@ -129,11 +129,12 @@ REGION_WRITE_FAILED = "region write failed"    # the client's buffer, not the ca
 
 
 def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: int,
-                     scratch: Scratch) -> Optional[str]:
+                     scratch: Scratch, write_by: Optional[float] = None) -> Optional[str]:
     """Copy the payload of one object file to ``out_fd`` at ``out_offset`` (a client's region)
     with ``pwrite``, checking header and checksum on the way; None when the bytes are right,
     else what is wrong (as ``read_object_file``; ``REGION_WRITE_FAILED`` when the destination
-    took less than it was given).
+    took less than it was given, or when ``write_by`` (monotonic: the client gave up on the
+    request) came before one of the writes into it; nothing more is written then).
 
     Piece by piece through a per-thread buffer that stays in the CPU cache: read, hash, write.
     The destination is touched only by the kernel: a client that shrinks its buffer makes
@@ -153,7 +154,7 @@ def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: in
     hasher = scratch.hasher
     try:
         if n <= WHOLE_MAX and page_cached(fd) is False:
-            problem = _copy_uncached(path, fkey, n, out_fd, out_offset, scratch)
+            problem = _copy_uncached(path, fkey, n, out_fd, out_offset, scratch, write_by)
             if problem is not _NO_DIRECT_IO:
                 return problem
         if os.preadv(fd, [header], 0) < HEADER_BYTES:
@@ -166,6 +167,8 @@ def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: in
             if os.preadv(fd, [piece[:k]], HEADER_BYTES + pos) != k:
                 return "truncated"
             hasher.update(piece[:k])
+            if write_by is not None and time.monotonic() >= write_by:
+                return REGION_WRITE_FAILED
             try:
                 written = os.pwrite(out_fd, piece[:k], out_offset + pos)
             except OSError:
@@ -211,7 +214,8 @@ def page_cached(fd: int) -> Optional[bool]:
 _NO_DIRECT_IO = "no O_DIRECT"   # the file system refuses O_DIRECT: read through the page cache
 
 
-def _copy_uncached(path: str, fkey: bytes, n: int, out_fd: int, out_offset: int, scratch: Scratch) -> Optional[str]:
+def _copy_uncached(path: str, fkey: bytes, n: int, out_fd: int, out_offset: int, scratch: Scratch,
+                   write_by: Optional[float]) -> Optional[str]:
     """``copy_object_file`` of a file that is not in the page cache: header and payload in one
     O_DIRECT read into the per-thread bounce buffer (the disk's DMA, no page-cache copy),
     checked there, then one ``pwrite`` to the destination: nothing lands before the checksum
@@ -236,6 +240,8 @@ def _copy_uncached(path: str, fkey: bytes, n: int, out_fd: int, out_offset: int,
         return "bad header"
     if not objfmt.payload_ok(header, payload):
         return "checksum mismatch"
+    if write_by is not None and time.monotonic() >= write_by:
+        return REGION_WRITE_FAILED
     try:
         written = os.pwrite(out_fd, payload, out_offset)
     except OSError:

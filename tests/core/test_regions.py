@@ -570,3 +570,37 @@ def test_a_card_that_cannot_read_regions_stores_them_through_the_ring(redis_serv
         assert gw.alive() and c.enabled
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_copy_into_a_region_writes_nothing_once_the_client_gave_up(shm_buffer, tmp_path, cached):
+    """The card-level copy checks the client's give-up moment before every write into the
+    region (not only before the object): a gateway held up between the check of the request
+    and the copy writes nothing after it. Here the moment has passed when the copy starts."""
+    import time
+    from adpkv_gateway.cards.objfile import REGION_WRITE_FAILED, FdSlice, Scratch, copy_object_file, write_object_file
+    path, arr = shm_buffer
+    fkey = make_keys(1)[0] + b"\0\0"
+    arr[:OBJ] = random.Random(3).randbytes(OBJ)
+    region_fd = os.open(path, os.O_RDWR)
+    obj_path = tmp_path / "object"
+    try:
+        fd = os.open(obj_path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            write_object_file(fd, fkey, FdSlice(region_fd, 0, OBJ), 0, False, Scratch())
+        finally:
+            os.close(fd)
+        if not cached:
+            _evict_from_page_cache(obj_path)
+            if _cached(obj_path):
+                pytest.skip("the file system keeps the object in memory")
+        dst = 4 << 20
+        arr[dst:dst + OBJ] = b"\x77" * OBJ
+        assert copy_object_file(str(obj_path), fkey, OBJ, region_fd, dst, Scratch(),
+                                write_by=time.monotonic() - 0.001) == REGION_WRITE_FAILED
+        assert bytes(arr[dst:dst + OBJ]) == b"\x77" * OBJ
+        assert copy_object_file(str(obj_path), fkey, OBJ, region_fd, dst, Scratch(),
+                                write_by=time.monotonic() + 60) is None
+        assert bytes(arr[dst:dst + OBJ]) == bytes(arr[:OBJ])
+    finally:
+        os.close(region_fd)
