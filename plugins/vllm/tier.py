@@ -39,9 +39,10 @@ shared region ``/dev/shm/vllm_offload_<engine_id>.mmap``) to and from storage.
   for rows this tier announced and later found missing while the gateway
   answered (an eviction by the gateway, an ``adpkv clean``): by a lookup or a
   load that missed, and by the sweep, which checks every announced row with the
-  gateway every ``events_sweep_s`` (EXISTs of ``SWEEP_KEYS`` keys, one at a
-  time, answered on the client's thread), so an eviction reaches the engine's
-  KV-event publisher also when nobody asks for the row. Medium ``STORAGE``;
+  gateway once every ``events_sweep_s`` (EXISTs of ``SWEEP_KEYS`` keys, one at a
+  time, spread over the interval, answered on the client's thread), so an
+  eviction reaches the engine's KV-event publisher also when nobody asks for the
+  row. Medium ``STORAGE``;
   ``locality`` as configured.
 """
 
@@ -161,7 +162,7 @@ class AdpSecondaryTier(SecondaryTierManager):
     ``host``, ``namespace``, ``key_namespace_from_model``, ``timeout_s``, ``reconnect_s``
     (also spelt ``adpkv.<name>``), ``locality`` (``LOCAL``/``REMOTE``, for KV events),
     ``enable_kv_events`` (default true; effective with vLLM's KV events on),
-    ``events_sweep_s`` (default 10; how often every announced row is checked for removed
+    ``events_sweep_s`` (default 60; how often every announced row is checked for removed
     events; 0: only lookups and loads find them).
     """
 
@@ -185,7 +186,7 @@ class AdpSecondaryTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec: "OffloadingSpec", primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: "Optional[BackpressureDetector]" = None,
-                 locality: Optional[str] = None, enable_kv_events: bool = True, events_sweep_s: float = 10.0,
+                 locality: Optional[str] = None, enable_kv_events: bool = True, events_sweep_s: float = 60.0,
                  **settings: Any):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         ensure_logging()
@@ -219,6 +220,7 @@ class AdpSecondaryTier(SecondaryTierManager):
         self.events_sweep_s = max(0.0, float(events_sweep_s))
         self._sweep_todo: list[tuple[bytes, int]] = []
         self._sweep_next = time.monotonic() + self.events_sweep_s
+        self._sweep_gap = self._sweep_chunk_at = 0.0       # the pass in progress: one EXIST per gap
         self._sweep_busy = False
         self._finished: collections.deque = collections.deque()    # (_Job) filled by I/O threads
         self._cv = threading.Condition()
@@ -319,13 +321,14 @@ class AdpSecondaryTier(SecondaryTierManager):
 
     def _sweep(self) -> None:
         """(scheduler thread) Send the next EXIST of the events sweep, if one is due and none
-        is in flight: every ``events_sweep_s`` all announced rows, ``SWEEP_KEYS`` at a time.
-        Rows the gateway no longer holds become removed events (on the client's thread)."""
+        is in flight: every ``events_sweep_s`` one pass over all announced rows, ``SWEEP_KEYS``
+        at a time, spread over the interval. Rows the gateway no longer holds become removed
+        events (on the client's thread)."""
         s = self._session
         if self._events is None or not self.events_sweep_s or self._sweep_busy or s is None or not s.enabled:
             return
+        now = time.monotonic()
         if not self._sweep_todo:
-            now = time.monotonic()
             if now < self._sweep_next:
                 return
             self._sweep_next = now + self.events_sweep_s
@@ -333,6 +336,13 @@ class AdpSecondaryTier(SecondaryTierManager):
                 self._sweep_todo = list(self._announced.items())
             if not self._sweep_todo:
                 return
+            # one pass per events_sweep_s, its EXISTs spread evenly over it (1M rows, 60 s:
+            # 17k keys a second), not all at once
+            self._sweep_gap = self.events_sweep_s / -(-len(self._sweep_todo) // SWEEP_KEYS)
+            self._sweep_chunk_at = now
+        if now < self._sweep_chunk_at:
+            return
+        self._sweep_chunk_at += self._sweep_gap
         chunk = self._sweep_todo[-SWEEP_KEYS:]
         del self._sweep_todo[-SWEEP_KEYS:]
         self._sweep_busy = True
