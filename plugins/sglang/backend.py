@@ -117,6 +117,7 @@ class AdpHiCacheStorage(HiCacheStorage):
         self.pools: dict[str, HostPool] = {}       # the auxiliary pools (v2), by SGLang's pool name
         self.hybrid = False                        # auxiliary pools registered: every object stamped
         self.write_ids = groups.WriteIds()
+        self._prefix_keys_on = self.settings.prefix_keys   # SGLang passes prefix keys (see _marks)
         self._attachment: Optional[Attachment] = None   # made at the first attach
         self._lock = threading.Lock()
         self._closed = False
@@ -241,8 +242,15 @@ class AdpHiCacheStorage(HiCacheStorage):
 
         Same marks as ``dialog_marks(prefix_keys + keys, affinity_chunks)``; only the
         first ``affinity_chunks`` hashes of the dialog matter, so only those are hashed.
+        SGLang's hybrid controller passes no prefix keys in a hit query at the root (it drops
+        an empty list); once the deployment is known to pass them (``prefix_keys`` setting, or
+        any call that brought them), such a call starts at the root.
         """
         prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        if prefix is not None:
+            self._prefix_keys_on = True
+        elif extra_info is not None and self.hybrid and self._prefix_keys_on:
+            prefix = []
         if prefix is None or not self.use_marks:
             return None
         n = self.settings.client.affinity_chunks
@@ -433,7 +441,7 @@ class AdpHiCacheStorage(HiCacheStorage):
             logger.exception("adpkv: batch_set_v2 of %d pages of pool %s failed", n, t.name)
             return [False] * n
 
-    def _drop_stale(self, s: Session, hp: HostPool, keys: list[bytes]) -> None:
+    def _drop_stale(self, s: Session, hp: HostPool, keys: list[bytes], marks: Optional[list[int]]) -> None:
         """Delete pool objects of a mixed page group, so the next backup of the prefix stores
         the group whole (objects are never overwritten: a key names its content)."""
         self._tally.count("groups_rejected")
@@ -441,7 +449,7 @@ class AdpHiCacheStorage(HiCacheStorage):
                        "not loaded%s", len(keys), hp.name,
                        "" if (self.is_writer or not hp.replicated) else " (the storage writer rank drops them)")
         if self.is_writer or not hp.replicated:
-            s.client.delete(keys).result()
+            s.client.delete(keys, marks).result()
 
     def batch_get_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
@@ -469,8 +477,8 @@ class AdpHiCacheStorage(HiCacheStorage):
             starts = hp.starts(t.host_indices, n)
             skeys = hp.storage_keys(keys)
             stamps = groups.Stamps(skeys)
-            hits, held = transfers.read_pages(s, hp, starts, skeys, self._marks(keys, extra_info), stamps,
-                                              self._tally)
+            marks = self._marks(keys, extra_info)
+            hits, held = transfers.read_pages(s, hp, starts, skeys, marks, stamps, self._tally)
             ids = stamps.write_ids().tolist()
             valid = stamps.valid().tolist()
             # stale: found, but not of this page group's write (another key's bytes, another
@@ -492,7 +500,9 @@ class AdpHiCacheStorage(HiCacheStorage):
                         ok[i:i + g] = [False] * len(ok[i:i + g])
             hp.io.finish_get(starts, held, ok)
             if any(stale):
-                self._drop_stale(s, hp, [k for k, st in zip(skeys, stale) if st])
+                picked = [i for i, st in enumerate(stale) if st]
+                self._drop_stale(s, hp, [skeys[i] for i in picked],
+                                 None if marks is None else [marks[i] for i in picked])
             return ok
         except Exception:
             logger.exception("adpkv: batch_get_v2 of %d pages of pool %s failed", n, t.name)

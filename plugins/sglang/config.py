@@ -15,7 +15,12 @@ SGLang hands the backend ``HiCacheStorageConfig.extra_config`` (the JSON of
   away, doubling after each failed attempt up to 60 s (0: never; default 5; the policy of
   every adapter, ``adpkv_core.attachment``);
 - ``skip_existing``: ``batch_set_v1`` asks which pages are stored already and copies only
-  the others (default true; one EXIST round trip per batch).
+  the others (default true; one EXIST round trip per batch);
+- ``prefix_keys``: SGLang passes prefix keys (its ``hicache_storage_pass_prefix_keys``, which it
+  takes out of the extra config before the backend sees it). SGLang's hybrid controller drops an
+  empty prefix in its hit query; with this set, such a query counts as starting at the root, so
+  it finds pages stored with dialog marks from the first query on (without it, from the first
+  call that brought prefix keys on). Default false.
 
 SGLang's own keys (``backend_name``, ``module_path``, ``class_name``,
 ``interface_v1``, ``allocator``, ...) are left alone.
@@ -43,6 +48,7 @@ class SglangSettings:
     engine_id: str
     reconnect_s: float
     skip_existing: bool = True
+    prefix_keys: bool = False
 
     @classmethod
     def from_storage_config(cls, storage_config) -> "SglangSettings":
@@ -57,7 +63,8 @@ class SglangSettings:
         engine_id = str(_get(extra, "engine_id") or f"sglang-{os.getppid()}")
         reconnect_s = reconnect_setting(extra)
         skip = parse_bool(_get(extra, "skip_existing", True), "skip_existing")
-        return cls(client, str(model_id), revision, engine_id, reconnect_s, skip)
+        prefix_keys = parse_bool(_get(extra, "prefix_keys", False), "prefix_keys")
+        return cls(client, str(model_id), revision, engine_id, reconnect_s, skip, prefix_keys)
 
 
 def _get(extra: Mapping[str, Any], name: str, default: Any = None) -> Any:

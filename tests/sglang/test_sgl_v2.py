@@ -238,34 +238,42 @@ def test_trailing_window_makes_five_pages_restorable_while_four_are_not(gateway,
 
 
 # ---------------------------------------------------------------------------- never a mixed group
-def test_a_state_from_another_write_is_never_restored_with_this_kv(gateway, backends):
+@pytest.mark.parametrize("cards", [1, 3])
+def test_a_state_from_another_write_is_never_restored_with_this_kv(start_gateway, tmp_path, backends, cards):
     """Two writes of the same prefix with different bytes (two servers, or a server and its
     restart). B's server dies between its sidecars (batch_set_v2) and its KV pages
     (batch_set_v1); then A backs the prefix up whole. Objects are never overwritten (a key names
     its content), so the card holds B's Mamba state and A's KV pages: they are not restored
     together (the state is reported not loaded, the usable prefix shrinks) and the stale state
-    is dropped; the next backup stores the group whole and it restores, with one write's bytes."""
+    is dropped; the next backup stores the group whole and it restores, with one write's bytes.
+    With 3 cards and SGLang's prefix keys, objects are placed by dialog mark (the drop finds them)."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+    gateway = start_gateway(card_dirs=[str(tmp_path / f"c{i}") for i in range(cards)])
+    prefix = [] if cards > 1 else None                  # hicache_storage_pass_prefix_keys on / off
     P = 8
     tokens = tokens_for(4, P)
     hashes = get_storage_hash_str(tokens, None, page_size=P)
     src = {w: make_pools("qwen3next", "page_first", seed) for w, seed in (("A", 6), ("B", 7), ("C", 8))}
 
+    extra = {} if prefix is None else {"prefix_keys": True}
+
     def server(who):
-        b, group = attach(backends, cfg_for(gateway, "qwen3next"), src[who])
+        b, group = attach(backends, cfg_for(gateway, "qwen3next", **extra), src[who])
         return b, controller(b, group)
 
     B, _ = server("B")
     b_kv = src["B"]["kv"].alloc(len(hashes) * P)
-    assert all(B.batch_set_v2(Backup(src["B"], hashes, b_kv).transfers)[PoolName.MAMBA])
+    info = HiCacheStorageExtraInfo(prefix_keys=None if prefix is None else hashes[:-1])   # as the controller
+    assert all(B.batch_set_v2(Backup(src["B"], hashes, b_kv).transfers, info)[PoolName.MAMBA])
     B.close()                                                       # ... and B's KV never comes
     A, ca = server("A")
-    a = backup(ca, src["A"], tokens)
+    a = backup(ca, src["A"], tokens, prefix_keys=prefix)
     A.close()
 
     def restore(seed):
         dst = make_pools("qwen3next", "page_first", seed)
-        r, group = attach(backends, cfg_for(gateway, "qwen3next"), dst)
-        got = prefetch(controller(r, group), dst, tokens)
+        r, group = attach(backends, cfg_for(gateway, "qwen3next", **extra), dst)
+        got = prefetch(controller(r, group), dst, tokens, prefix_keys=prefix)
         got.counters = dict(r.counters)
         r.close()
         return dst, got
@@ -277,7 +285,7 @@ def test_a_state_from_another_write_is_never_restored_with_this_kv(gateway, back
     assert got.counters["groups_rejected"] == 1
 
     C, cc = server("C")                                             # the next backup of the prefix
-    c = backup(cc, src["C"], tokens)
+    c = backup(cc, src["C"], tokens, prefix_keys=prefix)
     assert C.counters["pages_rewritten"] == 1                       # the KV page the state closes
     C.close()
     dst, got = restore(10)
@@ -565,3 +573,29 @@ def test_same_backend_restores_hybrid_groups_after_the_gateway_is_killed(start_g
     assert got.completed_pages == 5 and got.pool_hits["mamba"] == 1
     assert pages_of(pools["kv"], got.kv_idx) == pages_of(pools["kv"], stored.kv_idx)
     assert pages_of(pools["mamba"], got.aux_idx["mamba"]) == pages_of(pools["mamba"], stored.aux_idx["mamba"])
+
+
+def test_root_hit_query_of_the_hybrid_controller_finds_pages_placed_by_dialog_mark(start_gateway, tmp_path, backends):
+    """With prefix keys on (several cards, objects placed by dialog mark) SGLang's hybrid
+    controller queries a prefix at the root without prefix keys (it drops the empty list) while
+    its backup passed []: with ``prefix_keys`` set the first query finds the group; without it,
+    once any call brought prefix keys."""
+    gw = start_gateway(card_dirs=[str(tmp_path / f"c{i}") for i in range(3)])
+    P = 8
+    spans = [tokens_for(4, P, salt=100 * i) for i in range(3)]
+    src = make_pools("qwen3next", "page_first", seed=95)
+    w, group = attach(backends, cfg_for(gw, "qwen3next", prefix_keys=True), src)
+    for tok in spans:
+        backup(controller(w, group), src, tok, prefix_keys=[])
+    w.close()
+    for setting, expect_first in ((True, 4), (False, None)):
+        dst = make_pools("qwen3next", "page_first", seed=96)
+        r, group = attach(backends, cfg_for(gw, "qwen3next", prefix_keys=setting), dst)
+        c = controller(r, group)
+        first = prefetch(c, dst, spans[0], prefix_keys=[])
+        if expect_first is not None:
+            assert first.hit_pages == expect_first and first.pool_hits["mamba"] == 1
+        backup(c, dst, tokens_for(2, P, salt=999), prefix_keys=[])   # a call with prefix keys
+        got = prefetch(c, dst, spans[1], prefix_keys=[])
+        assert got.hit_pages == 4 and got.completed_pages == 4 and got.pool_hits["mamba"] == 1
+        r.close()
