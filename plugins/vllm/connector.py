@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 
 try:  # vLLM >= 0.10
@@ -142,6 +143,15 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.connector_worker is None:
             return None, None
         return self.connector_worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """Also the asynchronous loads of a model with several KV cache groups: a request
+        whose load failed is in ``failed_recving`` (vLLM recomputes it whole)."""
+        if self.connector_worker is None:
+            return super().get_transfer_results(finished_req_ids)
+        sending, recving, failed = self.connector_worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.connector_worker is None:

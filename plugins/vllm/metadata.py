@@ -115,6 +115,16 @@ class ConnectorConfig:
         return {n: i for i, n in enumerate(self.layer_names)}
 
     @property
+    def loads_async(self) -> bool:
+        """Several KV cache groups: a load runs before the request is scheduled (vLLM's
+        asynchronous load, ``WAITING_FOR_REMOTE_KVS``), not layer by layer inside the pass.
+        vLLM 0.32 cannot take a block-level load failure of such a model (its block ids are
+        not unique over groups: it raises), so a failed load must be reported per request
+        (``failed_recving``), which only an asynchronous load can do; the request is then
+        recomputed whole."""
+        return len(self.groups) > 1
+
+    @property
     def group_of_layer(self) -> dict[str, CacheGroup]:
         return {n: g for g in self.groups for n in g.layer_names}
 

@@ -116,6 +116,7 @@ class AdpConnectorScheduler:
         self._requests: dict[str, "Request"] = {}
         self._step = 0
         self._last_step_loads: dict[str, list[int]] = {}
+        self._load_failed: set[str] = set()     # asynchronous loads that failed: no second try
         # per group, the layers whose keys an EXIST asks for: its first and last (or all)
         index = cfg.layer_index
         self._exist_layers: list[list[int]] = []
@@ -139,6 +140,8 @@ class AdpConnectorScheduler:
         if not cfg.supported or not cfg.layer_names:
             return 0, False
         req_id = request.request_id
+        if req_id in self._load_failed:      # vLLM recomputes it whole (a retry could fail again)
+            return 0, False
         # A prompt of N tokens hits at most floor((N-1)/C)*C tokens: vLLM must compute
         # at least one token itself.
         limit = (request.num_tokens - 1) // cfg.chunk_size
@@ -177,7 +180,9 @@ class AdpConnectorScheduler:
         hit = hit_chunks(cfg, present, num_computed_tokens)
         self._hits[req_id] = (hit, num_computed_tokens)
         ext = hit * cfg.chunk_size - num_computed_tokens
-        return (ext if ext > 0 else 0), False
+        if ext <= 0:
+            return 0, False
+        return ext, cfg.loads_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -218,6 +223,11 @@ class AdpConnectorScheduler:
             computed[req_id] = cached.num_computed_tokens[i]
 
         self._last_step_loads = {}
+        if self.cfg.loads_async:
+            # asynchronous loads: the request waits for its KV, unscheduled, with its blocks
+            for req_id, st in self._reqs.items():
+                if st.load is not None and req_id not in computed and req_id in self._requests:
+                    self._plan_load(meta, req_id, self._requests[req_id], st, st.load[1] * self.cfg.chunk_size)
         for req_id, before in computed.items():
             st = self._reqs[req_id]
             request = self._requests.get(req_id)
@@ -291,6 +301,12 @@ class AdpConnectorScheduler:
 
     def update_connector_output(self, connector_output) -> None:
         """Chunks whose load failed are saved again once vLLM has recomputed them."""
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            # an asynchronous load failed: vLLM recomputes the request from its start
+            self._load_failed.add(req_id)
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.saved_chunks = 0
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return
@@ -312,6 +328,7 @@ class AdpConnectorScheduler:
         self._lookups.pop(req_id, None)
         self._hits.pop(req_id, None)
         self._requests.pop(req_id, None)
+        self._load_failed.discard(req_id)
         st = self._reqs.pop(req_id, None)
         return (st is not None and st.had_saves), None
 

