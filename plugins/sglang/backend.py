@@ -118,6 +118,7 @@ class AdpHiCacheStorage(HiCacheStorage):
         self.hybrid = False                        # auxiliary pools registered: every object stamped
         self.write_ids = groups.WriteIds()
         self._prefix_keys_on = self.settings.prefix_keys   # SGLang passes prefix keys (see _marks)
+        self._unknown_pools: set[str] = set()              # warned about once
         self._attachment: Optional[Attachment] = None   # made at the first attach
         self._lock = threading.Lock()
         self._closed = False
@@ -411,7 +412,10 @@ class AdpHiCacheStorage(HiCacheStorage):
         n = len(keys)
         hp = self.pools.get(str(t.name))
         if hp is None:
-            logger.warning("adpkv: batch_set_v2 for pool %s, which was not registered", t.name)
+            if str(t.name) not in self._unknown_pools:
+                self._unknown_pools.add(str(t.name))
+                logger.warning("adpkv: batch_set_v2 for pool %s, which was not registered (or could not be "
+                               "stored): its pages are not stored", t.name)
             return [False] * n
         if hp.replicated and not self.is_writer:
             self._tally.count("pages_skipped_nonwriter", n)
