@@ -254,12 +254,26 @@ class GatewayClient:
     def get_into(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
                  marks: Optional[Sequence[int]] = None, unlock: bool = False) -> "Future[list[bool]]":
         """Read object ``i`` straight into ``at[i]`` of a registered region. Resolves with hits."""
-        return self._data("GET", keys, object_bytes, None, marks, None, None, unlock, (region, list(at)))
+        return self._data("GET", keys, object_bytes, None, marks, None, None, unlock, (region, list(at), None))
 
     def put_from(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
                  marks: Optional[Sequence[int]] = None) -> "Future[list[bool]]":
         """Store object ``i`` from ``at[i]`` of a registered region. Resolves with a ``StoreResult``."""
-        return self._data("PUT", keys, object_bytes, None, marks, None, None, False, (region, list(at)))
+        return self._data("PUT", keys, object_bytes, None, marks, None, None, False, (region, list(at), None))
+
+    def get_scattered(self, pieces: Sequence[tuple[int, int]], at: Sequence[int], keys: Sequence[bytes],
+                      marks: Optional[Sequence[int]] = None) -> "Future[list[bool]]":
+        """Read each object straight into its ``pieces`` (``(region, length)``, in the object's
+        byte order): piece k of object i at ``at[i * len(pieces) + k]`` of its region. The
+        gateway checks the whole object before any piece lands. Resolves with hits."""
+        obj = sum(int(n) for _, n in pieces)
+        return self._data("GET", keys, obj, None, marks, None, None, False, (None, list(at), list(pieces)))
+
+    def put_scattered(self, pieces: Sequence[tuple[int, int]], at: Sequence[int], keys: Sequence[bytes],
+                      marks: Optional[Sequence[int]] = None) -> "Future[list[bool]]":
+        """Store each object from its ``pieces`` (as ``get_scattered``). Resolves with a ``StoreResult``."""
+        obj = sum(int(n) for _, n in pieces)
+        return self._data("PUT", keys, obj, None, marks, None, None, False, (None, list(at), list(pieces)))
 
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]] = None) -> "Future[int]":
         """Remove objects; resolves with how many existed."""
@@ -361,12 +375,13 @@ class GatewayClient:
             return _done([] if op == "GET" else StoreResult.none(0))
         if not self._enabled or self.rank is None:
             return _done([False] * n if op == "GET" else StoreResult.none(n))
-        region, at = into if into is not None else (None, None)
+        region, at, pieces = into if into is not None else (None, None, None)
         fields = dict(keys=list(keys), obj=int(object_bytes), marks=None if marks is None else list(marks),
-                      tag=None if tag is None else str(tag), region=region, at=at)
+                      tag=None if tag is None else str(tag), region=region, at=at,
+                      pieces=None if pieces is None else [P.Piece(int(r), int(n)) for r, n in pieces])
         msg = P.Get(unlock=bool(unlock), **fields) if op == "GET" else P.Put(**fields)
         pending = _Pending(Future(), op, n, on_batch, 0.0, slice_ or (0, int(object_bytes)), _DATA, data=True)
-        if region is not None:
+        if into is not None:
             # The gateway writes into (GET) or reads from (PUT) our buffer only until we give up
             # on the request: after that the engine may reuse it. A stalled gateway must neither
             # write into it later nor store what the engine put there since under these keys.

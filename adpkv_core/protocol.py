@@ -18,6 +18,8 @@ Requests (client → gateway, ZeroMQ)::
     GET/PUT ... region, at  (no tag)                   -> DONE only: the gateway moves each object
            between the card and ``at[i]`` of a region the session handed over at the door
            (``adpkv_core.door``), the engine copies nothing
+    GET/PUT ... pieces, at  (no region, no tag)        -> DONE only: as above, each object scattered
+           over a few (region, length) pieces (e.g. a page's K and V halves in a host pool)
     RELEASE batch        (after copying a GET batch out of the ring)
     FILLED  batch, ok    (after copying a PUT batch into the ring)
     DELETE keys, marks?                                -> OK deleted
@@ -48,6 +50,7 @@ from .keys import KEY_BYTES
 PROTOCOL_VERSION = 1
 
 MAX_KEYS = 1 << 20             # keys in one request
+MAX_PIECES = 256               # pieces of one object in a scattered region request
 MAX_WORLD = 1024               # ranks of one engine
 MAX_NAME = 256                 # characters of an engine id, a namespace or a tag
 MAX_LAYOUT_BYTES = 16 << 10    # an engine's layout map, encoded
@@ -151,18 +154,36 @@ class Unlock(Message, **_op("UNLOCK")):
     keys: Keys
 
 
+class Piece(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """One piece of every object of a scattered region request: ``length`` bytes of the object,
+    in region ``region`` (the object's pieces follow each other in the object's byte order)."""
+
+    region: Annotated[int, Meta(ge=0)]
+    length: Annotated[int, Meta(ge=1)]
+
+
 class _Data(Message, kw_only=True):
     keys: Keys
     marks: Marks = None
     obj: ObjectBytes
     tag: Optional[Name] = None
     region: Optional[Annotated[int, Meta(ge=0)]] = None
-    at: Optional[Annotated[list[Offset], Meta(max_length=MAX_KEYS)]] = None
+    at: Optional[Annotated[list[Offset], Meta(max_length=MAX_KEYS * MAX_PIECES)]] = None
+    # a scattered region request: object i is ``len(pieces)`` pieces, piece k at
+    # ``at[i * len(pieces) + k]`` of region ``pieces[k].region`` (no ``region`` then)
+    pieces: Optional[Annotated[list[Piece], Meta(min_length=1, max_length=MAX_PIECES)]] = None
 
     def __post_init__(self):
         if self.marks is not None and len(self.marks) != len(self.keys):
             raise ValueError("marks and keys differ in length")
-        if self.region is not None:
+        if self.pieces is not None:
+            if self.region is not None or self.tag is not None:
+                raise ValueError("a scattered request names its regions in its pieces (no region, no tag)")
+            if sum(p.length for p in self.pieces) != self.obj:
+                raise ValueError("the pieces' lengths do not add up to the object size")
+            if self.at is None or len(self.at) != len(self.keys) * len(self.pieces):
+                raise ValueError("at must hold one offset per piece of every key")
+        elif self.region is not None:
             if self.tag is not None:
                 raise ValueError("a request into a region is one rank's own (no tag)")
             if self.at is None or len(self.at) != len(self.keys):

@@ -39,6 +39,7 @@ from .jobs import DataJob, Participant
 from . import stats
 from .metrics import GatewayMetrics
 from .store import ObjectStore
+from .scatter import Scatter
 from .transfers import Transfers
 
 logger = logging.getLogger("adpkv.gateway")
@@ -355,6 +356,17 @@ class Gateway:
         if stride > self.max_batch_bytes:
             raise P.ProtocolError(P.TOO_LARGE, f"an object of {obj} bytes does not fit half the ring "
                                   f"({self.max_batch_bytes} bytes); raise shared_memory_size")
+        if msg.pieces is not None:
+            regions = self.sessions_by_peer[identity].regions
+            if any(piece.region >= len(regions) for piece in msg.pieces):
+                raise P.ProtocolError(P.BAD_REGION, "a piece names a region this session did not register")
+            job = DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock)
+            job.region = Scatter([regions[p.region] for p in msg.pieces], [p.length for p in msg.pieces])
+            job.places = job.region.places(msg.at, len(keys))
+            job.region_by = msg.write_by if isinstance(msg, P.Get) else msg.read_by
+            self.counters[job.op.lower() + "_region_requests"] += 1
+            self._start(job)
+            return
         if region is not None:
             regions = self.sessions_by_peer[identity].regions
             if region >= len(regions):
