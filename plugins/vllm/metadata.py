@@ -47,14 +47,16 @@ class AdpConnectorMetadata(KVConnectorMetadata):
     ``saves`` are written per layer from ``save_kv_layer`` (prefill); ``deferred_saves``
     in one request per step from ``wait_for_save`` (chunks filled while decoding);
     ``preempted`` requests' blocks are reused after this step, so their pages must be
-    in the ring before (``handle_preemptions``). ``step`` numbers the collective
-    requests of a step (every TP rank sends the same tag)."""
+    in the ring before (``handle_preemptions``); ``failed_loads`` are hits the scheduler
+    could not plan a load for (reported as failed loads: vLLM recomputes them). ``step``
+    numbers the collective requests of a step (every TP rank sends the same tag)."""
 
     step: int = 0
     loads: list[ChunkPlan] = field(default_factory=list)
     saves: list[ChunkPlan] = field(default_factory=list)           # per layer from save_kv_layer
     deferred_saves: list[ChunkPlan] = field(default_factory=list)  # one request per step (decode)
     preempted: list[str] = field(default_factory=list)
+    failed_loads: dict[str, list[int]] = field(default_factory=dict)   # req -> its hit's blocks
 
 
 # =============================================================================== configuration

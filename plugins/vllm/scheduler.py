@@ -247,6 +247,9 @@ class AdpConnectorScheduler:
         st.load = None
         digests = self._digests(request, c1)
         if len(digests) != c1 or any(len(st.blocks(g)) < c1 * bpc for g in cfg.groups):
+            # vLLM counts the hit as computed: a load that cannot be planned is a failed one
+            meta.failed_loads[req_id] = [b for g in cfg.groups for b in st.blocks(g)[c0 * bpc:c1 * bpc]
+                                         if b != NULL_BLOCK_ID]
             return
         marks = self._marks(digests)
         loads: list[int] = []
@@ -272,6 +275,8 @@ class AdpConnectorScheduler:
                 loads += dst
         if loads:
             self._last_step_loads[req_id] = loads
+        elif cfg.loads_async:
+            meta.failed_loads[req_id] = []
 
     def _plan_save(self, meta: AdpConnectorMetadata, scheduler_output: "SchedulerOutput", req_id: str,
                    request: "Request", st: _ReqState, before: int) -> None:

@@ -148,6 +148,11 @@ class AdpConnectorWorker:
 
     # ------------------------------------------------------------------ loads
     def start_load_kv(self, meta: Any) -> None:
+        if isinstance(meta, AdpConnectorMetadata) and meta.failed_loads:   # hits with no load planned
+            if self.cfg.loads_async:
+                self._async_loads.append(_AsyncLoad({r: {} for r in meta.failed_loads}))   # no GET: failed
+            else:
+                self._load_errors.update(b for blocks in meta.failed_loads.values() for b in blocks)
         if not isinstance(meta, AdpConnectorMetadata) or not meta.loads:
             return
         cfg = self.cfg

@@ -60,7 +60,7 @@ def store_and_restore(model_dir, port, groups, toks, **kw):
     finally:
         a.close()
     b = Harness(model_dir, port, namespace=ns, chunk_size=CHUNK, groups=groups, **kw)
-    return b, b.add(toks)
+    return b, b.add(toks, max_tokens=8)      # still running (blocks held) when the KV is checked
 
 
 @pytest.mark.parametrize("extra", [0, 70])    # 70: blocks vLLM retains unattended past the window
@@ -210,3 +210,35 @@ def _vllm_config(model_dir):
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
     return VllmConfig(model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32"),
                       cache_config=CacheConfig(block_size=BLOCK), device_config=DeviceConfig("cpu"))
+
+
+@pytest.mark.parametrize("several", [False, True])
+def test_a_hit_whose_load_cannot_be_planned_is_recomputed(gateway, model_dir, monkeypatch, several):
+    """vLLM counts the hit as computed as soon as the scheduler answers it: if no load can be
+    planned for it (here: the request's block hashes the plan needs are cut short), the hit must
+    come back as a failed load (block errors for one group; a failed request for several),
+    never as KV."""
+    import types
+    from adpkv_vllm.scheduler import AdpConnectorScheduler
+    groups = ([(layers(0), sliding()), (layers(1), full())] if several else [(layers(0, 1), full())])
+    toks = tokens(700, 6)
+    h, req = store_and_restore(model_dir, gateway.port, groups, toks)
+    real = AdpConnectorScheduler._plan_load
+
+    def lose_hashes(self, meta, req_id, request, st, before):
+        return real(self, meta, req_id, types.SimpleNamespace(block_hashes=request.block_hashes[:2]), st, before)
+
+    monkeypatch.setattr(AdpConnectorScheduler, "_plan_load", lose_hashes)
+    try:
+        so, loads = h.step_until_scheduled(req)
+        assert not loads
+        if several:
+            assert h.failed_recving == {req.request_id}
+        else:
+            blocks = h.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+            assert h.load_errors[0] == set(blocks[:640 // BLOCK])
+        monkeypatch.setattr(AdpConnectorScheduler, "_plan_load", real)
+        h.step_until_computed(req, 700)
+        h.check_kv(req, 700)
+    finally:
+        h.close()
