@@ -31,9 +31,23 @@ def fragment_key(key: bytes, index: int) -> bytes:
     return key + _FRAG.pack(index)
 
 
+def db_hash(key: bytes) -> int:
+    """The hash of an object's key that places its fragments: fragment ``i`` is in database
+    ``(db_hash + i) % num_dbs`` when spread, else all in ``db_hash % num_dbs``."""
+    return xxhash.xxh3_64_intdigest(key)
+
+
 def fragment_db(key: bytes, index: int, num_dbs: int, spread: bool = True) -> int:
     """The database of a fragment: spread over all databases, or the object's own."""
     if num_dbs <= 1:
         return 0
-    h = xxhash.xxh3_64_intdigest(key)
+    h = db_hash(key)
     return (h + index) % num_dbs if spread else h % num_dbs
+
+
+def fragment_dbs(key: bytes, count: int, num_dbs: int, spread: bool = True) -> list[int]:
+    """``fragment_db`` of fragments ``0 .. count-1`` of one object, its key hashed once."""
+    if num_dbs <= 1:
+        return [0] * count
+    h = db_hash(key)
+    return [(h + i) % num_dbs for i in range(count)] if spread else [h % num_dbs] * count

@@ -15,14 +15,13 @@ replica; a write that fails halfway removes what it wrote.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
-from .fragments import fragment_db, fragment_extents, fragment_key
+from .fragments import db_hash, fragment_db, fragment_dbs, fragment_extents, fragment_key
 from .latency import LatencyBuckets
 
 from .cards.base import Card, CardIOError, NodeIOError, object_key
@@ -37,8 +36,10 @@ def _log_io_error(exc: CardIOError) -> None:
     logger.log(logging.DEBUG if isinstance(exc, NodeIOError) else logging.WARNING, "%s", exc)
 
 
-@dataclasses.dataclass(frozen=True)
-class Fragment:
+class Fragment(NamedTuple):
+    """One fragment of an object on one card (a named tuple: a GET plans one per fragment of
+    every object on the gateway's loop, so it must be cheap to make; ``_replace`` for a copy)."""
+
     card: int
     db: int
     fkey: bytes
@@ -170,19 +171,44 @@ class ObjectStore:
         tag at PUT, EXIST, GET and DELETE, as its placement."""
         return mark.to_bytes(8, "big") if self.placement_mode == "dialog" and mark else b""
 
+    def _layout(self, key: bytes, extents: Sequence[tuple[int, int]]) -> list[tuple[int, bytes, int, int]]:
+        """``(db, fragment key, offset, length)`` of each fragment of an object cut into
+        ``extents``, fragment 0 last (written last: its presence means the object is whole)."""
+        dbs = fragment_dbs(key, len(extents), self.num_dbs, self.spread)
+        parts = [(dbs[i], fragment_key(key, i), off, ln) for i, (off, ln) in enumerate(extents)]
+        return parts[1:] + parts[:1]
+
     def _frags(self, card: int, key: bytes, object_bytes: int, tag: bytes = b"") -> list[Fragment]:
+        return [Fragment(card, db, fkey, off, ln, 0, (), tag)
+                for db, fkey, off, ln in self._layout(key, fragment_extents(object_bytes, self.fragment_size))]
+
+    def read_plans(self, holders: Sequence[Optional[int]], keys: Sequence[bytes], marks: Optional[Sequence[int]],
+                   object_bytes: int) -> list[tuple[int, list[Fragment]]]:
+        """The fragments to read, for a batch's objects at once: ``(j, fragments)`` for each
+        object ``j`` that ``holders`` found (on that card; its other replica cards ride along
+        for ``read_many`` to fall back on). One call per batch on the gateway's loop: the
+        fragment extents are cut once, each object's databases hashed once."""
         extents = fragment_extents(object_bytes, self.fragment_size)
-        frags = [Fragment(card, fragment_db(key, i, self.num_dbs, self.spread), fragment_key(key, i), off, ln,
-                          slot_tag=tag)
-                 for i, (off, ln) in enumerate(extents)]
-        return frags[1:] + frags[:1]          # fragment 0 last: written last
+        # per fragment, in read order (fragment 0 last, as ``_layout``): its index's key suffix,
+        # the step from the object's first database, offset and length
+        order = list(range(1, len(extents))) + [0]
+        cut = [(fragment_key(b"", i), i if self.spread else 0, *extents[i]) for i in order]
+        dbs = self.num_dbs
+        tags = self.placement_mode == "dialog" and marks is not None
+        out = []
+        for j, card in enumerate(holders):
+            if card is None:
+                continue
+            c, others, key = int(card), getattr(card, "others", ()), keys[j]
+            tag = self.slot_tag(marks[j]) if tags else b""
+            h = db_hash(key)                                  # once per object
+            out.append((j, [Fragment(c, (h + step) % dbs, key + suffix, off, ln, object_bytes, others, tag)
+                            for suffix, step, off, ln in cut]))
+        return out
 
     def read_plan(self, card: int, key: bytes, object_bytes: int, mark: int = 0) -> list[Fragment]:
-        """The fragments to read an object from on ``card`` (the one ``holders`` found; its
-        other replica cards ride along for ``read_many`` to fall back on)."""
-        others = getattr(card, "others", ())
-        return [dataclasses.replace(f, object_bytes=object_bytes, others=others)
-                for f in self._frags(int(card), key, object_bytes, self.slot_tag(mark))]
+        """The fragments to read one object from on ``card`` (``read_plans`` of one object)."""
+        return self.read_plans([card], [key], [mark], object_bytes)[0][1]
 
     def write_plans(self, key: bytes, mark: int, object_bytes: int) -> list[list[Fragment]]:
         """One fragment list per replica (cards in service, in placement order)."""
@@ -272,7 +298,7 @@ class ObjectStore:
                 for alt in frag.others:
                     if not self.active[alt]:
                         continue
-                    ok, transport_ok = self._read(dataclasses.replace(frag, card=alt, others=()), view)
+                    ok, transport_ok = self._read(frag._replace(card=alt, others=()), view)
                     if ok:
                         break
                     if transport_ok:
@@ -286,7 +312,7 @@ class ObjectStore:
         """Read ``(j, fragment, view)`` items that missed on their card (e.g. in an I/O
         process) from the object's other replicas; ``(j, ok)`` for each."""
         out = [(j, False) for j, frag, _ in items if not frag.others]
-        return out + self.read_many([(j, dataclasses.replace(frag, card=frag.others[0], others=frag.others[1:]), view)
+        return out + self.read_many([(j, frag._replace(card=frag.others[0], others=frag.others[1:]), view)
                                      for j, frag, view in items if frag.others])
 
     def _remove_object(self, card: int, key: bytes, object_bytes: int, tag: bytes = b"") -> None:
@@ -381,9 +407,9 @@ class ObjectStore:
                     items.append(head)            # a head that records no size (older objects)
                     lengths.append(None)
                 else:
-                    for f in self._frags(card, key, size):
-                        items.append((f.db, f.fkey))
-                        lengths.append(f.length)
+                    for db, fkey, _, length in self._layout(key, fragment_extents(size, self.fragment_size)):
+                        items.append((db, fkey))
+                        lengths.append(length)
                 item_tags.extend([tag] * (len(items) - start))
                 spans.append((start, len(items)))
             found = c.contains_many(items, lengths, item_tags) if items else []

@@ -148,6 +148,11 @@ class Card(abc.ABC):
         when this card's reads cannot run in another process."""
         return None
 
+    def process_reads(self, fkeys: list[bytes]) -> list:
+        """``process_read`` of many fragments (a GET batch's, planned at once on the gateway's
+        loop: a card with an index looks them all up under one lock)."""
+        return [self.process_read(fkey) for fkey in fkeys]
+
     def process_read_result(self, task, problem: Optional[str]) -> bool:
         """Account for the outcome of a ``process_read`` task (in the gateway's process)."""
         return problem is None

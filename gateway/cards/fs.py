@@ -105,6 +105,7 @@ class FsCard(Card):
         self._scratch = Scratch()
         self._tmp_seq = 0
         self._dir_fds: dict[int, int] = {}             # db -> directory fd (fsync: true)
+        self._db_paths = [os.path.join(self.root, f"db{db:03d}", "") for db in range(num_dbs)]   # db -> "DIR/dbNNN/"
         self.evicted = 0
 
     # ------------------------------------------------------------------ setup
@@ -216,7 +217,8 @@ class FsCard(Card):
         return os.path.join(self.root, f"db{db:03d}")
 
     def _path(self, db: int, fkey: bytes) -> str:
-        return os.path.join(self.root, f"db{db:03d}", fkey.hex())
+        dirs = self._db_paths           # a database past num_dbs: a card written with more of them
+        return (dirs[db] if db < len(dirs) else os.path.join(self.root, f"db{db:03d}", "")) + fkey.hex()
 
     def _probe_o_direct(self) -> bool:
         probe = os.path.join(self.root, ".odirect-probe")
@@ -367,6 +369,25 @@ class FsCard(Card):
     def process_read(self, fkey: bytes):
         path = self.locate(fkey)
         return False if path is None else FileRead(path, fkey, self.o_direct)
+
+    def process_reads(self, fkeys: list[bytes]) -> list:
+        """``locate`` of many fragments under one lock (each object's LRU place refreshed once
+        per fragment, as ``locate``), a ``FileRead`` each or False where it is not stored."""
+        out: list = []
+        path, o_direct = self._path, self.o_direct
+        with self._lock:
+            objects, enter = self._objects, self._tenants.enter
+            for fkey in fkeys:
+                okey = fkey[:-2]                            # object_key
+                obj = objects.get(okey)
+                entry = obj.parts.get(fkey) if obj is not None else None
+                if entry is None:
+                    out.append(False)
+                    continue
+                objects.move_to_end(okey)
+                enter(okey)
+                out.append(FileRead(path(entry[0], fkey), fkey, o_direct))
+        return out
 
     def process_read_result(self, task, problem: Optional[str]) -> bool:
         return self.read_result(task.fkey, task.path, problem)
