@@ -199,23 +199,29 @@ class Transfers:
         batch.pending -= 1
         job = batch.job
         if job.op == "GET":
-            reads, direct = [], []
-            for j, card in enumerate(found or [None] * batch.count):
-                if card is None:
-                    continue
+            # the whole batch planned at once (the loop's per-object work is what holds back
+            # the first reads of a restore); every fragment of an object is on its holder card
+            first, count = batch.first, batch.count
+            plans = self.store.read_plans(found or [None] * count, job.keys[first:first + count],
+                                          job.marks[first:first + count] if job.marks else None, job.object_bytes)
+            into_region = job.region is not None
+            cards = self.store.cards
+            reads, direct = [], []                  # reads: (j, fragment, its ring offset)
+            for j, frags in plans:
                 batch.flags[j] = 1
-                i = batch.first + j
-                frags = self.store.read_plan(card, job.keys[i], job.object_bytes, job.mark(i))
-                if job.region is not None and all(self.store.cards[f.card].direct_reads for f in frags):
+                if into_region and cards[frags[0].card].direct_reads:
                     # card -> the engine's region in one copy, by its descriptor (no ring)
                     batch.direct.add(j)
-                    direct.extend((j, f, job.places[batch.first + j] + f.offset) for f in frags)
+                    place = job.places[first + j]
+                    direct.extend((j, f, place + f.offset) for f in frags)
                 else:
-                    reads.extend((j, f, self._slot(batch, j, f.offset, f.length)) for f in frags)
+                    at = batch.object_offset(j)
+                    reads.extend((j, f, at + f.offset) for f in frags)
             batch.stage = Stage.READ
             if self.procs:
                 reads = self._read_in_processes(batch, reads)
-            self._submit(batch, self.store.read_many, reads)
+            slot = self.ring.slot
+            self._submit(batch, self.store.read_many, [(j, f, slot(at, f.length)) for j, f, at in reads])
             region, write_by = job.region, job.region_by
             self._submit(batch, lambda group: _direct_reads(self.store, region, group, write_by), direct)
         else:
@@ -317,18 +323,22 @@ class Transfers:
             self._advance(batch)
 
     def _read_in_processes(self, batch: Batch, reads: list) -> list:
-        """Hand the reads that a card can do in the I/O processes to them (fs cards);
-        return the others for the pool."""
+        """Hand the ``(j, fragment, ring offset)`` reads that a card can do in the I/O
+        processes to them (fs cards; each card's tasks made in one call); return the others
+        for the pool."""
         rest, items = [], []
-        for j, frag, view in reads:
-            task = self.store.cards[frag.card].process_read(frag.fkey)
-            if task is None:
-                rest.append((j, frag, view))
-                continue
-            if task is False:        # the card knows the object is gone
-                batch.flags[j] = 0
-                continue
-            items.append((j, frag, task, batch.object_offset(j) + frag.offset))
+        by_card: dict[int, list] = collections.defaultdict(list)
+        for read in reads:
+            by_card[read[1].card].append(read)
+        for card, group in by_card.items():
+            tasks = self.store.cards[card].process_reads([frag.fkey for _, frag, _ in group])
+            for (j, frag, offset), task in zip(group, tasks):
+                if task is None:
+                    rest.append((j, frag, offset))
+                elif task is False:        # the card knows the object is gone
+                    batch.flags[j] = 0
+                else:
+                    items.append((j, frag, task, offset))
         per = min(IO_TASK_ITEMS, -(-len(items) // max(1, self.io_threads))) if items else 1
         for k in range(0, len(items), per):
             group = items[k:k + per]
