@@ -15,11 +15,11 @@ HYBRID_MODELS: dict[str, dict] = {
         sliding_window=200, sliding_window_pattern=3, max_position_embeddings=32768,
         initializer_range=0.2, tie_word_embeddings=False,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)),
-    "gpt_oss": dict(dtype="bfloat16", config=dict(
+    "gpt_oss": dict(dtype="float32", config=dict(
         model_type="gpt_oss", vocab_size=1024, hidden_size=128, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
         num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
-        max_position_embeddings=32768, initializer_range=0.2, tie_word_embeddings=False,
+        max_position_embeddings=32768, initializer_range=0.5, tie_word_embeddings=False,
         layer_types=["sliding_attention", "full_attention"])),
     # MLA (latent pages; one object per chunk for every TP rank)
     # (the CPU MLA kernels need kv_lora_rank 512 + qk_rope_head_dim 64; AMX_MLA runs bf16)
