@@ -44,6 +44,7 @@ from . import io_procs
 from .jobs import Batch, DataJob
 from .latency import LatencyBuckets
 from .ring_alloc import RingAllocator
+from .scatter import Scatter, to_scatter
 from .store import ObjectStore
 
 logger = logging.getLogger("adpkv.gateway")
@@ -167,7 +168,8 @@ class Transfers:
         elif stage is Stage.TO_REGION:
             items = [(j, self._slot(batch, j), job.places[batch.first + j])
                      for j in range(batch.count) if batch.flags[j] and j not in batch.direct]
-            self._submit(batch, lambda group: _to_region(job.region, group, job.region_by), items)
+            copy = to_scatter if isinstance(job.region, Scatter) else _to_region
+            self._submit(batch, lambda group: copy(job.region, group, job.region_by), items)
         if batch.pending == 0 and not batch.waiting:
             self._advance(batch)
 
@@ -204,7 +206,7 @@ class Transfers:
             first, count = batch.first, batch.count
             plans = self.store.read_plans(found or [None] * count, job.keys[first:first + count],
                                           job.marks[first:first + count] if job.marks else None, job.object_bytes)
-            into_region = job.region is not None
+            into_region = job.region is not None and not isinstance(job.region, Scatter)
             cards = self.store.cards
             reads, direct = [], []                  # reads: (j, fragment, its ring offset)
             for j, frags in plans:
@@ -242,7 +244,8 @@ class Transfers:
                     continue
                 if job.region is None:
                     writes.append((j, plans, self._slot(batch, j)))
-                elif all(self.store.cards[f.card].direct_writes for frags in plans for f in frags):
+                elif not isinstance(job.region, Scatter) and \
+                        all(self.store.cards[f.card].direct_writes for frags in plans for f in frags):
                     # the engine's region -> the card in one copy, by its descriptor (no ring)
                     direct.append((j, plans, job.region.fd, job.places[i], job.object_bytes))
                 else:
@@ -420,9 +423,13 @@ def _write_via_ring(store: ObjectStore, region, items: list, read_by: Optional[f
     out = []
     for j, plans, view, place in items:
         try:
-            ok = os.preadv(region.fd, [view], place) == len(view)
+            if isinstance(region, Scatter):
+                ok = region.gather(view, place)
+            else:
+                ok = os.preadv(region.fd, [view], place) == len(view)
         except OSError:
             ok = False
         ok = ok and (read_by is None or time.monotonic() < read_by)
         out.append((j, ok and store.write_replicas(plans, view)))
     return out
+

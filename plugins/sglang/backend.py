@@ -73,6 +73,7 @@ from . import groups, housekeeping, hitpolicy, transfers
 from .config import SglangSettings, key_namespace, shard_suffix
 from .pages import PageGeometry, UnsupportedPool
 from .pools import HostPool, SegmentPages, page_io
+from .shm import ShmRegions
 
 logger = logging.getLogger("adpkv.sglang")
 
@@ -117,6 +118,7 @@ class AdpHiCacheStorage(HiCacheStorage):
         self.pools: dict[str, HostPool] = {}       # the auxiliary pools (v2), by SGLang's pool name
         self.hybrid = False                        # auxiliary pools registered: every object stamped
         self.write_ids = groups.WriteIds()
+        self.regions = ShmRegions()                # pools in shared memory: moved by the gateway in place
         self._prefix_keys_on = self.settings.prefix_keys   # SGLang passes prefix keys (see _marks)
         self._unknown_pools: set[str] = set()              # warned about once
         self._attachment: Optional[Attachment] = None   # made at the first attach
@@ -155,9 +157,13 @@ class AdpHiCacheStorage(HiCacheStorage):
     def _make_kv_pool(self) -> None:
         """The KV pool's pages for v1, stamped once the model is hybrid (``groups``)."""
         geo, pool = self.geometry, self.mem_pool_host
+        if self.kv is not None:
+            self.regions.forget(self.kv)
         self.kv = None if geo is None else HostPool(
             PoolName.KV, pool, SegmentPages(geo), self.settings, self.storage_config,
             getattr(pool, "storage_format_tag", None), stamped=self.hybrid and self.interface_v1, is_kv=True)
+        if self.kv is not None:
+            self.regions.add_pool(self.kv)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """An auxiliary pool of a hybrid model (SGLang's v2 registration); the KV pool itself
@@ -178,6 +184,7 @@ class AdpHiCacheStorage(HiCacheStorage):
             self.pools.pop(name, None)
             return
         self.pools[name] = hp
+        self.regions.add_pool(hp)
         if not self.hybrid:
             self.hybrid = True
             had_kv = self.kv is not None and self._attachment is not None and self._attachment.enabled
@@ -214,7 +221,7 @@ class AdpHiCacheStorage(HiCacheStorage):
                 a = self._attachment = Attachment(
                     self.settings.client, self.settings.engine_id, self.rank, self.world,
                     self._layout_info, reconnect_s=self.settings.reconnect_s, attach_now=False,
-                    name="adpkv-sglang")
+                    name="adpkv-sglang", on_attach=self.regions.register_all)
         s = a.attach()
         if s is not None and s.enabled and s.number == 1:
             logger.info("adpkv: attached to the gateway on port %d as rank %d/%d",
@@ -298,7 +305,7 @@ class AdpHiCacheStorage(HiCacheStorage):
             skeys = kv.storage_keys(keys)
             stamps = groups.Stamps(skeys) if kv.stamped else None
             hits, held = transfers.read_pages(s, kv, starts, skeys, self._marks(keys, extra_info), stamps,
-                                              self._tally)
+                                              self._tally, regions=self.regions)
             if stamps is not None:
                 hits = [h and bool(v) for h, v in zip(hits, stamps.valid())]
                 self.write_ids.note_loaded(skeys, stamps.write_ids().tolist(), hits)
@@ -333,7 +340,8 @@ class AdpHiCacheStorage(HiCacheStorage):
                 stamps = groups.Stamps(skeys, [fresh if w is None else w for w in bound])
                 rewrite = [w is not None for w in bound]
             stored, _ = transfers.write_pages(s, kv, starts, skeys, self._marks(keys, extra_info), stamps,
-                                              self.settings.skip_existing, self._tally, rewrite)
+                                              self.settings.skip_existing, self._tally, rewrite,
+                                              regions=self.regions)
             return stored
         except Exception:
             logger.exception("adpkv: batch_set_v1 of %d pages failed", n)
@@ -428,7 +436,8 @@ class AdpHiCacheStorage(HiCacheStorage):
             write_id = self.write_ids.group_id(keys[-1])
             skeys = hp.storage_keys(keys)
             stored, existed = transfers.write_pages(s, hp, starts, skeys, self._marks(keys, extra_info),
-                                                    groups.Stamps(skeys, [write_id] * n), False, self._tally)
+                                                    groups.Stamps(skeys, [write_id] * n), False, self._tally,
+                                                    regions=self.regions)
             closing = self._closing_pages(t, keys)
             if closing is not None and self._binds_to_kv(hp) and self.is_writer:
                 # the KV pages of what this write stored carry its write id (a page whose pool
@@ -482,7 +491,8 @@ class AdpHiCacheStorage(HiCacheStorage):
             skeys = hp.storage_keys(keys)
             stamps = groups.Stamps(skeys)
             marks = self._marks(keys, extra_info)
-            hits, held = transfers.read_pages(s, hp, starts, skeys, marks, stamps, self._tally)
+            hits, held = transfers.read_pages(s, hp, starts, skeys, marks, stamps, self._tally,
+                                              regions=self.regions)
             ids = stamps.write_ids().tolist()
             valid = stamps.valid().tolist()
             # stale: found, but not of this page group's write (another key's bytes, another

@@ -27,7 +27,8 @@ logger = logging.getLogger("adpkv.sglang")
 METRICS_CAP = 10000
 
 COUNTERS = ("exist_requests", "get_requests", "put_requests", "pages_read", "pages_written",
-            "pages_skipped_nonwriter", "pages_rewritten", "groups_rejected")
+            "pages_skipped_nonwriter", "pages_rewritten", "groups_rejected",
+            "pages_read_in_place", "pages_written_in_place")     # in place: a pool in shared memory (shm)
 
 
 class Tally:

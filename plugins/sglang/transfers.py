@@ -39,6 +39,7 @@ from .groups import Stamps
 from .housekeeping import Tally
 from .pages import copy_ring_to_tensor, copy_tensor_to_ring, tensor_nbytes
 from .pools import HostPool
+from .shm import Route, ShmRegions
 
 
 def stored_flags(result: StoreResult) -> list:
@@ -51,11 +52,39 @@ def _pick(seq: Optional[Sequence], idx: Sequence[int]) -> Optional[list]:
 
 
 # ---------------------------------------------------------------------------- pool pages (v1 and v2)
+def _routed(s: Session, op: str, route: Route, keys: List[bytes], object_bytes: int,
+            marks: Optional[List[int]]):
+    """One region GET/PUT of a route (``shm``): one offset an object, or scattered pieces."""
+    c = s.client
+    if route.pieces is None:
+        f = (c.get_into if op == "GET" else c.put_from)(route.region, route.at, keys, object_bytes, marks)
+    else:
+        f = (c.get_scattered if op == "GET" else c.put_scattered)(route.pieces, route.at, keys, marks)
+    return f.result()
+
+
 def read_pages(s: Session, hp: HostPool, starts: np.ndarray, keys: List[bytes], marks: Optional[List[int]],
-               stamps: Optional[Stamps], tally: Tally, kind: str = "prefetch") -> tuple[List[bool], Any]:
+               stamps: Optional[Stamps], tally: Tally, kind: str = "prefetch",
+               regions: Optional[ShmRegions] = None) -> tuple[List[bool], Any]:
     """GET ``keys`` into the pool pages starting at ``starts`` (and their stamps into
     ``stamps``); the hits, and what ``hp.io.finish_get`` needs (flat pages) once the caller
-    decided which hits it takes. Misses are never written."""
+    decided which hits it takes. Misses are never written. A pool in shared memory is
+    written by the gateway in place (``regions``), any other through the ring."""
+    route = regions.route(s, hp, starts, stamps) if regions is not None else None
+    if route is not None:
+        t0 = time.perf_counter()
+        tally.count("get_requests")
+        try:
+            hits = [bool(h) for h in _routed(s, "GET", route, keys, hp.object_bytes, marks)]
+            if stamps is not None:
+                regions.read_stamps(route, stamps)
+        finally:
+            regions.release(route)
+        got = sum(hits)
+        tally.count("pages_read", got)
+        tally.count("pages_read_in_place", got)
+        tally.record(kind, got, time.perf_counter() - t0, hp.io.page_bytes)
+        return hits, None
     addrs, held = hp.io.addresses(starts, stamps, for_get=True)
     segments = hp.io.segments(stamps is not None)
     ring = s.ring
@@ -74,7 +103,8 @@ def read_pages(s: Session, hp: HostPool, starts: np.ndarray, keys: List[bytes], 
 
 def write_pages(s: Session, hp: HostPool, starts: np.ndarray, keys: List[bytes], marks: Optional[List[int]],
                 stamps: Optional[Stamps], skip_existing: bool, tally: Tally,
-                rewrite: Optional[Sequence[bool]] = None) -> tuple[List[bool], List[bool]]:
+                rewrite: Optional[Sequence[bool]] = None,
+                regions: Optional[ShmRegions] = None) -> tuple[List[bool], List[bool]]:
     """PUT the pool pages starting at ``starts`` under ``keys``; per key: stored, and stored
     already (the gateway keeps the first object of a key: keys name content). With
     ``skip_existing`` one EXIST first: pages stored already count as stored and are not
@@ -106,21 +136,30 @@ def write_pages(s: Session, hp: HostPool, starts: np.ndarray, keys: List[bytes],
         marks = _pick(marks, todo)
         if stamps is not None:
             stamps = stamps.subset(todo)
-    addrs, held = hp.io.addresses(starts, stamps, for_get=False)
-    segments = hp.io.segments(stamps is not None)
-    ring = s.ring
-
-    def fill(batch: RingBatch) -> bool:
-        return ring.fill(batch, addrs, segments)
-
+    route = regions.route(s, hp, starts, stamps) if regions is not None else None
     t0 = time.perf_counter()
     tally.count("put_requests")
-    result = s.client.put(keys, hp.object_bytes, fill, marks).result()
-    del held                     # flat pages (a copy of each page) stay alive until the PUT resolved
+    if route is not None:
+        try:
+            result = _routed(s, "PUT", route, keys, hp.object_bytes, marks)
+        finally:
+            regions.release(route)
+    else:
+        addrs, held = hp.io.addresses(starts, stamps, for_get=False)
+        segments = hp.io.segments(stamps is not None)
+        ring = s.ring
+
+        def fill(batch: RingBatch) -> bool:
+            return ring.fill(batch, addrs, segments)
+
+        result = s.client.put(keys, hp.object_bytes, fill, marks).result()
+        del held                 # flat pages (a copy of each page) stay alive until the PUT resolved
     flags = stored_flags(result)
     was = list(result.existed)
     written = sum(1 for f, e in zip(flags, was) if f and not e)
     tally.count("pages_written", written)
+    if route is not None:
+        tally.count("pages_written_in_place", written)
     tally.record("backup", written, time.perf_counter() - t0, hp.io.page_bytes)
     for i, f, e in zip(todo, flags, was):
         stored[i] = bool(f)

@@ -35,7 +35,7 @@ def _ptrs(tensors):
 
 
 def mha_pool(layout: str, layers: int = 4, heads: int = 2, head_dim: int = 16, page: int = 8,
-             pages: int = 24, dtype=torch.bfloat16) -> MHATokenToKVPoolHost:
+             pages: int = 24, dtype=torch.bfloat16, allocator: str = "default") -> MHATokenToKVPoolHost:
     dev_tokens = 2 * page
     k = tuple(torch.zeros(dev_tokens + page, heads, head_dim, dtype=dtype) for _ in range(layers))
     v = tuple(torch.zeros(dev_tokens + page, heads, head_dim, dtype=dtype) for _ in range(layers))
@@ -46,11 +46,11 @@ def mha_pool(layout: str, layers: int = 4, heads: int = 2, head_dim: int = 16, p
     with _budget():
         return MHATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False, device="cpu",
                                     device_capacity_tokens=dev_tokens, start_layer=0, end_layer=layers,
-                                    host_token_capacity=pages * page)
+                                    host_token_capacity=pages * page, allocator_type=allocator)
 
 
 def mla_pool(layout: str, layers: int = 4, kv_lora_rank: int = 64, rope_dim: int = 16, page: int = 8,
-             pages: int = 24, dtype=torch.bfloat16) -> MLATokenToKVPoolHost:
+             pages: int = 24, dtype=torch.bfloat16, allocator: str = "default") -> MLATokenToKVPoolHost:
     dim = kv_lora_rank + rope_dim
     dev_tokens = 2 * page
     bufs = tuple(torch.zeros(dev_tokens + page, 1, dim, dtype=dtype) for _ in range(layers))
@@ -60,7 +60,8 @@ def mla_pool(layout: str, layers: int = 4, kv_lora_rank: int = 64, rope_dim: int
     with _budget():
         return MLATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False, device="cpu",
                                     device_capacity_tokens=dev_tokens, start_layer=0, end_layer=layers,
-                                    target_layer_num=layers, host_token_capacity=pages * page)
+                                    target_layer_num=layers, host_token_capacity=pages * page,
+                                    allocator_type=allocator)
 
 
 def fill_random(pool, seed: int = 0) -> None:
@@ -94,7 +95,7 @@ def page_hashes(n: int, salt: str = "") -> list[str]:
 
 # ---------------------------------------------------------------------------- hybrid models' pools
 def mamba_pool(slots: int = 24, layers: int = 3, heads: int = 4, head_dim: int = 8, state_dim: int = 8,
-               conv_dim: int = 32, conv_width: int = 3, layout: str = "page_first"):
+               conv_dim: int = 32, conv_width: int = 3, layout: str = "page_first", allocator: str = "default"):
     """SGLang's Mamba state host pool (one state a slot, page size 1), built from CPU "device"
     state buffers of a Qwen3-Next-like shape: temporal (heads x head_dim x state_dim, fp32) and
     one conv state (conv_dim x conv_width, bf16)."""
@@ -106,10 +107,10 @@ def mamba_pool(slots: int = 24, layers: int = 3, heads: int = 4, head_dim: int =
         conv=(torch.zeros(layers, dev_slots, conv_dim, conv_width, dtype=torch.bfloat16),))
     with _budget():
         return MambaPoolHost(info, slots / dev_slots, 0, device_capacity=dev_slots, pin_memory=False,
-                             device="cpu", layout=layout)
+                             device="cpu", layout=layout, allocator_type=allocator)
 
 
-def indexer_pool(anchor, index_bytes_per_token: int = 132):
+def indexer_pool(anchor, index_bytes_per_token: int = 132, allocator: str = "default"):
     """SGLang's DSA indexer host pool beside an MLA anchor pool (same page indices). Its
     device pool (DSATokenToKVPool needs CUDA) is a stand-in holding the attributes the host
     pool reads: one uint8 index buffer per layer."""
@@ -127,7 +128,7 @@ def indexer_pool(anchor, index_bytes_per_token: int = 132):
                         storage_info=HostPoolStorageInfo(bytes_per_token_per_layer=index_bytes_per_token,
                                                          dtype=torch.uint8))
     with _budget():
-        return DSAIndexerPoolHost(decl, anchor, pin_memory=False, device="cpu")
+        return DSAIndexerPoolHost(decl, anchor, pin_memory=False, device="cpu", allocator_type=allocator)
 
 
 def host_group(**pools):

@@ -50,19 +50,20 @@ MODELS = {
 }
 
 
-def make_pools(model: str, layout: str, seed: int, pages: int = 40):
+def make_pools(model: str, layout: str, seed: int, pages: int = 40, allocator: str = "default"):
+    """The host pools of ``model``; ``allocator="shm"``: in shared memory (SGLang's shm allocator)."""
     spec = MODELS[model]
-    kv = (mla_pool if spec["mla"] else mha_pool)(layout, pages=pages)
+    kv = (mla_pool if spec["mla"] else mha_pool)(layout, pages=pages, allocator=allocator)
     pools = {"kv": kv}
     for name in spec["aux"]:
         if name == "mamba":
-            pools[name] = mamba_pool(slots=16)
+            pools[name] = mamba_pool(slots=16, allocator=allocator)
         elif name == "swa":
-            pools[name] = mha_pool(layout, layers=2, heads=1, pages=40)
+            pools[name] = mha_pool(layout, layers=2, heads=1, pages=40, allocator=allocator)
         elif name == "indexer":
-            pools[name] = indexer_pool(kv)
+            pools[name] = indexer_pool(kv, allocator=allocator)
         elif name == "draft":
-            pools[name] = mha_pool(layout, layers=1, pages=40)
+            pools[name] = mha_pool(layout, layers=1, pages=40, allocator=allocator)
     for i, p in enumerate(pools.values()):
         fill_pool_random(p, seed * 10 + i)
     return pools
