@@ -52,42 +52,55 @@ class ProfiledGateway(GatewayProcess):
 
 
 _buf = None
+TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _read_files(paths: list[str]) -> int:
-    """open + preadv (header and payload, as the gateway's read) + close of each file."""
+def _read_files(paths: list[str]) -> float:
+    """open + preadv (header and payload, as the gateway's read) + close of each file; the
+    CPU seconds it took."""
     global _buf
     if _buf is None:
         _buf = bytearray(HEADER + 64 * MiB)
     view = memoryview(_buf)
-    got = 0
+    c0 = time.process_time()
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
-            size = os.fstat(fd).st_size
-            got += os.preadv(fd, [view[:size]], 0)
+            os.preadv(fd, [view[:os.fstat(fd).st_size]], 0)
         finally:
             os.close(fd)
-    return got
+    return time.process_time() - c0
 
 
-def raw_reads(pool, files: list[str], procs: int) -> float:
-    """Seconds to read every file once, split over the pool's processes (chunks of 64)."""
+def raw_reads(pool, files: list[str], procs: int) -> tuple[float, float]:
+    """Seconds to read every file once, split over the pool's processes (chunks of 64), and
+    the CPU seconds the readers spent."""
     chunks = [files[k:k + 64] for k in range(0, len(files), 64)]
     t0 = time.perf_counter()
-    sum(pool.map(_read_files, chunks, chunksize=max(1, len(chunks) // (4 * procs))))
-    return time.perf_counter() - t0
+    cpu = sum(pool.map(_read_files, chunks, chunksize=max(1, len(chunks) // (4 * procs))))
+    return time.perf_counter() - t0, cpu
 
 
-def gateway_gets(client, keys: list[list[bytes]], obj: int) -> float:
-    """Seconds for every GET (one per layer, all in flight) to be answered; every object a hit."""
+def cpu_seconds(pid: int, tid: int = 0) -> float:
+    """CPU seconds (user + system) of a process, or of one of its threads."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
+    with open(path) as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def gateway_gets(client, keys: list[list[bytes]], obj: int, pid: int) -> tuple[float, float, float]:
+    """Seconds for every GET (one per layer, all in flight) to be answered, every object a hit;
+    and the CPU seconds the gateway process spent meanwhile: all its threads, and its control
+    loop (the main thread) alone. Its I/O processes are other processes: not counted."""
+    c0, l0 = cpu_seconds(pid), cpu_seconds(pid, pid)
     t0 = time.perf_counter()
     futs = [client.get(layer_keys, obj, lambda b: None) for layer_keys in keys]
     hits = [f.result() for f in futs]
     t = time.perf_counter() - t0
     if not all(all(h) for h in hits):
         raise RuntimeError("a GET missed objects it had stored")
-    return t
+    return t, cpu_seconds(pid) - c0, cpu_seconds(pid, pid) - l0
 
 
 def regime(name: str, obj: int, n_objects: int, args, pool) -> dict:
@@ -112,24 +125,31 @@ def regime(name: str, obj: int, n_objects: int, args, pool) -> dict:
                  for f in fs if not f.startswith(".")]
         if len(files) != row["objects"]:
             raise RuntimeError(f"{len(files)} object files for {row['objects']} objects")
-        gateway_gets(client, keys, obj)             # page cache hot, readers warm
+        pid = gw.proc.pid                           # under cProfile too (runpy: the same process)
+        gateway_gets(client, keys, obj, pid)        # page cache hot, readers warm
         raw_reads(pool, files, args.io_processes)
-        gw_s, raw_s = [], []
+        gw_runs, raw_runs = [], []
         for _ in range(args.reps):                  # alternating, median of each
-            gw_s.append(gateway_gets(client, keys, obj))
-            raw_s.append(raw_reads(pool, files, args.io_processes))
+            gw_runs.append(gateway_gets(client, keys, obj, pid))
+            raw_runs.append(raw_reads(pool, files, args.io_processes))
         client.close()
     finally:
         gw.stop(timeout_s=120)
         shutil.rmtree(card, ignore_errors=True)
-    g, r = statistics.median(gw_s), statistics.median(raw_s)
     n = row["objects"]
-    row.update(gateway_s=gw_s, raw_s=raw_s, gateway_us_per_object=g / n * 1e6, raw_us_per_object=r / n * 1e6,
-               gateway_GBs=n * obj / g / 1e9, raw_GBs=n * obj / r / 1e9, gateway_over_raw=r / g)
-    print(f"{name}: {n} objects of {obj} B in {layers} GETs of {args.per_request}: gateway "
-          f"{row['gateway_us_per_object']:.1f} us/object ({row['gateway_GBs']:.2f} GB/s), plain preads in "
-          f"{args.io_processes} processes {row['raw_us_per_object']:.1f} us/object ({row['raw_GBs']:.2f} GB/s): "
-          f"gateway / raw {row['gateway_over_raw']:.2f} (medians of {args.reps})", flush=True)
+    g, gcpu, lcpu = (statistics.median(run[k] for run in gw_runs) for k in range(3))
+    r, rcpu = (statistics.median(run[k] for run in raw_runs) for k in range(2))
+    row.update(gateway_runs=gw_runs, raw_runs=raw_runs, gateway_us_per_object=g / n * 1e6,
+               raw_us_per_object=r / n * 1e6, gateway_GBs=n * obj / g / 1e9, raw_GBs=n * obj / r / 1e9,
+               gateway_over_raw=r / g, gateway_cpu_us_per_object=gcpu / n * 1e6,
+               loop_cpu_us_per_object=lcpu / n * 1e6, raw_cpu_us_per_object=rcpu / n * 1e6)
+    print(f"{name}: {n} objects of {obj} B in {layers} GETs of {args.per_request}, medians of {args.reps}:\n"
+          f"  wall: gateway {row['gateway_us_per_object']:.1f} us/object ({row['gateway_GBs']:.2f} GB/s), plain "
+          f"preads in {args.io_processes} processes {row['raw_us_per_object']:.1f} us/object "
+          f"({row['raw_GBs']:.2f} GB/s): gateway / raw {row['gateway_over_raw']:.2f}\n"
+          f"  CPU per object: gateway process {row['gateway_cpu_us_per_object']:.1f} us (its control loop "
+          f"{row['loop_cpu_us_per_object']:.1f} us; its I/O processes not counted), a plain read "
+          f"{row['raw_cpu_us_per_object']:.1f} us", flush=True)
     if args.profile:
         stats = pstats.Stats(f"{args.profile}.{name}")
         stats.sort_stats("tottime").print_stats(18)

@@ -392,22 +392,27 @@ class ObjectStore:
         """Whether each object has all its fragments on ``card`` (a card that fails to
         answer holds none of them)."""
         c = self.cards[card]
-        heads = [(fragment_db(k, 0, self.num_dbs, self.spread), fragment_key(k, 0)) for k in keys]
+        head = lambda k: (fragment_db(k, 0, self.num_dbs, self.spread), fragment_key(k, 0))  # noqa: E731
+        cuts: dict[int, list[tuple[int, int]]] = {}       # object size -> its fragment extents
         try:
-            sizes = [object_bytes] * len(keys) if object_bytes is not None else c.object_sizes(heads, list(tags))
+            sizes = [object_bytes] * len(keys) if object_bytes is not None else \
+                c.object_sizes([head(k) for k in keys], list(tags))
             items: list[tuple[int, bytes]] = []
             lengths: list[Optional[int]] = []
             item_tags: list[bytes] = []
             spans = []
-            for key, head, size, tag in zip(keys, heads, sizes, tags):
+            for key, size, tag in zip(keys, sizes, tags):
                 start = len(items)
                 if size is None:
                     pass                          # no head: not there
                 elif size == 0:
-                    items.append(head)            # a head that records no size (older objects)
+                    items.append(head(key))       # a head that records no size (older objects)
                     lengths.append(None)
                 else:
-                    for db, fkey, _, length in self._layout(key, fragment_extents(size, self.fragment_size)):
+                    extents = cuts.get(size)
+                    if extents is None:
+                        extents = cuts[size] = fragment_extents(size, self.fragment_size)
+                    for db, fkey, _, length in self._layout(key, extents):
                         items.append((db, fkey))
                         lengths.append(length)
                 item_tags.extend([tag] * (len(items) - start))
