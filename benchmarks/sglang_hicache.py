@@ -31,6 +31,11 @@ generic path, the state by its ``batch_*_v2``). ``--groups`` page groups (reques
 ``--group-pages`` pages each per repetition; every KV page and state restored is compared.
 
     python benchmarks/sglang_hicache.py --hybrid [--groups 6] [--group-pages 32] [--reps 3]
+
+Both modes also run ``adpkv-shm`` (unless ``--no-shm``): ours on pools allocated in shared
+memory (SGLang's ``ShmHostTensorAllocator``, extra config ``"allocator": "shm"``), whose
+pages the gateway reads and writes in place through region GET/PUT (no ring, no copy in
+the engine). The ratios are each of ours against each peer, in the same run.
 """
 
 from __future__ import annotations
@@ -126,10 +131,13 @@ def memcpy_gbs(nbytes: int = 1 << 30) -> float:
 class OursDriver:
     name = "adpkv"
 
-    def __init__(self, pool, port, cfg_factory):
+    def __init__(self, pool, port, cfg_factory, shm: bool = False):
         from adpkv_sglang import AdpHiCacheStorage
-        self.backend = AdpHiCacheStorage(cfg_factory({"port": port, "model_id": "llama-3-8b",
-                                                      "interface_v1": 1, "timeout_s": 120}), {})
+        extra = {"port": port, "model_id": "llama-3-8b", "interface_v1": 1, "timeout_s": 120}
+        if shm:                  # the pool is in shared memory: the gateway moves its pages in place
+            self.name = "adpkv-shm"
+            extra["allocator"] = "shm"
+        self.backend = AdpHiCacheStorage(cfg_factory(extra), {})
         self.backend.register_mem_pool_host(pool)
         self.pool = pool
 
@@ -277,11 +285,12 @@ def run_hybrid(args, root, card, fdir) -> int:
     P, G, n = args.page_size, args.groups, args.group_pages
     tokens_per_group = n * P
 
-    def make_pools():
+    def make_pools(allocator="default"):
         kv = mha_pool("page_first", layers=g["kv_layers"], heads=g["kv_heads"], head_dim=g["head_dim"], page=P,
-                      pages=2 * G * n + 2)
+                      pages=2 * G * n + 2, allocator=allocator)
         m = mamba_pool(slots=2 * G + 2, layers=g["mamba_layers"], heads=g["ssm_heads"], head_dim=g["ssm_head_dim"],
-                       state_dim=g["ssm_state"], conv_dim=g["conv_dim"], conv_width=g["conv_width"])
+                       state_dim=g["ssm_state"], conv_dim=g["conv_dim"], conv_width=g["conv_width"],
+                       allocator=allocator)
         return {"kv": kv, "mamba": m}
 
     def cfg(extra):
@@ -290,11 +299,18 @@ def run_hybrid(args, root, card, fdir) -> int:
     gw = GatewayProcess([card], log_path=os.path.join(root, "gateway.log"),
                         shared_memory_size=args.ring_mib << 20, o_direct=bool(args.o_direct)).start()
     runs = []
+    gw_shm = None
     try:
         ours_cfg = cfg({"port": gw.port, "model_id": "qwen3-next", "interface_v1": 1, "timeout_s": 120})
         file_cfg = cfg({"file_storage_path": fdir})
-        runs = [HybridRun("adpkv", AdpHiCacheStorage(ours_cfg, {}), True, ours_cfg, make_pools()),
-                HybridRun("HiCacheFile", HiCacheFile(file_cfg), False, file_cfg, make_pools())]
+        runs = [HybridRun("adpkv", AdpHiCacheStorage(ours_cfg, {}), True, ours_cfg, make_pools())]
+        if not args.no_shm:     # a gateway of its own (one engine a gateway), its card on the same disk
+            gw_shm = GatewayProcess([card + "-shm"], log_path=os.path.join(root, "gateway-shm.log"),
+                                    shared_memory_size=args.ring_mib << 20, o_direct=bool(args.o_direct)).start()
+            shm_cfg = cfg({"port": gw_shm.port, "model_id": "qwen3-next", "interface_v1": 1, "timeout_s": 120,
+                           "allocator": "shm"})
+            runs.append(HybridRun("adpkv-shm", AdpHiCacheStorage(shm_cfg, {}), True, shm_cfg, make_pools("shm")))
+        runs.append(HybridRun("HiCacheFile", HiCacheFile(file_cfg), False, file_cfg, make_pools()))
         if args.hf3fs_mock:
             pools = make_pools()
             hf_cfg = cfg({"use_mock_hf3fs_client": True})
@@ -308,7 +324,7 @@ def run_hybrid(args, root, card, fdir) -> int:
               f"= {state / 2**20:.2f} MiB; {G} page groups of {n} pages + 1 state = {nbytes / 2**30:.2f} GiB a run")
         print(f"reference: memcpy {memcpy_gbs():.2f} GB/s, disk O_DIRECT read {disk_odirect_read_gbs(root):.2f} GB/s")
         results = {r.name: {"set": [], "hot": [], "cold": []} for r in runs}
-        roots = [card, fdir] + ([os.path.join(root, "hf3fs")] if args.hf3fs_mock else [])
+        roots = [card, card + "-shm", fdir] + ([os.path.join(root, "hf3fs")] if args.hf3fs_mock else [])
         drop_how = "-"
         for rep in range(args.reps):
             for r in (runs if rep % 2 == 0 else runs[::-1]):
@@ -351,30 +367,35 @@ def run_hybrid(args, root, card, fdir) -> int:
             if hasattr(r.backend, "close"):
                 r.backend.close()
         gw.stop()
+        if gw_shm is not None:
+            gw_shm.stop()
     return summarize(results, args, drop_how)
 
 
 def summarize(results, args, drop_how) -> int:
-    """Medians and ranges; ratios of the first backend (ours) to each of the others."""
+    """Medians and ranges; ratios of each of ours (``adpkv``, ``adpkv-shm``) to each peer."""
     names = list(results)
-    ours = names[0]
+    ours = [n for n in names if n.startswith("adpkv")]
+    peers = [n for n in names if n not in ours]
     print(f"\nmedian GB/s over {args.reps} runs [min-max]   (cold: page cache dropped by {drop_how})")
     summary = {}
     for op in ("set", "hot", "cold"):
-        a = results[ours][op]
-        if not a:
+        if not results[ours[0]][op]:
             continue
-        ma = statistics.median(a)
-        summary[op] = {ours: ma}
-        line = f"{ {'set': 'batch set', 'hot': 'get, hot', 'cold': 'get, cold'}[op]:10s} {ours} {ma:6.2f} " \
-               f"[{min(a):.2f}-{max(a):.2f}]"
-        for peer in names[1:]:
-            f = results[peer][op]
-            mf = statistics.median(f)
-            summary[op][peer] = mf
-            summary[op][f"ratio_{peer}"] = ma / mf
-            line += f"   {peer} {mf:6.2f} [{min(f):.2f}-{max(f):.2f}] ratio {ma / mf:5.2f}x"
-        print(line)
+        summary[op] = {}
+        for mine in ours:
+            a = results[mine][op]
+            ma = statistics.median(a)
+            summary[op][mine] = ma
+            line = f"{ {'set': 'batch set', 'hot': 'get, hot', 'cold': 'get, cold'}[op]:10s} {mine:9s} " \
+                   f"{ma:6.2f} [{min(a):.2f}-{max(a):.2f}]"
+            for peer in peers:
+                f = results[peer][op]
+                mf = statistics.median(f)
+                summary[op][peer] = mf
+                summary[op][f"ratio_{mine}_{peer}"] = ma / mf
+                line += f"   {peer} {mf:6.2f} [{min(f):.2f}-{max(f):.2f}] ratio {ma / mf:5.2f}x"
+            print(line)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "runs": results, "median": summary}, fh, indent=1)
@@ -399,6 +420,9 @@ def main(argv=None) -> int:
                     help="Qwen3-Next-like hybrid through storage v2: KV pages + one Mamba state per page group")
     ap.add_argument("--groups", type=int, default=6, help="--hybrid: page groups (requests) a run")
     ap.add_argument("--group-pages", type=int, default=32, help="--hybrid: KV pages per page group")
+    ap.add_argument("--no-shm", action="store_true",
+                    help="leave out adpkv-shm (host pools in shared memory, \"allocator\": \"shm\": the gateway "
+                         "reads and writes the pool pages in place)")
     ap.add_argument("--hf3fs-mock", action="store_true",
                     help="--hybrid: also SGLang's HiCacheHF3FS on its file-backed mock client")
     args = ap.parse_args(argv)
@@ -420,15 +444,17 @@ def main(argv=None) -> int:
         finally:
             shutil.rmtree(root, ignore_errors=True)
 
-    pool = mha_pool("page_first", layers=args.layers, heads=args.heads, head_dim=args.head_dim,
-                    page=args.page_size, pages=2 * args.pages + 2)
+    def make_pool(allocator="default"):
+        p = mha_pool("page_first", layers=args.layers, heads=args.heads, head_dim=args.head_dim,
+                     page=args.page_size, pages=2 * args.pages + 2, allocator=allocator)
+        p.kv_buffer.view(torch.int16)[:, : args.pages * args.page_size].random_(-32768, 32767)
+        return p
+
+    pool = make_pool()
     P = pool.page_size
     page_bytes = 2 * args.layers * args.heads * args.head_dim * 2 * P
     src = torch.arange(0, args.pages * P, dtype=torch.int64)
     dst = torch.arange(args.pages * P, 2 * args.pages * P, dtype=torch.int64)
-    kv = pool.kv_buffer                      # (2, tokens, layers, heads, dim)
-    raw = kv.view(torch.int16)               # compare bits (random bf16 holds NaNs)
-    kv.view(torch.int16)[:, : args.pages * P].random_(-32768, 32767)
     nbytes = args.pages * page_bytes
 
     def cfg(extra):
@@ -436,10 +462,16 @@ def main(argv=None) -> int:
 
     settings = {"shared_memory_size": args.ring_mib << 20, "o_direct": bool(args.o_direct)}
     gw = GatewayProcess([card], log_path=os.path.join(root, "gateway.log"), **settings).start()
-    results = {"adpkv": {"set": [], "hot": [], "cold": []}, "HiCacheFile": {"set": [], "hot": [], "cold": []}}
     drop_how = "-"
+    gw_shm = None
     try:
-        drivers = [OursDriver(pool, gw.port, cfg), FileDriver(pool, fdir, cfg)]
+        drivers = [OursDriver(pool, gw.port, cfg)]
+        if not args.no_shm:     # a gateway of its own (one engine a gateway), its card on the same disk
+            gw_shm = GatewayProcess([card + "-shm"], log_path=os.path.join(root, "gateway-shm.log"),
+                                    **settings).start()
+            drivers.append(OursDriver(make_pool("shm"), gw_shm.port, cfg, shm=True))
+        drivers.append(FileDriver(pool, fdir, cfg))
+        results = {d.name: {"set": [], "hot": [], "cold": []} for d in drivers}
         print(f"pool: page_first, {args.layers} layers x {args.heads} heads x {args.head_dim}, bf16, "
               f"page {P} = {page_bytes / 2**20:.0f} MiB; {args.pages} pages ({nbytes / 2**30:.2f} GiB) a run, "
               f"batches of {args.batch}; gateway ring {args.ring_mib} MiB, o_direct={bool(args.o_direct)}")
@@ -448,6 +480,8 @@ def main(argv=None) -> int:
         for rep in range(args.reps):
             order = drivers if rep % 2 == 0 else drivers[::-1]
             for d in order:
+                kv = d.pool.kv_buffer                # (2, tokens, layers, heads, dim)
+                raw = kv.view(torch.int16)           # compare bits (random bf16 holds NaNs)
                 keys = [uuid.uuid4().hex * 2 for _ in range(args.pages)]   # fresh page hashes
                 t = time.perf_counter()
                 run_batches(d.set, keys, src, P, args.batch)
@@ -456,7 +490,7 @@ def main(argv=None) -> int:
                     if regime == "cold":
                         if args.no_cold:
                             continue
-                        drop_how = drop_page_cache([card, fdir])
+                        drop_how = drop_page_cache([card, card + "-shm", fdir])
                     kv[:, args.pages * P: 2 * args.pages * P].zero_()
                     t = time.perf_counter()
                     run_batches(d.get, keys, dst, P, args.batch)
@@ -473,6 +507,8 @@ def main(argv=None) -> int:
             d.close()
     finally:
         gw.stop()
+        if gw_shm is not None:
+            gw_shm.stop()
         shutil.rmtree(root, ignore_errors=True)
 
     return summarize(results, args, drop_how)

@@ -76,6 +76,7 @@ def test_region_set_and_get_restore_identical_pages(gateway, backends, kind, lay
     dst = POOLS[kind](layout, allocator="shm")
     dst_idx = scattered(dst, N)
     reader = backends(cfg_for(gateway, kind, layout), dst)
+    assert reader.attached
     assert reader.batch_get_v1(keys, dst_idx) == [True] * N
     assert reader.counters["pages_read_in_place"] == N
     assert page_list(dst, dst_idx) == page_list(src, src_idx)
@@ -144,6 +145,7 @@ def test_damaged_object_misses_and_leaves_its_pool_page_untouched(gateway, backe
     before = _pages(dst)
     dst_idx = scattered(dst, N)
     r = backends(cfg_for(gateway, "mha", "page_first"), dst)
+    assert r.attached
     hits = r.batch_get_v1(keys, dst_idx)
     assert hits == [i != bad for i in range(N)]
     got, want = page_list(dst, dst_idx), page_list(src, src_idx)
@@ -205,9 +207,11 @@ def test_gateway_killed_mid_get_never_reports_a_wrong_page(start_gateway, backen
     src_idx = src.alloc(n * src.page_size)
     w = backends(cfg_for(gw, "mha", "page_first"), src)
     assert w.batch_set_v1(keys, src_idx) == [True] * n
+    w.close()                                    # one engine a gateway: the reader attaches after
     dst = mha_pool("page_first", pages=48, allocator="shm")
     dst_idx = dst.alloc(n * dst.page_size)
     r = backends(cfg_for(gw, "mha", "page_first", timeout_s=2, reconnect_s=0.2), dst)
+    assert r.attached
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("hits", r.batch_get_v1(keys, dst_idx)))
     t.start()
@@ -227,6 +231,7 @@ def test_regions_registered_again_after_the_gateway_restarts(start_gateway, back
     dst = mha_pool("page_first", allocator="shm")
     dst_idx = scattered(dst, N)
     r = backends(cfg_for(gw, "mha", "page_first", timeout_s=1.5, reconnect_s=0.2, connect_timeout_s=1.0), dst)
+    assert r.attached
     gw.restart(hard=True)
     deadline = time.monotonic() + 20
     while r.batch_exists(keys) != N:
