@@ -2,7 +2,7 @@
 
 Python threads share one GIL: on a host with many cores the gateway's I/O
 threads spend much of a page-cache read waiting for it. With ``io_processes: N``
-the reads that a card can hand out as a task (``Card.process_read``: the fs card
+the reads that a card can hand out as a task (``Card.process_reads``: the fs card
 does) run in N processes, each with its own GIL, that map the same ring and read
 straight into their ring slots. The gateway keeps every decision (index, LRU,
 placement, corrupt files, statistics, health) in its own process
@@ -36,7 +36,7 @@ def _init(ring_path: str, ring_size: int) -> None:
 
 def read_files(items: list) -> list:
     """``(j, task, ring offset, length)`` items → ``(j, problem or None, seconds)``; ``task``
-    is what the card's ``process_read`` gave (it reads itself into a view of the ring)."""
+    is what the card's ``process_reads`` gave (it reads itself into a view of the ring)."""
     out = []
     for j, task, offset, length in items:
         t0 = time.monotonic()

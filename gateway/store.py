@@ -52,7 +52,7 @@ class Fragment(NamedTuple):
 
 class Holder(int):
     """The card index ``holders`` found an object on (what the server hands back to
-    ``read_plan``), carrying the other replica cards a read may fall back on."""
+    ``read_plans``), carrying the other replica cards a read may fall back on."""
 
     others: tuple[int, ...] = ()
 
@@ -206,9 +206,6 @@ class ObjectStore:
                             for suffix, step, off, ln in cut]))
         return out
 
-    def read_plan(self, card: int, key: bytes, object_bytes: int, mark: int = 0) -> list[Fragment]:
-        """The fragments to read one object from on ``card`` (``read_plans`` of one object)."""
-        return self.read_plans([card], [key], [mark], object_bytes)[0][1]
 
     def write_plans(self, key: bytes, mark: int, object_bytes: int) -> list[list[Fragment]]:
         """One fragment list per replica (cards in service, in placement order)."""
@@ -367,7 +364,7 @@ class ObjectStore:
         """For each object, the first of its replica cards in service that holds all of it
         (every fragment, at the sizes ``object_bytes`` gives, or else the size its head
         records), or None: where a read of it goes. The card comes as a ``Holder`` that
-        also names the other replica cards, for ``read_plan``."""
+        also names the other replica cards, for ``read_plans``."""
         out: list[Optional[int]] = [None] * len(keys)
         candidates = [self.targets(key, marks[i] if marks else 0, self.replicas) for i, key in enumerate(keys)]
         tags = [self.slot_tag(marks[i] if marks else 0) for i in range(len(keys))]

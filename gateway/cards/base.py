@@ -142,19 +142,16 @@ class Card(abc.ABC):
         behind. Only cards with ``direct_writes``."""
         raise NotImplementedError(f"{type(self).__name__} has no direct writes")
 
-    def process_read(self, fkey: bytes):
-        """A picklable task that reads the fragment in an I/O process (``task.read_into(view)``
-        returns None or what is wrong), False when the card knows it is not stored, or None
-        when this card's reads cannot run in another process."""
-        return None
-
     def process_reads(self, fkeys: list[bytes]) -> list:
-        """``process_read`` of many fragments (a GET batch's, planned at once on the gateway's
-        loop: a card with an index looks them all up under one lock)."""
-        return [self.process_read(fkey) for fkey in fkeys]
+        """For each fragment, a picklable task that reads it in an I/O process
+        (``task.read_into(view)`` returns None or what is wrong), False when the card knows it
+        is not stored, or None when this card's reads cannot run in another process. Called
+        with a GET batch's fragments at once, on the gateway's loop (a card with an index looks
+        them all up under one lock)."""
+        return [None] * len(fkeys)
 
     def process_read_result(self, task, problem: Optional[str]) -> bool:
-        """Account for the outcome of a ``process_read`` task (in the gateway's process)."""
+        """Account for the outcome of a ``process_reads`` task (in the gateway's process)."""
         return problem is None
 
     def details(self) -> dict:

@@ -366,10 +366,6 @@ class FsCard(Card):
             self._tenants.enter(okey)
         return self._path(entry[0], fkey)
 
-    def process_read(self, fkey: bytes):
-        path = self.locate(fkey)
-        return False if path is None else FileRead(path, fkey, self.o_direct)
-
     def process_reads(self, fkeys: list[bytes]) -> list:
         """``locate`` of many fragments under one lock (each object's LRU place refreshed once
         per fragment, as ``locate``), a ``FileRead`` each or False where it is not stored."""
