@@ -62,8 +62,7 @@ def scattered(pool, n):
     return pages[torch.randperm(n, generator=torch.Generator().manual_seed(n))].reshape(-1)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("kind,layout", [(k, lay) for k in ("mha", "mla") for lay in LAYOUTS] + [("mha", "page_head")])
 def test_region_set_and_get_restore_identical_pages(gateway, backends, kind, layout):
     src = POOLS[kind](layout, allocator="shm")
     fill_random(src, seed=3)
