@@ -10,13 +10,13 @@ pool's memory, the engine copies nothing (no ring).
 
 One stored object is the same bytes as on the ring path (``pools``: the page's segments
 in flat-page order, then the 16-byte stamp of a hybrid model), so either path reads what
-the other wrote. Where those bytes are one range of one buffer (an unstamped MLA
-``page_first`` / ``page_first_direct`` page) a request names one offset per object and the
-gateway copies card <-> pool in one step; otherwise an object is a few *pieces*
-(``protocol.Piece``: the K and V halves of an MHA page, the layers of a ``layer_first``
-page, the buffers of a Mamba state, and the stamp, which lives in a small memfd of the
-backend's own, ``StampArena``), and the gateway checks the whole object before any piece
-lands (``gateway.transfers.Scatter``).
+the other wrote. Every request is a scattered one: an object is one or a few *pieces*
+(``protocol.Piece``: an MLA page is one, an MHA page its K and V halves, a ``layer_first``
+page one per layer, a Mamba state one per buffer; the stamp lives in a small memfd of the
+backend's own, ``StampArena``). The gateway reads each object whole and checks it before
+any piece lands (``gateway/scatter.py``), so a damaged or missing object never touches its
+pool page (a plain region GET, ``get_into``, lets a corrupt page-cache-hot object's bytes
+land before its checksum is known).
 
 Pools whose pages have no segment description (``pools.FlatPages``), pools not in shared
 memory, and sessions where the gateway refused a region move pages through the ring (the
@@ -136,13 +136,13 @@ class RegionPages:
 
 
 class Route:
-    """One request's region placement: either ``region`` + one offset an object, or ``pieces``
-    (``(region id, length)``) + one offset a piece of every object."""
+    """One request's region placement: ``pieces`` (``(region id, length)``) and one offset a
+    piece of every object; ``stamp_row``: the stamp arena slot it holds."""
 
-    __slots__ = ("region", "pieces", "at", "stamp_row")
+    __slots__ = ("pieces", "at", "stamp_row")
 
-    def __init__(self, region, pieces, at, stamp_row):
-        self.region, self.pieces, self.at, self.stamp_row = region, pieces, at, stamp_row
+    def __init__(self, pieces, at, stamp_row):
+        self.pieces, self.at, self.stamp_row = pieces, at, stamp_row
 
 
 class ShmRegions:
@@ -242,9 +242,7 @@ class ShmRegions:
             col = (row + np.arange(len(starts), dtype=np.int64)) * STAMP_BYTES
             offs = np.hstack([offs, col[:, None]])
             pieces.append((sid, STAMP_BYTES))
-        if len(pieces) == 1:
-            return Route(pieces[0][0], None, offs[:, 0].tolist(), row)
-        return Route(None, pieces, offs.ravel().tolist(), row)
+        return Route(pieces, offs.ravel().tolist(), row)
 
     def read_stamps(self, route: Route, stamps: Stamps) -> None:
         """The stamps a GET wrote into the arena, into ``stamps``."""

@@ -54,12 +54,11 @@ def _pick(seq: Optional[Sequence], idx: Sequence[int]) -> Optional[list]:
 # ---------------------------------------------------------------------------- pool pages (v1 and v2)
 def _routed(s: Session, op: str, route: Route, keys: List[bytes], object_bytes: int,
             marks: Optional[List[int]]):
-    """One region GET/PUT of a route (``shm``): one offset an object, or scattered pieces."""
+    """One scattered region GET/PUT of a route (``shm``): the same objects as the ring path's."""
+    if sum(n for _, n in route.pieces) != object_bytes:
+        raise ValueError(f"pieces of {sum(n for _, n in route.pieces)} bytes for objects of {object_bytes}")
     c = s.client
-    if route.pieces is None:
-        f = (c.get_into if op == "GET" else c.put_from)(route.region, route.at, keys, object_bytes, marks)
-    else:
-        f = (c.get_scattered if op == "GET" else c.put_scattered)(route.pieces, route.at, keys, marks)
+    f = (c.get_scattered if op == "GET" else c.put_scattered)(route.pieces, route.at, keys, marks)
     return f.result()
 
 
