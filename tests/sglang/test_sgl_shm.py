@@ -199,7 +199,10 @@ def test_gateway_stalled_past_write_by_writes_nothing_into_the_pool(start_gatewa
         "the gateway wrote into the pool after the client gave up"
 
 
-def test_gateway_killed_mid_get_never_reports_a_wrong_page(start_gateway, backends):
+@pytest.mark.parametrize("stopped_first", [False, True], ids=["running", "stopped"])
+def test_gateway_killed_mid_get_never_reports_a_wrong_page(start_gateway, backends, stopped_first):
+    """kill -9 of the gateway while a get is in flight: running (it may be anywhere in the
+    request), or stopped first (SIGSTOP: the request is surely in flight and nothing was copied)."""
     gw = start_gateway()
     n = 20
     src = mha_pool("page_first", pages=48, allocator="shm")
@@ -213,12 +216,21 @@ def test_gateway_killed_mid_get_never_reports_a_wrong_page(start_gateway, backen
     dst_idx = dst.alloc(n * dst.page_size)
     r = backends(cfg_for(gw, "mha", "page_first", timeout_s=2, reconnect_s=0.2), dst)
     assert r.attached
+    before = dst.kv_buffer.clone()
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("hits", r.batch_get_v1(keys, dst_idx)))
+    if stopped_first:
+        gw.proc.send_signal(signal.SIGSTOP)
     t.start()
+    if stopped_first:
+        t.join(0.5)                               # the request reaches the stopped gateway's socket
+        assert t.is_alive(), "a get answered by a stopped gateway"
     gw.kill()
     t.join(30)
     assert not t.is_alive(), "the get did not come back after the gateway died"
+    if stopped_first:
+        assert out["hits"] == [False] * n
+        assert torch.equal(dst.kv_buffer.view(torch.int16), before.view(torch.int16))
     got, want = page_list(dst, dst_idx), page_list(src, src_idx)
     for i, h in enumerate(out["hits"]):
         if h:
