@@ -83,6 +83,26 @@ def test_region_set_and_get_restore_identical_pages(gateway, backends, kind, lay
     assert c["get_region_requests"] == 1 and c["put_region_requests"] == 1
 
 
+@pytest.mark.parametrize("write_shm", [False, True], ids=["ring-region", "region-ring"])
+@pytest.mark.parametrize("kind,layout", [("mha", "layer_first"), ("mha", "page_first"), ("mla", "page_first")])
+def test_ring_and_region_paths_read_each_others_pages(gateway, backends, kind, layout, write_shm):
+    src = POOLS[kind](layout, allocator="shm" if write_shm else "default")
+    fill_random(src, seed=11)
+    keys = page_hashes(N, salt=f"cross-{kind}-{layout}-{write_shm}")
+    src_idx = src.alloc(N * src.page_size)
+    w = backends(cfg_for(gateway, kind, layout), src)
+    assert w.batch_set_v1(keys, src_idx) == [True] * N
+    assert w.counters["pages_written_in_place"] == (N if write_shm else 0)
+    w.close()
+    dst = POOLS[kind](layout, allocator="default" if write_shm else "shm")
+    dst_idx = scattered(dst, N)
+    r = backends(cfg_for(gateway, kind, layout), dst)
+    assert r.attached
+    assert r.batch_get_v1(keys, dst_idx) == [True] * N
+    assert r.counters["pages_read_in_place"] == (0 if write_shm else N)
+    assert page_list(dst, dst_idx) == page_list(src, src_idx)
+
+
 # ---------------------------------------------------------------------------- v2: hybrid pools
 from test_sgl_v2 import MODELS, attach, backup, controller, make_pools, pages_of, prefetch, tokens_for  # noqa: E402
 
@@ -301,3 +321,26 @@ def test_scattered_requests_outside_a_region_are_refused_and_change_nothing(gate
     finally:
         c.close()
         os.close(fd)
+
+
+def test_scattered_requests_are_checked_where_they_are_decoded():
+    """Pieces that do not add up to the object, offsets that are not one a piece of every key,
+    a region or tag beside pieces: refused by ``decode_request`` (BAD_MESSAGE), before any work."""
+    from adpkv_core import protocol as P
+
+    keys = [b"\x01" * 28, b"\x02" * 28]
+    good = dict(id=1, keys=keys, obj=10, pieces=[P.Piece(0, 4), P.Piece(1, 6)], at=[0, 16, 32, 48])
+    assert isinstance(P.decode_request(P.encode(P.Get(**good))), P.Get)
+    assert isinstance(P.decode_request(P.encode(P.Put(**good))), P.Put)
+    for bad in (dict(obj=11), dict(at=[0, 16, 32]), dict(region=0), dict(tag="t"),
+                dict(pieces=[P.Piece(0, 10)] * (P.MAX_PIECES + 1), obj=10 * (P.MAX_PIECES + 1))):
+        fields = {**good, **bad}
+        frame = P._encoder.encode({"v": P.PROTOCOL_VERSION, "op": "GET", **{
+            k: ([[p.region, p.length] for p in v] if k == "pieces" else v) for k, v in fields.items()}})
+        with pytest.raises(P.ProtocolError) as exc:
+            P.decode_request(frame)
+        assert exc.value.code == P.BAD_MESSAGE, bad
+    zero = P._encoder.encode({"v": P.PROTOCOL_VERSION, "op": "GET", "id": 1, "keys": keys, "obj": 10,
+                              "pieces": [[0, 0], [1, 10]], "at": [0, 0, 0, 0]})
+    with pytest.raises(P.ProtocolError):
+        P.decode_request(zero)                   # an empty piece
