@@ -97,21 +97,31 @@ class CardStats:
         with self.lock:
             return time.monotonic() - self._inflight.pop(token)
 
+    def record_reads(self, reads: Sequence[tuple[bool, int, float]]) -> None:
+        """Account finished reads ``(ok, bytes, seconds)`` at once (an I/O process's task)."""
+        with self.lock:
+            for ok, nbytes, seconds in reads:
+                self._count(False, ok, nbytes, seconds)
+
     def record(self, write: bool, ok: bool, nbytes: int, seconds: float) -> None:
         """Account one finished I/O (timed elsewhere, e.g. in an I/O process)."""
         with self.lock:
-            if write:
-                self.writes += 1
-                self.bytes_written += nbytes if ok else 0
-                self.write_errors += 0 if ok else 1
-            else:
-                self.reads += 1
-                self.bytes_read += nbytes if ok else 0
-                self.read_errors += 0 if ok else 1
-            self.io_seconds += seconds
-            self.io_count += 1
-            self.io_max_s = max(self.io_max_s, seconds)
-            self._latency["write" if write else "read"].add(seconds)
+            self._count(write, ok, nbytes, seconds)
+
+    def _count(self, write: bool, ok: bool, nbytes: int, seconds: float) -> None:
+        """(lock held) One finished I/O in the counters and the latency histogram."""
+        if write:
+            self.writes += 1
+            self.bytes_written += nbytes if ok else 0
+            self.write_errors += 0 if ok else 1
+        else:
+            self.reads += 1
+            self.bytes_read += nbytes if ok else 0
+            self.read_errors += 0 if ok else 1
+        self.io_seconds += seconds
+        self.io_count += 1
+        self.io_max_s = max(self.io_max_s, seconds)
+        self._latency["write" if write else "read"].add(seconds)
 
     def latency(self, op: str) -> tuple[list[int], float]:
         """``op``'s (``read`` or ``write``) I/O count per latency bucket (the last: above every

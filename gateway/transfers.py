@@ -357,14 +357,18 @@ class Transfers:
         does (the card's own bookkeeping, statistics, health strikes). A read that missed
         goes to the object's next replica on the pool, as ``store.read_many`` does there."""
         done, again = [], []
+        store = self.store
+        accounted: dict[int, list] = collections.defaultdict(list)    # card -> its reads' (ok, bytes, seconds)
         for (j, frag, task, offset), (_, problem, seconds) in zip(group, results):
-            ok = self.store.cards[frag.card].process_read_result(task, problem)
-            self.store.stats[frag.card].record(False, ok, frag.length, seconds)
-            self.store.on_io(frag.card, problem is None or not problem.startswith("I/O error"), seconds)
+            ok = store.cards[frag.card].process_read_result(task, problem)
+            accounted[frag.card].append((ok, frag.length, seconds))
+            store.on_io(frag.card, problem is None or not problem.startswith("I/O error"), seconds)
             if not ok and frag.others:
                 again.append((j, frag, self.ring.slot(offset, frag.length)))
             else:
                 done.append((j, ok))
+        for card, reads in accounted.items():
+            store.stats[card].record_reads(reads)         # one lock per card and task
         if again:
             self._submit(batch, self.store.read_from_replicas, again)
         self._io_done(batch, done)
