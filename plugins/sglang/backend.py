@@ -615,6 +615,7 @@ class AdpHiCacheStorage(HiCacheStorage):
                 a.close()
             except Exception:
                 logger.exception("adpkv: closing the gateway client failed")
+        self.regions.close()
 
     def __del__(self):
         try:

@@ -99,6 +99,15 @@ class StampArena:
     def give(self, first_row: int) -> None:
         self._free.put(first_row // STAMP_SLOT_ROWS)
 
+    def close(self) -> None:
+        """Unmap and close (once no request can use it: the backend is closed)."""
+        self.rows = None
+        try:
+            self._mm.close()
+        except BufferError:       # a view still held somewhere: the mapping goes with it
+            pass
+        os.close(self.fd)
+
 
 class RegionPages:
     """How the pages of one pool (with page segments, ``pages.PageGeometry``) are pieces of
@@ -188,6 +197,14 @@ class ShmRegions:
                     "(%d piece(s) a page%s)", hp.name, len(rp.piece_len), " + stamp" if hp.stamped else "")
         return True
 
+    def close(self) -> None:
+        """The stamp arena goes (the backend is closed: its attachment, and so every region, went)."""
+        with self._lock:
+            arena, self._arena = self._arena, None
+            self._pools.clear()
+        if arena is not None:
+            arena.close()
+
     def forget(self, hp) -> None:
         with self._lock:
             self._pools.pop(id(hp), None)
@@ -250,6 +267,7 @@ class ShmRegions:
         stamps.array[:] = self._arena.rows[route.stamp_row:route.stamp_row + n]
 
     def release(self, route: Route) -> None:
-        if route.stamp_row is not None:
-            self._arena.give(route.stamp_row)
-            route.stamp_row = None
+        arena = self._arena
+        if route.stamp_row is not None and arena is not None:
+            arena.give(route.stamp_row)
+        route.stamp_row = None
