@@ -106,10 +106,12 @@ class AdpConnectorScheduler:
             except Exception:  # pragma: no cover - frozen config
                 logger.warning("adpkv: set kv_load_failure_policy=recompute so that a failed load "
                                "is recomputed rather than failing the request")
-        # a lookup-only peer of the engine (the scheduler is not a rank); re-attached between steps
-        self.lookup = Attachment(cfg.settings.client, cfg.engine_id, None, cfg.tp_size,
-                                 {"role": "vllm-scheduler"}, reconnect_s=cfg.reconnect_s,
-                                 install="on_refresh", name="adpkv-vllm-scheduler")
+        # a lookup-only peer of the engine (the scheduler is not a rank); re-attached between
+        # steps. None where the cache is off for this model: nothing to look up
+        self.lookup: Optional[Attachment] = (
+            Attachment(cfg.settings.client, cfg.engine_id, None, cfg.tp_size, {"role": "vllm-scheduler"},
+                       reconnect_s=cfg.reconnect_s, install="on_refresh", name="adpkv-vllm-scheduler")
+            if cfg.supported else None)
         self._lookups: dict[str, tuple[int, Any, list[bytes]]] = {}  # req -> (num_tokens, future, digests)
         self._hits: dict[str, tuple[int, int]] = {}     # req -> (hit chunks, local computed tokens)
         self._reqs: dict[str, _ReqState] = {}
@@ -236,7 +238,8 @@ class AdpConnectorScheduler:
             if st.load is not None:
                 self._plan_load(meta, req_id, request, st, before)
             self._plan_save(meta, scheduler_output, req_id, request, st, before)
-        self.lookup.refresh()   # between steps: a fresh attachment, when one is ready, from now on
+        if self.lookup is not None:
+            self.lookup.refresh()   # between steps: a fresh attachment, when one is ready, from now on
         return meta
 
     def _plan_load(self, meta: AdpConnectorMetadata, req_id: str, request: "Request",
@@ -338,4 +341,5 @@ class AdpConnectorScheduler:
         return (st is not None and st.had_saves), None
 
     def shutdown(self) -> None:
-        self.lookup.close()
+        if self.lookup is not None:
+            self.lookup.close()

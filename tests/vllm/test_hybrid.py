@@ -118,5 +118,6 @@ def test_mamba_type_models_start_serve_and_turn_the_cache_off(name, kw, why, sta
     chunk = kw.pop("chunk")
     base, res, log = baseline_and(path, name, connector(gw.port, name, chunk), **kw)
     assert log.count(OFF) == 1 and why in log, log[-3000:]
+    assert "Attached to the adpkv gateway" not in log      # off: neither role holds the gateway
     assert res[0]["cached"] == 0
     assert res[0]["tokens"] == base[0]["tokens"]
