@@ -9,6 +9,7 @@ SGLang's own code).
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -171,3 +172,13 @@ def hybrid_controller(backend, group, zero_copy: bool, config=None):
     c.page_get_func = c._page_get_zero_copy if zero_copy else c._generic_page_get
     c.page_set_func = c._page_set_zero_copy if zero_copy else c._generic_page_set
     return c
+
+
+def object_files(card_dir, key: bytes) -> list[str]:
+    """The files of the fs card ``card_dir`` that hold fragments of the object ``key``."""
+    out = []
+    for d in os.listdir(card_dir):
+        if d.startswith("db"):
+            out += [os.path.join(card_dir, d, n) for n in os.listdir(os.path.join(card_dir, d))
+                    if n.startswith(key.hex())]
+    return out

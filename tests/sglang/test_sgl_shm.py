@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from sgl_pools import LAYOUTS, fill_random, mha_pool, mla_pool, page_bytes, page_hashes, storage_config
+from sgl_pools import (LAYOUTS, fill_random, mha_pool, mla_pool, object_files, page_bytes, page_hashes,
+                       storage_config)
 
 from adpkv_gateway import control
 
@@ -32,15 +33,6 @@ def cfg_for(gw, kind, layout, **extra):
 
 def page_list(pool, indices):
     return [page_bytes(pool, int(indices[i * pool.page_size])) for i in range(len(indices) // pool.page_size)]
-
-
-def object_files(card_dir, key: bytes) -> list[str]:
-    out = []
-    for d in os.listdir(card_dir):
-        if d.startswith("db"):
-            out += [os.path.join(card_dir, d, n) for n in os.listdir(os.path.join(card_dir, d))
-                    if n.startswith(key.hex())]
-    return out
 
 
 def stored_pages(gw, kind="mha", layout="page_first", n=N, salt="x", backends=None, **extra):

@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from sgl_pools import (fill_pool_random, host_group, hybrid_controller, indexer_pool, mamba_pool, mha_pool,
-                       mla_pool, page_bytes, storage_config)
+                       mla_pool, object_files, page_bytes, storage_config)
 
 from adpkv_sglang.hitpolicy import PoolPresence, restorable
 
@@ -297,15 +297,6 @@ def test_a_state_from_another_write_is_never_restored_with_this_kv(start_gateway
     assert kv[3] == pages_of(src["C"]["kv"], c.kv_idx)[3]            # the state's own page: its write
 
 
-def _object_files(card_dir, key: bytes) -> list[str]:
-    out = []
-    for d in os.listdir(card_dir):
-        if d.startswith("db"):
-            out += [os.path.join(card_dir, d, n) for n in os.listdir(os.path.join(card_dir, d))
-                    if n.startswith(key.hex())]
-    return out
-
-
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])
 def test_corrupt_or_missing_aux_pages_shrink_the_hit_never_wrong_bytes(gateway, backends, damage):
     pools = make_pools("draft", "page_first", seed=12)
@@ -316,7 +307,7 @@ def test_corrupt_or_missing_aux_pages_shrink_the_hit_never_wrong_bytes(gateway, 
     b.close()
     bad_page = 3                                            # the draft page beside KV page 3
     key = b.pools["draft"].storage_keys([stored.hashes[bad_page]])[0]
-    files = _object_files(gateway.card_dirs[0], key)
+    files = object_files(gateway.card_dirs[0], key)
     assert files, "the draft page's object file"
     for f in files:
         if damage == "missing":
