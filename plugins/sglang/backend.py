@@ -407,14 +407,7 @@ class AdpHiCacheStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
         """Every pool's pages, stamped with the write id of their page group; the KV pages they
         belong to are bound to it for the ``batch_set_v1`` that follows (``groups``)."""
-        results: dict[str, List[bool]] = {}
-        for t in transfers:
-            keys = list(t.keys or [])
-            if str(t.name) == PoolName.KV.value:     # KV pages handed over as a pool: the v1 path
-                results[t.name] = self.batch_set_v1(keys, t.host_indices, extra_info) if keys else []
-                continue
-            results[t.name] = self._set_pool(t, keys, extra_info) if keys else []
-        return results
+        return self._each_pool(transfers, extra_info, self.batch_set_v1, self._set_pool)
 
     def _set_pool(self, t: PoolTransfer, keys: list[str], extra_info) -> List[bool]:
         n = len(keys)
@@ -469,13 +462,21 @@ class AdpHiCacheStorage(HiCacheStorage):
         """Every pool's pages into its host pool; a page counts as loaded only when its stamp
         names its key and its group is whole: one write id over a window, the same as the KV
         page it belongs to where this instance loaded that page (``groups``)."""
+        return self._each_pool(transfers, extra_info, self.batch_get_v1, self._get_pool)
+
+    @staticmethod
+    def _each_pool(transfers: List[PoolTransfer], extra_info, kv_v1, per_pool) -> dict[str, List[bool]]:
+        """Each transfer's pages by its pool, results by pool name: KV pages handed over as a
+        pool take the v1 path (``kv_v1``), every other pool ``per_pool``."""
         results: dict[str, List[bool]] = {}
         for t in transfers:
             keys = list(t.keys or [])
-            if str(t.name) == PoolName.KV.value:     # KV pages handed over as a pool: the v1 path
-                results[t.name] = self.batch_get_v1(keys, t.host_indices, extra_info) if keys else []
-                continue
-            results[t.name] = self._get_pool(t, keys, extra_info) if keys else []
+            if not keys:
+                results[t.name] = []
+            elif str(t.name) == PoolName.KV.value:
+                results[t.name] = kv_v1(keys, t.host_indices, extra_info)
+            else:
+                results[t.name] = per_pool(t, keys, extra_info)
         return results
 
     def _get_pool(self, t: PoolTransfer, keys: list[str], extra_info) -> List[bool]:
