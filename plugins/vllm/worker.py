@@ -172,31 +172,36 @@ class AdpConnectorWorker:
             return
         client, ring = self.client, self.ring   # the whole load runs on this step's attachment
         for name in cfg.layer_names:     # layer 0 first: it is needed first
-            group = self._group_of[name]
-            index = indexes[group.index]
+            index = indexes[self._group_of[name].index]
             if not index.digests:
                 continue
-            layer = self.layers[name]
-            obj, sl = self._part(layer, group)
-            keys = cfg.keys.keys(index.digests, (self._layer_index[name],), kind=group.index)
-
             load = self.fanout.begin(len(index.digests)) if self.fanout is not None else None
-
-            def on_batch(b, layer=layer, sl=sl, index=index, load=load):
-                if load is not None:     # fan-out: this rank's share; the rest comes over NVLink
-                    self.fanout.scatter_share(load, layer, ring, b, sl, index, cfg.blocks_per_chunk, self._stream)
-                    return True
-                dst, pos = index.batch_blocks(b.first, b.count, b.hits)
-                if dst is None:
-                    return True
-                layer.scatter(ring, b.offset, b.stride, b.count, sl[0], sl[1], dst, pos,
-                              cfg.blocks_per_chunk, self._stream)
-                return True
-
-            fut = client.get(keys, obj, on_batch, marks=index.marks,
-                             tag=self._tag("L", meta.step, name), slice=sl)
+            fut = self._get_layer(client, ring, name, index, self._tag("L", meta.step, name), load)
             self._load_futs[name] = (fut, index, load)
         self._settle_before_pass()
+
+    def _get_layer(self, client, ring, name: str, index: "ChunkPlanIndex", tag: Optional[str],
+                   share: Optional[LayerLoad] = None):
+        """One layer's GET of the objects ``index`` plans; each ring batch is scattered into
+        the layer's KV blocks (with fan-out, ``share``: only this rank's share of it, the rest
+        comes over NVLink). The GET's future."""
+        cfg = self.cfg
+        group = self._group_of[name]
+        layer = self.layers[name]
+        obj, sl = self._part(layer, group)
+        keys = cfg.keys.keys(index.digests, (self._layer_index[name],), kind=group.index)
+
+        def on_batch(b):
+            if share is not None:
+                self.fanout.scatter_share(share, layer, ring, b, sl, index, cfg.blocks_per_chunk, self._stream)
+                return True
+            dst, pos = index.batch_blocks(b.first, b.count, b.hits)
+            if dst is not None:
+                layer.scatter(ring, b.offset, b.stride, b.count, sl[0], sl[1], dst, pos,
+                              cfg.blocks_per_chunk, self._stream)
+            return True
+
+        return client.get(keys, obj, on_batch, marks=index.marks, tag=tag, slice=sl)
 
     def _settle_before_pass(self) -> None:
         """Caches the model reads before any layer hook (the sparse-attention indexer's keys)
@@ -227,20 +232,8 @@ class AdpConnectorWorker:
             index = indexes[group.index]
             if not index.digests:
                 continue
-            layer = self.layers[name]
-            obj, sl = self._part(layer, group)
-            keys = cfg.keys.keys(index.digests, (self._layer_index[name],), kind=group.index)
-
-            def on_batch(b, layer=layer, sl=sl, index=index):
-                dst, pos = index.batch_blocks(b.first, b.count, b.hits)
-                if dst is not None:
-                    layer.scatter(ring, b.offset, b.stride, b.count, sl[0], sl[1], dst, pos,
-                                  cfg.blocks_per_chunk, self._stream)
-                return True
-
             tag = f"A{meta.step}:{self._layer_index[name]}" if self._collective(group) else None
-            load.gets.append((group.index, client.get(keys, obj, on_batch, marks=index.marks,
-                                                      tag=tag, slice=sl)))
+            load.gets.append((group.index, self._get_layer(client, ring, name, index, tag)))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         entry = self._load_futs.pop(layer_name, None)
