@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Collection, Sequence
+
 from .cards.base import CardError
 from .store import ObjectStore
 
@@ -39,6 +41,7 @@ class HealthMonitor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="adpkv-health", daemon=True)
         store.on_io = self.record_io
+        store.on_ios = self.record_ios
         for i, card in enumerate(store.cards):
             if not card.serial:
                 logger.warning("Card %s is not available at startup; it joins when it answers", card.device)
@@ -63,6 +66,19 @@ class HealthMonitor:
         if out:
             why = "I/O past io_timeout_ms" if transport_ok else "I/O errors"
             self._deactivate(card, f"{self.max_strikes} commands in a row failed ({why})", by_io=True)
+
+    def record_ios(self, card: int, seconds: Sequence[float], failed: Collection[int] = ()) -> None:
+        """``record_io`` of a card's I/Os in their order (an I/O process's task): ``seconds``
+        each, ``failed`` the positions that failed in the transport. One lock when every one
+        went well and in time (they only clear the strikes), else one by one."""
+        if not seconds:
+            return
+        if not failed and (self.io_timeout_s is None or max(seconds) <= self.io_timeout_s):
+            with self._lock:
+                self.strikes[card] = 0
+            return
+        for k, s in enumerate(seconds):
+            self.record_io(card, k not in failed, s)
 
     # ------------------------------------------------------------------ the check loop
     def _run(self) -> None:

@@ -2,9 +2,11 @@
 
 Python threads share one GIL: on a host with many cores the gateway's I/O
 threads spend much of a page-cache read waiting for it. With ``io_processes: N``
-the reads that a card can hand out as a task (``Card.process_reads``: the fs card
-does) run in N processes, each with its own GIL, that map the same ring and read
-straight into their ring slots. The gateway keeps every decision (index, LRU,
+the reads that a card can hand out (``Card.process_reads``: the fs card's ``FileRead``s)
+run in N processes, each with its own GIL, that map the same ring and read straight
+into their ring slots. A GET batch goes to them as about one ``ReadTask`` per process
+(flat lists and arrays, not an object per read), and comes back as the few reads that
+failed and an array of durations. The gateway keeps every decision (index, LRU,
 placement, corrupt files, statistics, health) in its own process
 (``Card.process_read_result``).
 """
@@ -18,31 +20,65 @@ import multiprocessing
 import os
 import threading
 import time
+from array import array
 from concurrent.futures import Executor, Future
 from multiprocessing.connection import wait
-from typing import Optional
+from typing import Optional, Sequence
 
 from adpkv_core.ring import Ring
+
+from .cards.objfile import FileRead, Scratch, read_object_file
 
 logger = logging.getLogger("adpkv.gateway")
 
 _ring: Optional[Ring] = None
+_scratch: Optional[Scratch] = None
 
 
 def _init(ring_path: str, ring_size: int) -> None:
-    global _ring
+    global _ring, _scratch
     _ring = Ring.attach(ring_path, ring_size)
+    _scratch = Scratch()
 
 
-def read_files(items: list) -> list:
-    """``(j, task, ring offset, length)`` items → ``(j, problem or None, seconds)``; ``task``
-    is what the card's ``process_reads`` gave (it reads itself into a view of the ring)."""
-    out = []
-    for j, task, offset, length in items:
-        t0 = time.monotonic()
-        problem = task.read_into(_ring.buf[offset:offset + length])
-        out.append((j, problem, time.monotonic() - t0))
-    return out
+class ReadTask:
+    """A reader process's share of a GET batch: the fs card's ``FileRead``s (``process_reads``:
+    path, fragment key, O_DIRECT) and the ring extents they go to, packed into flat fields (two
+    lists, two arrays) that pickle as such, not as an object per read."""
+
+    __slots__ = ("paths", "fkeys", "offsets", "lengths", "o_direct")
+
+    def __init__(self, paths: list[str], fkeys: list[bytes], offsets: array, lengths: array, o_direct: bool):
+        self.paths, self.fkeys, self.offsets, self.lengths, self.o_direct = paths, fkeys, offsets, lengths, o_direct
+
+    @classmethod
+    def of(cls, reads: Sequence[FileRead], offsets: Sequence[int], lengths: Sequence[int]) -> "ReadTask":
+        """The reads of one card (one ``o_direct``), read ``k`` into ring bytes ``offsets[k]``
+        .. ``+ lengths[k]``."""
+        return cls([r.path for r in reads], [r.fkey for r in reads], array("q", offsets), array("q", lengths),
+                   reads[0].o_direct if reads else False)
+
+    def __reduce__(self):
+        return ReadTask, (self.paths, self.fkeys, self.offsets, self.lengths, self.o_direct)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+
+def read_task(task: ReadTask) -> tuple[list[tuple[int, str]], array]:
+    """Run a ``ReadTask`` in a reader process: ``(problems, seconds)``, ``problems`` the
+    ``(k, what is wrong)`` of each read that failed (``read_object_file``'s words; none when all
+    went well), ``seconds`` each read's duration."""
+    problems: list[tuple[int, str]] = []
+    seconds = array("d", bytes(8 * len(task.paths)))
+    buf, o_direct, scratch, clock = _ring.buf, task.o_direct, _scratch, time.monotonic
+    for k, (path, fkey, offset, length) in enumerate(zip(task.paths, task.fkeys, task.offsets, task.lengths)):
+        t0 = clock()
+        problem = read_object_file(path, fkey, buf[offset:offset + length], o_direct, scratch)
+        seconds[k] = clock() - t0
+        if problem is not None:
+            problems.append((k, problem))
+    return problems, seconds
 
 
 def _serve(ring_path: str, ring_size: int, tasks, task_lock, results, result_lock) -> None:
@@ -83,7 +119,7 @@ class ReaderPool(Executor):
 
     def __init__(self, processes: int, ring: Ring):
         self._ctx = multiprocessing.get_context("spawn")
-        self._n = processes
+        self.processes = processes             # readers per set
         self._ring_args = (f"/proc/{os.getpid()}/fd/{ring.fd}", ring.size)
         self._lock = threading.Lock()          # the generation and its futures
         self._ids = itertools.count()
@@ -94,7 +130,7 @@ class ReaderPool(Executor):
         gen = _Generation(self._ctx)
         gen.procs = [self._ctx.Process(target=_serve, args=(*self._ring_args, gen.task_r, gen.task_lock,
                                                             gen.result_w, gen.result_lock),
-                                       name=f"adpkv-io-{i}", daemon=True) for i in range(self._n)]
+                                       name=f"adpkv-io-{i}", daemon=True) for i in range(self.processes)]
         for proc in gen.procs:
             proc.start()
         gen.collector = threading.Thread(target=self._collect, args=(gen,), name="adpkv-io-results", daemon=True)

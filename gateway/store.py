@@ -14,20 +14,24 @@ replica; a write that fails halfway removes what it wrote.
 
 from __future__ import annotations
 
+import bisect
 import collections
+import functools
 import itertools
 import logging
 import threading
 import time
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Collection, NamedTuple, Optional, Sequence
 
 from .fragments import db_hash, fragment_db, fragment_dbs, fragment_extents, fragment_key
-from .latency import LatencyBuckets
+from .latency import IO_LATENCY_BUCKETS, LatencyBuckets
 
 from .cards.base import Card, CardIOError, NodeIOError, object_key
 from .placement import Placement, key_layout_fingerprint
 
 logger = logging.getLogger("adpkv.gateway.store")
+
+_bucket = functools.partial(bisect.bisect_left, IO_LATENCY_BUCKETS)     # a duration's latency bucket
 
 
 def _log_io_error(exc: CardIOError) -> None:
@@ -97,11 +101,24 @@ class CardStats:
         with self.lock:
             return time.monotonic() - self._inflight.pop(token)
 
-    def record_reads(self, reads: Sequence[tuple[bool, int, float]]) -> None:
-        """Account finished reads ``(ok, bytes, seconds)`` at once (an I/O process's task)."""
+    def record_reads(self, seconds: Sequence[float], nbytes: int, errors: int) -> None:
+        """Account finished reads at once (an I/O process's task): ``seconds`` each, ``nbytes``
+        read by those that succeeded, ``errors`` of them failed."""
+        if not seconds:
+            return
+        total, slowest = sum(seconds), max(seconds)
         with self.lock:
-            for ok, nbytes, seconds in reads:
-                self._count(False, ok, nbytes, seconds)
+            self.reads += len(seconds)
+            self.bytes_read += nbytes
+            self.read_errors += errors
+            self.io_seconds += total
+            self.io_count += len(seconds)
+            self.io_max_s = max(self.io_max_s, slowest)
+            latency = self._latency["read"]
+            counts = latency.counts
+            for bucket in map(_bucket, seconds):
+                counts[bucket] += 1
+            latency.seconds += total
 
     def record(self, write: bool, ok: bool, nbytes: int, seconds: float) -> None:
         """Account one finished I/O (timed elsewhere, e.g. in an I/O process)."""
@@ -149,6 +166,8 @@ class ObjectStore:
         self.active = [bool(c.serial) for c in self.cards]
         self.stats = [CardStats() for _ in self.cards]
         self.on_io: Callable[[int, bool, float], None] = lambda card, transport_ok, seconds: None
+        # many I/Os of one card at once: (card, seconds each, positions that failed in the transport)
+        self.on_ios: Callable[[int, Sequence[float], Collection[int]], None] = lambda card, seconds, failed=(): None
         self._pins: collections.Counter = collections.Counter()
         self._pins_lock = threading.Lock()
         # by namespace: hits, misses, stored, store_failed, restored_bytes, stored_bytes (server thread only)

@@ -49,7 +49,7 @@ from .store import ObjectStore
 
 logger = logging.getLogger("adpkv.gateway")
 
-IO_TASK_ITEMS = 16        # fragments (reads) or objects (writes) per pool task
+IO_TASK_ITEMS = 16        # fragments (reads) or objects (writes) per pool task; the least per I/O-process task
 
 
 class Stage(enum.Enum):
@@ -76,7 +76,8 @@ class Transfers:
     drops a rank's pins on keys (a GET with ``unlock``).
     """
 
-    def __init__(self, ring: Ring, store: ObjectStore, pool: Executor, procs: Optional[Executor], io_threads: int,
+    def __init__(self, ring: Ring, store: ObjectStore, pool: Executor, procs: Optional[io_procs.ReaderPool],
+                 io_threads: int,
                  run: Callable, send: Callable[[bytes, P.Message], None], attached: Callable[[bytes], bool],
                  unpin: Callable[[bytes, list], None]):
         self.ring = ring
@@ -327,48 +328,56 @@ class Transfers:
 
     def _read_in_processes(self, batch: Batch, reads: list) -> list:
         """Hand the ``(j, fragment, ring offset)`` reads that a card can do in the I/O
-        processes to them (fs cards; each card's tasks made in one call); return the others
-        for the pool."""
-        rest, items = [], []
+        processes to them (fs cards; each card's tasks made in one call), about one
+        ``ReadTask`` per process and card (at least ``IO_TASK_ITEMS`` reads); return the
+        others for the pool."""
+        rest = []
         by_card: dict[int, list] = collections.defaultdict(list)
         for read in reads:
             by_card[read[1].card].append(read)
         for card, group in by_card.items():
             tasks = self.store.cards[card].process_reads([frag.fkey for _, frag, _ in group])
-            for (j, frag, offset), task in zip(group, tasks):
-                if task is None:
-                    rest.append((j, frag, offset))
-                elif task is False:        # the card knows the object is gone
-                    batch.flags[j] = 0
-                else:
-                    items.append((j, frag, task, offset))
-        per = min(IO_TASK_ITEMS, -(-len(items) // max(1, self.io_threads))) if items else 1
-        for k in range(0, len(items), per):
-            group = items[k:k + per]
-            batch.pending += 1
-            self._run(self.procs,
-                      functools.partial(io_procs.read_files, [(j, task, off, frag.length) for j, frag, task, off in group]),
-                      lambda results, g=group: self._process_reads_done(batch, g, results),
-                      lambda exc, g=group: self._io_done(batch, [(item[0], False) for item in g]))
+            if False in tasks or None in tasks:
+                kept = []
+                for read, task in zip(group, tasks):
+                    if task is None:
+                        rest.append(read)
+                    elif task is False:        # the card knows the object is gone
+                        batch.flags[read[0]] = 0
+                    else:
+                        kept.append((read, task))
+                group, tasks = [read for read, _ in kept], [task for _, task in kept]
+            per = max(IO_TASK_ITEMS, -(-len(group) // self.procs.processes))
+            for k in range(0, len(group), per):
+                part, files = group[k:k + per], tasks[k:k + per]
+                task = io_procs.ReadTask.of(files, [at for _, _, at in part], [frag.length for _, frag, _ in part])
+                batch.pending += 1
+                self._run(self.procs, functools.partial(io_procs.read_task, task),
+                          lambda result, c=card, p=part, f=files, t=task:
+                          self._process_reads_done(batch, c, p, f, t, result),
+                          lambda exc, p=part: self._io_done(batch, [(j, False) for j, _, _ in p]))
         return rest
 
-    def _process_reads_done(self, batch: Batch, group: list, results: list) -> None:
-        """An I/O process's ``(j, problem, seconds)`` per read, accounted as the thread path
-        does (the card's own bookkeeping, statistics, health strikes). A read that missed
-        goes to the object's next replica on the pool, as ``store.read_many`` does there."""
-        done, again = [], []
+    def _process_reads_done(self, batch: Batch, card: int, part: list, files: list, task: "io_procs.ReadTask",
+                            result: tuple) -> None:
+        """An I/O process ran ``task`` (``part``'s reads of one card, the card's ``files``):
+        its failed reads' ``(k, problem)`` and every read's seconds, accounted as the thread
+        path does (the card's statistics and health strikes at once for the task; the card's
+        own bookkeeping for each failed read). A read that failed goes to the object's next
+        replica on the pool, as ``store.read_many`` does there."""
+        problems, seconds = result
         store = self.store
-        accounted: dict[int, list] = collections.defaultdict(list)    # card -> its reads' (ok, bytes, seconds)
-        for (j, frag, task, offset), (_, problem, seconds) in zip(group, results):
-            ok = store.cards[frag.card].process_read_result(task, problem)
-            accounted[frag.card].append((ok, frag.length, seconds))
-            store.on_io(frag.card, problem is None or not problem.startswith("I/O error"), seconds)
-            if not ok and frag.others:
+        lost = sum(task.lengths[k] for k, _ in problems)
+        store.stats[card].record_reads(seconds, sum(task.lengths) - lost, len(problems))
+        store.on_ios(card, seconds, {k for k, problem in problems if problem.startswith("I/O error")})
+        done, again = [], []
+        for k, problem in problems:
+            j, frag, offset = part[k]
+            store.cards[card].process_read_result(files[k], problem)
+            if frag.others:
                 again.append((j, frag, self.ring.slot(offset, frag.length)))
             else:
-                done.append((j, ok))
-        for card, reads in accounted.items():
-            store.stats[card].record_reads(reads)         # one lock per card and task
+                done.append((j, False))
         if again:
             self._submit(batch, self.store.read_from_replicas, again)
         self._io_done(batch, done)
