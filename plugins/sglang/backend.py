@@ -53,6 +53,7 @@ import logging
 import threading
 from typing import Any, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from sglang.srt.mem_cache.hicache_storage import (
@@ -229,6 +230,16 @@ class AdpHiCacheStorage(HybridPools, HiCacheStorage):
         last = len(marks) - 1
         return [marks[min(start + i, last)] for i in range(len(keys))]
 
+    def _pages(self, hp: Optional[HostPool], host_indices: torch.Tensor,
+               keys: Sequence[str]) -> Optional[tuple[Session, np.ndarray, list[bytes]]]:
+        """What a call moving ``keys``' pages of ``hp`` needs: the session it uses to its end,
+        the pages' starts in the pool, their storage keys; None (every page misses / is not
+        stored) without the pool or without a gateway."""
+        s = self._live()
+        if hp is None or s is None:
+            return None
+        return s, hp.starts(host_indices, len(keys)), hp.storage_keys(keys)
+
     def _kv_keys(self, keys: Sequence[str]) -> list[bytes]:
         """The KV pages' keys of the zero-copy path (stamped ones once the model is hybrid)."""
         if self.kv is not None and self.interface_v1:
@@ -259,11 +270,10 @@ class AdpHiCacheStorage(HybridPools, HiCacheStorage):
             return [True] * n
         try:
             kv = self.kv
-            s = self._live()
-            if kv is None or s is None:
+            got = self._pages(kv, host_indices, keys)
+            if got is None:
                 return [False] * n
-            starts = kv.starts(host_indices, n)
-            skeys = kv.storage_keys(keys)
+            s, starts, skeys = got
             stamps = groups.Stamps(skeys) if kv.stamped else None
             hits, held = transfers.read_pages(s, kv, starts, skeys, self._marks(keys, extra_info), stamps,
                                               self._tally, regions=self.regions)
@@ -288,11 +298,10 @@ class AdpHiCacheStorage(HybridPools, HiCacheStorage):
             return [True] * n
         try:
             kv = self.kv
-            s = self._live()
-            if kv is None or s is None:
+            got = self._pages(kv, host_indices, keys)
+            if got is None:
                 return [False] * n
-            starts = kv.starts(host_indices, n)
-            skeys = kv.storage_keys(keys)
+            s, starts, skeys = got
             stamps, rewrite = None, None
             if kv.stamped:
                 # pages closing a page group carry that group's write id (written even when stored)

@@ -19,6 +19,7 @@ before ``HiCacheStorage`` so these methods are the ones SGLang calls):
   ``register_mem_pool_host``); this mixin changes only ``pools``, ``hybrid`` and
   ``_unknown_pools`` (and ``kv`` through ``_make_kv_pool``);
 - it provides ``_live()`` (the session a call uses to its end, or None: misses),
+  ``_pages(pool, host_indices, keys)`` (that session, the pages' starts and storage keys, or None),
   ``_marks(keys, extra_info)`` (dialog marks or None), ``_kv_keys(keys)`` (the KV pages'
   storage keys), ``_make_kv_pool()`` (rebuild ``kv``, stamped once ``hybrid``) and SGLang's
   ``batch_get_v1`` / ``batch_set_v1``;
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 import logging
 from typing import Callable, List, Optional, Sequence
+
+import numpy as np
 
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
@@ -74,6 +77,8 @@ class HybridPools:
     _tally: Tally
     # and its methods these calls use
     _live: Callable[[], Optional[Session]]
+    _pages: Callable[[Optional[HostPool], object, Sequence[str]],
+                     Optional[tuple[Session, np.ndarray, list[bytes]]]]
     _marks: Callable[[Sequence[str], Optional[HiCacheStorageExtraInfo]], Optional[list[int]]]
     _kv_keys: Callable[[Sequence[str]], list[bytes]]
     _make_kv_pool: Callable[[], None]
@@ -192,12 +197,11 @@ class HybridPools:
             self._tally.count("pages_skipped_nonwriter", n)
             return [True] * n
         try:
-            s = self._live()
-            if s is None:
+            got = self._pages(hp, t.host_indices, keys)
+            if got is None:
                 return [False] * n
-            starts = hp.starts(t.host_indices, n)
+            s, starts, skeys = got
             write_id = self.write_ids.group_id(keys[-1])
-            skeys = hp.storage_keys(keys)
             stored, existed = transfers.write_pages(s, hp, starts, skeys, self._marks(keys, extra_info),
                                                     groups.Stamps(skeys, [write_id] * n), False, self._tally,
                                                     regions=self.regions)
@@ -255,11 +259,10 @@ class HybridPools:
         if hp is None:
             return [False] * n
         try:
-            s = self._live()
-            if s is None:
+            got = self._pages(hp, t.host_indices, keys)
+            if got is None:
                 return [False] * n
-            starts = hp.starts(t.host_indices, n)
-            skeys = hp.storage_keys(keys)
+            s, starts, skeys = got
             stamps = groups.Stamps(skeys)
             marks = self._marks(keys, extra_info)
             hits, held = transfers.read_pages(s, hp, starts, skeys, marks, stamps, self._tally,
