@@ -223,18 +223,25 @@ class ObjectStore:
         order = list(range(1, len(extents))) + [0]
         cut = [(fragment_key(b"", i), i if self.spread else 0, *extents[i]) for i in order]
         dbs = self.num_dbs
-        tags = self.placement_mode == "dialog" and marks is not None
+        tags = [self.slot_tag(m) for m in marks] if self.placement_mode == "dialog" and marks else None
         out = []
+        if len(cut) == 1:                                     # one fragment an object: no inner list
+            (suffix, _, off, ln), = cut
+            for j, card in enumerate(holders):
+                if card is not None:
+                    key = keys[j]
+                    out.append((j, [Fragment(int(card), db_hash(key) % dbs, key + suffix, off, ln, object_bytes,
+                                             getattr(card, "others", ()), tags[j] if tags else b"")]))
+            return out
         for j, card in enumerate(holders):
             if card is None:
                 continue
             c, others, key = int(card), getattr(card, "others", ()), keys[j]
-            tag = self.slot_tag(marks[j]) if tags else b""
+            tag = tags[j] if tags else b""
             h = db_hash(key)                                  # once per object
             out.append((j, [Fragment(c, (h + step) % dbs, key + suffix, off, ln, object_bytes, others, tag)
                             for suffix, step, off, ln in cut]))
         return out
-
 
     def write_plans(self, key: bytes, mark: int, object_bytes: int) -> list[list[Fragment]]:
         """One fragment list per replica (cards in service, in placement order)."""
@@ -393,11 +400,21 @@ class ObjectStore:
         """For each object, the first of its replica cards in service that holds all of it
         (every fragment, at the sizes ``object_bytes`` gives, or else the size its head
         records), or None: where a read of it goes. The card comes as a ``Holder`` that
-        also names the other replica cards, for ``read_plans``."""
-        out: list[Optional[int]] = [None] * len(keys)
-        candidates = [self.targets(key, marks[i] if marks else 0, self.replicas) for i, key in enumerate(keys)]
-        tags = [self.slot_tag(marks[i] if marks else 0) for i in range(len(keys))]
-        pending = list(range(len(keys)))
+        also names the other replica cards, for ``read_plans``. Runs on the pool for a batch
+        at once: each slot's cards in service found once, one ``Holder`` per card and slot."""
+        n = len(keys)
+        out: list[Optional[int]] = [None] * n
+        slot, rankings = self.placement.slot, self.placement.rankings
+        by_slot: dict[int, list[int]] = {}                # slot -> its replica cards in service
+        candidates = []
+        for i, key in enumerate(keys):
+            s = slot(key, marks[i] if marks else 0)
+            cands = by_slot.get(s)
+            if cands is None:
+                cands = by_slot[s] = [c for c in rankings[s] if self.active[c]][:self.replicas]
+            candidates.append(cands)
+        tags = [self.slot_tag(m) for m in marks] if marks and self.placement_mode == "dialog" else [b""] * n
+        pending = range(n)
         for r in range(self.replicas):
             by_card: dict[int, list[int]] = collections.defaultdict(list)
             for i in pending:
@@ -405,11 +422,16 @@ class ObjectStore:
                     by_card[candidates[i][r]].append(i)
             if not by_card:
                 break
+            holder: dict[int, Holder] = {}                # id of a slot's cards -> the Holder at round r
             for card, idx in by_card.items():
                 found = self._whole(card, [keys[i] for i in idx], object_bytes, [tags[i] for i in idx])
                 for i, hit in zip(idx, found):
                     if hit:
-                        out[i] = Holder.of(card, candidates[i][r + 1:])
+                        cands = candidates[i]
+                        h = holder.get(id(cands))
+                        if h is None:
+                            h = holder[id(cands)] = Holder.of(card, cands[r + 1:])
+                        out[i] = h
             pending = [i for i in pending if out[i] is None]
         return out
 
@@ -421,6 +443,11 @@ class ObjectStore:
         head = lambda k: (fragment_db(k, 0, self.num_dbs, self.spread), fragment_key(k, 0))  # noqa: E731
         cuts: dict[int, list[tuple[int, int]]] = {}       # object size -> its fragment extents
         try:
+            if object_bytes and len(fragment_extents(object_bytes, self.fragment_size)) == 1:
+                # one fragment an object (the usual case): one item each, no spans
+                suffix, dbs = fragment_key(b"", 0), self.num_dbs
+                return c.contains_many([(db_hash(k) % dbs, k + suffix) for k in keys], [object_bytes] * len(keys),
+                                       list(tags))
             sizes = [object_bytes] * len(keys) if object_bytes is not None else \
                 c.object_sizes([head(k) for k in keys], list(tags))
             items: list[tuple[int, bytes]] = []
