@@ -1,0 +1,148 @@
+"""One request of a ``GatewayClient``: what it sends, how its replies decode, what it resolves with.
+
+- ``RingBatch`` and the ``BatchCallback`` contract: the copies of a data request's ring batches.
+- ``StoreResult``: what a PUT resolves with.
+- ``Pending``: a request in flight (its future, deadline, reply decoder, the objects this
+  rank copied, and for a request into or out of a region the moment the gateway must stop
+  touching it).
+- ``data_request``: the GET/PUT message of a data request, through the ring, straight into
+  or out of one registered region (``get_into`` / ``put_from``), or scattered over pieces of
+  several regions (``get_scattered`` / ``put_scattered``), with its ``Pending``.
+
+Nothing here does I/O: ``link.Link`` sends the messages and resolves the futures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import Future
+from typing import Callable, Optional, Sequence
+
+from . import protocol as P
+
+REGION_WRITE_MARGIN_S = 0.5     # a request into/out of a region: the gateway stops touching it this long before we give up
+
+
+class RingBatch:
+    """Objects ``first .. first+count-1`` of a data request, placed in the ring.
+
+    Object ``i`` of the batch starts at ``offset + i*stride``; this rank's part of
+    it is ``slice_bytes`` at ``slice_offset`` within the object. For a GET,
+    ``hits[i]`` says whether object ``first+i`` was found.
+    """
+
+    __slots__ = ("first", "count", "offset", "stride", "object_bytes", "slice_offset",
+                 "slice_bytes", "hits")
+
+    def __init__(self, first, count, offset, stride, object_bytes, slice_offset, slice_bytes, hits):
+        self.first = first
+        self.count = count
+        self.offset = offset
+        self.stride = stride
+        self.object_bytes = object_bytes
+        self.slice_offset = slice_offset
+        self.slice_bytes = slice_bytes
+        self.hits = hits
+
+    def __repr__(self):
+        return (f"RingBatch(first={self.first}, count={self.count}, offset={self.offset}, "
+                f"stride={self.stride}, object_bytes={self.object_bytes})")
+
+
+BatchCallback = Callable[[RingBatch], Optional[bool]]
+"""``on_batch(batch) -> bool | None``: the copy of one ring batch of a ``get`` or ``put``.
+
+- It runs on the client's I/O thread, once per batch, in request order; the gateway
+  holds the batch's ring slots until it returns. It must not block (no waiting on
+  other requests, locks held by request paths, or storage): every other request of
+  the rank, and the heartbeats, wait behind it.
+- ``get``: copy the hits (``batch.hits[i]``) among objects ``batch.first ..
+  batch.first+batch.count-1`` out of the ring (object i at ``batch.offset + i*batch.stride``,
+  this rank's part at ``batch.slice_offset``, ``batch.slice_bytes`` long); leave misses alone.
+  ``put``: fill those slots.
+- Returning ``False`` (or raising: logged) means the batch was not copied: every object
+  of it counts as a miss (``get``) / not stored (``put``, the gateway drops the slots),
+  whatever the gateway found or could write. ``None``/``True``: copied.
+- After the request's future resolves (also when the cache turned off or the client
+  closed), the callback is never called again for it.
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreResult:
+    """The result of a PUT: per key, ``stored[i]`` (the card holds it now) and ``existed[i]``
+    (it held it already — a key names its content — and it was not written again)."""
+
+    stored: list[bool]
+    existed: list[bool]
+
+    @classmethod
+    def none(cls, n: int) -> "StoreResult":
+        """Nothing stored: the answer when the cache is off or the request failed."""
+        return cls([False] * n, [False] * n)
+
+
+class Pending:
+    """A request in flight: how its replies decode and where its result goes."""
+
+    __slots__ = ("future", "op", "n", "on_batch", "deadline", "ok", "slice", "replies", "region_by")
+
+    def __init__(self, future, op, n, on_batch, deadline, slice_, replies: P.ReplyDecoder, data=False):
+        self.future = future
+        self.op = op
+        self.n = n
+        self.on_batch = on_batch
+        self.deadline = deadline
+        # per object: copied by this rank (a request into a region has no copies to make)
+        self.ok = (bytearray(n) if on_batch is not None else b"\x01" * n) if data else None
+        self.slice = slice_
+        self.replies = replies
+        # a request into/out of one of our regions: the gateway's last moment to write into it
+        # (GET) or read from it (PUT)
+        self.region_by: Optional[float] = None
+
+
+# How the replies to each kind of request decode (an ERROR is always possible).
+OK = P.ReplyDecoder(P.Ok)
+EXIST_OK = P.ReplyDecoder(P.ExistOk)
+DELETE_OK = P.ReplyDecoder(P.DeleteOk)
+STATS_OK = P.ReplyDecoder(P.StatsOk)
+DATA = P.ReplyDecoder(P.Batch, P.Done)
+
+
+def reply_flags(data: Optional[bytes], n: int) -> list[bool]:
+    """Per-key flags of a reply; all False when they do not describe ``n`` keys."""
+    flags = P.unpack_flags(data or b"")
+    return flags if len(flags) == n else [False] * n
+
+
+def resolved(value) -> Future:
+    """A future that already holds ``value``."""
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def data_request(op: str, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
+                 marks: Optional[Sequence[int]], tag: Optional[str], slice_: Optional[tuple[int, int]],
+                 unlock: bool, into: Optional[tuple], timeout_s: float) -> tuple[P.Message, Pending]:
+    """The GET or PUT message of ``keys`` and its ``Pending``. ``into``: ``(region, at, None)``
+    for one registered region, ``(None, at, pieces)`` for pieces of several, None for the
+    ring (``on_batch`` copies); ``timeout_s``: how long the client waits for the gateway."""
+    region, at, pieces = into if into is not None else (None, None, None)
+    fields = dict(keys=list(keys), obj=int(object_bytes), marks=None if marks is None else list(marks),
+                  tag=None if tag is None else str(tag), region=region, at=at,
+                  pieces=None if pieces is None else [P.Piece(int(r), int(n)) for r, n in pieces])
+    msg = P.Get(unlock=bool(unlock), **fields) if op == "GET" else P.Put(**fields)
+    pending = Pending(Future(), op, len(keys), on_batch, 0.0, slice_ or (0, int(object_bytes)), DATA, data=True)
+    if into is not None:
+        # The gateway writes into (GET) or reads from (PUT) our buffer only until we give up
+        # on the request: after that the engine may reuse it. A stalled gateway must neither
+        # write into it later nor store what the engine put there since under these keys.
+        pending.region_by = time.monotonic() + timeout_s - REGION_WRITE_MARGIN_S
+        if op == "GET":
+            msg.write_by = pending.region_by
+        else:
+            msg.read_by = pending.region_by
+    return msg, pending
