@@ -54,17 +54,19 @@ class AdapterSettings:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, block_size: int,
                           chunk_key: str = "chunk_size", hash_block_size: int | None = None,
-                          ) -> "AdapterSettings":
+                          default_chunk: int | None = None) -> "AdapterSettings":
         """``block_size``/``hash_block_size``: the tokens of a KV block and of one of vLLM's
         block hashes; a chunk is a whole number of both. A chunk size that is not is
         rounded up to the next one that is, with one log line: a setting that cannot
         apply never stops the engine (vLLM picks block sizes per model, e.g. 544 tokens
-        for a Gated DeltaNet hybrid, so no fixed chunk size fits every model)."""
+        for a Gated DeltaNet hybrid, so no fixed chunk size fits every model).
+        ``default_chunk``: the chunk when the setting is absent (None: ``DEFAULT_CHUNK_TOKENS``
+        rounded up; a model with recurrent state passes its block size)."""
         extra = dict(extra or {})
         client = ClientConfig.from_settings(extra, prefix=PREFIX)
         unit = math.lcm(block_size, hash_block_size or block_size)
         raw = extra.get(PREFIX + chunk_key, extra.get(chunk_key))
-        chunk = rounded_chunk(raw, unit, PREFIX + chunk_key)
+        chunk = rounded_chunk(raw, unit, PREFIX + chunk_key, default_chunk)
         exist_layers = str(extra.get(PREFIX + "exist_layers", "ends"))
         if exist_layers not in ("ends", "all"):
             raise ValueError(f"adpkv: {PREFIX}exist_layers must be 'ends' or 'all', not {exist_layers!r}")
@@ -75,12 +77,12 @@ class AdapterSettings:
                    nvlink_fanout=parse_bool(extra.get(PREFIX + "nvlink_fanout", False), PREFIX + "nvlink_fanout"))
 
 
-def rounded_chunk(raw: Any, unit: int, name: str) -> int:
-    """Tokens per stored object: ``raw`` (the setting; None: ``DEFAULT_CHUNK_TOKENS``)
-    rounded up to a positive multiple of ``unit`` (the block and hash block sizes).
-    A value that had to change is logged once, with what it became."""
+def rounded_chunk(raw: Any, unit: int, name: str, default: int | None = None) -> int:
+    """Tokens per stored object: ``raw`` (the setting; None: ``default``, or else
+    ``DEFAULT_CHUNK_TOKENS``) rounded up to a positive multiple of ``unit`` (the block and
+    hash block sizes). A value that had to change is logged once, with what it became."""
     if raw is None:
-        return -(-max(unit, DEFAULT_CHUNK_TOKENS) // unit) * unit
+        return -(-max(unit, default or DEFAULT_CHUNK_TOKENS) // unit) * unit
     try:
         asked = int(raw)
     except (TypeError, ValueError):

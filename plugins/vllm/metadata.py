@@ -37,6 +37,8 @@ class ChunkPlan:
     block_ids: list[int]              # blocks_per_chunk ids per chunk (loads: only those written)
     positions: Optional[list[int]] = None   # loads: block positions in the objects (None = all)
     group: int = 0                    # the KV cache group (``CacheGroup.index``) of these blocks
+    # a recurrent-state group's objects are one block each (the state at a chunk boundary):
+    # ``digests[i]`` names the chunk that ends at the boundary, ``block_ids[i]`` its state block
 
 
 @dataclass
@@ -49,12 +51,16 @@ class AdpConnectorMetadata(KVConnectorMetadata):
     ``preempted`` requests' blocks are reused after this step, so their pages must be
     in the ring before (``handle_preemptions``); ``failed_loads`` are hits the scheduler
     could not plan a load for (reported as failed loads: vLLM recomputes them). ``step``
-    numbers the collective requests of a step (every TP rank sends the same tag)."""
+    numbers the collective requests of a step (every TP rank sends the same tag).
+    ``state_saves`` are recurrent states at chunk boundaries (vLLM's exact boundary-state
+    hand-offs, ``recurrent.py``), written from ``wait_for_save`` and in the ring before
+    the step ends (vLLM may free or reuse their blocks from the next step on)."""
 
     step: int = 0
     loads: list[ChunkPlan] = field(default_factory=list)
     saves: list[ChunkPlan] = field(default_factory=list)           # per layer from save_kv_layer
     deferred_saves: list[ChunkPlan] = field(default_factory=list)  # one request per step (decode)
+    state_saves: list[ChunkPlan] = field(default_factory=list)     # recurrent states, end of step
     preempted: list[str] = field(default_factory=list)
     failed_loads: dict[str, list[int]] = field(default_factory=dict)   # req -> its hit's blocks
 
@@ -67,12 +73,19 @@ class CacheGroup:
     never share a key even where a layer number could repeat."""
 
     index: int                        # vLLM's KV cache group id (position in kv_cache_groups)
-    kind: str                         # "full" | "sliding" | "mla"
+    kind: str                         # "full" | "sliding" | "mla" | "state" (Mamba-type, align mode)
     layer_names: tuple[str, ...]      # in key order
     sliding_window: Optional[int] = None   # tokens whose blocks vLLM keeps ("sliding" only)
     # caches read before any layer hook runs (DeepSeek sparse attention's indexer keys,
     # MLAAttentionSpec with cache_role "indexer"): loaded completely before the pass
     before_pass: tuple[str, ...] = ()
+
+    @property
+    def recurrent(self) -> bool:
+        """A recurrent state (``MambaSpec`` in vLLM's ``align`` mode): one state per block
+        boundary, not pages of tokens. An object is the state at the end of a chunk (one
+        block of the group); a hit of h chunks needs the state at exactly boundary h."""
+        return self.kind == "state"
 
     @property
     def tp_shared(self) -> bool:
@@ -112,6 +125,10 @@ class ConnectorConfig:
     def hashes_per_chunk(self) -> int:
         return self.chunk_size // self.hash_block_size
 
+    def object_blocks(self, group: CacheGroup) -> int:
+        """Blocks in one object of ``group``: a chunk's, or one (a recurrent state)."""
+        return 1 if group.recurrent else self.blocks_per_chunk
+
     @property
     def layer_index(self) -> dict[str, int]:
         return {n: i for i, n in enumerate(self.layer_names)}
@@ -123,8 +140,9 @@ class ConnectorConfig:
         vLLM 0.32 cannot take a block-level load failure of such a model (its block ids are
         not unique over groups: it raises), so a failed load must be reported per request
         (``failed_recving``), which only an asynchronous load can do; the request is then
-        recomputed whole."""
-        return len(self.groups) > 1
+        recomputed whole. A recurrent state is read before the pass (the model reads it at
+        its first token), so a model with one loads asynchronously too (pure Mamba2)."""
+        return len(self.groups) > 1 or any(g.recurrent for g in self.groups)
 
     @property
     def group_of_layer(self) -> dict[str, CacheGroup]:
@@ -138,12 +156,16 @@ class ConnectorConfig:
         supported = not why
         if supported:
             block_size = _group_block_size(kv_cache_config)
-            settings = AdapterSettings.from_extra_config(extra, block_size, hash_block_size=hash_block_size)
+            # recurrent state is kept at the block boundaries a step ends on: by default an
+            # object is one block, so that every such boundary is a chunk boundary
+            settings = AdapterSettings.from_extra_config(
+                extra, block_size, hash_block_size=hash_block_size,
+                default_chunk=block_size if any(g.recurrent for g in groups) else None)
         else:    # nothing is stored: the chunk size does not matter (and is not rounded)
             settings = AdapterSettings.from_extra_config(extra, 1)
         cache_layout = kv_cache_layout(getattr(vllm_config.cache_config, "kv_cache_layout", None))
         layout = f"{vllm_config.device_config.device_type}:{cache_layout}"
-        if len(groups) > 1 or (groups and groups[0].kind == "mla"):
+        if len(groups) > 1 or (groups and groups[0].kind in ("mla", "state")):
             # the group structure is part of what an object means
             layout += ":" + ",".join(g.describe() for g in groups)
         namespace = resolve_namespace(vllm_config, settings, layout, engine_id)
@@ -159,7 +181,8 @@ class ConnectorConfig:
 
 # the spec classes the connector restores, by exact class (a subclass such as R-SWA or
 # chunked local attention frees other blocks than its base class)
-_GROUP_KINDS = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding", "MLAAttentionSpec": "mla"}
+_GROUP_KINDS = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding", "MLAAttentionSpec": "mla",
+                "MambaSpec": "state"}
 
 
 def cache_groups(vllm_config, kv_cache_config) -> tuple[list[CacheGroup], str]:
@@ -194,13 +217,13 @@ def cache_groups(vllm_config, kv_cache_config) -> tuple[list[CacheGroup], str]:
                             f"mamba_cache_mode={mode!r}: vLLM keeps no state at block boundaries "
                             "(turn prefix caching on for block-aligned states), so there is nothing "
                             "to store or restore")
-            return [], (f"recurrent state (MambaSpec) in KV cache group {gid}: restoring a "
-                        "recurrent state is not supported, so this model gets no hit rather than "
-                        "a partial restore")
+            if any(getattr(sp, "num_speculative_blocks", 0) for sp in specs):
+                return [], (f"recurrent state (MambaSpec) in KV cache group {gid} with speculative "
+                            "blocks: not restored")
         kind = _GROUP_KINDS.get(name)
         if kind is None:
             return [], (f"KV cache spec {name} (group {gid}) is not supported (full attention, "
-                        "sliding window or MLA)")
+                        "sliding window, MLA or Mamba-type state in align mode)")
         # a sliding group keeps its blocks from ``window + extra_retained_tokens`` back (vLLM
         # retains, unattended, the extra ones for multi-module spec decoding): all are restored
         windows = ({sp.sliding_window + getattr(sp, "extra_retained_tokens", 0) for sp in specs}

@@ -25,6 +25,7 @@ from adpkv_core.attachment import Attachment
 
 from .common import chunk_hashes
 from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
+from .recurrent import plan_state_saves
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -56,12 +57,14 @@ def hit_chunks(cfg: ConnectorConfig, present: list[list[bool]], local: int) -> i
     needs, in every group, the chunks that group reads at the boundary h past vLLM's
     own hit ``local``: a full-attention (or MLA) group every one of them, a sliding-
     window group only those inside the window that ends at h (vLLM gives the blocks
-    before it null blocks, so they need not be stored)."""
+    before it null blocks, so they need not be stored), a recurrent-state group the state
+    at exactly boundary h (``present[g][h-1]``: the state after chunk h-1)."""
     n = min((len(p) for p in present), default=0)
     first_local = local // cfg.chunk_size
     bpc = cfg.blocks_per_chunk
     for h in range(n, first_local, -1):
-        if all(all(p[max(skipped_blocks(g, cfg.block_size, h * cfg.chunk_size) // bpc, first_local):h])
+        if all(p[h - 1] if g.recurrent else
+               all(p[max(skipped_blocks(g, cfg.block_size, h * cfg.chunk_size) // bpc, first_local):h])
                for g, p in zip(cfg.groups, present)):
             return h
     return 0
@@ -72,6 +75,7 @@ class _ReqState:
     block_ids: dict[int, list[int]] = field(default_factory=dict)   # group index -> its block table
     saved_chunks: int = 0          # chunks stored or planned for saving
     had_saves: bool = False
+    restored_chunks: int = 0       # the external hit loaded into its blocks (states stored already)
     load: Optional[tuple[int, int, int]] = None   # (first chunk, end chunk, blocks to skip in first)
 
     def set_blocks(self, groups: list[CacheGroup], ids, extend: bool = False) -> None:
@@ -196,6 +200,7 @@ class AdpConnectorScheduler:
         hit, local = self._hits.pop(req_id, (0, 0))
         self._lookups.pop(req_id, None)
         st.saved_chunks = max(st.saved_chunks, hit)
+        st.restored_chunks = max(st.restored_chunks, hit)
         if num_external_tokens > 0 and cfg.supported:
             end_chunk = (local + num_external_tokens) // cfg.chunk_size
             first_chunk = local // cfg.chunk_size
@@ -238,9 +243,17 @@ class AdpConnectorScheduler:
             if st.load is not None:
                 self._plan_load(meta, req_id, request, st, before)
             self._plan_save(meta, scheduler_output, req_id, request, st, before)
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offloads = getattr(block_state, "boundary_state_offloads", None)
+        if offloads and self.cfg.supported:
+            meta.state_saves = plan_state_saves(self.cfg, offloads, self._followed, self._digests, self._marks)
         if self.lookup is not None:
             self.lookup.refresh()   # between steps: a fresh attachment, when one is ready, from now on
         return meta
+
+    def _followed(self, req_id: str) -> Optional[tuple["Request", int]]:
+        request, st = self._requests.get(req_id), self._reqs.get(req_id)
+        return None if request is None or st is None else (request, st.restored_chunks)
 
     def _plan_load(self, meta: AdpConnectorMetadata, req_id: str, request: "Request",
                    st: _ReqState, before: int) -> None:
@@ -258,6 +271,16 @@ class AdpConnectorScheduler:
         loads: list[int] = []
         for g in cfg.groups:
             ids = st.blocks(g)
+            if g.recurrent:
+                # the state at the hit boundary, into the block vLLM reserved for it (the last
+                # one of the hit, as for its own prefix-cache hit); nothing else of the group
+                b = ids[c1 * bpc - 1]
+                if b == NULL_BLOCK_ID:
+                    meta.failed_loads[req_id] = []
+                    return
+                meta.loads.append(ChunkPlan(req_id, [digests[c1 - 1]], [marks[c1 - 1]], [b], group=g.index))
+                loads.append(b)
+                continue
             # blocks to write: past vLLM's own hit and inside the group's sliding window
             # (the blocks before it are null blocks: vLLM never allocates them)
             first_block = max(c0 * bpc + skip, skipped_blocks(g, cfg.block_size, before))
@@ -290,13 +313,15 @@ class AdpConnectorScheduler:
         n_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
         after = before + n_sched - n_spec
         full = min([after // cfg.chunk_size, len(request.block_hashes) // cfg.hashes_per_chunk]
-                   + [len(st.blocks(g)) // bpc for g in cfg.groups])
+                   + [len(st.blocks(g)) // bpc for g in cfg.groups if not g.recurrent])
         if full <= st.saved_chunks:
             return
         digests = self._digests(request, full)
         marks = self._marks(digests)
         decode = before >= request.num_prompt_tokens
         for g in cfg.groups:
+            if g.recurrent:
+                continue      # states are saved as vLLM hands them off (``state_saves``)
             # sliding window: a chunk with a block vLLM may already have freed (before the
             # window at the start of this step) cannot be read any more: it is not saved
             c0 = max(st.saved_chunks, -(-skipped_blocks(g, cfg.block_size, before) // bpc))
@@ -314,7 +339,7 @@ class AdpConnectorScheduler:
             self._load_failed.add(req_id)
             st = self._reqs.get(req_id)
             if st is not None:
-                st.saved_chunks = 0
+                st.saved_chunks = st.restored_chunks = 0
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return

@@ -30,6 +30,7 @@ from adpkv_core.attachment import Attachment, Session
 from .copy import PagedLayer, as_index
 from .fanout import Fanout, LayerLoad, for_vllm
 from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
+from .recurrent import state_pages
 
 logger = logging.getLogger("adpkv.vllm")
 
@@ -75,6 +76,13 @@ class AdpConnectorWorker:
             self.rank = 0
         for name in cfg.layer_names:
             kv = kv_caches.get(name)
+            if self._group_of[name].recurrent and kv is not None:
+                try:       # a Mamba layer's state tensors: one row of state bytes per block
+                    kv = state_pages(kv, self._num_blocks or kv[0].shape[0])
+                except (ValueError, TypeError, IndexError) as exc:
+                    logger.warning("adpkv: layer %s: %s; external cache disabled", name, exc)
+                    self.supported = False
+                    return
             if kv is None or not isinstance(kv, torch.Tensor):
                 logger.warning("adpkv: layer %s has no KV tensor; external cache disabled", name)
                 self.supported = False
@@ -129,7 +137,7 @@ class AdpConnectorWorker:
     def _part(self, layer: PagedLayer, group: CacheGroup) -> tuple[int, tuple[int, int]]:
         """(object bytes, this rank's (offset, bytes) of it): a TP rank owns its heads' slice
         of an object; an MLA object (latent pages every rank holds) is one page per block."""
-        part = layer.page_bytes * self.cfg.blocks_per_chunk
+        part = layer.page_bytes * self.cfg.object_blocks(group)
         if group.tp_shared:
             return part, (0, part)
         return part * self.cfg.tp_size, (self.rank * part, part)
@@ -156,7 +164,7 @@ class AdpConnectorWorker:
         if not isinstance(meta, AdpConnectorMetadata) or not meta.loads:
             return
         cfg = self.cfg
-        indexes = {g.index: ChunkPlanIndex([p for p in meta.loads if p.group == g.index], cfg.blocks_per_chunk)
+        indexes = {g.index: ChunkPlanIndex([p for p in meta.loads if p.group == g.index], cfg.object_blocks(g))
                    for g in cfg.groups}
         if cfg.loads_async:
             self._start_async_load(meta, indexes)
@@ -198,7 +206,7 @@ class AdpConnectorWorker:
             dst, pos = index.batch_blocks(b.first, b.count, b.hits)
             if dst is not None:
                 layer.scatter(ring, b.offset, b.stride, b.count, sl[0], sl[1], dst, pos,
-                              cfg.blocks_per_chunk, self._stream)
+                              index.bpc, self._stream)
             return True
 
         return client.get(keys, obj, on_batch, marks=index.marks, tag=tag, slice=sl)
@@ -280,9 +288,14 @@ class AdpConnectorWorker:
                 if meta.deferred_saves and self._active():
                     self._put([p for p in meta.deferred_saves if p.group == group.index], group,
                               list(group.layer_names), meta.step, "D")
+                if group.recurrent and meta.state_saves and self._active():
+                    # states this step's pass committed (vLLM's hand-offs): after the pass
+                    self._put([p for p in meta.state_saves if p.group == group.index], group,
+                              list(group.layer_names), meta.step, "M")
         self._saved_layers.clear()
         if self._step_jobs:
-            # Sliding window: vLLM frees the blocks that leave the window when it schedules the
+            # Sliding window (and recurrent states, whose hand-off holds only until the end
+            # of the pass): vLLM frees the blocks that leave the window when it schedules the
             # next step (or finishes the request), whatever request_finished returns, and may
             # hand them to another request at once. So this step's pages must be in the ring
             # before the step ends. This waits for ring slots and one copy, never for storage.
@@ -294,7 +307,7 @@ class AdpConnectorWorker:
              kind: str) -> None:
         """PUT the chunks of ``plans`` (all of ``group``) for these layers of the group."""
         cfg = self.cfg
-        bpc = cfg.blocks_per_chunk
+        bpc = cfg.object_blocks(group)
         if group.tp_shared and self.rank != 0:
             return      # MLA: rank 0 writes the object every rank holds
         digests = [d for p in plans for d in p.digests]
@@ -333,11 +346,12 @@ class AdpConnectorWorker:
 
         fut = client.put(keys, obj, on_batch, marks=marks * len(layer_names), tag=tag, slice=sl)
         fut.add_done_callback(lambda f: job.done())
-        with self._lock:
-            for r in req_ids:
-                self._jobs_by_req.setdefault(r, []).append(job)
-        if group.sliding_window is not None:
-            self._step_jobs.append(job)
+        if group.sliding_window is not None or group.recurrent:
+            self._step_jobs.append(job)      # in the ring before the step ends (wait_for_save)
+        if not group.recurrent:
+            with self._lock:
+                for r in req_ids:
+                    self._jobs_by_req.setdefault(r, []).append(job)
 
     # ------------------------------------------------------------------ completion
     def handle_preemptions(self, meta: Any) -> None:
@@ -359,6 +373,9 @@ class AdpConnectorWorker:
             ok = load.received()
             recving |= set(load.spans)
             failed |= set(load.spans) - ok
+        if failed:
+            logger.warning("adpkv: %d restore(s) failed (an object missed): vLLM recomputes each "
+                           "from its first token: %s", len(failed), sorted(failed))
         return set(sending or ()), recving, failed
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:

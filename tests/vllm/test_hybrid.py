@@ -9,9 +9,10 @@ fresh engine processes (``engine_run.py``):
   restores the block floor of the prompt with greedy tokens identical to the baseline's;
 - DeepSeek V3 with an MTP draft layer: the drafter's KV cannot be restored correctly under
   a chunk's key, so the cache turns itself off for that engine (one log line);
-- Mamba-type models (Qwen3-Next with Gated DeltaNet layers, bf16; Falcon-H1, a Mamba-2
-  hybrid; pure Mamba2 with vLLM's defaults, i.e. prefix caching off): the engine starts and serves with the connector,
-  the cache turns itself off with one log line, and the output equals the baseline.
+- pure Mamba2 with vLLM's defaults (prefix caching off: no state at block boundaries): the
+  engine starts and serves with the connector, the cache turns itself off with one log line,
+  and the output equals the baseline. Mamba-type models with prefix caching on (Qwen3-Next,
+  Falcon-H1, pure Mamba2) are restored: test_recurrent.py.
 """
 
 from __future__ import annotations
@@ -102,22 +103,17 @@ def test_mtp_drafter_turns_the_cache_off(start_gateway, tmp_path):
     assert res[0]["tokens"] == res[1]["tokens"]
 
 
-@pytest.mark.parametrize("name, kw, why", [
-    # Qwen3-Next: bf16 only on CPU; vLLM picks its own block (256 here, 544 for the real
-    # model's geometry) and caches Mamba state in "align" mode
-    ("qwen3_next", dict(chunk=64), "recurrent state (MambaSpec) in KV cache group"),
-    # a Mamba-2 hybrid (Mamba-2 and attention layers side by side); vLLM-CPU's SSD kernel runs
-    # it only one block (128 tokens) per step
-    ("falcon_h1", dict(chunk=64, max_num_batched_tokens=128), "recurrent state (MambaSpec) in KV cache group"),
-    # pure Mamba2 with vLLM's defaults: prefix caching off, one state per request, hash block 8192
-    ("mamba2", dict(chunk=64, prefix_caching=None), "mamba_cache_mode='none'"),
-])
-def test_mamba_type_models_start_serve_and_turn_the_cache_off(name, kw, why, start_gateway, tmp_path):
+def test_mamba2_with_prefix_caching_off_starts_serves_and_turns_the_cache_off(start_gateway, tmp_path):
+    """Pure Mamba2 with vLLM's defaults: prefix caching off (``mamba_cache_mode='none'``, one
+    running state per request, hash block 8192), so no state at any block boundary: the
+    engine starts and serves with the connector, the cache turns itself off with one log
+    line, and the output equals the baseline. (With prefix caching on, Mamba-type models are
+    restored: test_recurrent.py.)"""
+    name = "mamba2"
     path = build(name, str(tmp_path / name))
     gw = start_gateway()
-    chunk = kw.pop("chunk")
-    base, res, log = baseline_and(path, name, connector(gw.port, name, chunk), **kw)
-    assert log.count(OFF) == 1 and why in log, log[-3000:]
+    base, res, log = baseline_and(path, name, connector(gw.port, name, 64), prefix_caching=None)
+    assert log.count(OFF) == 1 and "mamba_cache_mode='none'" in log, log[-3000:]
     assert "Attached to the adpkv gateway" not in log      # off: neither role holds the gateway
     assert res[0]["cached"] == 0
     assert res[0]["tokens"] == base[0]["tokens"]

@@ -5,7 +5,7 @@ The model is replaced by a writer of prefix-dependent values, so every restore i
 checked byte for byte in every group. This also covers what vLLM-CPU cannot run as an
 engine: DeepSeek V3.2's sparse-attention indexer (an MLA group plus an indexer-key
 group, ``MLAAttentionSpec(cache_role=INDEXER)``), whose keys the model reads before any
-layer hook, and Mamba state specs (the connector turns itself off).
+layer hook, and the rules of Mamba state specs (hit, saves; real engines in test_recurrent.py).
 """
 
 from __future__ import annotations
@@ -192,18 +192,41 @@ def test_mla_with_indexer_group_loads_before_the_request_runs(gateway, model_dir
         h.close()
 
 
-def test_mamba_state_turns_the_connector_off(model_dir):
-    """Recurrent state (vLLM's MambaSpec, as Qwen3-Next / Falcon-H1 / Mamba2 declare it):
-    no hit and no save rather than a partial restore, with the reason."""
+def test_mamba_state_rules(model_dir):
+    """Recurrent state (vLLM's MambaSpec, as Qwen3-Next / Falcon-H1 / Mamba2 declare it): in
+    ``align`` mode a group of its own ("state", one block an object, a chunk of one block by
+    default), a hit needs the state at exactly its boundary, only hand-offs at chunk
+    boundaries are stored; in ``none`` mode (prefix caching off) the cache is off, with why.
+    The real-engine restores are in test_recurrent.py."""
+    from adpkv_vllm.recurrent import plan_state_saves
+    from adpkv_vllm.scheduler import hit_chunks
     vc = _vllm_config(model_dir)     # only the configuration: no engine, no gateway
     for mode in ("align", "none"):
         mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64), (8, 16, 16)), dtypes=(torch.float32,) * 2,
                           mamba_cache_mode=mode)
         kvc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec(layers(0, 2, kind="linear_attn"), mamba), KVCacheGroupSpec(layers(1, 3), full())])
-        cfg = ConnectorConfig.resolve(vc, kvc, {"adpkv.chunk_size": 64}, "e")
-        assert not cfg.supported and cfg.layer_names == [] and cfg.groups == []
-        assert "MambaSpec" in cfg.why and (mode == "align" or "mamba_cache_mode='none'" in cfg.why)
+        if mode == "none":
+            cfg = ConnectorConfig.resolve(vc, kvc, {"adpkv.chunk_size": 64}, "e")
+            assert not cfg.supported and cfg.layer_names == [] and cfg.groups == []
+            assert "MambaSpec" in cfg.why and "mamba_cache_mode='none'" in cfg.why
+            continue
+        cfg = ConnectorConfig.resolve(vc, kvc, {}, "e")
+        assert cfg.supported and [g.kind for g in cfg.groups] == ["state", "full"], cfg.why
+        assert cfg.chunk_size == BLOCK and cfg.loads_async and cfg.object_blocks(cfg.groups[0]) == 1
+        # chunks 0..4 of the attention group stored; states after chunks 2 and 4 (boundaries 3, 5)
+        attn = [True] * 5
+        assert hit_chunks(cfg, [[False, False, True, False, True], attn], 0) == 5
+        assert hit_chunks(cfg, [[False, False, True, False, False], attn], 0) == 3   # shrinks
+        assert hit_chunks(cfg, [[False, False, True, False, True], attn[:3] + [False, True]], 0) == 3
+        assert hit_chunks(cfg, [[True, False, False, False, False], [False] * 5], 0) == 0
+        # hand-offs: only chunk boundaries of followed requests, past what was restored
+        req = type("R", (), {})()
+        offloads = {"r": [(0, 7, 3 * BLOCK), (0, 8, 3 * BLOCK + 16), (1, 9, 4 * BLOCK), (0, 10, BLOCK)],
+                    "other": [(0, 11, BLOCK)]}
+        plans = plan_state_saves(cfg, offloads, lambda r: (req, 1) if r == "r" else None,
+                                 lambda _, n: [bytes([i]) * 16 for i in range(n)], lambda d: [0] * len(d))
+        assert [(p.req_id, p.digests, p.block_ids, p.group) for p in plans] == [("r", [bytes([2]) * 16], [7], 0)]
 
 
 def _vllm_config(model_dir):
