@@ -30,6 +30,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -204,7 +205,13 @@ def physical_limits(directory: str, nbytes: int, row: int, threads: int) -> dict
       (what vLLM's ``fs`` tier does: the disk's DMA, no CPU copy).
     write/read page cache: 2 threads (the cores), ``os.pwrite`` into new files /
       ``os.preadv`` of cached files: the CPU copy into or out of the page cache.
-    read after a drop: ``threads`` threads, page cache dropped first (root only)."""
+    read after a drop: ``threads`` threads, page cache dropped first (root only).
+    region -> page cache / -> O_DIRECT: what a gateway that never maps the engine's region must
+      do at least to store a row: ``os.preadv`` of the row from a /dev/shm file (the CPU tier's
+      kind of file) into a per-thread buffer, then a buffered write into a new file (2 threads) /
+      an O_DIRECT write (``threads`` threads); no checksum.
+    page cache -> region: what such a gateway must do at least to load a cached row: ``os.preadv``
+      of a cached file into a per-thread buffer, ``os.pwrite`` into the /dev/shm file (2 threads)."""
     import mmap
     from concurrent.futures import ThreadPoolExecutor
     n = nbytes // row
@@ -247,6 +254,42 @@ def physical_limits(directory: str, nbytes: int, row: int, threads: int) -> dict
     timed("write page cache", lambda i: write(i, False, "b"), 2)
     timed("read O_DIRECT", lambda i: read(i, True, "d"), threads)
     timed("read page cache", lambda i: read(i, False, "b"), 2)
+    region_path = f"/dev/shm/adpkv-tiering-limits-{os.getpid()}"
+    region_fd = os.open(region_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    bufs = threading.local()
+
+    def buf() -> memoryview:
+        if not hasattr(bufs, "view"):
+            bufs.view = memoryview(mmap.mmap(-1, row))
+        return bufs.view
+
+    def from_region(i, direct, tag):
+        view = buf()
+        assert os.preadv(region_fd, [view], i * row) == row
+        fd = os.open(os.path.join(lim_dir, f"{tag}{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                     | (os.O_DIRECT if direct else 0), 0o600)
+        try:
+            assert os.pwrite(fd, view, 0) == row
+        finally:
+            os.close(fd)
+
+    def to_region(i):
+        view = buf()
+        fd = os.open(os.path.join(lim_dir, f"r{i}"), os.O_RDONLY)
+        try:
+            assert os.preadv(fd, [view], 0) == row
+        finally:
+            os.close(fd)
+        assert os.pwrite(region_fd, view, i * row) == row
+
+    try:
+        os.pwrite(region_fd, view_src, 0)
+        timed("region -> page cache", lambda i: from_region(i, False, "r"), 2)
+        timed("region -> O_DIRECT", lambda i: from_region(i, True, "s"), threads)
+        timed("page cache -> region", to_region, 2)
+    finally:
+        os.close(region_fd)
+        os.unlink(region_path)
     if drop_caches():
         timed("read after a drop", lambda i: read(i, False, "b"), threads)
     shutil.rmtree(lim_dir, ignore_errors=True)
@@ -344,13 +387,15 @@ def main(argv=None) -> int:
         after = physical_limits(args.dir, n * row, row, args.fs_threads)
         print("physical limits after the runs, GB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in after.items()))
         ceiling = {k: max(v, after.get(k, 0.0)) for k, v in limits.items()}
-        print("\nof the limits (best of before/after): store vs write O_DIRECT / page cache; hot load vs read "
-              "page cache; dropped load vs read O_DIRECT / after a drop")
+        print("\nof the limits (best of before/after): store vs write O_DIRECT / page cache / region -> page "
+              "cache / region -> O_DIRECT; hot load vs read page cache / page cache -> region; dropped load vs "
+              "read O_DIRECT / after a drop")
         for name in names:
             r = res[name]
-            parts = [f"store {gbs(n * row, med(r['store'])) / ceiling['write O_DIRECT']:.0%} / "
-                     f"{gbs(n * row, med(r['store'])) / ceiling['write page cache']:.0%}",
-                     f"hot {gbs(n * row, med(r['hot'])) / ceiling['read page cache']:.0%}"]
+            store, hot = gbs(n * row, med(r["store"])), gbs(n * row, med(r["hot"]))
+            parts = ["store " + " / ".join(f"{store / ceiling[k]:.0%}" for k in (
+                        "write O_DIRECT", "write page cache", "region -> page cache", "region -> O_DIRECT")),
+                     f"hot {hot / ceiling['read page cache']:.0%} / {hot / ceiling['page cache -> region']:.0%}"]
             if r["cold"] and "read after a drop" in ceiling:
                 parts.append(f"dropped {gbs(n * row, med(r['cold'])) / ceiling['read O_DIRECT']:.0%} / "
                              f"{gbs(n * row, med(r['cold'])) / ceiling['read after a drop']:.0%}")

@@ -280,3 +280,57 @@ def test_card_group_shares_the_card_with_a_group(start_gateway, tmp_path):
     path, = _files(root).values()
     assert _mode(path) == 0o640 and os.stat(path).st_gid == os.getgid()
     assert _mode(os.path.dirname(path)) & 0o777 == 0o750
+
+
+# ---------------------------------------------------------------- a store cut short
+_CUT_SHORT = r"""
+import os, sys
+from adpkv_gateway.cards.fs import FsCard
+root, region, point, o_direct = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+card = FsCard(root, num_dbs=2, o_direct=o_direct)
+card.open()
+fd = os.open(region, os.O_RDONLY)
+real_pwritev = os.pwritev
+if point == "mid-write":          # the process dies with half of the object file written
+    def pwritev(f, bufs, offset):
+        real_pwritev(f, [memoryview(bufs[0])[:4096], memoryview(bufs[1])[:len(bufs[1]) // 2]], offset)
+        os._exit(9)
+    os.pwritev = pwritev
+else:                             # the whole file written, the process dies before its rename
+    os.rename = lambda a, b: os._exit(9)
+card.write_from_fd(0, b"k" * 28 + b"\0\0", 1 << 20, fd, 4096, object_bytes=1 << 20)
+os._exit(0)                       # not reached: the write dies first
+"""
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["page-cache", "o_direct"])
+@pytest.mark.parametrize("point", ["mid-write", "before-rename"])
+def test_a_store_from_a_region_cut_short_leaves_no_object_that_reads_as_present(tmp_path, point, o_direct):
+    """A gateway killed while it writes an object from a client's region (``write_from_fd``,
+    buffered or O_DIRECT): after a restart the object is absent (a miss), nothing of the
+    write is left, and the key stores and reads back exactly."""
+    import subprocess
+    import sys
+    root, region = tmp_path / "card", tmp_path / "region"
+    data = os.urandom(4096 + (1 << 20))
+    region.write_bytes(data)
+    done = subprocess.run([sys.executable, "-c", _CUT_SHORT, str(root), str(region), point, "1" if o_direct else "0"],
+                          timeout=120)
+    assert done.returncode == 9, "the write was not cut short where the test meant to"
+    leftovers = [n for d in os.listdir(root) if d.startswith("db") for n in os.listdir(root / d)]
+    assert leftovers, "the cut-short write left no file: the test cut nothing"
+    card = FsCard(str(root), num_dbs=2, o_direct=o_direct)
+    card.open()
+    key = b"k" * 28 + b"\0\0"
+    assert card.contains_many([(0, key)]) == [False]
+    assert card.object_sizes([(0, key)]) == [None]
+    assert not card.read(0, key, memoryview(bytearray(1 << 20)))
+    assert not _files(root), "the leftover of the cut-short write is still there"
+    fd = os.open(region, os.O_RDONLY)
+    try:
+        assert card.write_from_fd(0, key, 1 << 20, fd, 4096, object_bytes=1 << 20)
+    finally:
+        os.close(fd)
+    out = bytearray(1 << 20)
+    assert card.read(0, key, memoryview(out)) and bytes(out) == data[4096:]
+    card.close()
