@@ -54,6 +54,22 @@ HYBRID_MODELS: dict[str, dict] = {
         mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16,
         mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, max_position_embeddings=32768,
         initializer_range=0.1, tie_word_embeddings=False)),
+    # Mamba-2 hybrids of IBM and NVIDIA (Mamba-2 and attention layers in one stack; Bamba
+    # is not here: vLLM removed its BambaForCausalLM in 0.23)
+    "granitemoehybrid": dict(dtype="float32", config=dict(
+        model_type="granitemoehybrid", vocab_size=1024, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"],
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=128, mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=1,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+        position_embedding_type="rope", max_position_embeddings=32768, initializer_range=0.1,
+        tie_word_embeddings=False)),
+    "nemotron_h": dict(dtype="float32", config=dict(
+        model_type="nemotron_h", vocab_size=1024, hidden_size=128, intermediate_size=256,
+        layers_block_type=["mamba", "attention", "mlp", "mamba"], num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, mamba_num_heads=8, mamba_head_dim=32, n_groups=1,
+        ssm_state_size=16, conv_kernel=4, expand=2, chunk_size=256, max_position_embeddings=32768,
+        initializer_range=0.1, tie_word_embeddings=False)),
     "mamba2": dict(dtype="float32", config=dict(
         model_type="mamba2", vocab_size=1024, hidden_size=128, state_size=16, num_hidden_layers=2,
         expand=2, head_dim=32, num_heads=8, n_groups=1, conv_kernel=4, initializer_range=0.1,

@@ -15,7 +15,8 @@ state object corrupted, one replaced by another key's object (written for anothe
 prefix), one deleted. Each request's load fails as a whole (never KV without its state),
 it is recomputed from its first token and gives the reference tokens.
 
-Not run here: GraniteMoeHybrid, Nemotron-H, Bamba (see docs/vllm.md, "Architectures").
+Not run: Bamba (vLLM removed BambaForCausalLM in 0.23), Jamba (vLLM-CPU has no selective-scan
+kernel); see docs/vllm.md, "Architectures".
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ ARCHS = [
     ("qwen3_next", 256, {}),
     # Mamba-2 hybrid; vLLM-CPU's SSD kernel ignores intermediate states: one block a step
     ("falcon_h1", 128, dict(max_num_batched_tokens=128)),
+    # the Mamba-2 hybrids of Granite 4 (with MoE) and Nemotron-H, the same way
+    ("granitemoehybrid", 128, dict(block_size=128, max_num_batched_tokens=128)),
+    ("nemotron_h", 128, dict(block_size=128, max_num_batched_tokens=128)),
     # pure Mamba2 with prefix caching on (align mode, a state only); vLLM picks 16-token
     # blocks for it; 128 here, one block a step (the SSD kernel, as for Falcon-H1)
     ("mamba2", 128, dict(block_size=128, max_num_batched_tokens=128)),
