@@ -334,3 +334,94 @@ def test_a_store_from_a_region_cut_short_leaves_no_object_that_reads_as_present(
     out = bytearray(1 << 20)
     assert card.read(0, key, memoryview(out)) and bytes(out) == data[4096:]
     card.close()
+
+
+# ---------------------------------------------------------------- cached objects into a region
+def _stored_object(tmp_path, size, seed):
+    """An object file written from a region (the gateway's ``write_object_file``), still in
+    the page cache; (its fragment key, its path, the payload, the region's path)."""
+    import random
+    from adpkv_gateway.cards.objfile import FdSlice, Scratch, write_object_file
+    payload = random.Random(seed).randbytes(size)
+    region = tmp_path / f"region-{seed}"
+    region.write_bytes(payload + bytes(size))          # the payload, then room for the copy back
+    fkey = (b"%027d" % seed) + b"r\0\0"
+    path = tmp_path / f"object-{seed}"
+    rfd = os.open(region, os.O_RDONLY)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        write_object_file(fd, fkey, FdSlice(rfd, 0, size), 0, False, Scratch())
+    finally:
+        os.close(fd)
+        os.close(rfd)
+    return fkey, path, payload, region
+
+
+@pytest.mark.parametrize("size", [1 << 20, 3 << 20], ids=["whole", "pieces"])
+@pytest.mark.parametrize("damage", ["none", "flipped byte", "truncated", "foreign header"])
+def test_a_cached_object_copied_into_a_region_is_exact_or_a_miss(tmp_path, size, damage):
+    """``copy_object_file`` of a page-cache-hot file (the hot load of a CPU-tier row): byte
+    exact when intact; a flipped byte, a cut file or another key's header is a miss. Up to
+    ``WHOLE_CACHED`` the object is checked before anything lands: the destination keeps its
+    bytes."""
+    from adpkv_gateway.cards.objfile import WHOLE_CACHED, Scratch, copy_object_file, page_cached
+    fkey, path, payload, region = _stored_object(tmp_path, size, 11)
+    if damage == "flipped byte":
+        with open(path, "r+b") as fh:
+            fh.seek(-(size // 3), os.SEEK_END)
+            b = fh.read(1)
+            fh.seek(-(size // 3), os.SEEK_END)
+            fh.write(bytes([b[0] ^ 0x5A]))
+    elif damage == "truncated":
+        os.truncate(path, os.path.getsize(path) - 4096)
+    elif damage == "foreign header":
+        fkey = fkey[:-3] + b"x\0\0"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert page_cached(fd) is not False, "the object file is not in the page cache: not the hot path"
+    finally:
+        os.close(fd)
+    rfd = os.open(region, os.O_RDWR)
+    try:
+        os.pwrite(rfd, b"\xee" * size, size)
+        problem = copy_object_file(str(path), fkey, size, rfd, size, Scratch())
+        got = os.pread(rfd, size, size)
+    finally:
+        os.close(rfd)
+    if damage == "none":
+        assert problem is None and got == payload
+        return
+    assert problem in ("checksum mismatch", "truncated", "bad header"), problem
+    if size <= WHOLE_CACHED:
+        assert got == b"\xee" * size, "a damaged object wrote into the destination"
+
+
+def test_a_card_file_changed_after_its_check_cannot_reach_the_region(tmp_path, monkeypatch):
+    """The whole-object hot copy writes the destination from the buffer it checked: a card
+    file overwritten right after the check (between the checksum and the ``pwrite``) changes
+    nothing that lands; the next copy reads the damage and reports it."""
+    from adpkv_gateway.cards import objfile, objfmt
+    size = 1 << 20
+    fkey, path, payload, region = _stored_object(tmp_path, size, 12)
+    real_payload_ok = objfmt.payload_ok
+    changed = []
+
+    def check_then_damage(header, data):
+        ok = real_payload_ok(header, data)
+        with open(path, "r+b") as fh:                # the card file changes after its check
+            fh.seek(HEADER + 1234)
+            fh.write(b"\x00" * 64)
+        changed.append(True)
+        return ok
+    monkeypatch.setattr(objfmt, "payload_ok", check_then_damage)
+    rfd = os.open(region, os.O_RDWR)
+    try:
+        assert objfile.copy_object_file(str(path), fkey, size, rfd, size, objfile.Scratch()) is None
+        assert changed, "the check did not run: the test damaged nothing"
+        assert os.pread(rfd, size, size) == payload, "bytes changed after their check reached the region"
+        monkeypatch.setattr(objfmt, "payload_ok", real_payload_ok)
+        os.pwrite(rfd, b"\xee" * size, size)
+        assert objfile.copy_object_file(str(path), fkey, size, rfd, size, objfile.Scratch()) == "checksum mismatch"
+        assert os.pread(rfd, size, size) == b"\xee" * size
+    finally:
+        os.close(rfd)
