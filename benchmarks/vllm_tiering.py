@@ -375,6 +375,16 @@ def main(argv=None) -> int:
             pkeys = [make_key(99, name, i) for i in range(prompt_rows)]
             do_store(m, pkeys, prompt_rows, rows)
             res[name]["lookup"] = [prompt_lookup(m, pkeys) for _ in range(args.lookups)]
+            if name == "adpkv":     # what of its lookup is the gateway's EXIST round trip itself
+                tier = m.secondary_tiers[0]
+                skeys = [tier.storage_key(k) for k in pkeys]
+                trips = []
+                for _ in range(args.lookups):
+                    t0 = time.perf_counter()
+                    assert all(tier._session.client.exist(skeys).result(30))
+                    trips.append(time.perf_counter() - t0)
+                print(f"adpkv: one EXIST of the prompt's {len(skeys)} keys, round trip alone: median "
+                      f"{med(trips) * 1e3:.2f} ms", flush=True)
         print()
         print(f"| tier | store GB/s | load GB/s, page cache hot | load GB/s, dropped | lookup of a 16k-token "
               f"prompt ({prompt_rows} rows), median ms | rows checked |")
