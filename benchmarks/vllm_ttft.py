@@ -3,8 +3,9 @@
 Runs on the CPU build of vLLM (the vllm venv) with the tests' tiny random Llama
 (or a deeper one via --layers), or with ``--arch NAME`` one of the hybrid models of
 tests/vllm/hybrid_models.py (e.g. ``gemma3``: two sliding-window KV cache groups and a
-full one; ``qwen3_next``: Gated DeltaNet + attention, which the connector does not
-restore), a real gateway on an fs card:
+full one; ``qwen3_next``: Gated DeltaNet + attention, ``falcon_h1``: a Mamba-2 hybrid, whose
+recurrent state is restored at the last block boundary a step ended on), a real gateway on
+an fs card:
 
 1. process A (connector) serves each prompt once: the chunks go to the card;
 2. process B (fresh, connector): TTFT of each prompt, restored from the card;
@@ -17,6 +18,10 @@ Each engine first serves a short unrelated warm-up prompt. TTFT = wall time of a
 
     ~/.cache/adpkv/venvs/vllm/bin/python benchmarks/vllm_ttft.py [--lengths 4096,16384] [--json OUT]
     ~/.cache/adpkv/venvs/vllm/bin/python benchmarks/vllm_ttft.py --arch gemma3 --lengths 4096,16384
+    ~/.cache/adpkv/venvs/vllm/bin/python benchmarks/vllm_ttft.py --arch falcon_h1 --max-batched 128
+
+``--chunk``: the connector's ``adpkv.chunk_size`` (default: the connector's own, 256 tokens
+rounded up to the block, or one block for a model with recurrent state).
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ def engine(spec: dict) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="4096,16384")
-    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=None)
+    ap.add_argument("--max-batched", type=int, default=None,
+                    help="max_num_batched_tokens (vLLM-CPU runs a Mamba-2 hybrid one block a step)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--workdir", default=None)
@@ -76,14 +83,18 @@ def main() -> None:
     max_len = max(lengths) + 512
     kv_bytes = max(256 << 20, 4 * max_len * args.layers * 1024 * 2)
     common = dict(model=model, max_tokens=1, max_model_len=max_len, kv_cache_bytes=kv_bytes, **arch)
+    if args.max_batched:
+        common["max_num_batched_tokens"] = args.max_batched
 
     gw = GatewayProcess([os.path.join(work, "card")], log_path=os.path.join(work, "gateway.log"),
                         shared_memory_size=1 << 30)
     gw.start()
     try:
+        extra = {"adpkv.port": gw.port, "adpkv.namespace": "ttft-bench"}
+        if args.chunk:
+            extra["adpkv.chunk_size"] = args.chunk
         conn = {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm",
-                "kv_role": "kv_both", "kv_connector_extra_config": {
-                    "adpkv.port": gw.port, "adpkv.namespace": "ttft-bench", "adpkv.chunk_size": args.chunk}}
+                "kv_role": "kv_both", "kv_connector_extra_config": extra}
         engine(dict(common, prompts=prompts + [flush], connector=conn))             # A: store
         restored = engine(dict(common, prompts=[warm] + prompts, connector=conn))[1:]   # B
         recomputed = engine(dict(common, prompts=[warm] + prompts, connector=None))[1:]  # C
@@ -92,7 +103,7 @@ def main() -> None:
             spec = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": {
                         "spec_name": "AdpOffloadingSpec", "spec_module_path": "adpkv_vllm",
-                        "block_size": args.chunk, "adpkv.port": gw.port, "adpkv.namespace": "ttft-bench"}}
+                        "block_size": args.chunk or 256, "adpkv.port": gw.port, "adpkv.namespace": "ttft-bench"}}
             engine(dict(common, prompts=prompts + [flush], connector=spec))              # D: store
             offloaded = engine(dict(common, prompts=[warm] + prompts, connector=spec))[1:]  # E
     finally:
