@@ -30,7 +30,7 @@ from . import protocol as P
 from .door import DoorSession, door_path
 from .link import LOOKUPS_OFF_MESSAGE, TURNED_OFF_MESSAGE, Link
 from .request import (DELETE_OK, EXIST_OK, OK, STATS_OK, BatchCallback, RingBatch, StoreResult, data_request,
-                      reply_flags, resolved)
+                      nothing, reply_flags, resolved)
 from .ring import Ring
 from .settings import ClientConfig
 
@@ -257,10 +257,8 @@ class GatewayClient:
 
     def _data(self, op, keys, object_bytes, on_batch, marks, tag, slice_, unlock=False, into=None):
         n = len(keys)
-        if n == 0:
-            return resolved([] if op == "GET" else StoreResult.none(0))
-        if not self._link.enabled or self.rank is None:
-            return resolved([False] * n if op == "GET" else StoreResult.none(n))
+        if n == 0 or not self._link.enabled or self.rank is None:
+            return resolved(nothing(op, n))
         msg, pending = data_request(op, keys, object_bytes, on_batch, marks, tag, slice_, unlock, into,
                                     self.config.timeout_s)
         return self._link.submit(msg, pending)

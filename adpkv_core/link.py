@@ -34,7 +34,7 @@ import zmq
 
 from . import protocol as P
 from .door import DoorSession
-from .request import OK, REGION_WRITE_MARGIN_S, Pending, RingBatch, StoreResult, reply_flags, resolved
+from .request import OK, REGION_WRITE_MARGIN_S, Pending, RingBatch, StoreResult, nothing, reply_flags, resolved
 from .settings import ClientConfig
 
 logger = logging.getLogger("adpkv.client")
@@ -122,8 +122,7 @@ class Link:
         self.enabled = False
         self._wake()
         self._thread.join(timeout=2.0)
-        while self._outbox:                     # queued after the I/O thread's last pass
-            self._fail(self._outbox.popleft()[1])
+        self._fail_queued()                     # queued after the I/O thread's last pass
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -133,11 +132,8 @@ class Link:
         message = LOOKUPS_OFF_MESSAGE if self.rank is None else TURNED_OFF_MESSAGE
         logger.warning("%s (%s); the engine goes on without it", message, reason)
         self.enabled = False     # after the line: whoever sees the cache off finds it logged
-        for pending in list(self._pending.values()):
-            self._fail(pending)
-        self._pending.clear()
-        while self._outbox:
-            self._fail(self._outbox.popleft()[1])
+        self._fail_in_flight()
+        self._fail_queued()
 
     # ---------------------------------------------------------------- the I/O thread
     def _wake(self):
@@ -186,9 +182,7 @@ class Link:
                     self._check_time()
         finally:
             self._sock.close(0)
-            for pending in list(self._pending.values()):
-                self._fail(pending)
-            self._pending.clear()
+            self._fail_in_flight()
 
     def _drain_wake(self):
         try:
@@ -244,7 +238,7 @@ class Link:
             pending.future.set_result(flags)
         else:
             logger.warning("Gateway refused %s: %s %s", pending.op, msg.code, msg.msg)
-            pending.future.set_result([False] * pending.n if pending.op == "GET" else StoreResult.none(pending.n))
+            pending.future.set_result(nothing(pending.op, pending.n))
 
     def _run_batch(self, msg: P.Batch, pending: Pending) -> None:
         first, count = msg.first, msg.count
@@ -284,9 +278,13 @@ class Link:
             timer.daemon = True
             timer.start()
             return
-        if pending.ok is None:
-            pending.future.set_result(None)
-        elif pending.op == "PUT":
-            pending.future.set_result(StoreResult.none(pending.n))
-        else:
-            pending.future.set_result([False] * pending.n)
+        pending.future.set_result(None if pending.ok is None else nothing(pending.op, pending.n))
+
+    def _fail_in_flight(self) -> None:
+        for pending in list(self._pending.values()):
+            self._fail(pending)
+        self._pending.clear()
+
+    def _fail_queued(self) -> None:
+        while self._outbox:
+            self._fail(self._outbox.popleft()[1])

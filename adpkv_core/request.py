@@ -1,7 +1,8 @@
 """One request of a ``GatewayClient``: what it sends, how its replies decode, what it resolves with.
 
 - ``RingBatch`` and the ``BatchCallback`` contract: the copies of a data request's ring batches.
-- ``StoreResult``: what a PUT resolves with.
+- ``StoreResult``: what a PUT resolves with; ``nothing``: what a data request resolves with
+  when it gets no usable answer.
 - ``Pending``: a request in flight (its future, deadline, reply decoder, the objects this
   rank copied, and for a request into or out of a region the moment the gateway must stop
   touching it).
@@ -81,6 +82,12 @@ class StoreResult:
     def none(cls, n: int) -> "StoreResult":
         """Nothing stored: the answer when the cache is off or the request failed."""
         return cls([False] * n, [False] * n)
+
+
+def nothing(op: str, n: int):
+    """What a data request of ``n`` objects resolves with when it gets no usable answer (the
+    cache is off, the gateway refused or went away): ``n`` misses (GET) or nothing stored (PUT)."""
+    return [False] * n if op == "GET" else StoreResult.none(n)
 
 
 class Pending:
