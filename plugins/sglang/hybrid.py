@@ -60,7 +60,7 @@ logger = logging.getLogger("adpkv.sglang")
 class HybridPools:
     """The v2 calls of ``AdpHiCacheStorage`` (see the module docstring for the contract)."""
 
-    # the facade's state these calls read (set by AdpHiCacheStorage)
+    # the facade's state these calls use (set by AdpHiCacheStorage; what they change: module docstring)
     settings: SglangSettings
     storage_config: HiCacheStorageConfig
     is_mla: bool
