@@ -31,10 +31,10 @@ def fragment_key(key: bytes, index: int) -> bytes:
     return key + _FRAG.pack(index)
 
 
-def db_hash(key: bytes) -> int:
-    """The hash of an object's key that places its fragments: fragment ``i`` is in database
-    ``(db_hash + i) % num_dbs`` when spread, else all in ``db_hash % num_dbs``."""
-    return xxhash.xxh3_64_intdigest(key)
+# db_hash(key) -> int: the hash of an object's key that places its fragments: fragment ``i`` is
+# in database ``(db_hash + i) % num_dbs`` when spread, else all in ``db_hash % num_dbs``.
+# xxh3-64 itself (a C function: a GET batch hashes every key on the gateway's loop).
+db_hash = xxhash.xxh3_64_intdigest
 
 
 def fragment_db(key: bytes, index: int, num_dbs: int, spread: bool = True) -> int:

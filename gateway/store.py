@@ -54,6 +54,9 @@ class Fragment(NamedTuple):
     slot_tag: bytes = b""                 # its object's slot tag (``ObjectStore.slot_tag``), given to the card
 
 
+_fragment = functools.partial(tuple.__new__, Fragment)     # Fragment(*fields) without its Python __new__
+
+
 class Holder(int):
     """The card index ``holders`` found an object on (what the server hands back to
     ``read_plans``), carrying the other replica cards a read may fall back on."""
@@ -212,11 +215,12 @@ class ObjectStore:
                 for db, fkey, off, ln in self._layout(key, fragment_extents(object_bytes, self.fragment_size))]
 
     def read_plans(self, holders: Sequence[Optional[int]], keys: Sequence[bytes], marks: Optional[Sequence[int]],
-                   object_bytes: int) -> list[tuple[int, list[Fragment]]]:
-        """The fragments to read, for a batch's objects at once: ``(j, fragments)`` for each
-        object ``j`` that ``holders`` found (on that card; its other replica cards ride along
-        for ``read_many`` to fall back on). One call per batch on the gateway's loop: the
-        fragment extents are cut once, each object's databases hashed once."""
+                   object_bytes: int) -> list[tuple[int, Fragment]]:
+        """The fragments to read, for a batch's objects at once: ``(j, fragment)`` for each
+        fragment of each object ``j`` that ``holders`` found (on that card; its other replica
+        cards ride along for ``read_many`` to fall back on), an object's fragments one after
+        the other. One call per batch on the gateway's loop: the fragment extents are cut
+        once, each object's databases hashed once, each ``Fragment`` made by ``tuple.__new__``."""
         extents = fragment_extents(object_bytes, self.fragment_size)
         # per fragment, in read order (fragment 0 last, as ``_layout``): its index's key suffix,
         # the step from the object's first database, offset and length
@@ -225,22 +229,15 @@ class ObjectStore:
         dbs = self.num_dbs
         tags = [self.slot_tag(m) for m in marks] if self.placement_mode == "dialog" and marks else None
         out = []
-        if len(cut) == 1:                                     # one fragment an object: no inner list
-            (suffix, _, off, ln), = cut
-            for j, card in enumerate(holders):
-                if card is not None:
-                    key = keys[j]
-                    out.append((j, [Fragment(int(card), db_hash(key) % dbs, key + suffix, off, ln, object_bytes,
-                                             getattr(card, "others", ()), tags[j] if tags else b"")]))
-            return out
+        add = out.append
         for j, card in enumerate(holders):
             if card is None:
                 continue
             c, others, key = int(card), getattr(card, "others", ()), keys[j]
             tag = tags[j] if tags else b""
             h = db_hash(key)                                  # once per object
-            out.append((j, [Fragment(c, (h + step) % dbs, key + suffix, off, ln, object_bytes, others, tag)
-                            for suffix, step, off, ln in cut]))
+            for suffix, step, off, ln in cut:
+                add((j, _fragment((c, (h + step) % dbs, key + suffix, off, ln, object_bytes, others, tag))))
         return out
 
     def write_plans(self, key: bytes, mark: int, object_bytes: int) -> list[list[Fragment]]:

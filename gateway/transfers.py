@@ -208,18 +208,16 @@ class Transfers:
             plans = self.store.read_plans(found or [None] * count, job.keys[first:first + count],
                                           job.marks[first:first + count] if job.marks else None, job.object_bytes)
             into_region = job.region is not None and not isinstance(job.region, Scatter)
-            cards = self.store.cards
+            cards, flags, base, stride = self.store.cards, batch.flags, batch.offset, job.stride
             reads, direct = [], []                  # reads: (j, fragment, its ring offset)
-            for j, frags in plans:
-                batch.flags[j] = 1
-                if into_region and cards[frags[0].card].direct_reads:
+            for j, f in plans:
+                flags[j] = 1
+                if into_region and cards[f.card].direct_reads:
                     # card -> the engine's region in one copy, by its descriptor (no ring)
                     batch.direct.add(j)
-                    place = job.places[first + j]
-                    direct.extend((j, f, place + f.offset) for f in frags)
+                    direct.append((j, f, job.places[first + j] + f.offset))
                 else:
-                    at = batch.object_offset(j)
-                    reads.extend((j, f, at + f.offset) for f in frags)
+                    reads.append((j, f, base + j * stride + f.offset))
             batch.stage = Stage.READ
             if self.procs:
                 reads = self._read_in_processes(batch, reads)
