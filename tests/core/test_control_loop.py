@@ -1,6 +1,8 @@
 """The control loop only dispatches (issue 12, defect 7): card metadata — EXIST, DELETE,
 the usage behind STATS and the status file — runs on the I/O workers, so a card that hangs
-stalls the requests that need it, never everybody's control messages."""
+stalls the requests that need it, never everybody's control messages. And what the loop
+accounts for an I/O-process task at once (statistics, health strikes) comes out as it would
+read by read (issue 19 item 3)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import time
 from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
+from adpkv_gateway.health import HealthMonitor
+from adpkv_gateway.store import CardStats
 
 from .rankproc import make_keys
 
@@ -38,3 +42,65 @@ def test_a_hanging_card_does_not_stall_the_control_loop(redis_servers, start_gat
     assert stuck_delete.result(30) == 0
     assert control.request(gw.port, {"op": "STATS"})["stats"]["cards"][0]["active"]
     client.close()
+
+
+def test_a_task_s_reads_are_counted_as_one_by_one():
+    """``CardStats.record_reads`` (a task's reads at once) gives the counters and latency
+    buckets that ``record`` read by read gives."""
+    seconds = [0.00001, 0.00007, 0.0003, 0.002, 0.04, 0.7, 30.0, 0.00005]
+    ok = [True, True, False, True, True, False, True, True]
+    nbytes = 4096
+    one, many = CardStats(), CardStats()
+    for s, good in zip(seconds, ok):
+        one.record(False, good, nbytes, s)
+    many.record_reads(seconds, nbytes * sum(ok), ok.count(False))
+    many.record_reads([], 0, 0)
+    for field in ("reads", "bytes_read", "read_errors", "io_count", "io_max_s", "writes"):
+        assert getattr(many, field) == getattr(one, field), field
+    assert abs(many.io_seconds - one.io_seconds) < 1e-9
+    (counts_one, sum_one), (counts_many, sum_many) = one.latency("read"), many.latency("read")
+    assert counts_many == counts_one and abs(sum_many - sum_one) < 1e-9
+
+
+class _Card:
+    def __init__(self):
+        self.serial, self.device = "S1", "stub"
+
+
+class _Store:
+    """What ``HealthMonitor`` reads of a store: its cards and which are active."""
+
+    def __init__(self):
+        self.cards, self.active = [_Card()], [True]
+
+
+def test_a_task_s_reads_strike_as_one_by_one():
+    """``HealthMonitor.record_ios`` (a task's reads at once) strikes as ``record_io`` read by
+    read in their order: late or transport-failed reads in a row take the card out, one good
+    read after them clears the strikes."""
+    def monitor():
+        store = _Store()
+        return HealthMonitor(store, io_timeout_ms=10, io_timeout_strikes=3), store
+
+    h, store = monitor()
+    h.record_ios(0, [0.001] * 50)
+    assert h.strikes[0] == 0 and store.active[0]
+    h.record_ios(0, [0.02, 0.02])                   # two late reads: two strikes
+    assert h.strikes[0] == 2 and store.active[0]
+    h.record_ios(0, [0.001, 0.02])                  # good (cleared), then late
+    assert h.strikes[0] == 1 and store.active[0]
+    h.record_ios(0, [0.02, 0.001])                  # late (a second strike), then good: cleared
+    assert h.strikes[0] == 0 and store.active[0]
+    h.record_ios(0, [0.001, 0.001, 0.001, 0.001], failed={1, 2})   # failures not in a row of 3
+    assert h.strikes[0] == 0 and store.active[0]
+    h.record_ios(0, [0.001, 0.001, 0.001], failed={0, 1, 2})       # three transport failures in a row
+    assert not store.active[0]
+
+    h, store = monitor()
+    h.record_ios(0, [0.001, 0.02])
+    h.record_ios(0, [0.02])
+    h.record_ios(0, [0.001], failed={0})            # strikes run on across tasks: the third in a row
+    assert not store.active[0]
+    h, store = monitor()
+    h.record_ios(0, [])
+    assert h.strikes[0] == 0 and store.active[0]
