@@ -49,7 +49,7 @@ from .store import ObjectStore
 
 logger = logging.getLogger("adpkv.gateway")
 
-IO_TASK_ITEMS = 16        # fragments (reads) or objects (writes) per pool task; the least per I/O-process task
+IO_TASK_ITEMS = 16        # fragments (reads) or objects (writes) per pool task
 
 
 class Stage(enum.Enum):
@@ -326,9 +326,9 @@ class Transfers:
 
     def _read_in_processes(self, batch: Batch, reads: list) -> list:
         """Hand the ``(j, fragment, ring offset)`` reads that a card can do in the I/O
-        processes to them (fs cards; each card's tasks made in one call), about one
-        ``ReadTask`` per process and card (at least ``IO_TASK_ITEMS`` reads); return the
-        others for the pool."""
+        processes to them (fs cards; each card's tasks made in one call), one ``ReadTask``
+        per process and card: every reader busy with the batch at once, and as few tasks
+        to send and account for as that allows; return the others for the pool."""
         rest = []
         by_card: dict[int, list] = collections.defaultdict(list)
         for read in reads:
@@ -345,7 +345,7 @@ class Transfers:
                     else:
                         kept.append((read, task))
                 group, tasks = [read for read, _ in kept], [task for _, task in kept]
-            per = max(IO_TASK_ITEMS, -(-len(group) // self.procs.processes))
+            per = max(1, -(-len(group) // self.procs.processes))
             for k in range(0, len(group), per):
                 part, files = group[k:k + per], tasks[k:k + per]
                 task = io_procs.ReadTask.of(files, [at for _, _, at in part], [frag.length for _, frag, _ in part])
