@@ -143,9 +143,9 @@ class Card(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no direct writes")
 
     def process_reads(self, fkeys: list[bytes]) -> list:
-        """For each fragment, a picklable task that reads it in an I/O process
-        (``task.read_into(view)`` returns None or what is wrong), False when the card knows it
-        is not stored, or None when this card's reads cannot run in another process. Called
+        """For each fragment, an ``objfile.FileRead`` that an I/O process can do (the gateway
+        packs them into ``io_procs.ReadTask``s), False when the card knows it is not stored,
+        or None when this card's reads cannot run in another process. Called
         with a GET batch's fragments at once, on the gateway's loop (a card with an index looks
         them all up under one lock)."""
         return [None] * len(fkeys)

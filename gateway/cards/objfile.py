@@ -355,22 +355,12 @@ def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct
         raise OSError("short write")
 
 
-_process_scratch: Optional[Scratch] = None
-
-
 class FileRead:
-    """A read of one object file, handed to an I/O process (picklable)."""
+    """A read of one object file that an I/O process does (``Card.process_reads``): which
+    file, its fragment key, O_DIRECT or not. The gateway packs a batch's reads into
+    ``io_procs.ReadTask``s; the reader calls ``read_object_file``."""
 
     __slots__ = ("path", "fkey", "o_direct")
 
     def __init__(self, path: str, fkey: bytes, o_direct: bool):
         self.path, self.fkey, self.o_direct = path, fkey, o_direct
-
-    def __reduce__(self):         # pickled by its arguments: half the cost of get/setstate, per read of a GET
-        return FileRead, (self.path, self.fkey, self.o_direct)
-
-    def read_into(self, buf: memoryview) -> Optional[str]:
-        global _process_scratch
-        if _process_scratch is None:
-            _process_scratch = Scratch()
-        return read_object_file(self.path, self.fkey, buf, self.o_direct, _process_scratch)
