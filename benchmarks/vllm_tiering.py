@@ -196,22 +196,23 @@ def drop_caches() -> bool:
         return False
 
 
-def physical_limits(directory: str, nbytes: int, row: int, threads: int) -> dict[str, float]:
+def physical_limits(directory: str, nbytes: int, row: int, threads: int,
+                    cores: int = os.cpu_count() or 2) -> dict[str, float]:
     """GB/s of the same bytes moved by plain system calls, on the same disk, in this run:
     the ceilings the two tiers work under. One file per row, as both tiers store them.
 
     memcpy: one core copying memory (numpy, both buffers touched first).
     write/read O_DIRECT: ``threads`` threads, one row per call straight from/into memory
       (what vLLM's ``fs`` tier does: the disk's DMA, no CPU copy).
-    write/read page cache: 2 threads (the cores), ``os.pwrite`` into new files /
+    write/read page cache: ``cores`` threads (one a core), ``os.pwrite`` into new files /
       ``os.preadv`` of cached files: the CPU copy into or out of the page cache.
     read after a drop: ``threads`` threads, page cache dropped first (root only).
     region -> page cache / -> O_DIRECT: what a gateway that never maps the engine's region must
       do at least to store a row: ``os.preadv`` of the row from a /dev/shm file (the CPU tier's
-      kind of file) into a per-thread buffer, then a buffered write into a new file (2 threads) /
+      kind of file) into a per-thread buffer, then a buffered write into a new file (``cores`` threads) /
       an O_DIRECT write (``threads`` threads); no checksum.
     page cache -> region: what such a gateway must do at least to load a cached row: ``os.preadv``
-      of a cached file into a per-thread buffer, ``os.pwrite`` into the /dev/shm file (2 threads)."""
+      of a cached file into a per-thread buffer, ``os.pwrite`` into the /dev/shm file (``cores`` threads)."""
     import mmap
     from concurrent.futures import ThreadPoolExecutor
     n = nbytes // row
@@ -251,9 +252,9 @@ def physical_limits(directory: str, nbytes: int, row: int, threads: int) -> dict
             os.close(fd)
 
     timed("write O_DIRECT", lambda i: write(i, True, "d"), threads)
-    timed("write page cache", lambda i: write(i, False, "b"), 2)
+    timed("write page cache", lambda i: write(i, False, "b"), cores)
     timed("read O_DIRECT", lambda i: read(i, True, "d"), threads)
-    timed("read page cache", lambda i: read(i, False, "b"), 2)
+    timed("read page cache", lambda i: read(i, False, "b"), cores)
     region_path = f"/dev/shm/adpkv-tiering-limits-{os.getpid()}"
     region_fd = os.open(region_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     bufs = threading.local()
@@ -284,9 +285,9 @@ def physical_limits(directory: str, nbytes: int, row: int, threads: int) -> dict
 
     try:
         os.pwrite(region_fd, view_src, 0)
-        timed("region -> page cache", lambda i: from_region(i, False, "r"), 2)
+        timed("region -> page cache", lambda i: from_region(i, False, "r"), cores)
         timed("region -> O_DIRECT", lambda i: from_region(i, True, "s"), threads)
-        timed("page cache -> region", to_region, 2)
+        timed("page cache -> region", to_region, cores)
     finally:
         os.close(region_fd)
         os.unlink(region_path)
