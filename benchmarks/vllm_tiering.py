@@ -284,7 +284,8 @@ def physical_limits(directory: str, nbytes: int, row: int, threads: int,
         assert os.pwrite(region_fd, view, i * row) == row
 
     try:
-        os.pwrite(region_fd, view_src, 0)
+        for at in range(0, nbytes, 256 << 20):             # one write is at most 2 GiB - 4 KiB
+            assert os.pwrite(region_fd, view_src[at:at + (256 << 20)], at) == min(256 << 20, nbytes - at)
         timed("region -> page cache", lambda i: from_region(i, False, "r"), cores)
         timed("region -> O_DIRECT", lambda i: from_region(i, True, "s"), threads)
         timed("page cache -> region", to_region, cores)
