@@ -31,6 +31,7 @@ from .copy import PagedLayer, as_index
 from .fanout import Fanout, LayerLoad, for_vllm
 from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
 from .recurrent import state_pages
+from .transfers import AsyncLoad, ChunkPlanIndex, PutJob
 
 logger = logging.getLogger("adpkv.vllm")
 
@@ -50,16 +51,16 @@ class AdpConnectorWorker:
         self._layer_index = cfg.layer_index
         self._group_of = cfg.group_of_layer
         self._before_pass = [n for g in cfg.groups for n in g.before_pass]
-        self._async_loads: list[_AsyncLoad] = []   # several KV cache groups: loads outside the pass
+        self._async_loads: list[AsyncLoad] = []   # several KV cache groups: loads outside the pass
         self._num_blocks = num_blocks
         self._load_futs: dict[str, tuple[Any, ChunkPlanIndex, Optional[LayerLoad]]] = {}
         self.fanout: Optional[Fanout] = None   # MLA with adpkv.nvlink_fanout (fanout.py)
         self._load_errors: set[int] = set()
         self._saved_layers: set[str] = set()
-        self._jobs_by_req: dict[str, list[_PutJob]] = {}
+        self._jobs_by_req: dict[str, list[PutJob]] = {}
         self._finished_waiting: set[str] = set()
         self._had_saves: set[str] = set()    # requests the scheduler keeps blocks for
-        self._step_jobs: list[_PutJob] = []  # sliding window: PUTs of this step (see wait_for_save)
+        self._step_jobs: list[PutJob] = []  # sliding window: PUTs of this step (see wait_for_save)
         self._lock = threading.Lock()
         self._stream = None
 
@@ -158,7 +159,7 @@ class AdpConnectorWorker:
     def start_load_kv(self, meta: Any) -> None:
         if isinstance(meta, AdpConnectorMetadata) and meta.failed_loads:   # hits with no load planned
             if self.cfg.loads_async:
-                self._async_loads.append(_AsyncLoad({r: {} for r in meta.failed_loads}))   # no GET: failed
+                self._async_loads.append(AsyncLoad({r: {} for r in meta.failed_loads}))   # no GET: failed
             else:
                 self._load_errors.update(b for blocks in meta.failed_loads.values() for b in blocks)
         if not isinstance(meta, AdpConnectorMetadata) or not meta.loads:
@@ -188,7 +189,7 @@ class AdpConnectorWorker:
             self._load_futs[name] = (fut, index, load)
         self._settle_before_pass()
 
-    def _get_layer(self, client, ring, name: str, index: "ChunkPlanIndex", tag: Optional[str],
+    def _get_layer(self, client, ring, name: str, index: ChunkPlanIndex, tag: Optional[str],
                    share: Optional[LayerLoad] = None):
         """One layer's GET of the objects ``index`` plans; each ring batch is scattered into
         the layer's KV blocks (with fan-out, ``share``: only this rank's share of it, the rest
@@ -218,7 +219,7 @@ class AdpConnectorWorker:
             if name in self._load_futs:
                 self._settle_load(name, *self._load_futs.pop(name))
 
-    def _start_async_load(self, meta: AdpConnectorMetadata, indexes: dict[int, "ChunkPlanIndex"]) -> None:
+    def _start_async_load(self, meta: AdpConnectorMetadata, indexes: dict[int, ChunkPlanIndex]) -> None:
         """One GET per layer for requests that wait, unscheduled, for their KV (several KV
         cache groups, ``cfg.loads_async``); ``transfer_results`` reports each request once
         every layer's GET has ended: received, or failed if any of its objects missed."""
@@ -230,7 +231,7 @@ class AdpConnectorWorker:
                 if p.group == g.index:
                     spans.setdefault(p.req_id, {})[g.index] = (at, at + len(p.digests))
                     at += len(p.digests)
-        load = _AsyncLoad(spans)
+        load = AsyncLoad(spans)
         self._async_loads.append(load)
         if not self._active():
             return              # no GET: every request of it fails (recomputed by vLLM)
@@ -248,7 +249,7 @@ class AdpConnectorWorker:
         if entry is not None:
             self._settle_load(layer_name, *entry)
 
-    def _settle_load(self, name: str, fut, index: "ChunkPlanIndex", load: Optional[LayerLoad]) -> None:
+    def _settle_load(self, name: str, fut, index: ChunkPlanIndex, load: Optional[LayerLoad]) -> None:
         try:
             hits = fut.result() if fut is not None else [False] * len(index.digests)
         except Exception:
@@ -328,7 +329,7 @@ class AdpConnectorWorker:
         else:
             tag = f"{kind}{step}:g{group.index}" if self._collective(group) else None
         keys = cfg.keys.keys(digests, [self._layer_index[name] for name in layer_names], kind=group.index)
-        job = _PutJob(len(keys))
+        job = PutJob(len(keys))
         client, ring = self.client, self.ring
 
         def on_batch(b):
@@ -404,99 +405,3 @@ class AdpConnectorWorker:
         if self.attachment is not None:
             self.attachment.close()      # BYE; on_detach unpins the ring
         self._use(None)
-
-
-# =============================================================================== helpers
-class ChunkPlanIndex:
-    """The objects of one step's loads, in request order, and where their blocks go."""
-
-    def __init__(self, plans: list[ChunkPlan], blocks_per_chunk: int):
-        self.bpc = blocks_per_chunk
-        self.digests: list[bytes] = []
-        self.marks: list[int] = []
-        dst: list[int] = []
-        pos: list[int] = []       # global block position: object*bpc + block in object
-        self._obj_blocks: list[list[int]] = []
-        obj = 0
-        for p in plans:
-            positions = p.positions if p.positions is not None else list(range(len(p.digests) * self.bpc))
-            per_obj: list[list[int]] = [[] for _ in p.digests]
-            for b, q in zip(p.block_ids, positions):
-                dst.append(b)
-                pos.append(obj * self.bpc + q)
-                per_obj[q // self.bpc].append(b)
-            self._obj_blocks.extend(per_obj)
-            self.digests.extend(p.digests)
-            self.marks.extend(p.marks)
-            obj += len(p.digests)
-        self.dst = torch.as_tensor(dst, dtype=torch.long)
-        self.pos = torch.as_tensor(pos, dtype=torch.long)
-        self.all_blocks = dst
-        self.full = len(dst) == obj * self.bpc   # every block of every object is written
-
-    def object_blocks(self, i: int) -> list[int]:
-        return self._obj_blocks[i]
-
-    def batch_blocks(self, first: int, count: int, hits) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(destination block ids, positions within the batch or None) for a ring batch."""
-        lo, hi = first * self.bpc, (first + count) * self.bpc
-        if self.full and (hits is None or all(hits)):
-            return self.dst[lo:hi], None
-        sel = (self.pos >= lo) & (self.pos < hi)
-        if hits is not None and not all(hits):
-            hit_obj = torch.as_tensor([bool(h) for h in hits], dtype=torch.bool)
-            sel &= hit_obj[((self.pos - lo) // self.bpc).clamp(0, count - 1)]
-        if not bool(sel.any()):
-            return None, None
-        return self.dst[sel], self.pos[sel] - lo
-
-
-class _AsyncLoad:
-    """One step's asynchronous loads: the GET of every layer and which objects of each
-    group belong to which request."""
-
-    def __init__(self, spans: dict[str, dict[int, tuple[int, int]]]):
-        self.spans = spans                      # req -> group index -> (first object, end)
-        self.gets: list[tuple[int, Any]] = []   # (group index, Future[list[bool]]) per layer
-
-    def ended(self) -> bool:
-        return all(f.done() for _, f in self.gets)
-
-    def received(self) -> set[str]:
-        """Requests with every object of every layer read."""
-        ok = set(self.spans) if self.gets else set()
-        for group, fut in self.gets:
-            try:
-                hits = fut.result()
-            except Exception:
-                hits = None
-            for req, by_group in self.spans.items():
-                span = by_group.get(group)
-                if span is not None and (hits is None or not all(hits[span[0]:span[1]])):
-                    ok.discard(req)
-        return ok
-
-
-class _PutJob:
-    """One PUT: when all its pages are in the ring, the blocks may be reused."""
-
-    __slots__ = ("n", "_copied", "_event")
-
-    def __init__(self, n: int):
-        self.n = n
-        self._copied = 0
-        self._event = threading.Event()
-
-    def copied(self, count: int) -> None:
-        self._copied += count
-        if self._copied >= self.n:
-            self._event.set()
-
-    def done(self) -> None:
-        self._event.set()
-
-    def is_copied(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float) -> bool:
-        return self._event.wait(timeout)
