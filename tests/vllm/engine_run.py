@@ -130,12 +130,30 @@ def run(spec: dict) -> dict:
             if kill and served == kill["after"]:
                 os.kill(kill["pid"], signal.SIGKILL)
         if spec.get("reset_prefix_cache_between_rounds", True):
-            llm.reset_prefix_cache()
+            _reset_prefix_cache(llm, spec.get("reset_wait_s"))
         if spec.get("sleep_between_rounds"):
             time.sleep(spec["sleep_between_rounds"])
     if spec.get("wait_after_s"):
         time.sleep(spec["wait_after_s"])
     return {"init_s": init_s, "results": results}
+
+
+def _reset_prefix_cache(llm, wait_s) -> None:
+    """Drop vLLM's own prefix cache. vLLM refuses while a connector still holds finished
+    requests' blocks (until their saves are in the ring), and releases them only at an engine
+    step: with ``wait_s`` set, a one-token prompt is served between tries until the reset
+    succeeds (an error after ``wait_s``), so that the next round cannot hit vLLM's own cache;
+    without it, one try (its result ignored)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    if wait_s is None:
+        llm.reset_prefix_cache()
+        return
+    deadline = time.monotonic() + wait_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM's prefix cache could not be reset within {wait_s} s")
+        llm.generate([TokensPrompt(prompt_token_ids=[1])], SamplingParams(max_tokens=1), use_tqdm=False)
 
 
 def run_subprocess(model_dir, prompts, conn=None, salts=None, log_path=None, timeout=300, **spec):
