@@ -1,0 +1,182 @@
+"""Reads that try to make the gateway lie: real gateway processes, real card files damaged,
+swapped, evicted or rewritten while (and between) the engine's reads.
+
+Every test asserts the one rule of the read paths: a hit holds exactly the bytes stored
+under its key, and what is not a hit leaves the engine's buffer as it was (or is reported
+a miss where the contract lets bytes land first). The paths attacked: the I/O processes'
+packed ``ReadTask`` (many reads of one card in one task, errors reported by position),
+replica fallback from such a task, the pool threads' ring reads, and the fs card's copies
+straight into a client's region (whole objects up to ``WHOLE_CACHED``, pieces above).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import threading
+import time
+import uuid
+
+import pytest
+
+from adpkv_core.client import GatewayClient
+from adpkv_core.settings import ClientConfig
+from adpkv_gateway import control
+from adpkv_gateway.cards.objfile import HEADER_BYTES, WHOLE_CACHED
+
+from .rankproc import make_keys, pattern
+
+
+def stats(port):
+    return control.request(port, {"op": "STATS"}, timeout_s=10)["stats"]
+
+
+def _client(port, engine):
+    c = GatewayClient(ClientConfig(port=port, timeout_s=30.0, busy_wait_s=0), engine)
+    assert c.enabled, c.attach_error
+    return c
+
+
+def put(c, keys, nbytes):
+    def fill(b):
+        for j in range(b.count):
+            o = b.offset + j * b.stride
+            c.ring[o:o + nbytes] = pattern(keys[b.first + j], 0, nbytes)
+    return list(c.put(keys, nbytes, fill).result(timeout=60).stored)
+
+
+def get(c, keys, nbytes):
+    """Hits of a ring GET; fails the test on any hit whose bytes are not its key's."""
+    wrong = []
+
+    def check(b):
+        for j in range(b.count):
+            if b.hits[j]:
+                o = b.offset + j * b.stride
+                if bytes(c.ring[o:o + nbytes]) != pattern(keys[b.first + j], 0, nbytes):
+                    wrong.append(b.first + j)
+    hits = list(c.get(keys, nbytes, check).result(timeout=60))
+    assert not wrong, f"wrong bytes restored for objects {wrong}"
+    return hits
+
+
+def card_files(card_dir) -> dict[str, str]:
+    """Fragment file name (its key in hex) -> path, for every object file of a card."""
+    out = {}
+    for d in os.listdir(card_dir):
+        if d.startswith("db"):
+            for n in os.listdir(os.path.join(card_dir, d)):
+                if not n.startswith("."):
+                    out[n] = os.path.join(card_dir, d, n)
+    return out
+
+
+def frag_path(card_dir, key: bytes, index: int = 0) -> str:
+    return card_files(card_dir)[(key + index.to_bytes(2, "big")).hex()]
+
+
+def flip(path, at):
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0xA5]))
+
+
+def _damage(path, how, other_path=None):
+    if how == "deleted":
+        os.unlink(path)
+    elif how == "short":                      # a short read: the payload's last page gone
+        os.truncate(path, os.path.getsize(path) - 100)
+    elif how == "header only":
+        os.truncate(path, HEADER_BYTES)
+    elif how == "empty":
+        os.truncate(path, 0)
+    elif how == "flipped":
+        flip(path, os.path.getsize(path) - 7)
+    elif how == "foreign":                    # another object's file (same size) in its place
+        with open(other_path, "rb") as src:
+            data = src.read()
+        with open(path, "wb") as dst:
+            dst.write(data)
+    else:
+        raise AssertionError(how)
+
+
+# ---------------------------------------------------------------- packed read tasks
+DAMAGES = ["deleted", "short", "header only", "empty", "flipped", "foreign"]
+
+
+@pytest.mark.parametrize("io_processes", [1, 3])
+def test_a_packed_task_reports_each_failed_read_as_its_own(start_gateway, io_processes):
+    """One card, every read of a GET in one or three ``ReadTask``s: reads at scattered
+    positions of a task fail six different ways (gone, cut, header only, empty, a flipped
+    byte, another object's file). Exactly those objects miss, every other one is exact, the
+    card counts exactly their failures, and the next GET misses exactly them again (dropped
+    from the index), with the objects next to them in the task still read."""
+    gw = start_gateway(io_processes=io_processes)
+    keys = make_keys(48)
+    obj = 12 * 1024 + 40
+    c = _client(gw.port, "packed")
+    try:
+        assert put(c, keys, obj) == [True] * 48
+        files = card_files(gw.card_dirs[0])
+        assert len(files) == 48
+        victims = {3: "deleted", 4: "short", 17: "header only", 30: "empty", 31: "flipped", 47: "foreign"}
+        for i, how in victims.items():
+            _damage(frag_path(gw.card_dirs[0], keys[i]), how, frag_path(gw.card_dirs[0], keys[0]))
+        before = stats(gw.port)["cards"][0]
+        hits = get(c, keys, obj)
+        assert [i for i, h in enumerate(hits) if not h] == sorted(victims), hits
+        after = stats(gw.port)["cards"][0]
+        assert after["reads"] - before["reads"] == 48
+        assert after["read_errors"] - before["read_errors"] == len(victims)
+        assert after["bytes_read"] - before["bytes_read"] == (48 - len(victims)) * obj
+        assert gw.alive()
+        # the damaged ones were dropped; the neighbours in the task read again, exactly
+        assert get(c, keys, obj) == [i not in victims for i in range(48)]
+        assert stats(gw.port)["cards"][0]["read_errors"] == after["read_errors"]
+        assert put(c, [keys[i] for i in sorted(victims)], obj) == [True] * len(victims)
+        assert get(c, keys, obj) == [True] * 48
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_fragments_of_one_object_failing_inside_packed_tasks(start_gateway, tmp_path, replicas):
+    """Objects of four fragments, read in the I/O processes (fragments of one object in one
+    task or split over two): one fragment of an object damaged, its head gone, or (with a
+    replica) different fragments damaged on both cards. Without a replica those objects
+    miss and no other does; with one, an object damaged on one card reads exactly from the
+    other, fragment by fragment, and one damaged on both is exact or a miss, never mixed."""
+    dirs = [str(tmp_path / "fa"), str(tmp_path / "fb")][:replicas]
+    gw = start_gateway(card_dirs=dirs, replicas=replicas, io_processes=2, fragment_size=64 * 1024,
+                       key_placement="stripe")
+    keys = make_keys(24)
+    obj = 3 * 64 * 1024 + 4096 + 8                # 4 fragments, the last one short
+    c = _client(gw.port, "frag-tasks")
+    try:
+        assert put(c, keys, obj) == [True] * 24
+        for d in dirs:
+            assert len(card_files(d)) == 24 * 4
+        a = dirs[0]
+        flip(frag_path(a, keys[3], 2), HEADER_BYTES + 5000)
+        os.unlink(frag_path(a, keys[7], 0))
+        _damage(frag_path(a, keys[11], 1), "short")
+        _damage(frag_path(a, keys[12], 3), "foreign", frag_path(a, keys[13], 3))
+        if replicas == 2:
+            b = dirs[1]
+            flip(frag_path(b, keys[11], 3), HEADER_BYTES + 100)     # 11: damaged on both cards
+            os.unlink(frag_path(b, keys[12], 2))                    # 12: damaged on both cards
+        hits = get(c, keys, obj)
+        if replicas == 1:
+            assert [i for i, h in enumerate(hits) if not h] == [3, 7, 11, 12], hits
+        else:
+            assert hits[3] and hits[7], "an object damaged on one card did not read from the other"
+            assert all(h for i, h in enumerate(hits) if i not in (11, 12)), hits
+        again = get(c, keys, obj)
+        assert all(again[i] for i in range(24) if i not in (3, 7, 11, 12) or replicas == 2 and i in (3, 7))
+        assert gw.alive()
+    finally:
+        c.close()
