@@ -180,3 +180,126 @@ def test_fragments_of_one_object_failing_inside_packed_tasks(start_gateway, tmp_
         assert gw.alive()
     finally:
         c.close()
+
+
+# ---------------------------------------------------------------- swapped files, every read path
+class ShmFile:
+    """A /dev/shm file an engine registers as its region; read and written here only with
+    pread/pwrite (never mapped: a test that shrinks it must not fault itself)."""
+
+    def __init__(self, size):
+        self.path = f"/dev/shm/adpkv-test-attack-{uuid.uuid4().hex[:8]}"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(self.fd, size)
+
+    def write(self, at, data):
+        assert os.pwrite(self.fd, data, at) == len(data)
+
+    def read(self, at, n):
+        return os.pread(self.fd, n, at)
+
+    def size(self):
+        return os.fstat(self.fd).st_size
+
+    def close(self):
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
+@pytest.fixture
+def shm_file():
+    made = []
+
+    def make(size):
+        made.append(ShmFile(size))
+        return made[-1]
+    yield make
+    for f in made:
+        f.close()
+
+
+SENTINEL = b"\xee"
+PATHS = {"threads": (0, 256 * 1024 + 512), "processes": (2, 256 * 1024 + 512),
+         "region-whole": (0, WHOLE_CACHED - 4096), "region-pieces": (2, WHOLE_CACHED + 300 * 1024)}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_swapped_and_replaced_card_files_are_misses_on_every_read_path(start_gateway, shm_file, path):
+    """Two objects' files swapped (renamed into each other's place), a third's replaced by
+    a copy of a fourth's: the pool threads' ring reads, the I/O processes' tasks, and the
+    fs card's whole and piece-by-piece copies into a region all give misses for the three,
+    exact bytes for the rest; a region keeps its own bytes where a miss was (nothing of a
+    foreign file lands: its header is checked first)."""
+    io_processes, obj = PATHS[path]
+    gw = start_gateway(io_processes=io_processes)
+    n = 6
+    keys = make_keys(n, salt=b"swap")
+    c = _client(gw.port, "swap")
+    try:
+        assert put(c, keys, obj) == [True] * n
+        card = gw.card_dirs[0]
+        p1, p2, p3, p4 = (frag_path(card, keys[i]) for i in (1, 2, 3, 4))
+        os.rename(p1, p1 + ".swap")
+        os.rename(p2, p1)
+        os.rename(p1 + ".swap", p2)
+        with open(p4, "rb") as src, open(p3 + ".new", "wb") as dst:
+            dst.write(src.read())
+        os.rename(p3 + ".new", p3)
+        if path.startswith("region"):
+            region = shm_file(n * obj)
+            region.write(0, SENTINEL * (n * obj))
+            rid = c.register_region(region.path, 0, n * obj).result(10)
+            assert rid is not None
+            hits = list(c.get_into(rid, [i * obj for i in range(n)], keys, obj).result(60))
+            for i in range(n):
+                want = pattern(keys[i], 0, obj) if hits[i] else SENTINEL * obj
+                assert region.read(i * obj, obj) == want, f"object {i} (hit {hits[i]}) left other bytes"
+        else:
+            hits = get(c, keys, obj)
+        assert hits == [True, False, False, False, True, True], hits
+        assert get(c, keys, obj) == [True, False, False, False, True, True]
+        assert gw.alive()
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------- region bounds
+@pytest.mark.parametrize("obj", [WHOLE_CACHED - 4096 + 100, WHOLE_CACHED + 4096 + 100], ids=["whole", "pieces"])
+def test_copies_into_a_region_stay_inside_it(start_gateway, shm_file, obj):
+    """A region that is a window (offset, size) of a larger file: an object placed flush
+    with the window's end lands exactly there; one a byte further, or one larger than the
+    whole window, is refused with BAD_REGION and nothing is written anywhere; after the
+    engine shrinks its file under the window, the object across the new end misses, the
+    file is not grown back, and the object before it is exact."""
+    gw = start_gateway()
+    keys = make_keys(2, salt=b"bounds")
+    c = _client(gw.port, "bounds")
+    try:
+        assert put(c, keys, obj) == [True, True]
+        lead, size = 4096 * 3, 2 * obj + 8192               # the window: file bytes lead .. lead+size
+        f = shm_file(lead + size + 65536)
+        f.write(0, SENTINEL * f.size())
+        rid = c.register_region(f.path, lead, size).result(10)
+        assert rid is not None
+        flush = [0, size - obj]                              # object 1 ends where the window ends
+        assert c.get_into(rid, flush, keys, obj).result(60) == [True, True]
+        assert f.read(lead, obj) == pattern(keys[0], 0, obj)
+        assert f.read(lead + size - obj, obj) == pattern(keys[1], 0, obj)
+        expect = f.read(0, f.size())
+        assert expect[:lead] == SENTINEL * lead and expect[lead + size:] == SENTINEL * (f.size() - lead - size)
+        f.write(lead, SENTINEL * size)
+        expect = f.read(0, f.size())
+        for at in ([0, size - obj + 1], [0, size], [size - obj + 1, 0]):
+            assert c.get_into(rid, at, keys, obj).result(30) == [False, False], at
+        assert c.get_into(rid, [0], keys[:1], size + 1).result(30) == [False]
+        assert f.read(0, f.size()) == expect, "a refused GET wrote into the engine's file"
+        assert c.enabled and gw.alive()
+        # the engine shrinks its file: object 1's place now runs past the end
+        os.ftruncate(f.fd, lead + size - obj // 2)
+        assert c.get_into(rid, flush, keys, obj).result(60) == [True, False]
+        assert f.size() == lead + size - obj // 2, "the gateway grew the engine's file back"
+        assert f.read(lead, obj) == pattern(keys[0], 0, obj)
+        assert f.read(lead + obj, size - 2 * obj) == SENTINEL * (size - 2 * obj)
+        assert get(c, keys, obj) == [True, True]             # the objects themselves are fine
+    finally:
+        c.close()
