@@ -32,8 +32,8 @@ def stats(port):
     return control.request(port, {"op": "STATS"}, timeout_s=10)["stats"]
 
 
-def _client(port, engine):
-    c = GatewayClient(ClientConfig(port=port, timeout_s=30.0, busy_wait_s=0), engine)
+def _client(port, engine, rank=0, world=1):
+    c = GatewayClient(ClientConfig(port=port, timeout_s=30.0, busy_wait_s=0), engine, rank=rank, world_size=world)
     assert c.enabled, c.attach_error
     return c
 
@@ -303,3 +303,100 @@ def test_copies_into_a_region_stay_inside_it(start_gateway, shm_file, obj):
         assert get(c, keys, obj) == [True, True]             # the objects themselves are fine
     finally:
         c.close()
+
+
+# ---------------------------------------------------------------- races
+def _race(seconds, *loops):
+    """Run ``loops`` (each ``loop(stop)``, returning a count) in threads for ``seconds``;
+    their counts, or the first exception any raised."""
+    stop = threading.Event()
+    out, errors = {}, []
+
+    def run(k, loop):
+        try:
+            out[k] = loop(stop)
+        except BaseException as exc:          # noqa: BLE001 -- handed to the test
+            errors.append(exc)
+            stop.set()
+    threads = [threading.Thread(target=run, args=(k, loop), daemon=True) for k, loop in enumerate(loops)]
+    for t in threads:
+        t.start()
+    stop.wait(seconds)
+    stop.set()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a racing client hung"
+    if errors:
+        raise errors[0]
+    return [out[k] for k in range(len(loops))]
+
+
+def test_eviction_and_restores_racing_packed_reads_never_serve_other_bytes(start_gateway, shm_file):
+    """A card that holds about 24 of 160 objects: one rank stores the 160 over and over
+    (each store evicts, the same keys come back), while another reads batches of them in
+    the I/O processes' packed tasks and a third reads them straight into its region. Every
+    hit is exact; an evicted file is only ever a miss (never a checksum, header or length
+    failure: nothing is unlinked or renamed under a read that way), and the card stays
+    under its capacity."""
+    obj = 48 * 1024 + 16
+    capacity = 24 * (obj + HEADER_BYTES)
+    gw = start_gateway(io_processes=2, capacity_bytes=capacity, eviction_watermark=0.9, eviction_ratio=0.3)
+    keys = make_keys(160, salt=b"evict")
+    region = shm_file(32 * obj)
+    counts = {"hits": 0, "misses": 0, "region_hits": 0}
+
+    def writer(stop):
+        c, rng, n = _client(gw.port, "evict", 0, 3), random.Random(1), 0
+        try:
+            while not stop.is_set():
+                start = rng.randrange(0, 160 - 16)
+                put(c, keys[start:start + 16], obj)
+                n += 1
+        finally:
+            c.close()
+        return n
+
+    def reader(stop):
+        c, rng, n = _client(gw.port, "evict", 1, 3), random.Random(2), 0
+        try:
+            while not stop.is_set():
+                batch = rng.sample(keys, 32)
+                hits = get(c, batch, obj)
+                counts["hits"] += sum(hits)
+                counts["misses"] += len(hits) - sum(hits)
+                n += 1
+        finally:
+            c.close()
+        return n
+
+    def region_reader(stop):
+        c, rng, n = _client(gw.port, "evict", 2, 3), random.Random(3), 0
+        try:
+            rid = c.register_region(region.path, 0, 32 * obj).result(10)
+            assert rid is not None
+            while not stop.is_set():
+                batch = rng.sample(keys, 32)
+                region.write(0, SENTINEL * (32 * obj))
+                hits = c.get_into(rid, [i * obj for i in range(32)], batch, obj).result(60)
+                for i, (k, hit) in enumerate(zip(batch, hits)):
+                    got = region.read(i * obj, obj)
+                    if hit:
+                        assert got == pattern(k, 0, obj), f"a region hit of object {keys.index(k)} holds other bytes"
+                    else:
+                        assert got == SENTINEL * obj, "a region miss wrote into the engine's buffer"
+                counts["region_hits"] += sum(hits)
+                n += 1
+        finally:
+            c.close()
+        return n
+
+    puts, gets, region_gets = _race(8.0, writer, reader, region_reader)
+    print(f"stores {puts}, packed GETs {gets}, region GETs {region_gets}: {counts}")
+    assert puts > 5 and gets > 5 and region_gets > 5, (puts, gets, region_gets)
+    assert counts["hits"] > 0 and counts["misses"] > 0 and counts["region_hits"] > 0, counts
+    card = stats(gw.port)["cards"][0]
+    assert card["evicted"] > 0 and card["used_bytes"] <= capacity, card
+    log = gw.log()
+    for word in ("checksum mismatch", "bad header", "truncated"):
+        assert word not in log, f"an eviction or a store made a read see a {word!r} file"
+    assert gw.alive()
