@@ -21,6 +21,7 @@ import uuid
 import pytest
 
 from adpkv_core.client import GatewayClient
+from adpkv_core.keys import namespace_id
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 from adpkv_gateway.cards.objfile import HEADER_BYTES, WHOLE_CACHED
@@ -508,3 +509,59 @@ def test_card_files_damaged_and_restored_under_reads_never_reach_an_engine(start
     assert counts["hits"] > 0 and counts["region_hits"] > 0, counts
     assert counts["misses"] + counts["region_misses"] > 0, "no read met a damaged file: the race tested nothing"
     assert gw.alive()
+
+
+# ---------------------------------------------------------------- namespaces
+def test_a_tenant_evicting_under_its_quota_never_touches_another_tenants_packed_reads(start_gateway):
+    """Two namespaces whose keys come from the same chunk hashes: one's objects are never
+    the other's (a GET of tenant a's keys misses while only b stored them). Tenant a, far
+    past its quota, stores objects of four fragments in a loop, evicting its own whole
+    objects, while the other rank reads all of tenant b's objects in the I/O processes'
+    packed tasks round after round: every one a hit, exact. After a kill -9 and the index
+    rebuild, b is whole, and every object of a that EXIST finds reads whole and exact."""
+    obj, frag = 3 * 32 * 1024 + 8, 32 * 1024                 # 4 fragments
+    on_disk = 3 * (frag + HEADER_BYTES) + HEADER_BYTES + 8
+    gw = start_gateway(io_processes=2, fragment_size=frag, namespace_quotas=f"tenant-a={10 * on_disk}")
+    a_keys = make_keys(120, namespace="tenant-a", salt=b"ns")
+    b_keys = make_keys(40, namespace="tenant-b", salt=b"ns")
+    c = _client(gw.port, "tenants", 0, 2)
+    try:
+        assert put(c, b_keys, obj) == [True] * 40
+        assert get(c, a_keys[:40], obj) == [False] * 40, "tenant a's key found tenant b's object"
+
+        def tenant_a(stop):
+            rounds = 0
+            while not stop.is_set():
+                for start in range(0, 120, 8):
+                    assert put(c, a_keys[start:start + 8], obj) == [True] * 8
+                    get(c, a_keys[max(0, start - 16):start + 8], obj)
+                rounds += 1
+            return rounds
+
+        def tenant_b(stop):
+            r, rounds = _client(gw.port, "tenants", 1, 2), 0
+            try:
+                while not stop.is_set():
+                    assert get(r, b_keys, obj) == [True] * 40, "tenant b lost objects to tenant a's quota"
+                    rounds += 1
+            finally:
+                r.close()
+            return rounds
+
+        a_rounds, b_rounds = _race(6.0, tenant_a, tenant_b)
+        assert a_rounds >= 1 and b_rounds > 3, (a_rounds, b_rounds)
+        tenants = {t["id"]: t for t in stats(gw.port)["tenants"]}
+        a, b = tenants[namespace_id("tenant-a").hex()], tenants[namespace_id("tenant-b").hex()]
+        assert a["evicted"] > 0 and a["objects"] <= 10, tenants
+        assert b["evicted"] == 0 and b["objects"] == 40, tenants
+    finally:
+        c.close()
+    gw.restart(hard=True)
+    c = _client(gw.port, "tenants-after", 0, 1)
+    try:
+        assert get(c, b_keys, obj) == [True] * 40
+        present = list(c.exist(a_keys).result(timeout=30))
+        assert 0 < sum(present) <= 10
+        assert get(c, a_keys, obj) == present, "an object EXIST finds does not read whole"
+    finally:
+        c.close()
