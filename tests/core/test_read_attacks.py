@@ -565,3 +565,43 @@ def test_a_tenant_evicting_under_its_quota_never_touches_another_tenants_packed_
         assert get(c, a_keys, obj) == present, "an object EXIST finds does not read whole"
     finally:
         c.close()
+
+
+# ---------------------------------------------------------------- O_DIRECT cards
+def test_an_o_direct_card_with_unaligned_fragments_reads_exact_or_misses_on_every_path(start_gateway, shm_file):
+    """An O_DIRECT card (padded files) with fragments that are not a multiple of 4 KiB, so
+    most ring offsets and lengths of the I/O processes' reads are unaligned (the bounce
+    buffer path), stored from the ring and from a region: the packed tasks and the region
+    copies read every object exactly; a damaged padded file (a payload byte, the padding's
+    start cut off, another object's file) is a miss on both paths."""
+    frag = 64 * 1024 + 100
+    obj = 3 * frag + 777                                  # 4 fragments, none page aligned
+    gw = start_gateway(io_processes=2, o_direct=True, fragment_size=frag)
+    keys = make_keys(16, salt=b"odirect")
+    region = shm_file(32 * obj)
+    c = _client(gw.port, "odirect")
+    try:
+        assert "refuses O_DIRECT" not in gw.log(), "the card's file system has no O_DIRECT: not the path under test"
+        assert put(c, keys[:8], obj) == [True] * 8
+        for i in range(8, 16):
+            region.write(i * obj, pattern(keys[i], 0, obj))
+        rid = c.register_region(region.path, 0, 32 * obj).result(10)
+        assert list(c.put_from(rid, [i * obj for i in range(8, 16)], keys[8:], obj).result(60).stored) == [True] * 8
+        sizes = {os.path.getsize(p) for p in card_files(gw.card_dirs[0]).values()}
+        assert all(s % 4096 == 0 for s in sizes), sizes          # padded: written with O_DIRECT
+        assert get(c, keys, obj) == [True] * 16
+        card = gw.card_dirs[0]
+        flip(frag_path(card, keys[2], 1), HEADER_BYTES + 10)
+        os.truncate(frag_path(card, keys[9], 3), os.path.getsize(frag_path(card, keys[9], 3)) - 4096)
+        _damage(frag_path(card, keys[12], 0), "foreign", frag_path(card, keys[13], 0))
+        damaged = {2, 9, 12}
+        assert get(c, keys, obj) == [i not in damaged for i in range(16)]
+        flip(frag_path(card, keys[5], 2), HEADER_BYTES + frag - 1)   # the region path's turn
+        region.write(16 * obj, SENTINEL * (16 * obj))
+        hits = list(c.get_into(rid, [(16 + i) * obj for i in range(16)], keys, obj).result(60))
+        assert hits == [i not in damaged | {5} for i in range(16)], hits
+        for i in range(16):
+            if hits[i]:
+                assert region.read((16 + i) * obj, obj) == pattern(keys[i], 0, obj), f"object {i} differs"
+    finally:
+        c.close()
