@@ -12,7 +12,7 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 from adpkv_gateway.health import HealthMonitor
-from adpkv_gateway.store import CardStats
+from adpkv_gateway.card_stats import CardStats
 
 from .rankproc import make_keys
 
