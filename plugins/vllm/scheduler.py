@@ -262,7 +262,8 @@ class AdpConnectorScheduler:
         c0, c1, skip = st.load
         st.load = None
         digests = self._digests(request, c1)
-        if len(digests) != c1 or any(len(st.blocks(g)) < c1 * bpc for g in cfg.groups):
+        if (len(digests) != c1 or any(len(st.blocks(g)) < c1 * bpc for g in cfg.groups)
+                or any(st.blocks(g)[c1 * bpc - 1] == NULL_BLOCK_ID for g in cfg.groups if g.recurrent)):
             # vLLM counts the hit as computed: a load that cannot be planned is a failed one
             meta.failed_loads[req_id] = [b for g in cfg.groups for b in st.blocks(g)[c0 * bpc:c1 * bpc]
                                          if b != NULL_BLOCK_ID]
@@ -275,9 +276,6 @@ class AdpConnectorScheduler:
                 # the state at the hit boundary, into the block vLLM reserved for it (the last
                 # one of the hit, as for its own prefix-cache hit); nothing else of the group
                 b = ids[c1 * bpc - 1]
-                if b == NULL_BLOCK_ID:
-                    meta.failed_loads[req_id] = []
-                    return
                 meta.loads.append(ChunkPlan(req_id, [digests[c1 - 1]], [marks[c1 - 1]], [b], group=g.index))
                 loads.append(b)
                 continue
