@@ -87,8 +87,11 @@ def _serve(ring_path: str, ring_size: int, tasks, task_lock, results, result_loc
     with result_lock:
         results.send((None, True, None))          # ready
     while True:
-        with task_lock:
-            item = tasks.recv()
+        try:
+            with task_lock:
+                item = tasks.recv()
+        except EOFError:
+            return                             # the gateway is gone (e.g. killed): nothing to serve
         if item is None:
             return
         task_id, fn, args = item

@@ -349,26 +349,30 @@ class ObjectStore:
         """Whether each object has all its fragments on ``card`` (a card that fails to
         answer holds none of them)."""
         c = self.cards[card]
-        head = lambda k: (fragment_db(k, 0, self.num_dbs, self.spread), fragment_key(k, 0))  # noqa: E731
         cuts: dict[int, list[tuple[int, int]]] = {}       # object size -> its fragment extents
         try:
+            suffix, dbs = fragment_key(b"", 0), self.num_dbs
+            heads = [(db_hash(k) % dbs, k + suffix) for k in keys]   # fragment 0's (db, key), as fragment_db
+            # The size each head records: a head that records another size is another object (a
+            # GET at a smaller size must not take a larger object's first fragments); 0: a head
+            # written before sizes were recorded.
+            recorded = c.object_sizes(heads, list(tags))
             if object_bytes and len(fragment_extents(object_bytes, self.fragment_size)) == 1:
                 # one fragment an object (the usual case): one item each, no spans
-                suffix, dbs = fragment_key(b"", 0), self.num_dbs
-                return c.contains_many([(db_hash(k) % dbs, k + suffix) for k in keys], [object_bytes] * len(keys),
-                                       list(tags))
-            sizes = [object_bytes] * len(keys) if object_bytes is not None else \
-                c.object_sizes([head(k) for k in keys], list(tags))
+                found = c.contains_many(heads, [object_bytes] * len(keys), list(tags))
+                return [f and r in (0, object_bytes) for f, r in zip(found, recorded)]
+            sizes = recorded if object_bytes is None else \
+                [object_bytes if r in (0, object_bytes) else None for r in recorded]
             items: list[tuple[int, bytes]] = []
             lengths: list[Optional[int]] = []
             item_tags: list[bytes] = []
             spans = []
-            for key, size, tag in zip(keys, sizes, tags):
+            for key, size, tag, head in zip(keys, sizes, tags, heads):
                 start = len(items)
                 if size is None:
-                    pass                          # no head: not there
+                    pass                          # no head, or another object's: not there
                 elif size == 0:
-                    items.append(head(key))       # a head that records no size (older objects)
+                    items.append(head)            # a head that records no size (older objects)
                     lengths.append(None)
                 else:
                     extents = cuts.get(size)

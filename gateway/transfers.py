@@ -397,12 +397,23 @@ def _direct_reads(store: ObjectStore, region, items: list, write_by: Optional[fl
     """Read ``(j, fragment, file offset)`` items from their cards straight into a client's
     region (runs on the pool), each only while the client still waits for it (checked again
     before every write into the region) and only where the region is still as large as
-    registered."""
+    registered. A fragment that misses on its card is read from the object's next replica
+    whose card reads into regions (one without ``direct_reads`` is passed over: the
+    fragment misses on this path)."""
     out = []
     for j, frag, place in items:
-        size_now = _writable(region, write_by)
-        ok = size_now is not None and place + frag.length <= size_now
-        out.extend(store.read_to_fds([(j, frag, region.fd, place)], write_by) if ok else [(j, False)])
+        ok = False
+        for card in (frag.card, *frag.others):
+            if card != frag.card and not (store.active[card] and store.cards[card].direct_reads):
+                continue
+            size_now = _writable(region, write_by)
+            if size_now is None or place + frag.length > size_now:
+                break
+            replica = frag if card == frag.card else frag._replace(card=card, others=())
+            (_, ok), = store.read_to_fds([(j, replica, region.fd, place)], write_by)
+            if ok:
+                break
+        out.append((j, ok))
     return out
 
 
