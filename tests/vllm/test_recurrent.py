@@ -13,7 +13,9 @@ Then the card is made to lie behind the running gateway's back (Qwen3-Next), so 
 lookup still finds the state at the boundary and the lie shows only when it is read: a
 state object corrupted, one replaced by another key's object (written for another
 prefix), one deleted. Each request's load fails as a whole (never KV without its state),
-it is recomputed from its first token and gives the reference tokens.
+it is recomputed from its first token and gives the reference tokens. In the same process a
+restore on top of vLLM's own hit: a prompt whose first 512 tokens vLLM holds (state included)
+loads the next chunks and the state at 1024 from the card.
 
 Not run: Bamba (vLLM removed BambaForCausalLM in 0.23), Jamba (vLLM-CPU has no selective-scan
 kernel); see docs/vllm.md, "Architectures".
@@ -31,7 +33,7 @@ from engine_run import run_subprocess
 from hybrid_models import HYBRID_MODELS, build
 
 N = 1200
-PROMPTS = [[random.Random(s).randrange(3, 1000) for _ in range(N)] for s in (31, 32, 33, 34)]
+PROMPTS = [[random.Random(s).randrange(3, 1000) for _ in range(N)] for s in (31, 32, 33, 34, 35)]
 
 
 def connector(port, namespace, chunk=None):
@@ -112,7 +114,7 @@ def _state_files(card: str, group: int, digest_of_key) -> dict[bytes, str]:
 def test_qwen3_next_restores_and_a_lying_state_is_recomputed(start_gateway, tmp_path):
     """Qwen3-Next: restore as above, then a state corrupted, replaced by another key's object,
     or deleted while the gateway runs (found by the lookup, its GET fails): recomputed from
-    token 0 with the full prefill's tokens."""
+    token 0 with the full prefill's tokens. Then a local hit extended from the card."""
     name, block, kw = ARCHS[0]
     # chunk 64: rounded up to the block (256), with one log line
     base, b, gw, path = store_baseline_restore(name, block, kw, start_gateway, tmp_path, PROMPTS, chunk=64)
@@ -149,7 +151,11 @@ def test_qwen3_next_restores_and_a_lying_state_is_recomputed(start_gateway, tmp_
         dst.write(src.read())
     # prompt 2: a state deleted behind the gateway's back (lost)
     os.unlink(by_prompt[2][1])
-    c, log_c = engine(path, name, PROMPTS[:3], connector(gw.port, name), **kw)
-    assert [r["cached"] for r in c] == [0, 0, 0], log_c[-4000:]
+    # then prompt 4's first 700 tokens (no state at 256 or 512 on the card: computed, vLLM
+    # keeps the state at 512, where its step ended) and prompt 4 itself: vLLM's own hit of
+    # 512 tokens, the card's chunks 2 and 3 and the state at 1024 on top
+    c, log_c = engine(path, name, PROMPTS[:3] + [PROMPTS[4][:700], PROMPTS[4]], connector(gw.port, name), **kw)
+    assert [r["cached"] for r in c] == [0, 0, 0, 0, floor], log_c[-4000:]
     assert log_c.count("restore(s) failed (an object missed)") == 3, log_c[-4000:]
-    assert [r["tokens"] for r in c] == [r["tokens"] for r in base[:3]]
+    assert [r["tokens"] for r in c[:3]] == [r["tokens"] for r in base[:3]]
+    assert c[4]["tokens"] == base[len(PROMPTS) + 4]["tokens"]
