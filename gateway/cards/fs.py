@@ -36,7 +36,7 @@ from .. import progress
 from ..quotas import TenantUsage
 
 from .base import Card, CardError, CardUsage, is_head, object_key
-from .fs_index import FsIndex, unlink_all
+from .fs_index import Entry, FsIndex, unlink_all
 from .objfile import (ALIGN, HEADER_BYTES, REGION_WRITE_FAILED, FdSlice, FileRead, Scratch, copy_object_file,
                       read_object_file, write_object_file)
 
@@ -215,46 +215,56 @@ class FsCard(Card):
 
     # ------------------------------------------------------------------ data
     def read(self, db: int, fkey: bytes, buf: memoryview, tag: bytes = b"") -> bool:
-        path = self.locate(fkey)
-        if path is None:
+        entry = self.index.locate(fkey)
+        if entry is None:
             return False
-        return self.read_result(fkey, path, read_object_file(path, fkey, buf, self.o_direct, self._scratch))
+        path = self._path(entry[0], fkey)
+        return self.read_result(fkey, path, read_object_file(path, fkey, buf, self.o_direct, self._scratch), entry)
 
     def locate(self, fkey: bytes) -> Optional[str]:
         """The file of a stored fragment (refreshing its object's LRU place), or None."""
-        db = self.index.locate(fkey)
-        return None if db is None else self._path(db, fkey)
+        entry = self.index.locate(fkey)
+        return None if entry is None else self._path(entry[0], fkey)
 
     def process_reads(self, fkeys: list[bytes]) -> list:
         """``locate`` of many fragments under one lock (each object's LRU place refreshed once
-        per fragment, as ``locate``), a ``FileRead`` each or False where it is not stored."""
+        per fragment, as ``locate``), a ``FileRead`` each (carrying the index entry it was
+        handed, for ``read_result``) or False where it is not stored."""
         path, o_direct = self._path, self.o_direct
-        return [False if db is None else FileRead(path(db, fkey), fkey, o_direct)
-                for fkey, db in zip(fkeys, self.index.locate_many(fkeys))]
+        return [False if e is None else FileRead(path(e[0], fkey), fkey, o_direct, e)
+                for fkey, e in zip(fkeys, self.index.locate_many(fkeys))]
 
     def process_read_result(self, task, problem: Optional[str]) -> bool:
-        return self.read_result(task.fkey, task.path, problem)
+        return self.read_result(task.fkey, task.path, problem, task.entry)
 
     def read_to_fd(self, db: int, fkey: bytes, length: int, out_fd: int, out_offset: int,
                    write_by: Optional[float] = None) -> bool:
-        path = self.locate(fkey)
-        if path is None:
+        entry = self.index.locate(fkey)
+        if entry is None:
             return False
+        path = self._path(entry[0], fkey)
         problem = copy_object_file(path, fkey, length, out_fd, out_offset, self._scratch, write_by)
         if problem == REGION_WRITE_FAILED:
             return False          # the client's buffer refused the bytes; the object is fine
-        return self.read_result(fkey, path, problem)
+        return self.read_result(fkey, path, problem, entry)
 
-    def read_result(self, fkey: bytes, path: str, problem: Optional[str]) -> bool:
-        """Account for the outcome of ``read_object_file`` (here or in an I/O process): a
-        missing or bad fragment drops its whole object, so the next PUT stores it again."""
+    def read_result(self, fkey: bytes, path: str, problem: Optional[str], entry: Entry) -> bool:
+        """Account for the outcome of ``read_object_file`` (here or in an I/O process) of the
+        file the index handed out as ``entry``: a missing or bad fragment drops its whole
+        object, so the next PUT stores it again; unless the fragment was stored again since
+        (the verdict is stale: the newer, acknowledged object stays)."""
         if problem is None:
             return True
         if problem.startswith("I/O error"):
             logger.warning("fs card %s: read of %s failed: %s", self.root, path, problem)
-        else:
-            logger.warning("fs card %s: %s is %s; the object is a miss and is removed", self.root, path, problem)
-            self._drop_object(object_key(fkey))
+            return False
+        paths = self.index.drop_if(fkey, entry)
+        if paths is None:
+            logger.debug("fs card %s: %s was %s, but its object is gone or stored again since; "
+                         "the stale verdict is ignored", self.root, path, problem)
+            return False
+        logger.warning("fs card %s: %s is %s; the object is a miss and is removed", self.root, path, problem)
+        unlink_all(paths)
         return False
 
     def write_from_fd(self, db: int, fkey: bytes, length: int, in_fd: int, in_offset: int,

@@ -20,6 +20,10 @@ Contract (``FsIndex``):
   drops objects returns their files' paths (head first) and the caller unlinks them after
   the lock is released: an object leaves the index before its files go, so a reader that
   still holds a path finds the file gone ("missing", a miss), never another object's bytes.
+- **Verdicts.** ``locate`` hands out a fragment's entry (a tuple made by each ``commit``,
+  compared by identity); a failed read drops the object with ``drop_if(fkey, entry)``, which
+  does nothing once the fragment was stored again (evicted and re-stored, or moved to another
+  database): a stale verdict never removes a newer, acknowledged store.
 - **Paths.** The index stores databases, not paths: ``path_of(db, fragment key)`` is the
   card's.
 """
@@ -62,13 +66,16 @@ def unlink_all(paths) -> None:
             pass
 
 
+Entry = tuple[int, int]      # a fragment's file: (database, bytes on disk); a new tuple each commit
+
+
 class _Object:
     """The fragment files of one object in the index."""
 
     __slots__ = ("parts", "total")
 
     def __init__(self):
-        self.parts: dict[bytes, tuple[int, int]] = {}   # fragment key -> (db, bytes on disk)
+        self.parts: dict[bytes, Entry] = {}               # fragment key -> (db, bytes on disk)
         self.total = 0                                   # object size its head records (0: unknown)
 
 
@@ -93,8 +100,10 @@ class FsIndex:
         self._tenants = TenantBook(quotas)
 
     # ------------------------------------------------------------------ lookups
-    def locate(self, fkey: bytes) -> Optional[int]:
-        """The database of a stored fragment (refreshing its object's LRU place), or None."""
+    def locate(self, fkey: bytes) -> Optional[Entry]:
+        """The index entry of a stored fragment, ``(database, bytes on disk)`` (refreshing its
+        object's LRU place), or None. The entry is the file the caller is handed: its failed
+        read's verdict goes to ``drop_if`` with it."""
         okey = object_key(fkey)
         with self._lock:
             obj = self._objects.get(okey)
@@ -103,11 +112,11 @@ class FsIndex:
                 return None
             self._objects.move_to_end(okey)
             self._tenants.enter(okey)
-        return entry[0]
+        return entry
 
-    def locate_many(self, fkeys: list[bytes]) -> list[Optional[int]]:
+    def locate_many(self, fkeys: list[bytes]) -> list[Optional[Entry]]:
         """``locate`` of many fragments under one lock."""
-        out: list[Optional[int]] = []
+        out: list[Optional[Entry]] = []
         with self._lock:
             objects, enter = self._objects, self._tenants.enter
             for fkey in fkeys:
@@ -119,7 +128,7 @@ class FsIndex:
                     continue
                 objects.move_to_end(okey)
                 enter(okey)
-                out.append(entry[0])
+                out.append(entry)
         return out
 
     def contains_many(self, fkeys: list[bytes], lengths: Optional[list[Optional[int]]] = None) -> list[bool]:
@@ -205,6 +214,18 @@ class FsIndex:
     def drop(self, okey: bytes) -> Optional[list[str]]:
         """Take an object out of the index; its files (head first), or None if not indexed."""
         with self._lock:
+            return self._take(okey)
+
+    def drop_if(self, fkey: bytes, entry: Entry) -> Optional[list[str]]:
+        """``drop`` of the fragment's object only while the index still holds ``entry`` (what
+        ``locate`` handed a reader) for it: a read's verdict is about that file. None when the
+        object is gone or the fragment was stored again since (a newer, acknowledged file:
+        the object stays)."""
+        okey = object_key(fkey)
+        with self._lock:
+            obj = self._objects.get(okey)
+            if obj is None or obj.parts.get(fkey) is not entry:
+                return None
             return self._take(okey)
 
     def drop_all(self) -> list[str]:

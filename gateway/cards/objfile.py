@@ -357,10 +357,13 @@ def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct
 
 class FileRead:
     """A read of one object file that an I/O process does (``Card.process_reads``): which
-    file, its fragment key, O_DIRECT or not. The gateway packs a batch's reads into
-    ``io_procs.ReadTask``s; the reader calls ``read_object_file``."""
+    file, its fragment key, O_DIRECT or not, and ``entry``, the card's index entry of the
+    file (it stays in the gateway's process: the card's ``process_read_result`` applies a
+    failed read's verdict only while the index still holds that entry). The gateway packs a
+    batch's reads into ``io_procs.ReadTask``s (path, key, O_DIRECT); the reader calls
+    ``read_object_file``."""
 
-    __slots__ = ("path", "fkey", "o_direct")
+    __slots__ = ("path", "fkey", "o_direct", "entry")
 
-    def __init__(self, path: str, fkey: bytes, o_direct: bool):
-        self.path, self.fkey, self.o_direct = path, fkey, o_direct
+    def __init__(self, path: str, fkey: bytes, o_direct: bool, entry: tuple[int, int]):
+        self.path, self.fkey, self.o_direct, self.entry = path, fkey, o_direct, entry

@@ -425,3 +425,105 @@ def test_a_card_file_changed_after_its_check_cannot_reach_the_region(tmp_path, m
         assert os.pread(rfd, size, size) == b"\xee" * size
     finally:
         os.close(rfd)
+
+
+# ---------------------------------------------------------------- a stale failed-read verdict
+_STALE_KEY = b"k" * 28 + b"\0\0"
+
+
+def _race(card, how, data):
+    """The two halves of what happens to X between a reader's lookup and its verdict: (before
+    the reader opens the file, after it found it gone). ``evicted``: X leaves the index, its
+    files are unlinked, then a PUT stores it again; ``moved``: a PUT of the fragment into the
+    other database, whose commit unlinks the old file. Either PUT is acknowledged."""
+    from adpkv_gateway.cards.fs_index import unlink_all
+
+    def gone():
+        if how == "evicted":
+            unlink_all(card.index.drop(_STALE_KEY[:-2]))
+        else:
+            assert card.write(1, _STALE_KEY, data, object_bytes=len(data))
+
+    def back():
+        if how == "evicted":
+            assert card.write(0, _STALE_KEY, data, object_bytes=len(data))
+    return gone, back
+
+
+@pytest.mark.parametrize("how", ["evicted", "moved"])
+def test_a_stale_failed_read_does_not_drop_a_newer_store(tmp_path, how):
+    """The I/O-process path (real card, real files; the race's steps in its order): the card
+    hands a reader the file of X (``process_reads``); X is evicted (or its fragment moved);
+    the reader finds the file missing; X is stored again and acknowledged; then the reader's
+    verdict arrives (``process_read_result``). The acknowledged store stays, readable; a
+    verdict on the object the reader was handed still drops it."""
+    from adpkv_gateway.cards.objfile import read_object_file
+    card = FsCard(str(tmp_path / "card"), num_dbs=2)
+    card.open()
+    data = memoryview(bytearray(os.urandom(8192)))
+    gone, back = _race(card, how, data)
+    try:
+        assert card.write(0, _STALE_KEY, data, object_bytes=8192)
+        task, = card.process_reads([_STALE_KEY])                    # a reader is handed the path ...
+        gone()                                                      # ... X is evicted or moved ...
+        problem = read_object_file(task.path, _STALE_KEY, memoryview(bytearray(8192)), False, card._scratch)
+        assert problem == "missing"                                 # ... the reader finds it gone ...
+        back()                                                      # ... X is stored (acknowledged) ...
+        assert not card.process_read_result(task, problem)          # ... the stale verdict: a miss
+        assert card.contains_many([(0, _STALE_KEY)], [8192]) == [True], "the acknowledged store was dropped"
+        out = bytearray(8192)
+        assert card.read(0, _STALE_KEY, memoryview(out)) and out == data, "the acknowledged store is unreadable"
+        fresh, = card.process_reads([_STALE_KEY])                   # a verdict on the entry it was handed
+        os.truncate(fresh.path, 4096)
+        problem = read_object_file(fresh.path, _STALE_KEY, memoryview(bytearray(8192)), False, card._scratch)
+        assert problem == "truncated"
+        assert not card.process_read_result(fresh, problem)
+        assert card.contains_many([(0, _STALE_KEY)]) == [False], "a damaged object was kept"
+        assert not os.path.exists(fresh.path)
+    finally:
+        card.close()
+
+
+@pytest.mark.parametrize("how", ["evicted", "moved"])
+@pytest.mark.parametrize("reader", ["read", "read_to_fd"])
+def test_a_stale_failed_read_in_a_thread_does_not_drop_a_newer_store(tmp_path, monkeypatch, how, reader):
+    """The thread path (``FsCard.read``, ``read_to_fd``; real card and files): the race is
+    put between the card's lookup and its verdict by wrapping the file read (the one stand-in:
+    timing), which evicts or moves X, reads the gone file ("missing") and stores X again
+    before the verdict. The acknowledged store stays, readable."""
+    card = FsCard(str(tmp_path / "card"), num_dbs=2)
+    card.open()
+    data = memoryview(bytearray(os.urandom(8192)))
+    gone, back = _race(card, how, data)
+    raced = []
+
+    def racing(real):
+        def run(*args, **kwargs):
+            if raced:                                       # only the first read races
+                return real(*args, **kwargs)
+            gone()
+            problem = real(*args, **kwargs)
+            back()
+            raced.append(problem)
+            return problem
+        return run
+
+    region = tmp_path / "region"
+    region.write_bytes(bytes(8192))
+    rfd = os.open(region, os.O_RDWR)
+    try:
+        assert card.write(0, _STALE_KEY, data, object_bytes=8192)
+        if reader == "read":
+            monkeypatch.setattr(fs_mod, "read_object_file", racing(fs_mod.read_object_file))
+            assert not card.read(0, _STALE_KEY, memoryview(bytearray(8192)))
+        else:
+            monkeypatch.setattr(fs_mod, "copy_object_file", racing(fs_mod.copy_object_file))
+            assert not card.read_to_fd(0, _STALE_KEY, 8192, rfd, 0)
+        assert raced == ["missing"], f"the race did not run as meant: {raced}"
+        assert card.contains_many([(0, _STALE_KEY)], [8192]) == [True], "the acknowledged store was dropped"
+        out = bytearray(8192)
+        assert card.read(0, _STALE_KEY, memoryview(out)) and out == data, "the acknowledged store is unreadable"
+        assert card.read_to_fd(0, _STALE_KEY, 8192, rfd, 0) and os.pread(rfd, 8192, 0) == data
+    finally:
+        os.close(rfd)
+        card.close()
