@@ -22,7 +22,8 @@ open answers DONE to its participants (``_finish``, from ``_pump``: after ``star
 ``_retire``).
 
 Everything here runs on the gateway loop's thread; card I/O runs on the pool (or the
-I/O processes) through ``run`` and comes back to ``_io_done`` on the loop.
+I/O processes) through ``run`` and comes back to ``_io_done`` on the loop. The copies
+between the cards or the ring and a client's region are ``region_io.py``'s.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import enum
 import functools
 import itertools
 import logging
-import os
 import time
 from concurrent.futures import Executor
 from typing import Callable, Optional
@@ -43,6 +43,7 @@ from adpkv_core.ring import Ring
 from . import io_procs
 from .jobs import Batch, DataJob
 from .latency import LatencyBuckets
+from .region_io import direct_reads, to_region, write_via_ring
 from .ring_alloc import RingAllocator
 from .scatter import Scatter, to_scatter
 from .store import ObjectStore
@@ -169,7 +170,7 @@ class Transfers:
         elif stage is Stage.TO_REGION:
             items = [(j, self._slot(batch, j), job.places[batch.first + j])
                      for j in range(batch.count) if batch.flags[j] and j not in batch.direct]
-            copy = to_scatter if isinstance(job.region, Scatter) else _to_region
+            copy = to_scatter if isinstance(job.region, Scatter) else to_region
             self._submit(batch, lambda group: copy(job.region, group, job.region_by), items)
         if batch.pending == 0 and not batch.waiting:
             self._advance(batch)
@@ -224,7 +225,7 @@ class Transfers:
             slot = self.ring.slot
             self._submit(batch, self.store.read_many, [(j, f, slot(at, f.length)) for j, f, at in reads])
             region, write_by = job.region, job.region_by
-            self._submit(batch, lambda group: _direct_reads(self.store, region, group, write_by), direct)
+            self._submit(batch, lambda group: direct_reads(self.store, region, group, write_by), direct)
         else:
             writes, direct, via_ring = [], [], []
             in_ring = bytes(batch.flags)
@@ -253,7 +254,7 @@ class Transfers:
             self._submit(batch, self.store.write_many, writes)
             region, read_by = job.region, job.region_by
             self._submit(batch, lambda group: self.store.write_from_fds(group, read_by), direct)
-            self._submit(batch, lambda group: _write_via_ring(self.store, region, group, read_by), via_ring)
+            self._submit(batch, lambda group: write_via_ring(self.store, region, group, read_by), via_ring)
         if batch.pending == 0:
             self._advance(batch)
 
@@ -379,79 +380,4 @@ class Transfers:
         if again:
             self._submit(batch, self.store.read_from_replicas, again)
         self._io_done(batch, done)
-
-
-def _writable(region, write_by: Optional[float]) -> Optional[int]:
-    """The region's size now, or None when nothing may be written into it any more: the
-    client gave up on the request (``write_by`` passed: its engine may reuse the buffer) or
-    the descriptor is gone."""
-    if write_by is not None and time.monotonic() >= write_by:
-        return None
-    try:
-        return os.fstat(region.fd).st_size
-    except OSError:
-        return None
-
-
-def _direct_reads(store: ObjectStore, region, items: list, write_by: Optional[float]) -> list[tuple[int, bool]]:
-    """Read ``(j, fragment, file offset)`` items from their cards straight into a client's
-    region (runs on the pool), each only while the client still waits for it (checked again
-    before every write into the region) and only where the region is still as large as
-    registered. A fragment that misses on its card is read from the object's next replica
-    whose card reads into regions (one without ``direct_reads`` is passed over: the
-    fragment misses on this path)."""
-    out = []
-    for j, frag, place in items:
-        ok = False
-        for card in (frag.card, *frag.others):
-            if card != frag.card and not (store.active[card] and store.cards[card].direct_reads):
-                continue
-            size_now = _writable(region, write_by)
-            if size_now is None or place + frag.length > size_now:
-                break
-            replica = frag if card == frag.card else frag._replace(card=card, others=())
-            (_, ok), = store.read_to_fds([(j, replica, region.fd, place)], write_by)
-            if ok:
-                break
-        out.append((j, ok))
-    return out
-
-
-def _to_region(region, items: list, write_by: Optional[float]) -> list[tuple[int, bool]]:
-    """Copy ``(j, ring view, file offset)`` items from the ring into a client's region with
-    ``pwritev`` on its descriptor (runs on the pool). The gateway never maps a region: a
-    region the client shrank fails these calls, it cannot fault the gateway. A region
-    shorter now than registered takes nothing (a write would grow the client's file), and
-    nothing is written once the client gave up on the request (``write_by``)."""
-    out = []
-    for j, view, place in items:
-        size_now = _writable(region, write_by)
-        ok = False
-        if size_now is not None and place + len(view) <= size_now:
-            try:
-                ok = os.pwritev(region.fd, [view], place) == len(view)
-            except OSError:
-                pass
-        out.append((j, ok))
-    return out
-
-
-def _write_via_ring(store: ObjectStore, region, items: list, read_by: Optional[float]) -> list[tuple[int, bool]]:
-    """Store ``(j, replica plans, ring view, file offset)`` items of a client's region on
-    cards that cannot read it themselves: ``preadv`` into the ring slot, then written as a
-    ring PUT (runs on the pool). A region shorter than the object stores nothing of it, nor
-    does a read that ended at or after ``read_by`` (the client had given up: its engine may
-    have put other bytes there)."""
-    out = []
-    for j, plans, view, place in items:
-        try:
-            if isinstance(region, Scatter):
-                ok = region.gather(view, place)
-            else:
-                ok = os.preadv(region.fd, [view], place) == len(view)
-        except OSError:
-            ok = False
-        ok = ok and (read_by is None or time.monotonic() < read_by)
-        out.append((j, ok and store.write_replicas(plans, view)))
-    return out
 
