@@ -39,7 +39,7 @@ shared region ``/dev/shm/vllm_offload_<engine_id>.mmap``) to and from storage.
   for rows this tier announced and later found missing while the gateway
   answered (an eviction by the gateway, an ``adpkv clean``): by a lookup or a
   load that missed, and by the sweep, which checks every announced row with the
-  gateway once every ``events_sweep_s`` (EXISTs of ``SWEEP_KEYS`` keys, one at a
+  gateway once every ``events_sweep_s`` (EXISTs of ``tier_events.SWEEP_KEYS`` keys, one at a
   time, spread over the interval, answered on the client's thread), so an
   eviction reaches the engine's KV-event publisher also when nobody asks for the
   row. Medium ``STORAGE``;
@@ -85,6 +85,7 @@ from adpkv_core.regions import shared_file_of
 from adpkv_core.settings import ClientConfig
 
 from .common import ensure_logging
+from .tier_events import TierEvents
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -94,8 +95,6 @@ logger = logging.getLogger("adpkv.vllm")
 
 KIND_TIER_ROW = 7          # the cache kind of a CPU-tier row object (keeps it apart from other formats)
 ROW_FORMAT = "vllm-tiering-row/1"
-MAX_ANNOUNCED = 1 << 20    # stored keys remembered for removed events
-SWEEP_KEYS = 4096          # announced keys checked by one EXIST of the events sweep
 
 
 class TierMetrics:
@@ -211,17 +210,8 @@ class AdpSecondaryTier(SecondaryTierManager):
         self._region_file = self._find_region_file(offloading_spec)
         self._warned_ring = False
         events = bool(enable_kv_events) and bool(offloading_spec.kv_events_config.enable_kv_cache_events)
-        self._events: Optional[collections.deque] = collections.deque() if events else None
-        # announced (stored) keys -> the number of their last stored event (a sweep forgets
-        # a key only if no stored event came after it looked)
-        self._announced: "collections.OrderedDict[bytes, int]" = collections.OrderedDict()
-        self._announced_lock = threading.Lock()
-        self._announces = 0
-        self.events_sweep_s = max(0.0, float(events_sweep_s))
-        self._sweep_todo: list[tuple[bytes, int]] = []
-        self._sweep_next = time.monotonic() + self.events_sweep_s
-        self._sweep_gap = self._sweep_chunk_at = 0.0       # the pass in progress: one EXIST per gap
-        self._sweep_busy = False
+        self._kv_events = TierEvents(events, self.medium, self.locality, events_sweep_s, self.storage_key,
+                                     count_removed=lambda n: self._counters.update({TierMetrics.REMOVED: n}))
         self._finished: collections.deque = collections.deque()    # (_Job) filled by I/O threads
         self._cv = threading.Condition()
         self._inflight: dict[int, _Job] = {}
@@ -285,85 +275,11 @@ class AdpSecondaryTier(SecondaryTierManager):
         flags = s.client.exist([self.storage_key(k) for k in keys]).result(
             self.client_config.timeout_s + 5)
         if s.client.enabled:
-            self._forget([k for k, f in zip(keys, flags) if not f])
+            self._kv_events.forget([k for k, f in zip(keys, flags) if not f])
         return flags
 
-    # ------------------------------------------------------------------ events
-    def _announce(self, keys: list[OffloadKey]) -> None:
-        if self._events is None or not keys:
-            return
-        with self._announced_lock:
-            for k in keys:
-                self._announces += 1
-                self._announced[bytes(k)] = self._announces
-                self._announced.move_to_end(bytes(k))
-            while len(self._announced) > MAX_ANNOUNCED:
-                self._announced.popitem(last=False)
-        self._events.append(OffloadingEvent(keys=list(keys), medium=self.medium, removed=False,
-                                            locality=self.locality))
-
-    def _forget(self, keys: list[OffloadKey], seen: Optional[list[int]] = None) -> None:
-        """Removed events for announced keys found missing (``seen``: the stored-event number
-        each had when it was looked for; a key stored again since is kept)."""
-        if self._events is None or not keys:
-            return
-        gone = []
-        with self._announced_lock:
-            for i, k in enumerate(keys):
-                number = self._announced.get(bytes(k))
-                if number is not None and (seen is None or seen[i] == number):
-                    del self._announced[bytes(k)]
-                    gone.append(k)
-        if gone:
-            self._counters[TierMetrics.REMOVED] += len(gone)
-            self._events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True,
-                                                locality=self.locality))
-
-    def _sweep(self) -> None:
-        """(scheduler thread) Send the next EXIST of the events sweep, if one is due and none
-        is in flight: every ``events_sweep_s`` one pass over all announced rows, ``SWEEP_KEYS``
-        at a time, spread over the interval. Rows the gateway no longer holds become removed
-        events (on the client's thread)."""
-        s = self._session
-        if self._events is None or not self.events_sweep_s or self._sweep_busy or s is None or not s.enabled:
-            return
-        now = time.monotonic()
-        if not self._sweep_todo:
-            if now < self._sweep_next:
-                return
-            self._sweep_next = now + self.events_sweep_s
-            with self._announced_lock:
-                self._sweep_todo = list(self._announced.items())
-            if not self._sweep_todo:
-                return
-            # one pass per events_sweep_s, its EXISTs spread evenly over it (1M rows, 60 s:
-            # 17k keys a second), not all at once
-            self._sweep_gap = self.events_sweep_s / -(-len(self._sweep_todo) // SWEEP_KEYS)
-            self._sweep_chunk_at = now
-        if now < self._sweep_chunk_at:
-            return
-        self._sweep_chunk_at += self._sweep_gap
-        chunk = self._sweep_todo[-SWEEP_KEYS:]
-        del self._sweep_todo[-SWEEP_KEYS:]
-        self._sweep_busy = True
-        client = s.client
-
-        def answered(fut) -> None:
-            try:
-                flags = fut.result()
-                if client.enabled and len(flags) == len(chunk):
-                    missing = [(k, n) for (k, n), hit in zip(chunk, flags) if not hit]
-                    self._forget([OffloadKey(k) for k, _ in missing], [n for _, n in missing])
-            finally:
-                self._sweep_busy = False
-
-        client.exist([self.storage_key(OffloadKey(k)) for k, _ in chunk]).add_done_callback(answered)
-
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if self._events is None:
-            return
-        while self._events:
-            yield self._events.popleft()
+        return self._kv_events.take()
 
     # ------------------------------------------------------------------ lookups
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -386,7 +302,7 @@ class AdpSecondaryTier(SecondaryTierManager):
             self._counters[TierMetrics.REATTACHES] += 1
         self._session = s
         self._lookups.flush()
-        self._sweep()
+        self._kv_events.sweep(s)
 
     # ------------------------------------------------------------------ transfers
     def _submit(self, job: TransferJob, store: bool) -> None:
@@ -437,14 +353,14 @@ class AdpSecondaryTier(SecondaryTierManager):
             bad = [k for k, f in zip(j.keys, flags) if not f]
             answered = j.session is not None and j.session.client.enabled
             if j.store:
-                self._announce(ok)
+                self._kv_events.announce(ok)
                 if bad:
                     self._counters[TierMetrics.STORES_DROPPED] += len(bad)
             elif bad:
                 self._counters[TierMetrics.LOAD_MISSES] += len(bad)
                 self._lookups.mark_miss(bad)          # vLLM stops asking; recomputes them
                 if answered:
-                    self._forget(bad)
+                    self._kv_events.forget(bad)
             success = not bad
             out.append(JobResult(job_id=job_id, success=success,
                                  successful_keys=tuple(ok) if (not success and ok and not j.store) else None,
