@@ -3,7 +3,8 @@
 All request state lives in the loop's thread. Everything that touches a card
 (data, but also EXIST, DELETE, CLEAN and the usage behind STATS and the status
 file) runs on the pool and reports back through a completion queue that wakes
-the loop: one slow card never stalls another engine's control messages.
+the loop: one slow card never stalls another engine's control messages. GET and
+PUT become jobs in ``data_requests.py`` and run batch by batch in ``transfers.py``.
 
 Who may do what: a control-port request is served only on a session from the
 door (``gateway/door.py``); an engine belongs to the uid that attached it first,
@@ -27,19 +28,18 @@ import zmq
 from adpkv_core import protocol as P
 from adpkv_core.door import SHM_DIR, door_path
 from adpkv_core.keys import namespace_id
-from adpkv_core.ring import MEMFD_NAME_PREFIX, Ring, max_parallel_ios, object_stride
+from adpkv_core.ring import MEMFD_NAME_PREFIX, Ring
 
 from . import io_procs
 from .cards import open_cards
 from .config import GatewayConfig, socket_mode
+from .data_requests import DataRequests
 from .door import DoorServer, Session, claim_door
 from .engines import EngineRegistry, Peer
 from .health import HealthMonitor
-from .jobs import DataJob, Participant
 from . import stats
 from .metrics import GatewayMetrics
 from .store import ObjectStore
-from .scatter import Scatter
 from .transfers import Transfers
 
 logger = logging.getLogger("adpkv.gateway")
@@ -94,7 +94,6 @@ class Gateway:
             logger.info("start_clean: removed %d objects", self.store.clean())
         self.ring = Ring.create(config.port, config.shared_memory_size)
         logger.info("Ring %s: %d bytes (a sealed memfd, handed out at the door)", self.ring.name, self.ring.size)
-        self.object_sizes_logged: set[int] = set()
         self.pool = ThreadPoolExecutor(config.thread_pool_size, thread_name_prefix="adpkv-io")
         self.procs = io_procs.start(config.io_processes, self.ring) if config.io_processes else None
         if self.procs:
@@ -117,9 +116,8 @@ class Gateway:
         self.transfers = Transfers(self.ring, self.store, self.pool, self.procs, config.thread_pool_size,
                                    run=self._run, send=self._send, attached=lambda ident: ident in self.engines.peers,
                                    unpin=lambda ident, keys: self._release_pins(self.engines.peers[ident], keys))
-        self.max_batch_bytes = self.transfers.max_batch_bytes
-        self.collectives: dict[str, dict[int, tuple[bytes, P.Message]]] = {}
         self.counters = collections.Counter()
+        self.data_requests = DataRequests(self.engines, self.sessions_by_peer, self.transfers, self.counters, self._send)
         self.stopping = False
         if config.metrics_port:
             self.metrics.serve(config.metrics_address, config.metrics_port)
@@ -342,71 +340,7 @@ class Gateway:
 
     # ================================================================ data requests
     def _on_data(self, identity, peer: Peer, msg: Union[P.Get, P.Put]):
-        if peer.rank is None:
-            raise P.ProtocolError(P.BAD_MESSAGE, f"a lookup peer cannot {msg.op}; attach as a rank")
-        if not msg.keys:         # a job of no object never finishes: no answer, and CLEAN refused for good
-            raise P.ProtocolError(P.BAD_MESSAGE, f"{msg.op} names no key")
-        keys, marks, obj, tag, region = msg.keys, msg.marks, msg.obj, msg.tag, msg.region
-        unlock = isinstance(msg, P.Get) and msg.unlock
-        stride = object_stride(obj)
-        if obj not in self.object_sizes_logged and len(self.object_sizes_logged) < 8:
-            self.object_sizes_logged.add(obj)
-            logger.info("Objects of %d bytes (io_size): max_parallel_ios = %d", obj,
-                        max_parallel_ios(self.ring.size, obj))
-        if stride > self.max_batch_bytes:
-            raise P.ProtocolError(P.TOO_LARGE, f"an object of {obj} bytes does not fit half the ring "
-                                  f"({self.max_batch_bytes} bytes); raise shared_memory_size")
-        if msg.pieces is not None:
-            regions = self.sessions_by_peer[identity].regions
-            if any(piece.region >= len(regions) for piece in msg.pieces):
-                raise P.ProtocolError(P.BAD_REGION, "a piece names a region this session did not register")
-            job = DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock)
-            job.region = Scatter([regions[p.region] for p in msg.pieces], [p.length for p in msg.pieces])
-            job.places = job.region.places(msg.at, len(keys))
-            job.region_by = msg.write_by if isinstance(msg, P.Get) else msg.read_by
-            self.counters[job.op.lower() + "_region_requests"] += 1
-            self._start(job)
-            return
-        if region is not None:
-            regions = self.sessions_by_peer[identity].regions
-            if region >= len(regions):
-                raise P.ProtocolError(P.BAD_REGION, f"region {region} is not registered by this session")
-            job = DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock)
-            job.region = regions[region]
-            job.places = job.region.places(msg.at, obj)
-            job.region_by = msg.write_by if isinstance(msg, P.Get) else msg.read_by
-            self.counters[job.op.lower() + "_region_requests"] += 1
-            self._start(job)
-            return
-        engine = self.engines.engine
-        if tag is None or engine is None or engine.world == 1:
-            self._start(DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock))
-            return
-        parts = self.collectives.setdefault(tag, {})
-        if peer.rank in parts:
-            del self.collectives[tag]
-            self._fail_collective(parts, f"rank {peer.rank} sent tag {tag!r} twice")
-            raise P.ProtocolError(P.COLLECTIVE_MISMATCH, f"rank {peer.rank} sent tag {tag!r} twice")
-        parts[peer.rank] = (identity, msg)
-        if len(parts) < engine.world:
-            return
-        del self.collectives[tag]
-        first = parts[0][1] if 0 in parts else next(iter(parts.values()))[1]
-        for ident, m in parts.values():
-            if type(m) is not type(first) or m.keys != first.keys or m.obj != first.obj:
-                self._fail_collective(parts, f"ranks sent different requests for tag {tag!r}")
-                return
-        self._start(DataJob(msg.op, keys, marks, obj, stride,
-                            [Participant(ident, m.id) for ident, m in parts.values()], unlock))
-
-    def _fail_collective(self, parts, why: str) -> None:
-        for ident, m in parts.values():
-            self._send(ident, P.error(m.id, P.COLLECTIVE_MISMATCH, why))
-
-    def _start(self, job: DataJob) -> None:
-        self.counters[job.op.lower() + "_requests"] += 1
-        job.namespace = self.engines.engine.namespace if self.engines.engine is not None else ""
-        self.transfers.start(job)
+        self.data_requests.on_data(identity, peer, msg)
 
     def _on_ack(self, identity, peer, msg: Union[P.Release, P.Filled]):
         self.transfers.ack(identity, msg)
@@ -454,11 +388,7 @@ class Gateway:
             self.store.unpin(list(peer.pins.elements()))
             return
         self.store.unpin(list(peer.pins.elements()))
-        # a collective needs every rank: none that is still waiting can complete now
-        for tag, parts in list(self.collectives.items()):
-            del self.collectives[tag]
-            self._fail_collective({r: v for r, v in parts.items() if v[0] != identity},
-                                  f"rank {peer.rank} left before the collective {tag!r} was complete")
+        self.data_requests.rank_left(identity, peer.rank)
         self.transfers.rank_left(identity)
 
     # ---------------------------------------------------------------- stats
