@@ -200,18 +200,7 @@ def _copy_whole(fd: int, fkey: bytes, n: int, out_fd: int, out_offset: int, scra
     buf = scratch.bounce_of(HEADER_BYTES + n)
     if os.preadv(fd, [buf], 0) < HEADER_BYTES + n:
         return "truncated"
-    header, payload = buf[:HEADER_BYTES], buf[HEADER_BYTES:]
-    if not objfmt.check_header(header, fkey, n):
-        return "bad header"
-    if not objfmt.payload_ok(header, payload):
-        return "checksum mismatch"
-    if write_by is not None and time.monotonic() >= write_by:
-        return REGION_WRITE_FAILED
-    try:
-        written = os.pwrite(out_fd, payload, out_offset)
-    except OSError:
-        written = -1
-    return None if written == n else REGION_WRITE_FAILED
+    return _check_and_land(buf[:HEADER_BYTES], buf[HEADER_BYTES:], fkey, n, out_fd, out_offset, write_by)
 
 
 WHOLE_MAX = 16 << 20            # objects up to this size move in one I/O: an uncached read, a store from a region
@@ -267,7 +256,16 @@ def _copy_uncached(path: str, fkey: bytes, n: int, out_fd: int, out_offset: int,
         os.close(fd)
     if got < HEADER_BYTES + n:
         return "truncated"
-    header, payload = buf[:HEADER_BYTES], buf[HEADER_BYTES:HEADER_BYTES + n]
+    return _check_and_land(buf[:HEADER_BYTES], buf[HEADER_BYTES:HEADER_BYTES + n], fkey, n, out_fd, out_offset,
+                           write_by)
+
+
+def _check_and_land(header: memoryview, payload: memoryview, fkey: bytes, n: int, out_fd: int, out_offset: int,
+                    write_by: Optional[float]) -> Optional[str]:
+    """Check a whole object read into a buffer (its header names ``fkey`` and ``n`` bytes, the
+    payload matches its checksum), then write the payload into the client's buffer in one
+    ``pwrite``, unless the client gave up (``write_by``): the problem, or None when it landed.
+    Nothing lands before the whole object is checked."""
     if not objfmt.check_header(header, fkey, n):
         return "bad header"
     if not objfmt.payload_ok(header, payload):
