@@ -78,8 +78,9 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.connector_worker = AdpConnectorWorker(cfg, getattr(kv_cache_config, "num_blocks", 0))
         if cfg.supported:
             logger.info("adpkv connector (%s): namespace %r, chunk %d tokens (%d blocks), %d layers in "
-                        "KV cache groups [%s]", role.name, cfg.namespace, cfg.chunk_size,
-                        cfg.blocks_per_chunk, len(cfg.layer_names), "; ".join(g.describe() for g in cfg.groups))
+                        "KV cache groups [%s]%s", role.name, cfg.namespace, cfg.chunk_size,
+                        cfg.blocks_per_chunk, len(cfg.layer_names), "; ".join(g.describe() for g in cfg.groups),
+                        f", {cfg.drafter.describe()}" if cfg.drafter is not None else "")
 
     @property
     def requires_kv_delivery(self) -> bool:

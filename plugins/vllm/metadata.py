@@ -22,6 +22,7 @@ from adpkv_core.attachment import reconnect_setting
 from adpkv_core.keys import KeyBuilder
 
 from .common import AdapterSettings, kv_cache_layout, ordered_layer_names, resolve_namespace
+from .drafter import DrafterSpec, drafter_of
 
 logger = logging.getLogger("adpkv.vllm")
 
@@ -37,6 +38,7 @@ class ChunkPlan:
     block_ids: list[int]              # blocks_per_chunk ids per chunk (loads: only those written)
     positions: Optional[list[int]] = None   # loads: block positions in the objects (None = all)
     group: int = 0                    # the KV cache group (``CacheGroup.index``) of these blocks
+    drafter: bool = False             # for the group's EAGLE/MTP drafter layers (drafter.py keys)
     # a recurrent-state group's objects are one block each (the state at a chunk boundary):
     # ``digests[i]`` names the chunk that ends at the boundary, ``block_ids[i]`` its state block
 
@@ -116,6 +118,7 @@ class ConnectorConfig:
     supported: bool                   # False: no hits, no saves (why says why, logged once)
     why: str = ""
     groups: list[CacheGroup] = field(default_factory=list)
+    drafter: Optional[DrafterSpec] = None   # an EAGLE/MTP drafter's layers (drafter.py)
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -153,6 +156,9 @@ class ConnectorConfig:
         block_size = vllm_config.cache_config.block_size
         hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or block_size
         groups, why = cache_groups(vllm_config, kv_cache_config)
+        drafter = None
+        if not why:
+            drafter, why = drafter_of(vllm_config, groups)
         supported = not why
         if supported:
             block_size = _group_block_size(kv_cache_config)
@@ -168,6 +174,8 @@ class ConnectorConfig:
         if len(groups) > 1 or (groups and groups[0].kind in ("mla", "state")):
             # the group structure is part of what an object means
             layout += ":" + ",".join(g.describe() for g in groups)
+        if drafter is not None:     # what the drafter layers' objects mean
+            layout += ":" + drafter.identity
         namespace = resolve_namespace(vllm_config, settings, layout, engine_id)
         layer_names = ordered_layer_names([n for g in groups for n in g.layer_names])
         return cls(settings=settings, reconnect_s=reconnect_setting(extra), block_size=block_size,
@@ -176,7 +184,8 @@ class ConnectorConfig:
                    tp_size=vllm_config.parallel_config.tensor_parallel_size,
                    layer_names=layer_names if supported else [],
                    layout=layout, namespace=namespace, keys=KeyBuilder(namespace),
-                   supported=supported, why=why, groups=groups if supported else [])
+                   supported=supported, why=why, groups=groups if supported else [],
+                   drafter=drafter if supported else None)
 
 
 # the spec classes the connector restores, by exact class (a subclass such as R-SWA or
@@ -192,15 +201,6 @@ def cache_groups(vllm_config, kv_cache_config) -> tuple[list[CacheGroup], str]:
         return [], "no KV cache config"
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         return [], "pipeline parallelism > 1 is not supported"
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is not None and spec.use_eagle():
-        # an EAGLE/MTP drafter's KV at a position depends on the token after it (its input is
-        # shifted by one), which a block's hash does not cover; vLLM's own prefix cache drops
-        # the last block of a hit for it. Restoring it under the block's key could hand the
-        # drafter KV of another continuation.
-        return [], (f"speculative decoding with a {spec.method!r} drafter: its KV at the end of a "
-                    "chunk depends on the token after the chunk, which the chunk's key does not "
-                    "cover, so it cannot be restored correctly")
     groups: list[CacheGroup] = []
     for gid, g in enumerate(kv_cache_config.kv_cache_groups):
         if not getattr(g, "enable_kv_transfer", True):

@@ -24,6 +24,7 @@ from adpkv_core.affinity import dialog_marks
 from adpkv_core.attachment import Attachment
 
 from .common import chunk_hashes
+from .drafter import clip_hit, draft_digests, save_range
 from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
 from .recurrent import plan_state_saves
 
@@ -74,6 +75,7 @@ def hit_chunks(cfg: ConnectorConfig, present: list[list[bool]], local: int) -> i
 class _ReqState:
     block_ids: dict[int, list[int]] = field(default_factory=dict)   # group index -> its block table
     saved_chunks: int = 0          # chunks stored or planned for saving
+    draft_saved: int = 0           # drafter chunks stored, planned or passed over (drafter.py)
     had_saves: bool = False
     restored_chunks: int = 0       # the external hit loaded into its blocks (states stored already)
     load: Optional[tuple[int, int, int]] = None   # (first chunk, end chunk, blocks to skip in first)
@@ -116,23 +118,37 @@ class AdpConnectorScheduler:
             Attachment(cfg.settings.client, cfg.engine_id, None, cfg.tp_size, {"role": "vllm-scheduler"},
                        reconnect_s=cfg.reconnect_s, install="on_refresh", name="adpkv-vllm-scheduler")
             if cfg.supported else None)
-        self._lookups: dict[str, tuple[int, Any, list[bytes]]] = {}  # req -> (num_tokens, future, digests)
+        # req -> (num_tokens, future, digests, drafter digests)
+        self._lookups: dict[str, tuple[int, Any, list[bytes], list[bytes]]] = {}
         self._hits: dict[str, tuple[int, int]] = {}     # req -> (hit chunks, local computed tokens)
         self._reqs: dict[str, _ReqState] = {}
         self._requests: dict[str, "Request"] = {}
         self._step = 0
         self._last_step_loads: dict[str, list[int]] = {}
         self._load_failed: set[str] = set()     # asynchronous loads that failed: no second try
-        # per group, the layers whose keys an EXIST asks for: its first and last (or all)
+        # per group, the layers whose keys an EXIST asks for: its first and last (or all); an
+        # EAGLE/MTP drafter's layers are asked apart, under their own keys (drafter.py)
         index = cfg.layer_index
+        drafter = cfg.drafter.layers if cfg.drafter is not None else frozenset()
         self._exist_layers: list[list[int]] = []
+        self._draft_exist: list[list[int]] = []    # per group with drafter layers
+        self._draft_groups: list[CacheGroup] = []
         for g in cfg.groups:
-            layers = [index[n] for n in g.layer_names]
-            self._exist_layers.append(sorted({layers[0], layers[-1]} if cfg.settings.exist_layers == "ends"
-                                             else layers))
+            for layers, out in (([index[n] for n in g.layer_names if n not in drafter], self._exist_layers),
+                                ([index[n] for n in g.layer_names if n in drafter], self._draft_exist)):
+                if layers or out is self._exist_layers:
+                    out.append(sorted({layers[0], layers[-1]} if layers and cfg.settings.exist_layers == "ends"
+                                      else layers))
+            if drafter & set(g.layer_names):
+                self._draft_groups.append(g)
 
     def _digests(self, request: "Request", limit_chunks: int) -> list[bytes]:
         return chunk_hashes(request.block_hashes, self.cfg.hashes_per_chunk, limit_chunks)
+
+    def _draft_digests(self, request: "Request", limit_chunks: int) -> list[bytes]:
+        if not self._draft_groups:
+            return []
+        return draft_digests(request.block_hashes, self.cfg.hashes_per_chunk, limit_chunks)
 
     def _marks(self, digests: list[bytes]) -> list[int]:
         return dialog_marks(digests, self.cfg.settings.client.affinity_chunks)
@@ -166,12 +182,16 @@ class AdpConnectorScheduler:
             for g, layers in zip(cfg.groups, self._exist_layers):
                 keys += cfg.keys.keys(digests, layers, kind=g.index)
                 all_marks += marks * len(layers)
+            ddig = self._draft_digests(request, limit)
+            for g, layers in zip(self._draft_groups, self._draft_exist):
+                keys += cfg.keys.keys(ddig, layers, kind=g.index)
+                all_marks += marks[:len(ddig)] * len(layers)
             fut = s.client.exist(keys, marks=all_marks)
-            entry = (request.num_tokens, fut, digests)
+            entry = (request.num_tokens, fut, digests, ddig)
             self._lookups[req_id] = entry
-        _, fut, digests = entry
-        n = len(digests)
-        n_keys = n * sum(len(layers) for layers in self._exist_layers)
+        _, fut, digests, ddig = entry
+        n, nd = len(digests), len(ddig)
+        n_keys = n * sum(len(layers) for layers in self._exist_layers) + nd * sum(map(len, self._draft_exist))
         try:
             flags = fut.result(timeout=cfg.settings.lookup_wait_s)
         except Exception:  # not answered yet: ask again at the next step
@@ -184,6 +204,13 @@ class AdpConnectorScheduler:
             present.append([all(flags[at + li * n + c] for li in range(len(layers))) for c in range(n)])
             at += n * len(layers)
         hit = hit_chunks(cfg, present, num_computed_tokens)
+        if self._draft_groups:    # the drafter's layers restore the same hit, or a shorter one
+            draft_present = []
+            for layers in self._draft_exist:
+                draft_present.append([all(flags[at + li * nd + c] for li in range(len(layers)))
+                                      for c in range(nd)])
+                at += nd * len(layers)
+            hit = clip_hit(hit, draft_present, num_computed_tokens // cfg.chunk_size)
         self._hits[req_id] = (hit, num_computed_tokens)
         ext = hit * cfg.chunk_size - num_computed_tokens
         if ext <= 0:
@@ -201,6 +228,7 @@ class AdpConnectorScheduler:
         self._lookups.pop(req_id, None)
         st.saved_chunks = max(st.saved_chunks, hit)
         st.restored_chunks = max(st.restored_chunks, hit)
+        st.draft_saved = max(st.draft_saved, hit)
         if num_external_tokens > 0 and cfg.supported:
             end_chunk = (local + num_external_tokens) // cfg.chunk_size
             first_chunk = local // cfg.chunk_size
@@ -262,7 +290,9 @@ class AdpConnectorScheduler:
         c0, c1, skip = st.load
         st.load = None
         digests = self._digests(request, c1)
-        if (len(digests) != c1 or any(len(st.blocks(g)) < c1 * bpc for g in cfg.groups)
+        ddig = self._draft_digests(request, c1)
+        if (len(digests) != c1 or (self._draft_groups and len(ddig) != c1)
+                or any(len(st.blocks(g)) < c1 * bpc for g in cfg.groups)
                 or any(st.blocks(g)[c1 * bpc - 1] == NULL_BLOCK_ID for g in cfg.groups if g.recurrent)):
             # vLLM counts the hit as computed: a load that cannot be planned is a failed one
             meta.failed_loads[req_id] = [b for g in cfg.groups for b in st.blocks(g)[c0 * bpc:c1 * bpc]
@@ -296,6 +326,9 @@ class AdpConnectorScheduler:
                 whole = len(dst) == len(objs) * bpc
                 meta.loads.append(ChunkPlan(req_id, [digests[c] for c in objs], [marks[c] for c in objs],
                                             dst, None if whole else pos, group=g.index))
+                if g in self._draft_groups:    # the drafter's pages of the same blocks, under its keys
+                    meta.loads.append(ChunkPlan(req_id, [ddig[c] for c in objs], [marks[c] for c in objs],
+                                                dst, None if whole else pos, group=g.index, drafter=True))
                 loads += dst
         if loads:
             self._last_step_loads[req_id] = loads
@@ -312,6 +345,8 @@ class AdpConnectorScheduler:
         after = before + n_sched - n_spec
         full = min([after // cfg.chunk_size, len(request.block_hashes) // cfg.hashes_per_chunk]
                    + [len(st.blocks(g)) // bpc for g in cfg.groups if not g.recurrent])
+        if self._draft_groups:
+            self._plan_draft_save(meta, req_id, request, st, before, after)
         if full <= st.saved_chunks:
             return
         digests = self._digests(request, full)
@@ -330,6 +365,25 @@ class AdpConnectorScheduler:
                 st.had_saves = True
         st.saved_chunks = full
 
+    def _plan_draft_save(self, meta: AdpConnectorMetadata, req_id: str, request: "Request", st: _ReqState,
+                         before: int, after: int) -> None:
+        """The drafter chunks whose last position this step's drafter pass computes and whose
+        key exists now; saved from the drafter layers' own hook (``drafter.save_range``)."""
+        cfg = self.cfg
+        bpc = cfg.blocks_per_chunk
+        n_keys = min([len(self._draft_digests(request, after // cfg.chunk_size))]
+                     + [len(st.blocks(g)) // bpc for g in self._draft_groups])
+        c0, c1 = save_range(st.draft_saved, before, after, cfg.chunk_size, n_keys)
+        st.draft_saved = max(st.draft_saved, after // cfg.chunk_size)
+        if c1 <= c0:
+            return
+        ddig = self._draft_digests(request, c1)
+        marks = self._marks(self._digests(request, c1))
+        for g in self._draft_groups:
+            meta.saves.append(ChunkPlan(req_id, ddig[c0:c1], marks[c0:c1], st.blocks(g)[c0 * bpc:c1 * bpc],
+                                        group=g.index, drafter=True))
+        st.had_saves = True
+
     def update_connector_output(self, connector_output) -> None:
         """Chunks whose load failed are saved again once vLLM has recomputed them."""
         for req_id in getattr(connector_output, "failed_recving", None) or ():
@@ -337,7 +391,7 @@ class AdpConnectorScheduler:
             self._load_failed.add(req_id)
             st = self._reqs.get(req_id)
             if st is not None:
-                st.saved_chunks = st.restored_chunks = 0
+                st.saved_chunks = st.restored_chunks = st.draft_saved = 0
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return
@@ -350,6 +404,7 @@ class AdpConnectorScheduler:
                 c = min(next((ids.index(b) // bpc for ids in st.block_ids.values() if b in ids), 0)
                         for b in bad)
                 st.saved_chunks = min(st.saved_chunks, c)
+                st.draft_saved = min(st.draft_saved, c)
 
     # ------------------------------------------------------------------ end of a request
     def request_finished(self, request: "Request") -> tuple[bool, Optional[dict]]:

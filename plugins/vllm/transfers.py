@@ -61,9 +61,9 @@ class AsyncLoad:
     """One step's asynchronous loads: the GET of every layer and which objects of each
     group belong to which request."""
 
-    def __init__(self, spans: dict[str, dict[int, tuple[int, int]]]):
-        self.spans = spans                      # req -> group index -> (first object, end)
-        self.gets: list[tuple[int, Any]] = []   # (group index, Future[list[bool]]) per layer
+    def __init__(self, spans: dict[str, dict[tuple[int, bool], tuple[int, int]]]):
+        self.spans = spans          # req -> (group index, drafter) -> (first object, end)
+        self.gets: list[tuple[tuple[int, bool], Any]] = []   # ((group, drafter), Future[list[bool]]) per layer
 
     def ended(self) -> bool:
         return all(f.done() for _, f in self.gets)

@@ -51,6 +51,8 @@ class AdpConnectorWorker:
         self._layer_index = cfg.layer_index
         self._group_of = cfg.group_of_layer
         self._before_pass = [n for g in cfg.groups for n in g.before_pass]
+        # an EAGLE/MTP drafter's layers: their own plans (keys), saved only from their own hook
+        self._drafter = cfg.drafter.layers if cfg.drafter is not None else frozenset()
         self._async_loads: list[AsyncLoad] = []   # several KV cache groups: loads outside the pass
         self._num_blocks = num_blocks
         self._load_futs: dict[str, tuple[Any, ChunkPlanIndex, Optional[LayerLoad]]] = {}
@@ -155,6 +157,10 @@ class AdpConnectorWorker:
             return None
         return f"{kind}{step}:{self._layer_index[layer]}"
 
+    def _key(self, name: str) -> tuple[int, bool]:
+        """Which plans a layer's objects follow: its group's, the drafter's or the target's."""
+        return self._group_of[name].index, name in self._drafter
+
     # ------------------------------------------------------------------ loads
     def start_load_kv(self, meta: Any) -> None:
         if isinstance(meta, AdpConnectorMetadata) and meta.failed_loads:   # hits with no load planned
@@ -165,8 +171,9 @@ class AdpConnectorWorker:
         if not isinstance(meta, AdpConnectorMetadata) or not meta.loads:
             return
         cfg = self.cfg
-        indexes = {g.index: ChunkPlanIndex([p for p in meta.loads if p.group == g.index], cfg.object_blocks(g))
-                   for g in cfg.groups}
+        indexes = {(g.index, d): ChunkPlanIndex([p for p in meta.loads if (p.group, p.drafter) == (g.index, d)],
+                                                cfg.object_blocks(g))
+                   for g in cfg.groups for d in (False, True)}
         if cfg.loads_async:
             self._start_async_load(meta, indexes)
             return
@@ -175,13 +182,13 @@ class AdpConnectorWorker:
                 self._load_errors.update(index.all_blocks)
             if self.fanout is not None:    # the exchange is collective: take part, sourcing nothing
                 for name in cfg.layer_names:
-                    if indexes[self._group_of[name].index].digests:
-                        self._load_futs[name] = (None, indexes[self._group_of[name].index], None)
+                    if indexes[self._key(name)].digests:
+                        self._load_futs[name] = (None, indexes[self._key(name)], None)
                 self._settle_before_pass()   # in the same order as the other ranks
             return
         client, ring = self.client, self.ring   # the whole load runs on this step's attachment
         for name in cfg.layer_names:     # layer 0 first: it is needed first
-            index = indexes[self._group_of[name].index]
+            index = indexes[self._key(name)]
             if not index.digests:
                 continue
             load = self.fanout.begin(len(index.digests)) if self.fanout is not None else None
@@ -219,17 +226,18 @@ class AdpConnectorWorker:
             if name in self._load_futs:
                 self._settle_load(name, *self._load_futs.pop(name))
 
-    def _start_async_load(self, meta: AdpConnectorMetadata, indexes: dict[int, ChunkPlanIndex]) -> None:
+    def _start_async_load(self, meta: AdpConnectorMetadata,
+                          indexes: dict[tuple[int, bool], ChunkPlanIndex]) -> None:
         """One GET per layer for requests that wait, unscheduled, for their KV (several KV
         cache groups, ``cfg.loads_async``); ``transfer_results`` reports each request once
         every layer's GET has ended: received, or failed if any of its objects missed."""
         cfg = self.cfg
-        spans: dict[str, dict[int, tuple[int, int]]] = {}   # req -> group -> its object range
-        for g in cfg.groups:
+        spans: dict[str, dict[tuple[int, bool], tuple[int, int]]] = {}   # req -> plans -> its object range
+        for key in indexes:
             at = 0
             for p in meta.loads:
-                if p.group == g.index:
-                    spans.setdefault(p.req_id, {})[g.index] = (at, at + len(p.digests))
+                if (p.group, p.drafter) == key:
+                    spans.setdefault(p.req_id, {})[key] = (at, at + len(p.digests))
                     at += len(p.digests)
         load = AsyncLoad(spans)
         self._async_loads.append(load)
@@ -238,11 +246,11 @@ class AdpConnectorWorker:
         client, ring = self.client, self.ring
         for name in cfg.layer_names:
             group = self._group_of[name]
-            index = indexes[group.index]
+            index = indexes[self._key(name)]
             if not index.digests:
                 continue
             tag = f"A{meta.step}:{self._layer_index[name]}" if self._collective(group) else None
-            load.gets.append((group.index, self._get_layer(client, ring, name, index, tag)))
+            load.gets.append((self._key(name), self._get_layer(client, ring, name, index, tag)))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         entry = self._load_futs.pop(layer_name, None)
@@ -269,7 +277,8 @@ class AdpConnectorWorker:
         self._saved_layers.add(layer_name)
         if self._active():
             group = self._group_of[layer_name]
-            self._put([p for p in meta.saves if p.group == group.index], group, [layer_name], meta.step, "S")
+            self._put([p for p in meta.saves if (p.group, p.drafter) == self._key(layer_name)], group,
+                      [layer_name], meta.step, "S")
 
     def wait_for_save(self, meta: Any) -> None:
         # every GET of this step is settled before the step ends (errors are reported now)
@@ -280,15 +289,18 @@ class AdpConnectorWorker:
                 self._had_saves.update(p.req_id for p in meta.saves)
                 self._had_saves.update(p.req_id for p in meta.deferred_saves)
             for group in self.cfg.groups:
+                # the target's layers (a drafter layer is saved only from its own hook: a hook
+                # that did not run is a drafter that did not compute this step's pages)
+                target = [n for n in group.layer_names if n not in self._drafter]
                 if meta.saves and self._active():
                     # layers whose save hook did not run (e.g. no attention metadata)
-                    missing = [n for n in group.layer_names if n not in self._saved_layers]
+                    missing = [n for n in target if n not in self._saved_layers]
                     if missing:
-                        self._put([p for p in meta.saves if p.group == group.index], group, missing,
-                                  meta.step, "S")
-                if meta.deferred_saves and self._active():
-                    self._put([p for p in meta.deferred_saves if p.group == group.index], group,
-                              list(group.layer_names), meta.step, "D")
+                        self._put([p for p in meta.saves if (p.group, p.drafter) == (group.index, False)], group,
+                                  missing, meta.step, "S")
+                if meta.deferred_saves and self._active() and target:
+                    self._put([p for p in meta.deferred_saves if (p.group, p.drafter) == (group.index, False)],
+                              group, target, meta.step, "D")
                 if group.recurrent and meta.state_saves and self._active():
                     # states this step's pass committed (vLLM's hand-offs): after the pass
                     self._put([p for p in meta.state_saves if p.group == group.index], group,
@@ -395,6 +407,11 @@ class AdpConnectorWorker:
         return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        # every GET of the step is settled now: with speculative decoding vLLM asks for the
+        # errors after the target's pass but before the drafter's (whose layers are still
+        # pending here) and before wait_for_save
+        for name in list(self._load_futs):
+            self._settle_load(name, *self._load_futs.pop(name))
         errors, self._load_errors = self._load_errors, set()
         return errors
 
