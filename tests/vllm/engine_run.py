@@ -108,6 +108,9 @@ def run(spec: dict) -> dict:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     init_s = time.perf_counter() - t0
+    drafts: list = []                      # speculative decoding: the draft tokens of each step
+    if spec.get("record_drafts"):
+        _record_drafts(llm, drafts)
     sp = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, ignore_eos=True)
     results = []
     salts = spec.get("salts") or [None] * len(spec["prompts"])
@@ -126,6 +129,8 @@ def run(spec: dict) -> dict:
             results.append({"round": rnd, "tokens": list(out.outputs[0].token_ids),
                             "cached": out.num_cached_tokens, "seconds": dt,
                             "ttft": _ttft(m, dt)})
+            if spec.get("record_drafts"):
+                results[-1]["drafts"], drafts[:] = list(drafts), []
             served += 1
             if kill and served == kill["after"]:
                 os.kill(kill["pid"], signal.SIGKILL)
@@ -191,6 +196,21 @@ def engine_prompts():
         rnd = random.Random(seed)
         out.append([rnd.randrange(3, 1000) for _ in range(n)])
     return out
+
+
+def _record_drafts(llm, out: list) -> None:
+    """Record the draft tokens the drafter proposes at each step (one engine in this process:
+    VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor): they depend on the drafter's KV,
+    which the greedy output does not (the target verifies every draft)."""
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    propose = runner.propose_draft_token_ids
+
+    def recording(*args, **kwargs):
+        drafts = propose(*args, **kwargs)
+        out.append(drafts.tolist() if hasattr(drafts, "tolist") else [list(d) for d in drafts])
+        return drafts
+
+    runner.propose_draft_token_ids = recording
 
 
 def _ttft(m, fallback):

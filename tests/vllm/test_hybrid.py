@@ -7,8 +7,7 @@ fresh engine processes (``engine_run.py``):
   gpt-oss: a sliding and a full group) and MLA (DeepSeek V2 latent pages): process A stores while a baseline process without any connector
   serves the same prompt, the gateway is killed and restarted, and a fresh process B
   restores the block floor of the prompt with greedy tokens identical to the baseline's;
-- DeepSeek V3 with an MTP draft layer: the drafter's KV cannot be restored correctly under
-  a chunk's key, so the cache turns itself off for that engine (one log line);
+- DeepSeek V3 with an MTP draft layer: ``test_drafter.py`` (its KV is keyed by the next token);
 - pure Mamba2 with vLLM's defaults (prefix caching off: no state at block boundaries): the
   engine starts and serves with the connector, the cache turns itself off with one log line,
   and the output equals the baseline. Mamba-type models with prefix caching on (Qwen3-Next,
@@ -52,9 +51,6 @@ def baseline_and(path, name, conn, **kw):
     return base_res, res, log
 
 
-MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
-
-
 @pytest.mark.parametrize("name, chunk, groups, engine_args", [
     # chunk 100 is not a multiple of Gemma 3's 128-token block: rounded up to 128
     ("gemma3", 100, "KV cache groups [sliding 200 x2; sliding 200 x2; full x2]", None),
@@ -87,20 +83,6 @@ def test_fresh_process_restores_every_group(name, chunk, groups, engine_args, st
     b, log_b = engine(path, name, connector(gw.port, name, chunk), **kw)
     assert b[0]["cached"] == hit, log_b[-3000:]
     assert b[0]["tokens"] == base[1]["tokens"] == base[0]["tokens"]
-
-
-def test_mtp_drafter_turns_the_cache_off(start_gateway, tmp_path):
-    """DeepSeek V3 (MLA) with an MTP draft layer: the drafter's KV at a position is computed
-    from the next token, which a chunk's key does not cover (vLLM's own prefix cache drops
-    the last block of a hit for it), so the connector stores and restores nothing and says so;
-    the engine serves the prompt again with the same tokens (one process, two rounds)."""
-    name = "deepseek_mtp"
-    path = build(name, str(tmp_path / name))
-    gw = start_gateway(shared_memory_size=256 << 20)
-    res, log = engine(path, name, connector(gw.port, name, 128), engine_args=MTP, rounds=2)
-    assert log.count(OFF) == 1 and "'mtp' drafter" in log, log[-3000:]
-    assert [r["cached"] for r in res] == [0, 0]
-    assert res[0]["tokens"] == res[1]["tokens"]
 
 
 def test_mamba2_with_prefix_caching_off_starts_serves_and_turns_the_cache_off(start_gateway, tmp_path):
