@@ -99,11 +99,16 @@ def _layer_number(name: str) -> int:
 
 
 # =============================================================================== keys
+def draft_key_count(num_hashes: int, hashes_per_chunk: int) -> int:
+    """Chunks with a drafter key when the request has ``num_hashes`` full hash blocks:
+    those whose next hash block is full."""
+    return max(num_hashes - 1, 0) // hashes_per_chunk
+
+
 def draft_digests(block_hashes: Sequence[bytes], hashes_per_chunk: int, limit_chunks: int) -> list[bytes]:
     """16-byte names of the drafter objects of a request's first chunks: chunk c's is
-    the digest of hash block (c+1)·hashes_per_chunk, the one holding its next token.
-    Only chunks whose next hash block is full have one."""
-    n = min(limit_chunks, max(len(block_hashes) - 1, 0) // hashes_per_chunk)
+    the digest of hash block (c+1)·hashes_per_chunk, the one holding its next token."""
+    n = min(limit_chunks, draft_key_count(len(block_hashes), hashes_per_chunk))
     return [chunk_digest(bytes(block_hashes[(c + 1) * hashes_per_chunk])) for c in range(n)]
 
 

@@ -24,7 +24,7 @@ from adpkv_core.affinity import dialog_marks
 from adpkv_core.attachment import Attachment
 
 from .common import chunk_hashes
-from .drafter import clip_hit, draft_digests, save_range
+from .drafter import clip_hit, draft_digests, draft_key_count, save_range
 from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
 from .recurrent import plan_state_saves
 
@@ -371,7 +371,7 @@ class AdpConnectorScheduler:
         key exists now; saved from the drafter layers' own hook (``drafter.save_range``)."""
         cfg = self.cfg
         bpc = cfg.blocks_per_chunk
-        n_keys = min([len(self._draft_digests(request, after // cfg.chunk_size))]
+        n_keys = min([draft_key_count(len(request.block_hashes), cfg.hashes_per_chunk)]
                      + [len(st.blocks(g)) // bpc for g in self._draft_groups])
         c0, c1 = save_range(st.draft_saved, before, after, cfg.chunk_size, n_keys)
         st.draft_saved = max(st.draft_saved, after // cfg.chunk_size)

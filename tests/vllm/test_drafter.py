@@ -160,7 +160,7 @@ def _config(model_dir, method, groups, multi_module=False):
 def test_drafter_rules(model_dir):
     """Which drafters are restored, how their layers are found, their keys and hit."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
     from adpkv_core.keys import chunk_digest
     from adpkv_vllm.drafter import clip_hit, draft_digests, save_range
     full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
@@ -180,6 +180,9 @@ def test_drafter_rules(model_dir):
     assert not cfg.supported and "cannot tell" in cfg.why
     cfg = _config(model_dir, "eagle", [(names[:2], full), (names[2:], slide)])
     assert not cfg.supported and "sliding" in cfg.why
+    mamba = MambaSpec(block_size=32, shapes=((4, 64),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    cfg = _config(model_dir, "mtp", [(names, full), (["model.layers.0.linear_attn"], mamba)])
+    assert not cfg.supported and "drafter in a model with recurrent state" in cfg.why
 
     # keys: chunk c is named by the hash block holding token (c+1)*C (here 2 hash blocks a chunk)
     hashes = [bytes([i]) * 32 for i in range(7)]
