@@ -92,24 +92,29 @@ def connector(port, namespace, chunk):
                                           "adpkv.chunk_size": chunk, "adpkv.timeout_s": 3.0}}
 
 
-@pytest.mark.parametrize("kind", sorted(DRAFTERS))
-def test_drafter_restored_in_a_fresh_process(kind, start_gateway, tmp_path):
+@pytest.mark.parametrize("kind, a_step", [
+    ("mtp", None), ("eagle", None),
+    # A prefills in steps of 256 tokens: the drafter chunks end inside a step's range and at
+    # its end (the drafter then reads the next prompt token), saved step by step
+    ("eagle", 256)])
+def test_drafter_restored_in_a_fresh_process(kind, a_step, start_gateway, tmp_path):
     """Process A stores P1; the baseline (no connector) serves P1, P2, P1, the last two hit by
     vLLM's own prefix cache; the gateway is killed and restarted; fresh processes restore:
     B1 P1 alone (every restorable chunk from the card), B2 P2 then P1 (P2 must not take P1's
     drafter object of the chunk before token 512; P1 then adds the card's chunks to vLLM's own
-    hit). Cached tokens, greedy tokens and draft tokens equal the baseline's at the same boundary."""
+    hit). Cached tokens, greedy tokens and draft tokens equal the baseline's at the same boundary.
+    ``a_step``: A's max_num_batched_tokens (chunked prefill), else one step for the prompt."""
     block, groups = DRAFTERS[kind]
     path, kw = models(kind, tmp_path)
     gw = start_gateway(shared_memory_size=256 << 20)
     conn = connector(gw.port, kind, block)
 
-    def engine(prompts, c=None):
-        return run_subprocess(path, prompts, c, record_drafts=True, timeout=600, **kw)
+    def engine(prompts, c=None, **more):
+        return run_subprocess(path, prompts, c, record_drafts=True, timeout=600, **kw, **more)
 
     with ThreadPoolExecutor(2) as pool:
         base_f = pool.submit(engine, [P1, P2, P1])
-        a_f = pool.submit(engine, [P1], conn)
+        a_f = pool.submit(engine, [P1], conn, **({"max_num_batched_tokens": a_step} if a_step else {}))
         (base, _), (a, log_a) = base_f.result(), a_f.result()
     hit1 = ((len(P1) - 1) // block - 1) * block      # P1's full blocks less one (1024 / 1152)
     hit2 = 512 - block                                # the blocks P2 shares, less one
@@ -117,7 +122,8 @@ def test_drafter_restored_in_a_fresh_process(kind, start_gateway, tmp_path):
     assert OFF not in log_a
     assert groups in log_a, log_a[-3000:]
     assert a[0]["cached"] == 0 and a[0]["tokens"] == base[0]["tokens"]
-    assert a[0]["drafts"] == base[0]["drafts"] and a[0]["drafts"]
+    # (with chunked prefill the drafter also proposes, discarded, at each partial prefill step)
+    assert a[0]["drafts"][-len(base[0]["drafts"]):] == base[0]["drafts"] and base[0]["drafts"]
 
     gw.restart(hard=True)      # only the card carries the pages over
     with ThreadPoolExecutor(2) as pool:
