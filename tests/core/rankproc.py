@@ -12,6 +12,22 @@ from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
 
 
+def get_checked(c: GatewayClient, keys, nbytes: int, marks=None, timeout: float = 60) -> list[bool]:
+    """Hits of a ring GET of ``keys`` (rank 0's patterns); fails the test on any hit whose
+    bytes are not its key's."""
+    wrong = []
+
+    def check(b):
+        for j in range(b.count):
+            if b.hits[j]:
+                o = b.offset + j * b.stride
+                if bytes(c.ring[o:o + nbytes]) != pattern(keys[b.first + j], 0, nbytes):
+                    wrong.append(b.first + j)
+    hits = list(c.get(keys, nbytes, check, marks=marks).result(timeout=timeout))
+    assert not wrong, f"wrong bytes restored for objects {wrong}"
+    return hits
+
+
 def pattern(key: bytes, rank: int, nbytes: int) -> bytes:
     """Deterministic bytes for (key, rank): what a rank stores and expects back."""
     seed = xxhash.xxh3_128_digest(key + rank.to_bytes(2, "big"))

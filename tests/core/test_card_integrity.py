@@ -18,7 +18,7 @@ from adpkv_gateway.cards import fs as fs_mod
 from adpkv_gateway.cards.base import CardError
 from adpkv_gateway.cards.fs import FsCard
 
-from .rankproc import make_keys, pattern
+from .rankproc import get_checked, make_keys, pattern
 
 HEADER = fs_mod.HEADER_BYTES
 
@@ -45,17 +45,7 @@ class Client:
         return flags.stored, flags.existed
 
     def get(self, keys, nbytes, marks=None):
-        c, wrong = self.c, []
-
-        def check(b):
-            for j in range(b.count):
-                if b.hits[j]:
-                    o = b.offset + j * b.stride
-                    if bytes(c.ring[o:o + nbytes]) != pattern(keys[b.first + j], 0, nbytes):
-                        wrong.append(b.first + j)
-        hits = c.get(keys, nbytes, check, marks=marks).result(timeout=30)
-        assert not wrong, f"wrong bytes restored for objects {wrong}"
-        return list(hits)
+        return get_checked(self.c, keys, nbytes, marks=marks, timeout=30)
 
     def exist(self, keys):
         return list(self.c.exist(keys).result(timeout=30))

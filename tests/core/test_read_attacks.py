@@ -26,7 +26,7 @@ from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 from adpkv_gateway.cards.objfile import HEADER_BYTES, WHOLE_CACHED
 
-from .rankproc import make_keys, pattern
+from .rankproc import get_checked, make_keys, pattern
 
 
 def stats(port):
@@ -47,20 +47,7 @@ def put(c, keys, nbytes):
     return list(c.put(keys, nbytes, fill).result(timeout=60).stored)
 
 
-def get(c, keys, nbytes):
-    """Hits of a ring GET; fails the test on any hit whose bytes are not its key's."""
-    wrong = []
-
-    def check(b):
-        for j in range(b.count):
-            if b.hits[j]:
-                o = b.offset + j * b.stride
-                if bytes(c.ring[o:o + nbytes]) != pattern(keys[b.first + j], 0, nbytes):
-                    wrong.append(b.first + j)
-    hits = list(c.get(keys, nbytes, check).result(timeout=60))
-    assert not wrong, f"wrong bytes restored for objects {wrong}"
-    return hits
-
+get = get_checked          # a ring GET whose hits are byte-checked
 
 def card_files(card_dir) -> dict[str, str]:
     """Fragment file name (its key in hex) -> path, for every object file of a card."""
