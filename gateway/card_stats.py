@@ -72,22 +72,18 @@ class CardStats:
     def record(self, write: bool, ok: bool, nbytes: int, seconds: float) -> None:
         """Account one finished I/O (timed elsewhere, e.g. in an I/O process)."""
         with self.lock:
-            self._count(write, ok, nbytes, seconds)
-
-    def _count(self, write: bool, ok: bool, nbytes: int, seconds: float) -> None:
-        """(lock held) One finished I/O in the counters and the latency histogram."""
-        if write:
-            self.writes += 1
-            self.bytes_written += nbytes if ok else 0
-            self.write_errors += 0 if ok else 1
-        else:
-            self.reads += 1
-            self.bytes_read += nbytes if ok else 0
-            self.read_errors += 0 if ok else 1
-        self.io_seconds += seconds
-        self.io_count += 1
-        self.io_max_s = max(self.io_max_s, seconds)
-        self._latency["write" if write else "read"].add(seconds)
+            if write:
+                self.writes += 1
+                self.bytes_written += nbytes if ok else 0
+                self.write_errors += 0 if ok else 1
+            else:
+                self.reads += 1
+                self.bytes_read += nbytes if ok else 0
+                self.read_errors += 0 if ok else 1
+            self.io_seconds += seconds
+            self.io_count += 1
+            self.io_max_s = max(self.io_max_s, seconds)
+            self._latency["write" if write else "read"].add(seconds)
 
     def latency(self, op: str) -> tuple[list[int], float]:
         """``op``'s (``read`` or ``write``) I/O count per latency bucket (the last: above every
