@@ -43,7 +43,7 @@ import os
 import pwd
 import stat
 import sys
-from typing import Iterable, Optional
+from typing import Optional
 
 from adpkv_core import __version__
 from adpkv_core import protocol as P
@@ -52,9 +52,9 @@ from adpkv_core.door import SHM_DIR, door_path
 from . import control
 from .cards.fs import CARD_FILE
 from .config import GatewayConfig, socket_mode
+from .doctor_report import FAIL, OK, SKIP, WARN, Finding, exit_code, report  # noqa: F401 (cli uses exit_code, report)
 from .placement import key_layout_fingerprint
 
-OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
 MiB = 1 << 20
 LOW_FREE_BYTES = 1 << 30          # an fs card sized by free space with less than this is hardly a cache
 EPHEMERAL_FS = {"tmpfs": "memory: lost at every reboot", "ramfs": "memory: lost at every reboot",
@@ -62,14 +62,6 @@ EPHEMERAL_FS = {"tmpfs": "memory: lost at every reboot", "ramfs": "memory: lost 
 VLLM_SEEDED_ALGOS = ("xxhash", "xxhash_cbor")            # vLLM: random NONE_HASH seed without PYTHONHASHSEED
 ENGINES = ("vllm", "sglang", "lmcache")
 PROBE_NAME = ".adpkv-doctor-probe"
-
-
-@dataclasses.dataclass
-class Finding:
-    check: str
-    level: str
-    found: str
-    fix: str = ""
 
 
 @dataclasses.dataclass
@@ -98,24 +90,6 @@ def examine(h: Host) -> list[Finding]:
     findings += _fingerprint(h, stats)
     findings += _prefix_hash(h)
     return findings
-
-
-def exit_code(findings: Iterable[Finding]) -> int:
-    levels = {f.level for f in findings}
-    return 1 if FAIL in levels else 2 if WARN in levels else 0
-
-
-def report(findings: list[Finding]) -> str:
-    lines = []
-    for f in findings:
-        lines.append(f"{f.level:<5} {f.check:<14} {f.found}")
-        if f.fix and f.level in (WARN, FAIL):
-            lines.append(f"{'':<5} {'':<14} fix: {f.fix}")
-    fails = sum(f.level == FAIL for f in findings)
-    warns = sum(f.level == WARN for f in findings)
-    lines.append("all is well" if not fails and not warns else
-                 f"{fails} problem(s), {warns} warning(s): fix the FAIL lines before the engine starts")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- gateway
