@@ -70,32 +70,30 @@ def read_pages(s: Session, hp: HostPool, starts: np.ndarray, keys: List[bytes], 
     decided which hits it takes. Misses are never written. A pool in shared memory is
     written by the gateway in place (``regions``), any other through the ring."""
     route = regions.route(s, hp, starts, stamps) if regions is not None else None
+    t0 = time.perf_counter()
+    tally.count("get_requests")
     if route is not None:
-        t0 = time.perf_counter()
-        tally.count("get_requests")
+        held = None
         try:
-            hits = [bool(h) for h in _routed(s, "GET", route, keys, hp.object_bytes, marks)]
+            found = _routed(s, "GET", route, keys, hp.object_bytes, marks)
             if stamps is not None:
                 regions.read_stamps(route, stamps)
         finally:
             regions.release(route)
-        got = sum(hits)
-        tally.count("pages_read", got)
-        tally.count("pages_read_in_place", got)
-        tally.record(kind, got, time.perf_counter() - t0, hp.io.page_bytes)
-        return hits, None
-    addrs, held = hp.io.addresses(starts, stamps, for_get=True)
-    segments = hp.io.segments(stamps is not None)
-    ring = s.ring
+    else:
+        addrs, held = hp.io.addresses(starts, stamps, for_get=True)
+        segments = hp.io.segments(stamps is not None)
+        ring = s.ring
 
-    def copy_out(batch: RingBatch) -> bool:
-        return ring.drain(batch, addrs, segments)
+        def copy_out(batch: RingBatch) -> bool:
+            return ring.drain(batch, addrs, segments)
 
-    t0 = time.perf_counter()
-    tally.count("get_requests")
-    hits = [bool(h) for h in s.client.get(keys, hp.object_bytes, copy_out, marks).result()]
+        found = s.client.get(keys, hp.object_bytes, copy_out, marks).result()
+    hits = [bool(h) for h in found]
     got = sum(hits)
     tally.count("pages_read", got)
+    if route is not None:
+        tally.count("pages_read_in_place", got)
     tally.record(kind, got, time.perf_counter() - t0, hp.io.page_bytes)
     return hits, held
 
