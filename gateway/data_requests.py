@@ -72,24 +72,20 @@ class DataRequests:
         if stride > self.max_batch_bytes:
             raise P.ProtocolError(P.TOO_LARGE, f"an object of {obj} bytes does not fit half the ring "
                                   f"({self.max_batch_bytes} bytes); raise shared_memory_size")
-        if msg.pieces is not None:
+        if msg.pieces is not None or region is not None:
             regions = self.sessions_by_peer[identity].regions
-            if any(piece.region >= len(regions) for piece in msg.pieces):
-                raise P.ProtocolError(P.BAD_REGION, "a piece names a region this session did not register")
+            if msg.pieces is not None:
+                if any(piece.region >= len(regions) for piece in msg.pieces):
+                    raise P.ProtocolError(P.BAD_REGION, "a piece names a region this session did not register")
+                target = Scatter([regions[p.region] for p in msg.pieces], [p.length for p in msg.pieces])
+                places = target.places(msg.at, len(keys))
+            else:
+                if region >= len(regions):
+                    raise P.ProtocolError(P.BAD_REGION, f"region {region} is not registered by this session")
+                target = regions[region]
+                places = target.places(msg.at, obj)
             job = DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock)
-            job.region = Scatter([regions[p.region] for p in msg.pieces], [p.length for p in msg.pieces])
-            job.places = job.region.places(msg.at, len(keys))
-            job.region_by = msg.write_by if isinstance(msg, P.Get) else msg.read_by
-            self.counters[job.op.lower() + "_region_requests"] += 1
-            self._start(job)
-            return
-        if region is not None:
-            regions = self.sessions_by_peer[identity].regions
-            if region >= len(regions):
-                raise P.ProtocolError(P.BAD_REGION, f"region {region} is not registered by this session")
-            job = DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock)
-            job.region = regions[region]
-            job.places = job.region.places(msg.at, obj)
+            job.region, job.places = target, places
             job.region_by = msg.write_by if isinstance(msg, P.Get) else msg.read_by
             self.counters[job.op.lower() + "_region_requests"] += 1
             self._start(job)
