@@ -44,14 +44,14 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from typing import Callable, Optional
+from typing import Optional
 
 import xxhash
 
 from . import objfmt
 from .base import Card, CardIOError, CardUnavailable, CardUsage, NodeIOError, is_head, object_key
-from .cluster_map import (TRANSPORT_ERRORS, Addr, Redirect, SlotMap, fmt_addr, is_retryable, key_slot,
-                          parse_cluster_url, redirect_of)
+from .cluster_map import TRANSPORT_ERRORS, Addr, SlotMap, is_retryable, key_slot, parse_cluster_url
+from .cluster_route import ClusterRouting
 from .resp_conn import RespConnection, RespError, ThreadConnections
 
 logger = logging.getLogger("adpkv.gateway.resp_cluster")
@@ -59,12 +59,11 @@ logger = logging.getLogger("adpkv.gateway.resp_cluster")
 SCHEMES = ("redis+cluster://", "rediss+cluster://")
 SERIAL_KEY = b"adpkv:card:serial"
 KEY_PREFIX = b"adpkv:{"
-MAX_REDIRECTS = 5
 READ_WINDOW_BYTES = 1 << 20   # values in flight per node in a batched read (2 GETs at least)
 _TRANSPORT = TRANSPORT_ERRORS
 
 
-class ClusterCard(Card):
+class ClusterCard(ClusterRouting, Card):
     """A card that is a whole Redis Cluster."""
 
     kind = "resp-cluster"
@@ -80,120 +79,6 @@ class ClusterCard(Card):
         self.map = SlotMap(device, self.seeds, self._connect, probe_timeout_s=min(self.timeout_s, 1.0))
         self.counters = {"moved": 0, "ask": 0, "node_errors": 0, "wait_short": 0}
         self._status: dict = {"cluster_state": "unknown", "cluster_nodes": []}
-
-    # ------------------------------------------------------------------ connections
-    def _connect(self, addr: Addr, timeout: Optional[float]) -> RespConnection:
-        conn = RespConnection(f"redis://{addr[0]}:{addr[1]}", timeout)
-        try:
-            if self.password:
-                conn.command(b"AUTH", self.password.encode())
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-
-    def _conn(self, addr: Addr) -> RespConnection:
-        if not self._conns.has(addr) and self.map.resting(addr):
-            self.map.refresh()             # rate-limited: learns a failover as soon as it happened
-            raise NodeIOError(f"cluster card {self.device}: node {fmt_addr(addr)} is down")
-        return self._conns.get(addr, lambda: self._connect(addr, self.timeout_s))
-
-    def _drop(self, addr: Addr) -> None:
-        self._conns.drop(addr)
-
-    def _node_failed(self, addr: Addr, exc: BaseException) -> NodeIOError:
-        """A node did not answer: its connection is dropped, it rests a while (``SlotMap``)
-        and the error the command raises is a miss, no strike against the card."""
-        self._drop(addr)
-        self.counters["node_errors"] += 1
-        self.map.node_failed(addr, exc)
-        return NodeIOError(f"cluster card {self.device}: node {fmt_addr(addr)}: {exc}")
-
-    def reset_connections(self) -> None:
-        self._conns.reset()
-
-    # ------------------------------------------------------------------ one command, redirected
-    def _run(self, key: bytes, fn: Callable[[RespConnection], object]):
-        """``fn(conn)`` on the primary of the key's slot, following MOVED and ASK."""
-        slot = key_slot(key)
-        addr, asking = self.map.primary(slot), False
-        for _ in range(MAX_REDIRECTS):
-            try:
-                conn = self._conn(addr)
-                if asking:
-                    conn.command(b"ASKING")
-                result = fn(conn)
-            except _TRANSPORT as exc:
-                raise self._node_failed(addr, exc) from None
-            except RespError as exc:
-                red = redirect_of(exc)
-                if red is None:
-                    if is_retryable(exc):        # a busy or failing node
-                        raise self._node_failed(addr, exc) from None
-                    raise
-                addr, asking = self._follow(red)
-                continue
-            self.map.node_ok(addr)
-            return result
-        raise NodeIOError(f"cluster card {self.device}: too many redirections for slot {slot}")
-
-    def _follow(self, red: Redirect) -> tuple[Addr, bool]:
-        if red.kind == "MOVED":
-            self.counters["moved"] += 1
-            self.map.moved(red.slot, red.addr)
-            return red.addr, False
-        self.counters["ask"] += 1
-        return red.addr, True
-
-    def _pipeline(self, commands: list[tuple[bytes, ...]]) -> list:
-        """Run single-key commands (key second), pipelined per node and in parallel across
-        nodes (every node's batch is sent before any reply is read); a command redirected
-        or failed is run again alone. Replies in order; a NodeIOError in place of the reply
-        of a command whose node did not answer."""
-        out: list = [None] * len(commands)
-        by_node: dict[Addr, list[int]] = {}
-        for i, cmd in enumerate(commands):
-            try:
-                by_node.setdefault(self.map.primary(key_slot(cmd[1])), []).append(i)
-            except NodeIOError as exc:
-                out[i] = exc
-        sent: list[tuple[Addr, RespConnection, list[int]]] = []
-        for addr, idx in by_node.items():
-            try:
-                conn = self._conn(addr)
-                conn.sock.sendall(b"".join(conn.encode(*commands[i]) for i in idx))
-                sent.append((addr, conn, idx))
-            except _TRANSPORT as exc:
-                err = self._node_failed(addr, exc)
-                for i in idx:
-                    out[i] = err
-            except NodeIOError as exc:
-                for i in idx:
-                    out[i] = exc
-        retry: list[int] = []
-        for addr, conn, idx in sent:
-            done = 0
-            try:
-                for i in idx:
-                    try:
-                        out[i] = conn.read_reply()
-                    except RespError as exc:
-                        if is_retryable(exc):
-                            retry.append(i)
-                        else:
-                            out[i] = exc
-                    done += 1
-                self.map.node_ok(addr)
-            except _TRANSPORT as exc:
-                err = self._node_failed(addr, exc)
-                for i in idx[done:]:
-                    out[i] = err
-        for i in retry:
-            try:
-                out[i] = self._run(commands[i][1], lambda c, cmd=commands[i]: c.command(*cmd))
-            except (NodeIOError, RespError) as exc:
-                out[i] = exc
-        return out
 
     # ------------------------------------------------------------------ keys
     @staticmethod
