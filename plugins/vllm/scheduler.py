@@ -133,13 +133,16 @@ class AdpConnectorScheduler:
         self._exist_layers: list[list[int]] = []
         self._draft_exist: list[list[int]] = []    # per group with drafter layers
         self._draft_groups: list[CacheGroup] = []
+        ends = cfg.settings.exist_layers == "ends"
+
+        def asked(layers: list[int]) -> list[int]:
+            return sorted({layers[0], layers[-1]} if layers and ends else layers)
+
         for g in cfg.groups:
-            for layers, out in (([index[n] for n in g.layer_names if n not in drafter], self._exist_layers),
-                                ([index[n] for n in g.layer_names if n in drafter], self._draft_exist)):
-                if layers or out is self._exist_layers:
-                    out.append(sorted({layers[0], layers[-1]} if layers and cfg.settings.exist_layers == "ends"
-                                      else layers))
-            if drafter & set(g.layer_names):
+            self._exist_layers.append(asked([index[n] for n in g.layer_names if n not in drafter]))
+            draft = [index[n] for n in g.layer_names if n in drafter]
+            if draft:
+                self._draft_exist.append(asked(draft))
                 self._draft_groups.append(g)
 
     def _digests(self, request: "Request", limit_chunks: int) -> list[bytes]:
