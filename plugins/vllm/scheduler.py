@@ -71,6 +71,18 @@ def hit_chunks(cfg: ConnectorConfig, present: list[list[bool]], local: int) -> i
     return 0
 
 
+def stored_chunks(flags: list[bool], at: int, exist_layers: list[list[int]],
+                  n: int) -> tuple[list[list[bool]], int]:
+    """Per group (``exist_layers``: the layers asked for it), whether each of ``n`` chunks is
+    stored in all those layers, read from an EXIST's ``flags`` from ``at`` on (per group, layer
+    by layer, ``n`` flags each); and where the flags after these groups start."""
+    present = []
+    for layers in exist_layers:
+        present.append([all(flags[at + li * n + c] for li in range(len(layers))) for c in range(n)])
+        at += n * len(layers)
+    return present, at
+
+
 @dataclass
 class _ReqState:
     block_ids: dict[int, list[int]] = field(default_factory=dict)   # group index -> its block table
@@ -202,17 +214,10 @@ class AdpConnectorScheduler:
                 flags = [False] * n_keys
             else:
                 return None, False
-        present, at = [], 0
-        for layers in self._exist_layers:      # per group: a chunk is stored in all its layers
-            present.append([all(flags[at + li * n + c] for li in range(len(layers))) for c in range(n)])
-            at += n * len(layers)
+        present, at = stored_chunks(flags, 0, self._exist_layers, n)
         hit = hit_chunks(cfg, present, num_computed_tokens)
         if self._draft_groups:    # the drafter's layers restore the same hit, or a shorter one
-            draft_present = []
-            for layers in self._draft_exist:
-                draft_present.append([all(flags[at + li * nd + c] for li in range(len(layers)))
-                                      for c in range(nd)])
-                at += nd * len(layers)
+            draft_present, _ = stored_chunks(flags, at, self._draft_exist, nd)
             hit = clip_hit(hit, draft_present, num_computed_tokens // cfg.chunk_size)
         self._hits[req_id] = (hit, num_computed_tokens)
         ext = hit * cfg.chunk_size - num_computed_tokens
