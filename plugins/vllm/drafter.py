@@ -85,7 +85,7 @@ def drafter_of(vllm_config, groups) -> tuple[Optional[DrafterSpec], str]:
         if kinds - {"full", "mla"}:
             return None, (f"speculative decoding with a {drafter.method!r} drafter whose layers are in "
                           f"{sorted(kinds)} KV cache groups (only full attention or MLA is restored)")
-        if any(g.kind == "state" for g in groups):
+        if any(g.recurrent for g in groups):
             # the hit must also be a boundary with a stored recurrent state; a drafter's
             # shorter hit is not checked against it
             return None, (f"speculative decoding with a {drafter.method!r} drafter in a model with "
