@@ -53,6 +53,8 @@ class AdpConnectorWorker:
         self._before_pass = [n for g in cfg.groups for n in g.before_pass]
         # an EAGLE/MTP drafter's layers: their own plans (keys), saved only from their own hook
         self._drafter = cfg.drafter.layers if cfg.drafter is not None else frozenset()
+        # per group, the target's layers (wait_for_save: a drafter layer is saved only from its hook)
+        self._target_layers = {g.index: [n for n in g.layer_names if n not in self._drafter] for g in cfg.groups}
         self._async_loads: list[AsyncLoad] = []   # several KV cache groups: loads outside the pass
         self._num_blocks = num_blocks
         self._load_futs: dict[str, tuple[Any, ChunkPlanIndex, Optional[LayerLoad]]] = {}
@@ -291,7 +293,7 @@ class AdpConnectorWorker:
             for group in self.cfg.groups:
                 # the target's layers (a drafter layer is saved only from its own hook: a hook
                 # that did not run is a drafter that did not compute this step's pages)
-                target = [n for n in group.layer_names if n not in self._drafter]
+                target = self._target_layers[group.index]
                 if meta.saves and self._active():
                     # layers whose save hook did not run (e.g. no attention metadata)
                     missing = [n for n in target if n not in self._saved_layers]
