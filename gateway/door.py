@@ -20,7 +20,8 @@ import secrets
 import socket
 import stat
 import struct
-from typing import Callable
+import time
+from typing import Callable, Optional
 
 from adpkv_core import door as D
 from adpkv_core import protocol as P
@@ -74,6 +75,18 @@ class Region:
                                       f"of {self.size} bytes")
             out.append(self.offset + off)
         return out
+
+    def size_now(self, write_by: Optional[float]) -> Optional[int]:
+        """The descriptor's size now, or None when nothing may be written into the region any
+        more: the client gave up on the request (``write_by`` passed, on CLOCK_MONOTONIC: its
+        engine may reuse the buffer) or the descriptor is gone. Checked before every write
+        into a region: a write past the size now would grow the client's file."""
+        if write_by is not None and time.monotonic() >= write_by:
+            return None
+        try:
+            return os.fstat(self.fd).st_size
+        except OSError:
+            return None
 
     def close(self) -> None:
         os.close(self.fd)

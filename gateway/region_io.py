@@ -9,7 +9,7 @@ expects):
   region the client shrank or closed fails a call, it cannot fault the gateway.
 - Nothing is written into a region once the client gave up on the request (``write_by``
   passed: its engine may reuse the buffer), nor past the region's size now (a write would
-  grow the client's file); ``writable`` is that check, made again before every write.
+  grow the client's file); ``door.Region.size_now`` is that check, made again before every write.
 - Nothing read from a region is stored once the client gave up on a PUT (``read_by``), nor
   from a region shorter than the object.
 
@@ -27,18 +27,6 @@ from .scatter import Scatter
 from .store import ObjectStore
 
 
-def writable(region, write_by: Optional[float]) -> Optional[int]:
-    """The region's size now, or None when nothing may be written into it any more: the
-    client gave up on the request (``write_by`` passed: its engine may reuse the buffer) or
-    the descriptor is gone."""
-    if write_by is not None and time.monotonic() >= write_by:
-        return None
-    try:
-        return os.fstat(region.fd).st_size
-    except OSError:
-        return None
-
-
 def direct_reads(store: ObjectStore, region, items: list, write_by: Optional[float]) -> list[tuple[int, bool]]:
     """Read ``(j, fragment, file offset)`` items from their cards straight into a client's
     region (runs on the pool), each only while the client still waits for it (checked again
@@ -52,7 +40,7 @@ def direct_reads(store: ObjectStore, region, items: list, write_by: Optional[flo
         for card in (frag.card, *frag.others):
             if card != frag.card and not (store.active[card] and store.cards[card].direct_reads):
                 continue
-            size_now = writable(region, write_by)
+            size_now = region.size_now(write_by)
             if size_now is None or place + frag.length > size_now:
                 break
             replica = frag if card == frag.card else frag._replace(card=card, others=())
@@ -71,7 +59,7 @@ def to_region(region, items: list, write_by: Optional[float]) -> list[tuple[int,
     nothing is written once the client gave up on the request (``write_by``)."""
     out = []
     for j, view, place in items:
-        size_now = writable(region, write_by)
+        size_now = region.size_now(write_by)
         ok = False
         if size_now is not None and place + len(view) <= size_now:
             try:

@@ -17,7 +17,6 @@ its size and the client's give-up moment (``write_by``) before each write.
 from __future__ import annotations
 
 import os
-import time
 from typing import Optional
 
 
@@ -55,11 +54,11 @@ class Scatter:
         needs (a write would grow the client's file) or a write comes back short."""
         pos = 0
         for region, length, off in zip(self.regions, self.lengths, place):
-            if write_by is not None and time.monotonic() >= write_by:
+            size_now = region.size_now(write_by)
+            if size_now is None or off + length > size_now:
                 return False
             try:
-                if off + length > os.fstat(region.fd).st_size or \
-                        os.pwritev(region.fd, [view[pos:pos + length]], off) != length:
+                if os.pwritev(region.fd, [view[pos:pos + length]], off) != length:
                     return False
             except OSError:
                 return False
