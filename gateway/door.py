@@ -48,6 +48,7 @@ MAX_SESSIONS = 4096            # descriptors (connections, regions) of unprivile
 MAX_REGIONS_PER_SESSION = 8
 DESCRIPTOR_RESERVE = 256       # descriptors kept below the soft limit for the cards, the control port, root
 ACCEPT_PAUSE_S = 0.5           # out of descriptors even for the spare: the listener rests this long
+DEADLINE_SCAN_S = 0.1          # how often the sessions are checked against their handshake deadline
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -281,6 +282,7 @@ class DoorServer:
         self.others_descriptors = 0                     # held by unprivileged sessions (connections, regions)
         self._spare: Optional[int] = _open_spare()      # given up to accept (and close) when out of descriptors
         self._resting_until: Optional[float] = None     # the listener is out of the poller until then
+        self._next_scan = 0.0                           # next check of the handshake deadlines
         self._out_of_descriptors = _Episode("out of descriptors", "Door: out of descriptors (%s): accepting on "
                                             "the spare descriptor, letting root, the gateway's and the engine's "
                                             "users in and closing others' connections")
@@ -376,11 +378,14 @@ class DoorServer:
         return True
 
     def tick(self, now: float) -> None:
-        """On every pass of the loop: close connections past their handshake deadline; put
-        the listener back into the poller once its rest is over."""
+        """On every pass of the loop: put the listener back into the poller once its rest is
+        over; every ``DEADLINE_SCAN_S``, close connections past their handshake deadline."""
         if self._resting_until is not None and now >= self._resting_until:
             self._resting_until = None
             self._register(self.listener.fileno())
+        if now < self._next_scan:
+            return
+        self._next_scan = now + DEADLINE_SCAN_S
         late = [fd for fd, s in self.sessions.items() if s.deadline is not None and now >= s.deadline]
         for fd in late:
             session = self.sessions[fd]

@@ -253,6 +253,14 @@ def test_a_process_on_the_control_port_is_not_taken_for_the_doors_gateway(start_
         fake.stop()
 
 
+def test_gateway_users_names_the_users_a_client_also_trusts():
+    config = ClientConfig.from_settings({"adpkv.gateway_users": f"{pwd.getpwuid(NOBODY).pw_name}, 1234"},
+                                        prefix="adpkv.")
+    assert config.trusted_gateway_uids() == {0, os.geteuid(), NOBODY, 1234}
+    with pytest.raises(ValueError, match="gateway_users: no user 'no-such-user-x'"):
+        ClientConfig.from_settings({"gateway_users": "no-such-user-x"})
+
+
 # ---------------------------------------------------------------- 1: the lock and the door
 def _take_the_lock_and_port(port: int, card: str) -> dict:
     seen = {}
@@ -435,6 +443,23 @@ def test_the_gateway_raises_its_soft_open_files_limit_to_the_hard_one(tmp_path):
 
 
 # ---------------------------------------------------------------- 9: ready means usable
+def test_a_gateway_that_cannot_have_its_port_leaves_no_door(tmp_path):
+    """The port is bound last; when that fails, everything before it is undone."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        gw = GatewayProcess(str(tmp_path / "card"), port=port, log_path=str(tmp_path / "gw.log"),
+                            shared_memory_size=16 << 20)
+        gw.start(wait=False)
+        assert gw.proc.wait(30) == 2
+        gw.proc = None
+        assert "cannot listen on 127.0.0.1:%d" % port in gw.log()
+        assert not os.path.exists(door_path(port)), "the door of a gateway that did not start is left behind"
+        os.unlink(lock_path(door_path(port)))
+
+
+
 def test_an_engine_attaching_the_moment_the_port_answers_gets_the_cache(tmp_path):
     gw = GatewayProcess(str(tmp_path / "card"), log_path=str(tmp_path / "gw.log"), shared_memory_size=16 << 20)
     gw.start(wait=False)
