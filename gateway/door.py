@@ -48,6 +48,7 @@ MAX_SESSIONS = 4096            # descriptors (connections, regions) of unprivile
 MAX_REGIONS_PER_SESSION = 8
 DESCRIPTOR_RESERVE = 256       # descriptors kept below the soft limit for the cards, the control port, root
 ACCEPT_PAUSE_S = 0.5           # out of descriptors even for the spare: the listener rests this long
+ACCEPTS_PER_WAKE = 256        # connections accepted per wake-up of the loop, at most
 DEADLINE_SCAN_S = 0.1          # how often the sessions are checked against their handshake deadline
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -289,6 +290,7 @@ class DoorServer:
         self._full = _Episode("full", "Door: users other than root, the gateway's and the engine's hold %d "
                               "descriptors, what this gateway can spare for them (soft open-files limit %d less "
                               "%d, at most %d); refusing their new connections")
+        self._accept_failing = _Episode("accept failing", "Door: accept failed (%s); resting the listener")
         self._per_uid: dict[int, _Episode] = {}
         self._late = _Episode("handshake deadline", "Door: closing connections that did not ask for a session "
                               "or use its token within %.1f s (door_handshake_s), e.g. pid %d (%s)")
@@ -409,7 +411,11 @@ class DoorServer:
         return max(0, min(MAX_SESSIONS, soft - DESCRIPTOR_RESERVE))
 
     def _accept(self) -> None:
-        while self._resting_until is None:
+        """Accept what waits, at most ``ACCEPTS_PER_WAKE`` (the loop's other work goes on
+        while a user connects as fast as it can)."""
+        for _ in range(ACCEPTS_PER_WAKE):
+            if self._resting_until is not None:
+                return
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -417,10 +423,12 @@ class DoorServer:
             except OSError as exc:
                 if exc.errno in _OUT_OF_DESCRIPTORS:
                     self._accept_without_descriptors(exc)
-                    continue
-                logger.debug("Door: accept failed: %s", exc)     # e.g. the peer gave up already
+                elif exc.errno not in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):   # not that peer's alone
+                    self._accept_failing.refused(exc)
+                    self._rest()
                 continue
             self._out_of_descriptors.over()
+            self._accept_failing.over()
             self._admit(conn)
 
     def _accept_without_descriptors(self, exc: OSError) -> None:
