@@ -19,8 +19,10 @@
   token is not used on the control port, within ``door_handshake_s`` is closed. Out of
   descriptors (EMFILE, ENFILE), the door accepts on a spare descriptor kept for that,
   lets a privileged peer in by closing another user's connection, closes anyone else's,
-  and stops polling its listener for ``ACCEPT_PAUSE_S`` when even that fails; each such
-  episode is logged once when it starts and once, with its count, when it ends.
+  and stops polling its listener for ``ACCEPT_PAUSE_S`` when even that fails (or accept
+  fails for a reason that is not the peer's alone). At most ``ACCEPTS_PER_WAKE`` connections
+  are accepted per wake-up. Each such episode is logged once when it starts and once, with
+  its count, when it ends.
 """
 
 from __future__ import annotations
