@@ -7,8 +7,8 @@ HiCache backend all hold their gateway through an ``Attachment``:
   itself off (the gateway died or restarted), builds a new one once a gateway
   answers again. One back-off policy for everybody (``Backoff``): the first
   attempt ``reconnect_s`` after the loss, then doubling up to ``max_backoff_s``
-  (60 s). Each attempt first asks ``gateway_answers`` (one PING, no
-  attachment) and builds a client only when it answers.
+  (60 s). Each attempt first asks ``gateway_answers`` (is the door served by
+  a user we trust; one PING, no attachment) and builds a client only when it answers.
 - attempts run on the attachment's own watcher thread (or inline, when the
   adapter asks for it with ``watch_s=0``), never inside a request: an adapter
   takes ``session()`` once at the start of a request and uses that session to

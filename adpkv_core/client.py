@@ -16,6 +16,7 @@ turning off). Their public names stay importable from here.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import socket
@@ -27,9 +28,9 @@ from typing import Optional, Sequence
 import zmq
 
 from . import protocol as P
-from .door import DoorSession, door_path
+from .door import DoorSession, UntrustedGateway, check_gateway, door_path
 from .link import LOOKUPS_OFF_MESSAGE, TURNED_OFF_MESSAGE, Link
-from .request import (DELETE_OK, EXIST_OK, OK, STATS_OK, BatchCallback, RingBatch, StoreResult, data_request,
+from .request import (DELETE_OK, EXIST_OK, HELLO_OK, OK, STATS_OK, BatchCallback, RingBatch, StoreResult, data_request,
                       nothing, reply_flags, resolved)
 from .ring import Ring
 from .settings import ClientConfig
@@ -47,12 +48,14 @@ def door_of(config: ClientConfig) -> str:
 
 
 def gateway_answers(config: ClientConfig, timeout_s: float = 0.3) -> bool:
-    """Whether a gateway is serving ``config``'s door and port right now (one cheap probe,
-    no attachment): the re-attach policy asks this before building a new client."""
+    """Whether a gateway we trust is serving ``config``'s door and port right now (one cheap
+    probe, no attachment): the re-attach policy asks this before building a new client. A
+    door served by a user we do not trust (``gateway_users``) is no gateway: False."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     probe.settimeout(timeout_s)
     try:
         probe.connect(door_of(config))
+        check_gateway(probe, door_of(config), config.trusted_gateway_uids())
     except OSError:
         return False
     finally:
@@ -201,7 +204,10 @@ class GatewayClient:
     def _attach(self, layout: dict) -> None:
         door = door_of(self.config)
         try:
-            session = DoorSession(door, self.config.connect_timeout_s)
+            session = DoorSession(door, self.config.connect_timeout_s, self.config.trusted_gateway_uids())
+        except UntrustedGateway as exc:
+            self._link.turn_off(str(exc))
+            return
         except (OSError, EOFError, ValueError, P.ProtocolError) as exc:
             self._link.turn_off(f"no gateway let us in at {door} ({exc})")
             return
@@ -226,7 +232,7 @@ class GatewayClient:
             return
         busy_until = time.monotonic() + self.config.busy_wait_s
         while True:
-            fut = self._link.call(hello, OK, lambda r: r, None, raw_errors=True)
+            fut = self._link.call(hello, HELLO_OK, lambda r: r, None, raw_errors=True)
             try:
                 reply = fut.result(timeout=self.config.connect_timeout_s)
             except Exception:
@@ -236,8 +242,16 @@ class GatewayClient:
             if not isinstance(reply, P.Error) or reply.code != P.ENGINE_BUSY or time.monotonic() > busy_until:
                 break
             time.sleep(0.5)
-        if not isinstance(reply, P.Ok) and ring is not None:
+        # only the gateway behind the door knows the session's proof: anything else that
+        # answers on the control port (a process that took the port) is not our gateway
+        impostor = isinstance(reply, P.HelloOk) and not hmac.compare_digest(reply.proof, session.proof)
+        if (not isinstance(reply, P.HelloOk) or impostor) and ring is not None:
             ring.close()
+        if impostor:
+            self._link.turn_off(f"what answers on {self.config.host}:{self.config.port} is not the gateway of "
+                                f"the door {door} (its HELLO reply lacks the session's proof): another process "
+                                "holds the control port; not attaching to it")
+            return
         if reply is None:
             self._link.turn_off(f"no gateway answered on {self.config.host}:{self.config.port}")
             return

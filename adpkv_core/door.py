@@ -14,7 +14,12 @@ that port is served to a process that has not first come through the door:
   (an engine's shared-memory file). The gateway never opens a path on a client's
   behalf: a client reaches through a region only what it could open itself;
 - the connection lives as long as the client: when it closes (the client exited or
-  the gateway died), the other side knows at once.
+  the gateway died), the other side knows at once;
+- the client trusts the door only once it knows who serves it: right after connect(),
+  before sending anything, it reads the gateway's credentials (``SO_PEERCRED``) and goes
+  no further unless that uid is one it trusts (root, its own, ``gateway_users``). The
+  session's ``proof`` then lets it tell the door's gateway from any other process on the
+  control port (``protocol``: HELLO's reply).
 
 One message is one packet: a msgpack map (``adpkv_core.protocol``), descriptors in
 its ancillary data.
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 from typing import Optional, Sequence
 
 from . import protocol as P
@@ -41,6 +47,30 @@ def door_path(port: int, shm_dir: str = SHM_DIR) -> str:
 def lock_path(door: str) -> str:
     """The lock file beside a door: held by the gateway that owns the door (and the port)."""
     return door + ".lock"
+
+
+class UntrustedGateway(ConnectionRefusedError):
+    """The process serving the door runs as a user this client does not trust."""
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process on the other side of a connected Unix socket."""
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+
+
+def check_gateway(sock: socket.socket, path: str, trusted_uids: frozenset[int]) -> None:
+    """Raise ``UntrustedGateway`` unless the door ``sock`` is connected to is served by a
+    process of one of ``trusted_uids``."""
+    pid, uid, _ = peer_credentials(sock)
+    if uid not in trusted_uids:
+        raise UntrustedGateway(f"the gateway at {path} runs as uid {uid} (pid {pid}), not a user this client "
+                               f"trusts (uids {', '.join(map(str, sorted(trusted_uids)))}; setting "
+                               "gateway_users names others); not attaching to it")
+
+
+def default_trusted_uids() -> frozenset[int]:
+    """Root and this process's own user: whose gateway a client trusts unless told more."""
+    return frozenset((0, os.geteuid()))
 
 
 def send(sock: socket.socket, msg: P.Message, fds: Sequence[int] = ()) -> None:
@@ -82,13 +112,16 @@ class DoorSession:
     they are rare (once at attach, once per registered region).
     """
 
-    def __init__(self, path: str, timeout_s: float):
+    def __init__(self, path: str, timeout_s: float, trusted_uids: Optional[frozenset[int]] = None):
+        """Connect, check the gateway's user (``trusted_uids``, default root and ours:
+        ``UntrustedGateway`` before anything is sent), and open a session."""
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout_s)
         self.ring_fd: Optional[int] = None
         try:
             self.sock.connect(path)
+            check_gateway(self.sock, path, default_trusted_uids() if trusted_uids is None else trusted_uids)
             reply, fds = self.request(P.SessionRequest(), _SESSION_REPLY)
         except BaseException:
             self.sock.close()
@@ -99,6 +132,7 @@ class DoorSession:
             raise ConnectionRefusedError(f"the gateway at {path} refused a session: "
                                          f"{getattr(reply, 'code', '')} {getattr(reply, 'msg', '')}")
         self.token: bytes = reply.token
+        self.proof: bytes = reply.proof
         self.ring_size: int = reply.ring_size
         self.ring_fd = fds[0]
 

@@ -9,7 +9,7 @@ fails there with one code.
 
 Requests (client → gateway, ZeroMQ)::
 
-    HELLO  session, engine, world, rank | role=lookup, namespace, layout  -> OK
+    HELLO  session, engine, world, rank | role=lookup, namespace, layout  -> OK proof
     BYE | PING                                         -> OK
     EXIST  keys, marks?, lock?                         -> OK hits
     UNLOCK keys                                        -> OK
@@ -28,12 +28,15 @@ Requests (client → gateway, ZeroMQ)::
 
 Door requests (client → gateway, Unix socket, ``adpkv_core.door``)::
 
-    SESSION                                            -> OK token ring_size  + the ring's fd
+    SESSION                                            -> OK token proof ring_size  + the ring's fd
     REGION  offset, size   + one fd                    -> OK region
 
 ``session`` is the token a process got at the gateway's door: nothing but PING is
 served without one. HELLO binds the connection to it; an engine belongs to the uid
-of the session that attached it first. ``hits``/``stored``/``existed`` are bytes with
+of the session that attached it first. HELLO's reply carries the session's ``proof`` (a
+second random the door handed out with the token, never sent by the client): only the
+gateway behind the door knows it, so a process that took the control port cannot pass for
+the gateway. ``hits``/``stored``/``existed`` are bytes with
 one 0/1 byte per key. A ``BATCH`` names objects ``first .. first+count-1`` of the
 request at ring ``offset`` with ``stride`` bytes between them.
 """
@@ -251,7 +254,13 @@ REQUEST_OPS = frozenset(t.__struct_config__.tag for t in Request.__args__)
 
 
 class Ok(Message, **_op("OK")):
-    """Done, nothing to say (HELLO, BYE, PING, UNLOCK)."""
+    """Done, nothing to say (BYE, PING, UNLOCK)."""
+
+
+class HelloOk(Message, **_op("OK")):
+    """HELLO accepted: ``proof`` is the one the door handed this session (``SessionOk.proof``)."""
+
+    proof: bytes = b""
 
 
 class ExistOk(Message, **_op("OK")):
@@ -306,6 +315,7 @@ class RegionRequest(Message, **_op("REGION")):
 
 class SessionOk(Message, **_op("OK")):
     token: bytes = b""
+    proof: bytes = b""      # what this gateway answers HELLO with (the client checks it)
     ring_size: int = 0
 
 

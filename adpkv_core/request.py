@@ -112,6 +112,7 @@ class Pending:
 
 # How the replies to each kind of request decode (an ERROR is always possible).
 OK = P.ReplyDecoder(P.Ok)
+HELLO_OK = P.ReplyDecoder(P.HelloOk)
 EXIST_OK = P.ReplyDecoder(P.ExistOk)
 DELETE_OK = P.ReplyDecoder(P.DeleteOk)
 STATS_OK = P.ReplyDecoder(P.StatsOk)

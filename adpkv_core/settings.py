@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pwd
 from typing import Any, Mapping
 
 
@@ -25,6 +26,7 @@ class ClientConfig:
     connect_timeout_s: float = 3.0       # attach deadline at start
     busy_wait_s: float = 10.0            # how long to retry while another engine is still attached
     heartbeat_s: float = 1.0
+    gateway_users: str = ""              # besides root and our own user: who may run our gateway (names/uids, commas)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any] | None, prefix: str = "") -> "ClientConfig":
@@ -44,7 +46,27 @@ class ClientConfig:
             raise ValueError("affinity_chunks must be >= 1")
         if not 0 < cfg.port < 65536:
             raise ValueError(f"port {cfg.port} out of range")
+        cfg.trusted_gateway_uids()        # an unknown user is an error now, not at attach
         return cfg
+
+    def trusted_gateway_uids(self) -> frozenset[int]:
+        """The uids whose gateway this client attaches to: root, this process's effective
+        uid, and those ``gateway_users`` names (user names or uids, comma-separated).
+        ``ValueError`` naming the setting for a user that does not exist."""
+        uids = {0, os.geteuid()}
+        for item in self.gateway_users.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            if item.isdigit():
+                uids.add(int(item))
+                continue
+            try:
+                uids.add(pwd.getpwnam(item).pw_uid)
+            except KeyError:
+                raise ValueError(f"setting gateway_users: no user {item!r} on this host "
+                                 "(user names or uids, comma-separated)") from None
+        return frozenset(uids)
 
 
 _TRUE = frozenset(("1", "true", "yes", "on"))

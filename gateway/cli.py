@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import threading
+from typing import Optional
 
 from . import control, progress
 from .config import load_yaml
@@ -32,11 +33,20 @@ def _target(args) -> tuple[str, int]:
     return args.host, args.port
 
 
+def _door(args) -> Optional[str]:
+    """The gateway's door when its YAML names one (``control_socket``); None: from the port."""
+    return (load_yaml(args.config).get("control_socket") or None) if args.config else None
+
+
 def _ask(args, op: str) -> dict:
+    """One request; exits non-zero unless the gateway answers it: an engine could attach
+    (its door and port answer), the meaning of ready for ``adpkv status`` and the probes."""
     host, port = _target(args)
-    reply = control.request(port, {"op": op}, host=host, timeout_s=args.timeout)
+    reply = control.request(port, {"op": op}, host=host, timeout_s=args.timeout, door=_door(args))
     if reply is None:
         raise SystemExit(f"adpkv: no gateway answered on {host}:{port} (is adpkv-gateway running? see --port/--config)")
+    if reply.get("op") == "ERROR":
+        raise SystemExit(f"adpkv: the gateway on {host}:{port} refused {op}: {reply.get('code')}: {reply.get('msg')}")
     return reply
 
 
@@ -105,7 +115,8 @@ def _clean_showing_progress(args) -> dict:
     host, port = _target(args)
     answer: dict = {}
     thread = threading.Thread(target=lambda: answer.update(
-        reply=control.request(port, {"op": "CLEAN"}, host=host, timeout_s=CLEAN_WAIT_S)), daemon=True)
+        reply=control.request(port, {"op": "CLEAN"}, host=host, timeout_s=CLEAN_WAIT_S, door=_door(args))),
+        daemon=True)
     thread.start()
     shown: dict[str, progress.Progress] = {}
     try:
@@ -113,7 +124,7 @@ def _clean_showing_progress(args) -> dict:
             thread.join(CLEAN_POLL_S)
             if not thread.is_alive():
                 break
-            reply = control.request(port, {"op": "STATS"}, host=host, timeout_s=args.timeout)
+            reply = control.request(port, {"op": "STATS"}, host=host, timeout_s=args.timeout, door=_door(args))
             if reply is None or reply.get("op") != "OK":
                 break                           # the gateway stopped answering: no CLEAN reply either
             for work in reply["stats"].get("work", []):

@@ -43,6 +43,8 @@ class GatewayConfig:
     control_socket_mode: str = "0660"        # its permissions (octal): who may use the gateway at all
     control_socket_group: str = ""           # its group (name or gid); "": the gateway's own
     operator_group: str = ""                 # members may CLEAN (root and the gateway's user always may)
+    door_connections_per_user: int = 256     # door connections one user may hold (not root, ours, the engine's)
+    door_handshake_s: float = 10.0           # a door connection must get a session and use it within this
     shared_memory_size: int = 1 << 30        # bytes of the ring in /dev/shm
     thread_pool_size: int = 0                # card I/O threads (0: auto, see default_io_threads)
     io_processes: int = 0                    # fs card reads in this many processes (0: in the threads)
@@ -86,6 +88,10 @@ class GatewayConfig:
                              f"not {self.control_socket_mode!r}") from None
         if not 0 <= mode <= 0o777:
             raise ValueError("control_socket_mode must be within 0000..0777")
+        if self.door_connections_per_user < 1:
+            raise ValueError("door_connections_per_user must be >= 1")
+        if not self.door_handshake_s > 0:
+            raise ValueError("door_handshake_s must be a number of seconds > 0")
         if self.shared_memory_size < (1 << 20):
             raise ValueError("shared_memory_size must be at least 1 MiB")
         if not 0.0 < self.eviction_watermark <= 1.0 or not 0.0 <= self.eviction_ratio < self.eviction_watermark:
@@ -155,6 +161,10 @@ HELP: dict[str, str] = {
     "control_socket_mode": "the door's permissions, octal: who may use the gateway at all",
     "control_socket_group": "the door's group, name or gid (empty: the gateway's own group)",
     "operator_group": "members may clean the cards (root and the gateway's user always may)",
+    "door_connections_per_user": "door connections one local user may hold open (root, the gateway's user and "
+                                 "the attached engine's user are never refused for room)",
+    "door_handshake_s": "seconds a door connection has to ask for a session, and then to use it on the control "
+                        "port, before it is closed",
     "shared_memory_size": "bytes of the shared-memory ring",
     "thread_pool_size": "card I/O threads (0: two per core, 4 to 16)",
     "io_processes": "fs card reads run in this many processes (0: in the I/O threads)",

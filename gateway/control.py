@@ -17,7 +17,7 @@ import msgspec
 import zmq
 
 from adpkv_core import protocol as P
-from adpkv_core.door import DoorSession, door_path
+from adpkv_core.door import DoorSession, UntrustedGateway, door_path
 
 _ids = itertools.count(1)
 
@@ -32,6 +32,8 @@ def request(port: int, msg: dict, host: str = "127.0.0.1", timeout_s: float = 3.
         try:
             session = DoorSession(door or door_path(port), timeout_s)
         except (OSError, ValueError) as exc:
+            if isinstance(exc, UntrustedGateway):
+                return {"op": "ERROR", "code": P.FORBIDDEN, "msg": str(exc)}
             if isinstance(exc, PermissionError):
                 return {"op": "ERROR", "code": P.FORBIDDEN, "msg": f"no permission to open the gateway's door: {exc}"}
             return None
@@ -55,10 +57,26 @@ def request(port: int, msg: dict, host: str = "127.0.0.1", timeout_s: float = 3.
             session.close()
 
 
-def wait_until_up(port: int, timeout_s: float = 15.0, host: str = "127.0.0.1") -> bool:
-    """Poll the gateway with PING until it answers."""
+def ready(port: int, host: str = "127.0.0.1", timeout_s: float = 3.0, door: Optional[str] = None) -> bool:
+    """Whether an engine can attach now: the door (of a user we trust) hands out a session
+    and the control port answers. What ``adpkv status`` and the deploy files' probes mean
+    by "up" too (the index of a large card may still be loading)."""
+    try:
+        session = DoorSession(door or door_path(port), timeout_s)
+    except (OSError, ValueError):
+        return False
+    try:
+        return request(port, {"op": "PING"}, host, timeout_s=timeout_s) is not None
+    finally:
+        os.close(session.ring_fd)
+        session.close()
+
+
+def wait_until_up(port: int, timeout_s: float = 15.0, host: str = "127.0.0.1", door: Optional[str] = None) -> bool:
+    """Poll until the gateway is ``ready``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if request(port, {"op": "PING"}, host, timeout_s=0.3) is not None:
+        if ready(port, host, timeout_s=0.3, door=door):
             return True
+        time.sleep(0.05)
     return False

@@ -2,24 +2,41 @@
 
 - ``claim_door`` runs before anything else at start: it takes the lock beside the
   door (``flock``), so a second gateway on the same port refuses to start instead of
-  touching anything the first one owns. A door file left by a dead gateway is
-  removed only once the lock is held.
+  touching anything the first one owns. The lock is this gateway's user's, mode 0600
+  (no other user can open it, so none can hold it); a lock (or door) owned by another
+  user is never used: the gateway refuses to start and names that user's uid. A lock
+  left by our own user is reclaimed. A door file left by a dead gateway is removed only
+  once the lock is held.
 - ``DoorServer`` accepts connections on the loop's thread (its descriptors sit in the
   loop's poller), reads each peer's credentials, and keeps one ``Session`` per
-  connection: a token for the control port, the uid that owns what the session
-  attaches, whether it is an operator, and the regions it handed over.
+  connection: a token (and its proof) for the control port, the uid that owns what the
+  session attaches, whether it is an operator, and the regions it handed over.
+- Room at the door: root, the gateway's user and the attached engine's user are never
+  refused for want of room (``privileged``). Every other user holds at most
+  ``door_connections_per_user`` connections, and all of them together at most what the
+  descriptors allow (``DESCRIPTOR_RESERVE`` below the soft ``RLIMIT_NOFILE``, and
+  ``MAX_SESSIONS``). A connection that does not ask for a session, or a session whose
+  token is not used on the control port, within ``door_handshake_s`` is closed. Out of
+  descriptors (EMFILE, ENFILE), the door accepts on a spare descriptor kept for that,
+  lets a privileged peer in by closing another user's connection, closes anyone else's,
+  and stops polling its listener for ``ACCEPT_PAUSE_S`` when even that fails (or accept
+  fails for a reason that is not the peer's alone). At most ``ACCEPTS_PER_WAKE`` connections
+  are accepted per wake-up. Each such episode is logged once when it starts and once, with
+  its count, when it ends.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import grp
 import logging
 import os
+import pwd
+import resource
 import secrets
 import socket
 import stat
-import struct
 import time
 from typing import Callable, Optional
 
@@ -29,29 +46,130 @@ from adpkv_core.ring import Ring, is_ring_fd
 
 logger = logging.getLogger("adpkv.gateway")
 
-MAX_SESSIONS = 4096
+MAX_SESSIONS = 4096            # descriptors (connections, regions) of unprivileged users, in all
 MAX_REGIONS_PER_SESSION = 8
+DESCRIPTOR_RESERVE = 256       # descriptors kept below the soft limit for the cards, the control port, root
+ACCEPT_PAUSE_S = 0.5           # out of descriptors even for the spare: the listener rests this long
+ACCEPTS_PER_WAKE = 256        # connections accepted per wake-up of the loop, at most
+DEADLINE_SCAN_S = 0.1          # how often the sessions are checked against their handshake deadline
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 class DoorBusy(SystemExit):
     """Another live gateway owns this door (and port)."""
 
 
+def _user(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _held_by_another(path: str, what: str, uid: int) -> SystemExit:
+    return SystemExit(f"the {what} {path} is held by {_user(uid)}, not by this gateway's user "
+                      f"({_user(os.geteuid())}): another user took this port's door; refusing to start. Have "
+                      "that user (or root) remove it, or give this gateway another port or control_socket")
+
+
+def _open_lock(lock: str) -> int:
+    """The lock's descriptor, read-write: an existing lock opened as it is, a missing one
+    created 0600 (``O_EXCL``). Never through a symlink. An existing file is opened without
+    ``O_CREAT``: fs.protected_regular refuses ``O_CREAT`` on another user's file in a
+    sticky directory, which would hide whose it is."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
+    for _ in range(3):
+        for extra in (0, os.O_CREAT | os.O_EXCL):
+            try:
+                return os.open(lock, flags | extra, 0o600)
+            except (FileNotFoundError, FileExistsError):
+                continue                  # missing: create it; created meanwhile: open that one
+            except OSError as exc:
+                try:
+                    owner = os.lstat(lock).st_uid
+                except OSError:
+                    owner = os.geteuid()
+                if owner != os.geteuid():
+                    raise _held_by_another(lock, "lock", owner) from None
+                what = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be opened: {exc.strerror}"
+                raise SystemExit(f"the lock {lock} {what}; refusing to start (remove it)") from None
+    raise SystemExit(f"cannot create the lock {lock}: it keeps appearing and vanishing")
+
+
 def claim_door(path: str) -> int:
     """Take the lock beside ``path``; the lock's descriptor (held for the gateway's life).
-    Raises ``DoorBusy`` when another gateway holds it."""
+    Raises ``DoorBusy`` when another gateway of our user holds it, ``SystemExit`` naming the
+    owner when the lock is another user's, or not a plain file of its own."""
     lock = D.lock_path(path)
+    fd = _open_lock(lock)
     try:
-        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise SystemExit(f"cannot open the lock {lock}: {exc.strerror}") from None
-    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise _held_by_another(lock, "lock", st.st_uid)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise SystemExit(f"the lock {lock} is not a plain file with one name (mode {st.st_mode:o}, "
+                             f"{st.st_nlink} links); refusing to start (remove it)")
+        if stat.S_IMODE(st.st_mode) != 0o600:
+            os.fchmod(fd, 0o600)          # a lock of ours from an older gateway (0644): no one else may open it
+            logger.info("Lock %s: mode %o reset to 0600", lock, stat.S_IMODE(st.st_mode))
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise DoorBusy(f"another gateway is running on this port (it holds {lock}); refusing to start. "
                        "Stop it first, or give this gateway another port") from None
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
+
+
+def raise_open_files_limit() -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (door connections and card files
+    take descriptors; services often start at 1024); the soft limit now, logged."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open", encoding="ascii") as fh:
+                target = int(fh.read())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            logger.info("Open files: soft limit raised from %d to %d (the hard limit)", soft, target)
+            return target
+        except (ValueError, OSError) as exc:
+            logger.warning("Open files: cannot raise the soft limit %d to %d: %s", soft, target, exc)
+            return soft
+    logger.info("Open files: limit %d (the hard limit: raise it, e.g. systemd LimitNOFILE=, for more "
+                "door connections)", soft)
+    return soft
+
+
+class _Episode:
+    """A run of refusals of one kind (``name``): logged once when it starts (``start_line``
+    with the arguments of its first refusal), once with its count when it ends."""
+
+    __slots__ = ("name", "start_line", "count", "since")
+
+    def __init__(self, name: str, start_line: str):
+        self.name = name
+        self.start_line = start_line
+        self.count = 0
+        self.since = 0.0
+
+    def refused(self, *args) -> None:
+        if self.count == 0:
+            self.since = time.monotonic()
+            logger.warning(self.start_line, *args)
+        self.count += 1
+
+    def over(self) -> None:
+        if self.count:
+            logger.warning("Door: %s: over, %d connection(s) refused or closed in %.1f s", self.name, self.count,
+                           time.monotonic() - self.since)
+            self.count = 0
 
 
 class Region:
@@ -93,31 +211,38 @@ class Region:
 
 
 class Session:
-    """One client connection at the door."""
+    """One client connection at the door. ``deadline`` (CLOCK_MONOTONIC): when the door closes
+    it unless it asked for a session (``answered``) and then used its token on the control
+    port; None once it did."""
 
-    __slots__ = ("token", "uid", "gid", "pid", "operator", "conn", "identities", "regions")
+    __slots__ = ("token", "proof", "uid", "gid", "pid", "operator", "privileged", "conn", "identities", "regions",
+                 "deadline", "answered")
 
-    def __init__(self, conn: socket.socket, uid: int, gid: int, pid: int, operator: bool):
+    def __init__(self, conn: socket.socket, uid: int, gid: int, pid: int, operator: bool, privileged: bool,
+                 deadline: float):
         self.token = secrets.token_bytes(16)
+        self.proof = secrets.token_bytes(16)     # answered to HELLO: shows the client we are its door's gateway
         self.conn = conn
         self.uid = uid
         self.gid = gid
         self.pid = pid
         self.operator = operator
+        self.privileged = privileged             # admitted as root, the gateway's or the engine's user
         self.identities: set[bytes] = set()      # control-port connections attached with this token
         self.regions: list[Region] = []
+        self.deadline: Optional[float] = deadline
+        self.answered = False                    # SESSION answered
+
+    @property
+    def descriptors(self) -> int:
+        """What this session holds of the gateway's descriptors."""
+        return 1 + len(self.regions)
 
     def close(self) -> None:
         for region in self.regions:
             region.close()
         self.regions.clear()
         self.conn.close()
-
-
-def _peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
-    pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                         struct.calcsize("3i")))
-    return pid, uid, gid
 
 
 def _supplementary_groups(pid: int) -> set[int]:
@@ -135,43 +260,89 @@ class DoorServer:
     """The listening door and its sessions; runs on the gateway loop's thread.
 
     ``register(fd)`` / ``unregister(fd)`` put descriptors into the loop's poller;
-    ``on_session_closed(session)`` lets the gateway detach what the session attached.
+    ``on_session_closed(session)`` lets the gateway detach what the session attached;
+    ``engine_uid()`` is the attached engine's user (None: none attached). ``tick(now)``
+    runs on every pass of the loop: handshake deadlines and the listener's rest.
     """
 
     def __init__(self, path: str, mode: int, group: str, operator_group: str, ring: Ring,
                  register: Callable[[int], None], unregister: Callable[[int], None],
-                 on_session_closed: Callable[[Session], None]):
+                 on_session_closed: Callable[[Session], None], engine_uid: Callable[[], Optional[int]],
+                 per_user: int, handshake_s: float):
         self.path = path
         self.ring = ring
         self._register = register
         self._unregister = unregister
         self._on_session_closed = on_session_closed
+        self._engine_uid = engine_uid
+        self.per_user = per_user
+        self.handshake_s = handshake_s
         self._ring_ino = os.fstat(ring.fd)[stat.ST_INO], os.fstat(ring.fd)[stat.ST_DEV]
         self.operator_gid = _group_id(operator_group) if operator_group else None
         self.sessions: dict[int, Session] = {}          # by connection descriptor
         self.by_token: dict[bytes, Session] = {}
+        self.by_uid: dict[int, int] = {}                # connections open, by user
+        self.others_descriptors = 0                     # held by unprivileged sessions (connections, regions)
+        self._spare: Optional[int] = _open_spare()      # given up to accept (and close) when out of descriptors
+        self._resting_until: Optional[float] = None     # the listener is out of the poller until then
+        self._next_scan = 0.0                           # next check of the handshake deadlines
+        self._out_of_descriptors = _Episode("out of descriptors", "Door: out of descriptors (%s): accepting on "
+                                            "the spare descriptor, letting root, the gateway's and the engine's "
+                                            "users in and closing others' connections")
+        self._full = _Episode("full", "Door: users other than root, the gateway's and the engine's hold %d "
+                              "descriptors, what this gateway can spare for them (soft open-files limit %d less "
+                              "%d, at most %d); refusing their new connections")
+        self._accept_failing = _Episode("accept failing", "Door: accept failed (%s); resting the listener")
+        self._per_uid: dict[int, _Episode] = {}
+        self._late = _Episode("handshake deadline", "Door: closing connections that did not ask for a session "
+                              "or use its token within %.1f s (door_handshake_s), e.g. pid %d (%s)")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            self._bind(path, mode, group)
+        except BaseException:
+            self.listener.close()
+            if self._spare is not None:
+                os.close(self._spare)
+            raise
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        register(self.listener.fileno())
+        logger.info("Door %s (mode %o%s): local processes get their sessions here", path, mode,
+                    f", group {group}" if group else "")
+
+    def _bind(self, path: str, mode: int, group: str) -> None:
+        """Bind the door at ``path`` (we hold its lock): a door left by a dead gateway of our
+        user is replaced; anything else there, or another user's door, is refused."""
+        me = os.geteuid()
         try:
             st = os.lstat(path)
         except FileNotFoundError:
             st = None
         if st is not None:
+            if st.st_uid != me:
+                raise _held_by_another(path, "door", st.st_uid)
             if not stat.S_ISSOCK(st.st_mode):
                 raise SystemExit(f"{path} exists and is not a socket; refusing to remove it")
             os.unlink(path)        # a dead gateway's door: we hold the lock, so it is not live
         old = os.umask(0o177)      # no window in which the door is open to everyone
         try:
             self.listener.bind(path)
+        except OSError as exc:
+            try:
+                owner = os.lstat(path).st_uid
+            except OSError:
+                owner = me
+            if owner != me:
+                raise _held_by_another(path, "door", owner) from None
+            raise SystemExit(f"cannot create the door {path}: {exc.strerror}") from None
         finally:
             os.umask(old)
+        st = os.lstat(path)        # ours, as bound (in a sticky directory no one else can swap it)
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != me:
+            raise SystemExit(f"the door {path} changed under this gateway as it was created; refusing to start")
         gid = _group_id(group) if group else -1
-        os.chown(path, -1, gid)
+        os.chown(path, -1, gid, follow_symlinks=False)
         os.chmod(path, mode)
-        self.listener.listen(64)
-        self.listener.setblocking(False)
-        register(self.listener.fileno())
-        logger.info("Door %s (mode %o%s): local processes get their sessions here", path, mode,
-                    f", group {group}" if group else "")
 
     # ------------------------------------------------------------------ events
     def on_readable(self, fd: int) -> bool:
@@ -210,27 +381,125 @@ class DoorServer:
             self._reply(session, P.error(msg.id if msg else None, P.INTERNAL, str(exc)))
         return True
 
+    def tick(self, now: float) -> None:
+        """On every pass of the loop: put the listener back into the poller once its rest is
+        over; every ``DEADLINE_SCAN_S``, close connections past their handshake deadline."""
+        if self._resting_until is not None and now >= self._resting_until:
+            self._resting_until = None
+            self._register(self.listener.fileno())
+        if now < self._next_scan:
+            return
+        self._next_scan = now + DEADLINE_SCAN_S
+        late = [fd for fd, s in self.sessions.items() if s.deadline is not None and now >= s.deadline]
+        for fd in late:
+            session = self.sessions[fd]
+            self._late.refused(self.handshake_s, session.pid, _user(session.uid))
+            self._close(fd)
+        if not late and not any(s.deadline is not None for s in self.sessions.values()):
+            self._late.over()
+
+    def used(self, session: Session) -> None:
+        """The session's token came on the control port: its handshake is complete."""
+        session.deadline = None
+
+    def privileged(self, uid: int) -> bool:
+        """Root, the gateway's user and the attached engine's user: never refused for room."""
+        return uid in (0, os.geteuid()) or uid == self._engine_uid()
+
+    def _others_budget(self) -> int:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return MAX_SESSIONS
+        return max(0, min(MAX_SESSIONS, soft - DESCRIPTOR_RESERVE))
+
     def _accept(self) -> None:
-        while True:
+        """Accept what waits, at most ``ACCEPTS_PER_WAKE`` (the loop's other work goes on
+        while a user connects as fast as it can)."""
+        for _ in range(ACCEPTS_PER_WAKE):
+            if self._resting_until is not None:
+                return
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                logger.warning("Door: accept failed: %s", exc)
-                return
-            if len(self.sessions) >= MAX_SESSIONS:
-                logger.warning("Door: %d sessions open; refusing another", MAX_SESSIONS)
-                conn.close()
+                if exc.errno in _OUT_OF_DESCRIPTORS:
+                    self._accept_without_descriptors(exc)
+                elif exc.errno not in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):   # not that peer's alone
+                    self._accept_failing.refused(exc)
+                    self._rest()
                 continue
-            pid, uid, gid = _peer_credentials(conn)
-            operator = uid in (0, os.geteuid()) or (self.operator_gid is not None and (
-                gid == self.operator_gid or self.operator_gid in _supplementary_groups(pid)))
-            conn.setblocking(False)
-            session = Session(conn, uid, gid, pid, operator)
-            self.sessions[conn.fileno()] = session
-            self.by_token[session.token] = session
-            self._register(conn.fileno())
+            self._out_of_descriptors.over()
+            self._accept_failing.over()
+            self._admit(conn)
+
+    def _accept_without_descriptors(self, exc: OSError) -> None:
+        """EMFILE and the like: take the waiting connection on the spare descriptor (so it
+        does not wake us again and again), keep it only for a privileged peer (making room by
+        closing another user's connection), and rest the listener if the spare is gone."""
+        self._out_of_descriptors.refused(exc.strerror)
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                conn = None
+            if conn is not None:
+                if self.privileged(D.peer_credentials(conn)[1]) and self._make_room(2):
+                    self._admit(conn)          # one freed descriptor for the spare, one for its control port
+                else:
+                    conn.close()
+            self._spare = _open_spare()
+        if self._spare is None:
+            self._rest()
+
+    def _make_room(self, n: int) -> bool:
+        """Close ``n`` connections of the unprivileged user holding the most (its newest first)."""
+        for _ in range(n):
+            others = [s for s in self.sessions.values() if not s.privileged]
+            if not others:
+                return False
+            uid = max({s.uid for s in others}, key=lambda u: self.by_uid.get(u, 0))
+            victim = max((s for s in others if s.uid == uid), key=lambda s: s.conn.fileno())
+            logger.info("Door: closed a connection of pid %d (%s) to let a privileged user in",
+                        victim.pid, _user(victim.uid))
+            self._close(victim.conn.fileno())
+        return True
+
+    def _rest(self) -> None:
+        if self._resting_until is None:
+            self._unregister(self.listener.fileno())
+        self._resting_until = time.monotonic() + ACCEPT_PAUSE_S
+
+    def _admit(self, conn: socket.socket) -> None:
+        pid, uid, gid = D.peer_credentials(conn)
+        privileged = self.privileged(uid)
+        if not privileged:
+            held = self.by_uid.get(uid, 0)
+            if held >= self.per_user:
+                episode = self._per_uid.setdefault(uid, _Episode(
+                    f"{_user(uid)} at its cap", "Door: %s holds %d connections (door_connections_per_user); "
+                    "refusing its new ones"))
+                episode.refused(_user(uid), held)
+                conn.close()
+                return
+            budget = self._others_budget()
+            if self.others_descriptors + 1 > budget:
+                self._full.refused(self.others_descriptors, resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                                   DESCRIPTOR_RESERVE, MAX_SESSIONS)
+                conn.close()
+                return
+        operator = uid in (0, os.geteuid()) or (self.operator_gid is not None and (
+            gid == self.operator_gid or self.operator_gid in _supplementary_groups(pid)))
+        conn.setblocking(False)
+        session = Session(conn, uid, gid, pid, operator, privileged, time.monotonic() + self.handshake_s)
+        self.sessions[conn.fileno()] = session
+        self.by_token[session.token] = session
+        self.by_uid[uid] = self.by_uid.get(uid, 0) + 1
+        if not privileged:
+            self.others_descriptors += 1
+        self._register(conn.fileno())
 
     def _close(self, fd: int) -> None:
         session = self.sessions.pop(fd, None)
@@ -238,6 +507,17 @@ class DoorServer:
             return
         self._unregister(fd)
         self.by_token.pop(session.token, None)
+        left = self.by_uid[session.uid] - 1
+        if left:
+            self.by_uid[session.uid] = left
+        else:
+            del self.by_uid[session.uid]
+        if not session.privileged:
+            self.others_descriptors -= session.descriptors
+            if self.others_descriptors < self._others_budget():
+                self._full.over()
+            if session.uid in self._per_uid and left < self.per_user:
+                self._per_uid.pop(session.uid).over()
         self._on_session_closed(session)
         session.close()
 
@@ -252,8 +532,11 @@ class DoorServer:
         if isinstance(msg, P.SessionRequest):
             if fds:
                 raise P.ProtocolError(P.BAD_MESSAGE, "SESSION takes no descriptor")
-            self._reply(session, P.SessionOk(id=msg.id, token=session.token, ring_size=self.ring.size),
-                        [self.ring.fd])
+            if not session.answered:
+                session.answered = True
+                session.deadline = time.monotonic() + self.handshake_s     # now: use the token
+            self._reply(session, P.SessionOk(id=msg.id, token=session.token, proof=session.proof,
+                                             ring_size=self.ring.size), [self.ring.fd])
         else:
             region = self._region(session, msg, fds)
             self._reply(session, P.RegionOk(id=msg.id, region=region))
@@ -267,6 +550,9 @@ class DoorServer:
         offset, size = msg.offset, msg.size
         if len(session.regions) >= MAX_REGIONS_PER_SESSION:
             raise P.ProtocolError(P.BAD_REGION, f"at most {MAX_REGIONS_PER_SESSION} regions per session")
+        if not session.privileged and self.others_descriptors + 1 > self._others_budget():
+            raise P.ProtocolError(P.BAD_REGION, "the gateway has no descriptor to spare for another region of "
+                                  "this user now")
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise P.ProtocolError(P.BAD_REGION, "a region must be a regular file (a shared-memory buffer)")
@@ -281,6 +567,8 @@ class DoorServer:
             raise P.ProtocolError(P.BAD_REGION, f"[{offset}, {offset + size}) is beyond the end of the "
                                   f"file ({st.st_size} bytes)")
         session.regions.append(Region(fd, offset, size))
+        if not session.privileged:
+            self.others_descriptors += 1
         logger.info("pid %d (uid %d) registered region %d (%d bytes); its GET/PUT go straight to it",
                     session.pid, session.uid, len(session.regions) - 1, size)
         return len(session.regions) - 1
@@ -288,8 +576,12 @@ class DoorServer:
     def close(self) -> None:
         for fd in list(self.sessions):
             self._close(fd)
-        self._unregister(self.listener.fileno())
+        if self._resting_until is None:
+            self._unregister(self.listener.fileno())
         self.listener.close()
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
         try:
             os.unlink(self.path)
         except OSError:
@@ -307,6 +599,14 @@ def _is_shared_memory(fd: int) -> bool:
     if target.endswith(" (deleted)"):
         target = target[:-len(" (deleted)")]
     return target.startswith("/memfd:") or os.path.dirname(target) == D.SHM_DIR
+
+
+def _open_spare() -> Optional[int]:
+    """A descriptor held in reserve (``/dev/null``); None when there is none to have."""
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 def _group_id(name: str) -> int:

@@ -14,6 +14,7 @@ and only an operator cleans.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import os
@@ -34,7 +35,7 @@ from . import io_procs
 from .cards import open_cards
 from .config import GatewayConfig, socket_mode
 from .data_requests import DataRequests
-from .door import DoorServer, Session, claim_door
+from .door import DoorServer, Session, claim_door, raise_open_files_limit
 from .engines import EngineRegistry, Peer
 from .health import HealthMonitor
 from . import stats
@@ -51,26 +52,83 @@ class Gateway:
     """Serves one engine's ranks on ``bind_address:port`` from the configured cards."""
 
     def __init__(self, config: GatewayConfig):
+        """Start in the order that makes every answer mean something: the door's lock
+        first (before any card or shared memory is touched: a second gateway on a busy
+        port changes nothing), then the cards, the ring and the pool, then the door, and
+        the control port last. Whoever gets an answer on the port finds the door up: an
+        engine that attaches as soon as the port answers gets the cache. A start that
+        fails at any step undoes the steps before it (the door is removed)."""
         self.config = config
         self.started = time.time()
-        # First of all, before any card or shared memory is touched: own the door (and
-        # so the port), or refuse to start. A second gateway on a busy port changes nothing.
         self.door_file = config.control_socket or door_path(config.port)
-        self._door_lock = claim_door(self.door_file)
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        try:
-            self.sock.bind(f"tcp://{config.bind_address}:{config.port}")
-        except zmq.ZMQError as exc:
-            self.sock.close(0)
-            self.ctx.term()
-            raise SystemExit(f"cannot listen on {config.bind_address}:{config.port}: {exc}") from None
-        _remove_legacy_ring(config.port)
+        with contextlib.ExitStack() as undo:
+            self._door_lock = claim_door(self.door_file)
+            undo.callback(os.close, self._door_lock)
+            raise_open_files_limit()
+            _remove_legacy_ring(config.port)
+            self._open_store(config, undo)
+            self.ring = Ring.create(config.port, config.shared_memory_size)
+            undo.callback(self.ring.close)
+            logger.info("Ring %s: %d bytes (a sealed memfd, handed out at the door)", self.ring.name, self.ring.size)
+            self.pool = ThreadPoolExecutor(config.thread_pool_size, thread_name_prefix="adpkv-io")
+            undo.callback(self.pool.shutdown, wait=True)
+            self.procs = io_procs.start(config.io_processes, self.ring) if config.io_processes else None
+            if self.procs:
+                undo.callback(self.procs.shutdown, wait=True)
+                logger.info("fs card reads run in %d I/O processes", config.io_processes)
+            self.health.start()
+            undo.callback(self.health.stop)
+            self.engines = EngineRegistry(config.engine_timeout_s)
+            self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
+            self.wake_r, self.wake_w = os.pipe()
+            undo.callback(os.close, self.wake_r)
+            undo.callback(os.close, self.wake_w)
+            os.set_blocking(self.wake_r, False)
+            os.set_blocking(self.wake_w, False)
+            self.ctx = zmq.Context()
+            undo.callback(self.ctx.term)
+            self.sock = self.ctx.socket(zmq.ROUTER)
+            undo.callback(self.sock.close, 0)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            self.poller = zmq.Poller()
+            self.poller.register(self.sock, zmq.POLLIN)
+            self.poller.register(self.wake_r, zmq.POLLIN)
+            self.sessions_by_peer: dict[bytes, Session] = {}
+            self.door = DoorServer(self.door_file, socket_mode(config), config.control_socket_group,
+                                   config.operator_group, self.ring,
+                                   register=lambda fd: self.poller.register(fd, zmq.POLLIN),
+                                   unregister=self.poller.unregister, on_session_closed=self._on_session_closed,
+                                   engine_uid=lambda: self.engines.engine.uid if self.engines.engine else None,
+                                   per_user=config.door_connections_per_user,
+                                   handshake_s=config.door_handshake_s)
+            undo.callback(self.door.close)
+            self.status_writing = False
+            self.transfers = Transfers(self.ring, self.store, self.pool, self.procs, config.thread_pool_size,
+                                       run=self._run, send=self._send,
+                                       attached=lambda ident: ident in self.engines.peers,
+                                       unpin=lambda ident, keys: self._release_pins(self.engines.peers[ident], keys))
+            self.counters = collections.Counter()
+            self.data_requests = DataRequests(self.engines, self.sessions_by_peer, self.transfers, self.counters,
+                                              self._send)
+            self.stopping = False
+            try:
+                self.sock.bind(f"tcp://{config.bind_address}:{config.port}")
+            except zmq.ZMQError as exc:
+                raise SystemExit(f"cannot listen on {config.bind_address}:{config.port}: {exc}") from None
+            undo.pop_all()
+        if config.metrics_port:
+            self.metrics.serve(config.metrics_address, config.metrics_port)
+        logger.info("Gateway listening on %s:%d", config.bind_address, config.port)
+
+    def _open_store(self, config: GatewayConfig, undo: contextlib.ExitStack) -> None:
+        """Open the cards (closed by ``undo`` when the start fails later), check the key
+        layout, and build the store, its health monitor (not started) and its metrics."""
         holder: dict = {}
         cards = open_cards(config, is_pinned=lambda key: holder["store"].is_pinned(key))
+        for card in cards:
+            undo.callback(card.close)
         self.store = holder["store"] = ObjectStore(cards, config.storage_slots, config.num_dbs,
                                                    config.key_placement, config.fragment_size,
                                                    config.fragment_spread_across_dbs, config.replicas)
@@ -92,36 +150,6 @@ class Gateway:
                     config.key_placement, config.storage_slots, config.num_dbs, config.replicas)
         if int(config.start_clean):
             logger.info("start_clean: removed %d objects", self.store.clean())
-        self.ring = Ring.create(config.port, config.shared_memory_size)
-        logger.info("Ring %s: %d bytes (a sealed memfd, handed out at the door)", self.ring.name, self.ring.size)
-        self.pool = ThreadPoolExecutor(config.thread_pool_size, thread_name_prefix="adpkv-io")
-        self.procs = io_procs.start(config.io_processes, self.ring) if config.io_processes else None
-        if self.procs:
-            logger.info("fs card reads run in %d I/O processes", config.io_processes)
-        self.health.start()
-        self.engines = EngineRegistry(config.engine_timeout_s)
-        self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        os.set_blocking(self.wake_w, False)
-        self.poller = zmq.Poller()
-        self.poller.register(self.sock, zmq.POLLIN)
-        self.poller.register(self.wake_r, zmq.POLLIN)
-        self.sessions_by_peer: dict[bytes, Session] = {}
-        self.door = DoorServer(self.door_file, socket_mode(config), config.control_socket_group,
-                               config.operator_group, self.ring,
-                               register=lambda fd: self.poller.register(fd, zmq.POLLIN),
-                               unregister=self.poller.unregister, on_session_closed=self._on_session_closed)
-        self.status_writing = False
-        self.transfers = Transfers(self.ring, self.store, self.pool, self.procs, config.thread_pool_size,
-                                   run=self._run, send=self._send, attached=lambda ident: ident in self.engines.peers,
-                                   unpin=lambda ident, keys: self._release_pins(self.engines.peers[ident], keys))
-        self.counters = collections.Counter()
-        self.data_requests = DataRequests(self.engines, self.sessions_by_peer, self.transfers, self.counters, self._send)
-        self.stopping = False
-        if config.metrics_port:
-            self.metrics.serve(config.metrics_address, config.metrics_port)
-        logger.info("Gateway listening on %s:%d", config.bind_address, config.port)
 
     # ================================================================ the loop
     def serve_forever(self) -> None:
@@ -133,6 +161,7 @@ class Gateway:
                 for what, _ in self.poller.poll(200):
                     if isinstance(what, int) and what != self.wake_r:
                         self.door.on_readable(what)
+                self.door.tick(time.monotonic())
                 self._drain_completions()
                 for _ in range(1000):
                     try:
@@ -246,6 +275,7 @@ class Gateway:
         if session is None:
             raise P.ProtocolError(P.FORBIDDEN, f"{msg.op} needs a session: connect through the door "
                                   f"{self.door_file} first (its permissions say who may)")
+        self.door.used(session)
         return session
 
     def _on_hello(self, identity, peer, msg: P.Hello):
@@ -253,7 +283,7 @@ class Gateway:
         self.engines.attach(identity, msg, session.uid)
         self.sessions_by_peer[identity] = session
         session.identities.add(identity)
-        self._send(identity, P.Ok(id=msg.id))
+        self._send(identity, P.HelloOk(id=msg.id, proof=session.proof))
 
     def _on_session_closed(self, session: Session) -> None:
         """A client's door closed (it exited, or closed its client): what it attached goes now."""

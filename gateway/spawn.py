@@ -60,7 +60,7 @@ class GatewayProcess:
         """PING until the gateway answers; False at the deadline or as soon as it exited."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.proc.poll() is None:
-            if wait_until_up(self.port, 0.5):
+            if wait_until_up(self.port, 0.5, door=self.settings.get("control_socket") or None):
                 return True
         return False
 

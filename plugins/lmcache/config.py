@@ -61,6 +61,9 @@ FIELDS: tuple[_Field, ...] = (
     _Field("reconnect_s", float, 5.0,
            "after the gateway stopped answering, retry attaching after this long (doubling up to 60 s; 0: never)",
            _non_negative),
+    _Field("gateway_users", str, "",
+           "besides root and this process's user, the users (names or uids, comma-separated) whose gateway "
+           "this adapter may attach to"),
     _Field("usage_refresh_s", float, 1.0, "get_usage() asks the gateway at most this often", _non_negative),
     _Field("l1_direct", bool, True,
            "when LMCache's L1 pool is a /dev/shm file, let the gateway read and write it directly "
@@ -121,7 +124,8 @@ class AdpL2AdapterConfig(L2AdapterConfigBase):
         return {"port": self.port, "host": self.host, "namespace": self.namespace,
                 "key_namespace_from_model": self.key_namespace_from_model,
                 "affinity_chunks": self.affinity_chunks, "timeout_s": self.timeout_s, "connect_timeout_s": self.connect_timeout_s,
-                "heartbeat_s": self.heartbeat_s, "busy_wait_s": self.busy_wait_s}
+                "heartbeat_s": self.heartbeat_s, "busy_wait_s": self.busy_wait_s,
+                "gateway_users": self.gateway_users}
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in FIELDS}

@@ -6,7 +6,7 @@ SGLang hands the backend ``HiCacheStorageConfig.extra_config`` (the JSON of
 - the shared adapter vocabulary of ``adpkv_core.settings.ClientConfig``: ``port``,
   ``host``, ``namespace`` (alias ``key_namespace``), ``key_namespace_from_model``,
   ``affinity_chunks``, ``timeout_s``, ``connect_timeout_s``,
-  ``busy_wait_s`` (each may also be spelled ``adpkv.<name>``);
+  ``busy_wait_s``, ``gateway_users`` (each may also be spelled ``adpkv.<name>``);
 - ``model_id``: the model identity in keys (default: SGLang's model name);
 - ``revision``: the model revision, part of the identity (SGLang does not know it);
 - ``engine_id``: the id every rank of this server attaches under (default
