@@ -106,7 +106,7 @@ class Harness:
             self.worker = AdpKVConnector(self.vllm_config, KVConnectorRole.WORKER, worker_config)
         self.kv = {n: self._kv_tensor(getattr(spec, "kv_cache_specs", {}).get(n, spec), num_blocks)
                    for names, spec in worker_groups for n in names}
-        self.worker.register_kv_caches(self.kv)
+        self.register_kv_caches()
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=block_size, log_stats=True)
@@ -116,6 +116,10 @@ class Harness:
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()    # asynchronous loads ended (several groups)
         self.failed_recving: set[str] = set()
+
+    def register_kv_caches(self) -> None:
+        """What the model runner does once the KV cache is allocated."""
+        self.worker.register_kv_caches(self.kv)
 
     def _kv_tensor(self, spec, num_blocks: int) -> torch.Tensor:
         if isinstance(spec, MLAAttentionSpec):
@@ -136,34 +140,44 @@ class Harness:
     def step(self, corrupt_kv: bool = False):
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
+        kco = self.run_worker(so)
+        self.load_errors.append(kco.invalid_block_ids)
+        self.finished_sending |= kco.finished_sending or set()
+        self.finished_recving |= kco.finished_recving or set()
+        self.failed_recving |= kco.failed_recving or set()
+        req_ids = list(so.num_scheduled_tokens)
+        out = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[5] for _ in req_ids], kv_connector_output=kco)
+        self.scheduler.update_from_output(so, out)
+        return so, meta
+
+    def run_worker(self, so) -> KVConnectorOutput:
+        """The model runner's part of one step: the worker role's calls around the layers'
+        hooks and the KV each layer writes, in the order vLLM's runners make them."""
+        meta = so.kv_connector_metadata
         w = self.worker
         w.bind_connector_metadata(meta)
         w.handle_preemptions(meta)
         w.start_load_kv(None)
-        for li, name in enumerate(self.layer_names):
-            w.wait_for_layer_load(name)
-            self._compute(so, li, name)
-            w.save_kv_layer(name, self.kv[name], object())
+        self.forward(so)
         w.wait_for_save()
         res = w.get_transfer_results(so.finished_req_ids)
         errors = w.get_block_ids_with_load_errors()
         worker_meta = w.build_connector_worker_meta()     # the OffloadingConnector's finished jobs
         w.clear_connector_metadata()
-        self.load_errors.append(errors)
-        self.finished_sending |= res.finished_sending
-        self.finished_recving |= res.finished_recving
-        self.failed_recving |= res.failed_recving
-        req_ids = list(so.num_scheduled_tokens)
-        out = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[5] for _ in req_ids],
-            kv_connector_output=KVConnectorOutput(finished_sending=res.finished_sending or None,
-                                                  finished_recving=res.finished_recving or None,
-                                                  failed_recving=res.failed_recving,
-                                                  invalid_block_ids=errors,
-                                                  kv_connector_worker_meta=worker_meta))
-        self.scheduler.update_from_output(so, out)
-        return so, meta
+        return KVConnectorOutput(finished_sending=res.finished_sending or None,
+                                 finished_recving=res.finished_recving or None,
+                                 failed_recving=res.failed_recving, invalid_block_ids=errors,
+                                 kv_connector_worker_meta=worker_meta)
+
+    def forward(self, so) -> None:
+        """The pass: per layer what its attention op calls on the connector around its KV write."""
+        w = self.worker
+        for li, name in enumerate(self.layer_names):
+            w.wait_for_layer_load(name)
+            self._compute(so, li, name)
+            w.save_kv_layer(name, self.kv[name], object())
 
     def _compute(self, so, li: int, name: str) -> None:
         """Write this step's KV: every scheduled position gets its prefix value (+ layer)."""

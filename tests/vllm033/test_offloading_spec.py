@@ -49,6 +49,15 @@ def scheduled(h, req, timeout_s=30.0):
         time.sleep(0.002)        # its lookup's EXIST (or its load) is in flight
 
 
+def restores(h, toks, hit):
+    """A fresh request for ``toks`` is scheduled with ``hit`` tokens restored, every byte right."""
+    req = h.add(toks)
+    so = scheduled(h, req)
+    assert so.num_scheduled_tokens[req.request_id] == len(toks) - hit
+    h.check_kv(req, len(toks))
+    h.run()
+
+
 def test_a_stored_prompt_is_restored_byte_for_byte(gateway, model_dir):
     """Stores by one engine's OffloadingConnector, a hit and an asynchronous load in a fresh
     one: the chunk floor (640 of 700 tokens) restored, the rest computed."""
@@ -56,11 +65,7 @@ def test_a_stored_prompt_is_restored_byte_for_byte(gateway, model_dir):
     stored_prompt(model_dir, gateway.port, toks, ns)
     h = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK, offloading=True)
     try:
-        req = h.add(toks)
-        so = scheduled(h, req)
-        assert so.num_scheduled_tokens[req.request_id] == 700 - 640
-        h.check_kv(req, 700)
-        h.run()
+        restores(h, toks, 640)
     finally:
         h.close()
 
@@ -83,12 +88,8 @@ def test_a_sync_load_is_expedited_and_complete_before_the_pass(gateway, model_di
 
     worker.submit_load = recording
     try:
-        req = h.add(toks)
-        so = scheduled(h, req)
+        restores(h, toks, 448)
         assert calls == [True]
-        assert so.num_scheduled_tokens[req.request_id] == 500 - 448
-        h.check_kv(req, 500)
-        h.run()
     finally:
         h.close()
 
@@ -115,11 +116,7 @@ def test_the_manager_lock_keeps_a_second_thread_out(gateway, model_dir):
                                                   for _ in iter(stop.is_set, True)])
         poller.start()
         try:
-            req = h.add(toks)
-            so = scheduled(h, req)
-            assert so.num_scheduled_tokens[req.request_id] == 300 - 256
-            h.check_kv(req, 300)
-            h.run()
+            restores(h, toks, 256)
         finally:
             stop.set()
             poller.join(10)

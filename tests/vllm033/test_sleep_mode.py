@@ -33,6 +33,18 @@ def tokens(n, seed):
     return [rnd.randrange(3, 1000) for _ in range(n)]
 
 
+def stored(model_dir, port, toks):
+    """A namespace in which one engine stored ``toks``."""
+    ns = f"z-{uuid.uuid4().hex[:6]}"
+    h = Harness(model_dir, port, namespace=ns, chunk_size=CHUNK)
+    try:
+        h.add(toks)
+        h.run()
+    finally:
+        h.close()
+    return ns
+
+
 def test_the_gate_waits_for_running_copies_and_voids_earlier_tickets():
     gate = KVGate()
     inside, release, closed = threading.Event(), threading.Event(), threading.Event()
@@ -63,13 +75,8 @@ def test_the_gate_waits_for_running_copies_and_voids_earlier_tickets():
 def test_restore_follows_kv_memory_to_its_new_addresses(gateway, model_dir):
     """After the wake-up the KV tensors live in new storage: a restore writes there (every
     byte checked), not into the memory of before the sleep."""
-    toks, ns = tokens(500, 1), f"z-{uuid.uuid4().hex[:6]}"
-    h = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK)
-    try:
-        h.add(toks)
-        h.run()
-    finally:
-        h.close()
+    toks = tokens(500, 1)
+    ns = stored(model_dir, gateway.port, toks)
     h = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK)
     try:
         h.worker.unregister_kv_caches()
@@ -141,13 +148,8 @@ def test_a_save_in_flight_at_the_sleep_never_reads_the_released_memory(gateway, 
 def test_asleep_no_load_touches_the_kv_tensors(gateway, model_dir):
     """Between ``unregister_kv_caches`` and ``restore_kv_caches`` a load (were one asked for)
     reads nothing into the blocks: every block of it is a load error, the tensors untouched."""
-    toks, ns = tokens(300, 3), f"z-{uuid.uuid4().hex[:6]}"
-    h = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK)
-    try:
-        h.add(toks)
-        h.run()
-    finally:
-        h.close()
+    toks = tokens(300, 3)
+    ns = stored(model_dir, gateway.port, toks)
     h = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK)
     try:
         req = h.add(toks)
