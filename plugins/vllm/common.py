@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -192,3 +193,20 @@ def kv_cache_layout(cache_layout) -> str:
         return str(get_kv_connector_cache_layout())
     except Exception:
         return "default"
+
+
+# --------------------------------------------------------------------------- config info
+class ConfigInfoLabels:
+    """Static facts of one adpkv component for vLLM's ``vllm:kv_offload_config_info`` metric
+    (vLLM >= 0.33: ``OffloadingSpec.config_info_keys`` declares the label names,
+    ``OffloadingManager.config_info`` / ``SecondaryTierManager.config_info`` fill them once).
+    A subclass is a frozen dataclass: each field is one label, named ``adpkv_*`` so that it
+    never collides with another tier's; the values are fixed for the process lifetime.
+    vLLM 0.32 has no such metric and never calls these."""
+
+    @classmethod
+    def label_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))   # type: ignore[arg-type]
+
+    def labels(self) -> dict[str, str | int | float | bool]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}   # type: ignore[arg-type]

@@ -82,6 +82,14 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
                         cfg.blocks_per_chunk, len(cfg.layer_names), "; ".join(g.describe() for g in cfg.groups),
                         f", {cfg.drafter.describe()}" if cfg.drafter is not None else "")
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Always: a single-group model's restore fences each layer in ``wait_for_layer_load``
+        and saves from ``save_kv_layer``, hooks a FULL CUDA graph replay skips (a batch of
+        one-token queries, e.g. a restore that leaves one token to compute, may be replayed
+        as one): vLLM then runs PIECEWISE graphs, which call them."""
+        return True
+
     @property
     def requires_kv_delivery(self) -> bool:
         """A best-effort cache: a dropped save is a future miss, never lost output."""
@@ -118,6 +126,16 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
     # ========================================================================== worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.connector_worker.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        """Sleep mode (vLLM >= 0.33): before the KV cache's memory is released."""
+        if self.connector_worker is not None:
+            self.connector_worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """Sleep mode (vLLM >= 0.33): after the wake-up, the KV cache's memory back."""
+        if self.connector_worker is not None:
+            self.connector_worker.restore_kv_caches()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -17,7 +17,8 @@ them: a re-attach forgets them (the old peer's pins were dropped with it).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Collection, Iterable, Optional
+import threading
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Optional, Sequence
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -40,8 +41,15 @@ logger = logging.getLogger("adpkv.vllm")
 
 
 class AdpOffloadingManager(OffloadingManager):
+    """Contract of vLLM >= 0.33: every caller holds ``lock`` around a call (``shutdown``
+    excepted); no method here takes it. It is a real lock: vLLM's scheduler holds it for a
+    whole step (a lookup's HIT and the ``prepare_load`` that uses it) and enters the manager
+    outside the step too (a new or finished request, stats, events, a cache reset), so two
+    callers on two threads are kept apart whoever they are. vLLM 0.32 never reads it."""
+
     def __init__(self, spec: "AdpOffloadingSpec"):
         self.spec = spec
+        self._lock = threading.Lock()
         self.lookup_peer = Attachment(spec.client_config, spec.engine_id, None, spec.world,
                                       {"role": "vllm-offload-manager"}, reconnect_s=spec.reconnect_s,
                                       install="on_refresh", name="adpkv-vllm-offload-manager")
@@ -54,6 +62,10 @@ class AdpOffloadingManager(OffloadingManager):
         # keys checked per chunk: every layer of every rank (a failed load cannot be recomputed)
         self._layers = [list(range(len(g.layer_names))) for g in spec.config.groups]
         self._builders = [spec.keys_for_rank(r) for r in range(spec.world)]
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
 
     def _storage_keys(self, offload_key: bytes) -> list[bytes]:
         d = object_digest(offload_key)
@@ -180,6 +192,10 @@ class AdpOffloadingManager(OffloadingManager):
         for req in list(self._pinned):
             self._release(req)
         self._results.clear()
+
+    def config_info(self) -> Sequence[dict]:
+        """One series of ``vllm:kv_offload_config_info`` (vLLM >= 0.33): the spec's facts."""
+        return [self.spec.info.labels()]
 
     def shutdown(self) -> None:
         self.lookup_peer.close()

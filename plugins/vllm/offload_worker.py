@@ -182,7 +182,11 @@ class AdpOffloadingWorker(OffloadingWorker):
         return True
 
     # ---------------------------------------------------------------- loads
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        """``expedited`` (vLLM >= 0.33: a load its request waits for within this step, through
+        ``wait``): the same GETs. Nothing here queues a load behind another: every job's
+        GETs go to the gateway at once."""
         job = _Job(job_id, "load")
         with self._lock:
             self._jobs[job_id] = job

@@ -52,28 +52,31 @@ failed load must be recomputed.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
-try:
-    from vllm.v1.kv_offload.base import (  # vLLM with the OffloadingWorker API (0.32 shape)
+from .vllm_api import required_vllm_api
+
+with required_vllm_api(
+        "adpkv_vllm.AdpOffloadingSpec",
+        needs="vLLM's offloading API with OffloadingManager.lookup/prepare_load/prepare_store and "
+              "OffloadingWorker.submit_load/submit_store/get_finished/wait (vllm.v1.kv_offload.base, "
+              "vLLM 0.32 shape)",
+        instead="Use the KV connector instead: kv_connector=AdpKVConnector, "
+                "kv_connector_module_path=adpkv_vllm"):
+    from vllm.v1.kv_offload.base import (
         CanonicalKVCaches,
         LoadStoreSpec,
         OffloadingManager,
         OffloadingSpec,
         OffloadingWorker,
     )
-except ImportError as exc:  # pragma: no cover - depends on the vLLM version
-    raise ImportError(
-        "adpkv_vllm.AdpOffloadingSpec needs vLLM's offloading API with OffloadingManager.lookup/"
-        "prepare_load/prepare_store and OffloadingWorker.submit_load/submit_store/get_finished/wait "
-        f"(vllm.v1.kv_offload.base, vLLM 0.32 shape); this vLLM lacks it ({exc}). Use the KV "
-        "connector instead: kv_connector=AdpKVConnector, kv_connector_module_path=adpkv_vllm") from exc
 
 from adpkv_core.attachment import reconnect_setting
 from adpkv_core.keys import KeyBuilder, chunk_digest, key_namespace
 from adpkv_core.settings import ClientConfig
 
-from .common import ensure_logging
+from .common import ConfigInfoLabels, ensure_logging
 
 if TYPE_CHECKING:
     from .offload_manager import AdpOffloadingManager
@@ -108,6 +111,15 @@ class AdpLoadStoreSpec(LoadStoreSpec):
 
     def __repr__(self) -> str:
         return f"AdpLoadStoreSpec({len(self.keys)} chunks)"
+
+
+@dataclass(frozen=True)
+class AdpOffloadingInfo(ConfigInfoLabels):
+    """What ``vllm:kv_offload_config_info`` says of this spec (vLLM >= 0.33)."""
+
+    adpkv_gateway: str          # host:port of the engine's gateway
+    adpkv_namespace: str        # the key namespace this engine derived (model identity included)
+    adpkv_shard_reads: str      # "auto" or parallel GETs per layer of a load
 
 
 def parse_shard_reads(value) -> int:
@@ -146,8 +158,16 @@ class AdpOffloadingSpec(OffloadingSpec):
         self.namespace = key_namespace(self.client_config.namespace, model_identity(config),
                                        from_model=self.client_config.key_namespace_from_model,
                                        private_to=self.engine_id)
+        self.info = AdpOffloadingInfo(adpkv_gateway=f"{self.client_config.host}:{self.client_config.port}",
+                                      adpkv_namespace=self.namespace,
+                                      adpkv_shard_reads=str(self.shard_reads or "auto"))
         self._manager: Optional["AdpOffloadingManager"] = None
         self._worker: Optional["AdpOffloadingWorker"] = None
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """The labels the manager fills on ``vllm:kv_offload_config_info`` (vLLM >= 0.33)."""
+        return AdpOffloadingInfo.label_names()
 
     def keys_for_rank(self, rank: int) -> KeyBuilder:
         """The keys of TP rank ``rank``: each rank stores its own part of a chunk."""

@@ -53,11 +53,18 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import numpy as np
 
-try:
+from .vllm_api import required_vllm_api
+
+with required_vllm_api(
+        "adpkv_vllm.AdpSecondaryTier",
+        needs="vLLM's tiered offloading (vllm.v1.kv_offload.tiering: SecondaryTierManager, "
+              "AsyncLookupManager; vLLM 0.32 shape)",
+        instead="Use AdpOffloadingSpec or AdpKVConnector instead"):
     from vllm.v1.kv_offload.base import (
         Locality,
         LookupResult,
@@ -72,11 +79,6 @@ try:
     )
     from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
     from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
-except ImportError as exc:  # pragma: no cover - depends on the vLLM version
-    raise ImportError(
-        "adpkv_vllm.AdpSecondaryTier needs vLLM's tiered offloading (vllm.v1.kv_offload.tiering: "
-        f"SecondaryTierManager, AsyncLookupManager; vLLM 0.32 shape); this vLLM lacks it ({exc}). "
-        "Use AdpOffloadingSpec or AdpKVConnector instead") from exc
 
 from adpkv_core.attachment import Attachment, Session, reconnect_setting
 from adpkv_core.client import StoreResult
@@ -84,7 +86,7 @@ from adpkv_core.keys import KeyBuilder, key_namespace
 from adpkv_core.regions import shared_file_of
 from adpkv_core.settings import ClientConfig
 
-from .common import ensure_logging
+from .common import ConfigInfoLabels, ensure_logging
 from .tier_events import TierEvents
 
 if TYPE_CHECKING:
@@ -106,6 +108,15 @@ class TierMetrics:
     LOAD_MISSES = "vllm:kv_offload_adpkv_blocks_not_loaded"
     REMOVED = "vllm:kv_offload_adpkv_blocks_removed"
     REATTACHES = "vllm:kv_offload_adpkv_reattaches"
+
+
+@dataclass(frozen=True)
+class TierInfo(ConfigInfoLabels):
+    """What ``vllm:kv_offload_config_info`` says of this tier (vLLM >= 0.33; vLLM adds ``tier``)."""
+
+    adpkv_gateway: str          # host:port of the engine's gateway
+    adpkv_namespace: str        # the key namespace this engine derived (row format included)
+    adpkv_row_bytes: int        # bytes of one CPU-tier row (one object)
 
 
 def tier_identity(spec: "OffloadingSpec", row_bytes: int) -> dict:
@@ -166,6 +177,12 @@ class AdpSecondaryTier(SecondaryTierManager):
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
+    # vLLM >= 0.33: serviced only from on_schedule_end (the scheduler's thread), not from the
+    # tiering manager's tier-poll thread: this tier has no counterpart that asks between
+    # steps, and its lookups already run on their own thread (AsyncLookupManager). Its
+    # methods keep no per-thread state, so a call reaching it from another tier's poll round
+    # (ParentManager fan-out, under the manager's lock) is served the same way.
+    tolerates_off_thread_polling: ClassVar[bool] = False
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
@@ -182,6 +199,13 @@ class AdpSecondaryTier(SecondaryTierManager):
             TierMetrics.REATTACHES: OffloadingCounterMetadata(
                 documentation="Times the adpkv tier re-attached to a gateway that came back."),
         }
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return TierInfo.label_names()
+
+    def config_info(self) -> dict:
+        return self.info.labels()
 
     def __init__(self, offloading_spec: "OffloadingSpec", primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: "Optional[BackpressureDetector]" = None,
@@ -204,6 +228,8 @@ class AdpSecondaryTier(SecondaryTierManager):
                                        private_to=f"vllm-tier-{cfg.engine_id}")
         self.keys = KeyBuilder(self.namespace)
         self.engine_id = f"vllm-tier-{cfg.engine_id}"
+        self.info = TierInfo(adpkv_gateway=f"{self.client_config.host}:{self.client_config.port}",
+                             adpkv_namespace=self.namespace, adpkv_row_bytes=self.row_bytes)
         # where the primary tier's rows are: their address (ring fallback) and the shared file
         arr = np.asarray(primary_kv_view)
         self._base = int(arr.ctypes.data)

@@ -11,6 +11,12 @@ finished request keeps its blocks until their pages are in the ring
 (``get_finished``). A chunk that cannot be read is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes it.
 
+Sleep mode (vLLM >= 0.33): ``unregister_kv_caches`` closes the gate every copy to or from
+the KV tensors passes (``kv_gate.KVGate``: copies running now end first, later ones are
+refused, their objects misses / not stored); ``restore_kv_caches`` maps the layers again
+from the tensors vLLM registered (views taken anew, so memory put back at other addresses
+is followed) and opens it.
+
 The rank holds the gateway through ``adpkv_core.attachment.Attachment``; a
 fresh attachment is put to use only at ``bind`` (a step begins), and a step
 runs wholly on the attachment it began with: a transfer started on the old one
@@ -29,6 +35,7 @@ from adpkv_core.attachment import Attachment, Session
 
 from .copy import PagedLayer, as_index
 from .fanout import Fanout, LayerLoad, for_vllm
+from .kv_gate import KVGate
 from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
 from .recurrent import state_pages
 from .transfers import AsyncLoad, ChunkPlanIndex, PutJob
@@ -67,6 +74,8 @@ class AdpConnectorWorker:
         self._step_jobs: list[PutJob] = []  # sliding window: PUTs of this step (see wait_for_save)
         self._lock = threading.Lock()
         self._stream = None
+        self._kv_caches: dict[str, torch.Tensor] = {}   # as vLLM registered them (restore maps them again)
+        self._gate = KVGate()                          # closed while vLLM sleeps
 
     # ------------------------------------------------------------------ attachment
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -79,20 +88,9 @@ class AdpConnectorWorker:
             self.rank = get_tensor_model_parallel_rank()
         except Exception:
             self.rank = 0
-        for name in cfg.layer_names:
-            kv = kv_caches.get(name)
-            if self._group_of[name].recurrent and kv is not None:
-                try:       # a Mamba layer's state tensors: one row of state bytes per block
-                    kv = state_pages(kv, self._num_blocks or kv[0].shape[0])
-                except (ValueError, TypeError, IndexError) as exc:
-                    logger.warning("adpkv: layer %s: %s; external cache disabled", name, exc)
-                    self.supported = False
-                    return
-            if kv is None or not isinstance(kv, torch.Tensor):
-                logger.warning("adpkv: layer %s has no KV tensor; external cache disabled", name)
-                self.supported = False
-                return
-            self.layers[name] = PagedLayer(name, kv, self._num_blocks or kv.shape[0])
+        self._kv_caches = dict(kv_caches)
+        if not self._map_layers():
+            return
         first = self.layers[cfg.layer_names[0]]
         if first.on_gpu:
             self._stream = torch.cuda.Stream(device=first.device)
@@ -110,6 +108,41 @@ class AdpConnectorWorker:
         logger.info("adpkv: rank %d registered %d layers, page %s %s (%d bytes), object %d bytes",
                     self.rank, len(self.layers), first.page_shape, first.dtype, first.page_bytes,
                     first.page_bytes * cfg.blocks_per_chunk * cfg.tp_size)
+
+    def _map_layers(self) -> bool:
+        """``self.layers`` from the registered tensors; False (the cache off) where a layer has none."""
+        layers: dict[str, PagedLayer] = {}
+        for name in self.cfg.layer_names:
+            kv = self._kv_caches.get(name)
+            if self._group_of[name].recurrent and kv is not None:
+                try:       # a Mamba layer's state tensors: one row of state bytes per block
+                    kv = state_pages(kv, self._num_blocks or kv[0].shape[0])
+                except (ValueError, TypeError, IndexError) as exc:
+                    logger.warning("adpkv: layer %s: %s; external cache disabled", name, exc)
+                    self.supported = False
+                    return False
+            if kv is None or not isinstance(kv, torch.Tensor):
+                logger.warning("adpkv: layer %s has no KV tensor; external cache disabled", name)
+                self.supported = False
+                return False
+            layers[name] = PagedLayer(name, kv, self._num_blocks or kv.shape[0])
+        self.layers = layers
+        return True
+
+    # ------------------------------------------------------------------ sleep mode
+    def unregister_kv_caches(self) -> None:
+        """vLLM is about to release the KV cache's memory: no copy touches it after this
+        returns (the ones running have ended; later batches are refused). Idempotent."""
+        self._gate.close()
+
+    def restore_kv_caches(self) -> None:
+        """The KV cache's memory is back: map the layers again from the registered tensors
+        (their storage may have moved) and let copies in. Idempotent."""
+        if not self._gate.closed:
+            return
+        if self.supported and self._kv_caches:
+            self._map_layers()
+        self._gate.open()
 
     def _on_attach(self, s: Session) -> None:
         s.state["ring"] = s.ring.tensor() if s.ring is not None else None
@@ -137,7 +170,8 @@ class AdpConnectorWorker:
                 self._use(s)
 
     def _active(self) -> bool:
-        return self.supported and self.client is not None and self.ring is not None and self.client.enabled
+        return (self.supported and self.client is not None and self.ring is not None and self.client.enabled
+                and not self._gate.closed)
 
     def _part(self, layer: PagedLayer, group: CacheGroup) -> tuple[int, tuple[int, int]]:
         """(object bytes, this rank's (offset, bytes) of it): a TP rank owns its heads' slice
@@ -208,16 +242,19 @@ class AdpConnectorWorker:
         layer = self.layers[name]
         obj, sl = self._part(layer, group)
         keys = cfg.keys.keys(index.digests, (self._layer_index[name],), kind=group.index)
+        ticket = self._gate.ticket()
 
-        def on_batch(b):
+        def copy(b):
             if share is not None:
                 self.fanout.scatter_share(share, layer, ring, b, sl, index, cfg.blocks_per_chunk, self._stream)
-                return True
+                return
             dst, pos = index.batch_blocks(b.first, b.count, b.hits)
             if dst is not None:
                 layer.scatter(ring, b.offset, b.stride, b.count, sl[0], sl[1], dst, pos,
                               index.bpc, self._stream)
-            return True
+
+        def on_batch(b):
+            return self._gate.run(ticket, lambda: copy(b))
 
         return client.get(keys, obj, on_batch, marks=index.marks, tag=tag, slice=sl)
 
@@ -345,8 +382,9 @@ class AdpConnectorWorker:
         keys = cfg.keys.keys(digests, [self._layer_index[name] for name in layer_names], kind=group.index)
         job = PutJob(len(keys))
         client, ring = self.client, self.ring
+        ticket = self._gate.ticket()
 
-        def on_batch(b):
+        def copy(b):
             # objects are layer-major: object i is chunk i % n of layer i // n
             i, end = b.first, b.first + b.count
             while i < end:
@@ -357,7 +395,9 @@ class AdpConnectorWorker:
                                   blocks[ci * bpc:(ci + run) * bpc], bpc, self._stream, ready)
                 i += run
             job.copied(b.count)
-            return True
+
+        def on_batch(b):
+            return self._gate.run(ticket, lambda: copy(b))
 
         fut = client.put(keys, obj, on_batch, marks=marks * len(layer_names), tag=tag, slice=sl)
         fut.add_done_callback(lambda f: job.done())

@@ -9,6 +9,10 @@ KV / save_kv_layer, wait_for_save, get_transfer_results,
 get_block_ids_with_load_errors) and writes into every computed slot a value that
 depends on the whole token prefix, so a restore that puts wrong bytes (or the
 right bytes in the wrong block) is caught by ``check_kv``.
+
+``offloading=True``: the same with vLLM's own ``OffloadingConnector`` on both roles and
+``AdpOffloadingSpec`` as its spec (``extra`` is then added to its extra config; a chunk is
+``chunk_size`` tokens, vLLM's ``block_size`` key).
 """
 
 from __future__ import annotations
@@ -56,15 +60,22 @@ class Harness:
     def __init__(self, model_dir: str, port: int, namespace: str = "t", block_size: int = 32,
                  chunk_size: int = 64, num_blocks: int = 256, layers: int = 2,
                  max_batched: int = 512, extra: dict | None = None, groups: list | None = None,
-                 worker_specs: dict | None = None):
+                 worker_specs: dict | None = None, offloading: bool = False):
         self.block_size = block_size
         if groups is None:
             groups = [([f"model.layers.{i}.self_attn.attn" for i in range(layers)], FullAttentionSpec(
                 block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32))]
         self.layer_names = [n for names, _ in groups for n in names]
         self.group_of = {n: gi for gi, (names, _) in enumerate(groups) for n in names}
-        conf = {"adpkv.port": port, "adpkv.namespace": namespace, "adpkv.chunk_size": chunk_size,
-                "adpkv.timeout_s": 2.0, "adpkv.busy_wait_s": 5.0, "adpkv.lookup_wait_s": 2.0}
+        if offloading:
+            conf = {"spec_name": "AdpOffloadingSpec", "spec_module_path": "adpkv_vllm", "block_size": chunk_size,
+                    "adpkv.port": port, "adpkv.namespace": namespace, "adpkv.timeout_s": 2.0,
+                    "adpkv.busy_wait_s": 5.0}
+            connector = dict(kv_connector="OffloadingConnector")
+        else:
+            conf = {"adpkv.port": port, "adpkv.namespace": namespace, "adpkv.chunk_size": chunk_size,
+                    "adpkv.timeout_s": 2.0, "adpkv.busy_wait_s": 5.0, "adpkv.lookup_wait_s": 2.0}
+            connector = dict(kv_connector="AdpKVConnector", kv_connector_module_path="adpkv_vllm")
         conf.update(extra or {})
         self.vllm_config = VllmConfig(
             model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32",
@@ -73,9 +84,7 @@ class Harness:
             scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched,
                                              max_model_len=8192, enable_chunked_prefill=True,
                                              is_encoder_decoder=False),
-            kv_transfer_config=KVTransferConfig(kv_connector="AdpKVConnector",
-                                                kv_connector_module_path="adpkv_vllm",
-                                                kv_role="kv_both", engine_id=str(uuid.uuid4()),
+            kv_transfer_config=KVTransferConfig(**connector, kv_role="kv_both", engine_id=str(uuid.uuid4()),
                                                 kv_connector_extra_config=conf),
             device_config=DeviceConfig("cpu"),
         )
@@ -90,10 +99,14 @@ class Harness:
         worker_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(list(names), spec) for names, spec in worker_groups])
-        self.worker = AdpKVConnector(self.vllm_config, KVConnectorRole.WORKER, worker_config)
+        if offloading:
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+            self.worker = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, worker_config)
+        else:
+            self.worker = AdpKVConnector(self.vllm_config, KVConnectorRole.WORKER, worker_config)
         self.kv = {n: self._kv_tensor(getattr(spec, "kv_cache_specs", {}).get(n, spec), num_blocks)
                    for names, spec in worker_groups for n in names}
-        self.worker.register_kv_caches(self.kv)
+        self.register_kv_caches()
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=block_size, log_stats=True)
@@ -103,6 +116,10 @@ class Harness:
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()    # asynchronous loads ended (several groups)
         self.failed_recving: set[str] = set()
+
+    def register_kv_caches(self) -> None:
+        """What the model runner does once the KV cache is allocated."""
+        self.worker.register_kv_caches(self.kv)
 
     def _kv_tensor(self, spec, num_blocks: int) -> torch.Tensor:
         if isinstance(spec, MLAAttentionSpec):
@@ -123,32 +140,44 @@ class Harness:
     def step(self, corrupt_kv: bool = False):
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
+        kco = self.run_worker(so)
+        self.load_errors.append(kco.invalid_block_ids)
+        self.finished_sending |= kco.finished_sending or set()
+        self.finished_recving |= kco.finished_recving or set()
+        self.failed_recving |= kco.failed_recving or set()
+        req_ids = list(so.num_scheduled_tokens)
+        out = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[5] for _ in req_ids], kv_connector_output=kco)
+        self.scheduler.update_from_output(so, out)
+        return so, meta
+
+    def run_worker(self, so) -> KVConnectorOutput:
+        """The model runner's part of one step: the worker role's calls around the layers'
+        hooks and the KV each layer writes, in the order vLLM's runners make them."""
+        meta = so.kv_connector_metadata
         w = self.worker
         w.bind_connector_metadata(meta)
         w.handle_preemptions(meta)
         w.start_load_kv(None)
+        self.forward(so)
+        w.wait_for_save()
+        res = w.get_transfer_results(so.finished_req_ids)
+        errors = w.get_block_ids_with_load_errors()
+        worker_meta = w.build_connector_worker_meta()     # the OffloadingConnector's finished jobs
+        w.clear_connector_metadata()
+        return KVConnectorOutput(finished_sending=res.finished_sending or None,
+                                 finished_recving=res.finished_recving or None,
+                                 failed_recving=res.failed_recving, invalid_block_ids=errors,
+                                 kv_connector_worker_meta=worker_meta)
+
+    def forward(self, so) -> None:
+        """The pass: per layer what its attention op calls on the connector around its KV write."""
+        w = self.worker
         for li, name in enumerate(self.layer_names):
             w.wait_for_layer_load(name)
             self._compute(so, li, name)
             w.save_kv_layer(name, self.kv[name], object())
-        w.wait_for_save()
-        res = w.get_transfer_results(so.finished_req_ids)
-        errors = w.get_block_ids_with_load_errors()
-        w.clear_connector_metadata()
-        self.load_errors.append(errors)
-        self.finished_sending |= res.finished_sending
-        self.finished_recving |= res.finished_recving
-        self.failed_recving |= res.failed_recving
-        req_ids = list(so.num_scheduled_tokens)
-        out = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[5] for _ in req_ids],
-            kv_connector_output=KVConnectorOutput(finished_sending=res.finished_sending or None,
-                                                  finished_recving=res.finished_recving or None,
-                                                  failed_recving=res.failed_recving,
-                                                  invalid_block_ids=errors))
-        self.scheduler.update_from_output(so, out)
-        return so, meta
 
     def _compute(self, so, li: int, name: str) -> None:
         """Write this step's KV: every scheduled position gets its prefix value (+ layer)."""

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from adpkv_core.attachment import BACK_ON_MESSAGE
-from tiering_driver import STEP, engine_tiering, load, lookup, payload, store
+from tiering_driver import STEP, engine_tiering, load, lookup, payload, reset_cache, store
 
 ROW_TOKENS = 128          # vLLM's offload block ("block_size" in the JSON): 8 blocks of 16 tokens
 ROW_BYTES = 256 << 10     # 2 layers x K,V x 2 heads x 64 x 16 tokens x fp32 x 8 blocks
@@ -70,7 +70,7 @@ def test_json_store_load_after_restart_and_namespaces(model_dir, model_dir3, gat
         assert store(m, keys, "s1") == keys
         ev = events(m)
         assert ev["stored"] == keys and not ev["removed"]
-        m.reset_cache()                              # the CPU tier forgets: loads come from the gateway
+        reset_cache(conn)                              # the CPU tier forgets: loads come from the gateway
         res, data, _ = load(m, keys, "l1")
         assert res == [HIT] * len(keys)
         for k in keys:
@@ -119,7 +119,7 @@ def test_gateway_down_then_back(model_dir, start_gateway, caplog):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         # down: a lookup is "not found" at the first call, a store is dropped, nothing waits
-        m.reset_cache()
+        reset_cache(conn)
         from vllm.v1.kv_offload.base import ReqContext
         ctx = ReqContext("down")
         m.on_new_request(ctx)
@@ -142,7 +142,7 @@ def test_gateway_down_then_back(model_dir, start_gateway, caplog):
         assert tier._session.state["region"] is not None
         after = keys_of(4, seed=3)
         store(m, after, "s2")
-        m.reset_cache()
+        reset_cache(conn)
         res, data, _ = load(m, before + during + after, "l1")
         assert res == [LookupResult.HIT] * 4 + [LookupResult.MISS] * 4 + [LookupResult.HIT] * 4
         assert all((data[k] == payload(k, ROW_BYTES)).all() for k in before + after)
@@ -166,7 +166,7 @@ def test_evictions_are_removed_events_and_a_lost_row_is_recomputed(model_dir, st
         new = keys_of(8, seed=5)
         store(m, new, "s1")
         assert len(events(m)["stored"]) == 16
-        m.reset_cache()
+        reset_cache(conn)
         res, _, _ = lookup(m, old, "l0")
         gone = [k for k, r in zip(old, res) if r is LookupResult.MISS]
         assert gone, "the gateway evicted nothing"
@@ -251,7 +251,7 @@ def test_rows_go_through_the_ring_where_the_region_cannot_be_registered(model_di
         assert tier._session.state["region"] is None
         keys = keys_of(12, seed=8)
         assert store(m, keys, "s0") == keys
-        m.reset_cache()
+        reset_cache(conn)
         res, data, _ = load(m, keys, "l0")
         assert res == [LookupResult.HIT] * len(keys)
         for k in keys:

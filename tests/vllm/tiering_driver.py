@@ -13,10 +13,16 @@ scheduler-side connector does, with real CPU-tier memory, and no GPU.
   every secondary tier; engine steps (``on_schedule_end``) until the cascades end.
 - ``load``: ``lookup`` every key once per engine step until each is a HIT (promoted
   from a secondary tier into the CPU tier) or a MISS; returns the rows' bytes.
+- ``reset_cache(conn)``: the engine's cache reset, through vLLM's connector (vLLM 0.33 also
+  holds promotions until the workers reported the jobs in flight: the connector releases
+  them at once when none is).
+
+Every manager call here holds ``manager_lock(manager)``, as vLLM's scheduler does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from typing import Callable, Optional
@@ -26,6 +32,17 @@ import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
 STEP = ScheduleEndContext((), ())
+
+
+def manager_lock(manager):
+    """The manager's lock (vLLM >= 0.33: every caller of a manager method holds it; vLLM
+    0.32's managers have none)."""
+    return getattr(manager, "lock", None) or contextlib.nullcontext()
+
+
+def reset_cache(conn) -> None:
+    """The cache reset vLLM's engine makes (``reset_prefix_cache(reset_connector=True)``)."""
+    conn.reset_cache()
 
 
 def engine_tiering(model_dir: str, extra: dict, block_size: int = 16, layers: int = 2, heads: int = 2,
@@ -77,7 +94,8 @@ def steps_until(manager, done: Callable[[], bool], timeout_s: float = 20.0, what
     while not done():
         if time.monotonic() - t0 > timeout_s:
             raise AssertionError(f"not done within {timeout_s} s: {what}")
-        manager.on_schedule_end(STEP)
+        with manager_lock(manager):
+            manager.on_schedule_end(STEP)
         time.sleep(0.0005)
     return time.monotonic() - t0
 
@@ -86,28 +104,37 @@ def store(manager, keys: list, req_id: str, write: bool = True, timeout_s: float
     """GPU->CPU tier (rows written here) and the cascade to every secondary tier; returns the
     keys the CPU tier took."""
     ctx = ReqContext(req_id)
-    manager.on_new_request(ctx)
-    out = manager.prepare_store(keys, ctx)
+    with manager_lock(manager):
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(keys, ctx)
     assert out is not None, "the CPU tier could not take the rows"
     if write:
         view = rows(manager)
         for k, c in zip(out.keys_to_store, out.store_spec.chunk_ids):
             view[int(c)] = payload(k, view.shape[1])
-    manager.complete_store(out.keys_to_store, ctx, True)
-    manager.on_request_finished(ctx)
-    steps_until(manager, lambda: not manager.has_pending_work(), timeout_s, "the cascades")
+    with manager_lock(manager):
+        manager.complete_store(out.keys_to_store, ctx, True)
+        manager.on_request_finished(ctx)
+
+    def cascaded():
+        with manager_lock(manager):
+            return not manager.has_pending_work()
+
+    steps_until(manager, cascaded, timeout_s, "the cascades")
     return list(out.keys_to_store)
 
 
 def lookup(manager, keys: list, req_id: str, timeout_s: float = 20.0):
     """Look every key up once per step until none is RETRY / HIT_PENDING; (results, ctx, seconds)."""
     ctx = ReqContext(req_id)
-    manager.on_new_request(ctx)
+    with manager_lock(manager):
+        manager.on_new_request(ctx)
     results: list = []
 
     def settled():
         nonlocal results
-        results = [manager.lookup(k, ctx) for k in keys]
+        with manager_lock(manager):
+            results = [manager.lookup(k, ctx) for k in keys]
         return all(r in (LookupResult.HIT, LookupResult.MISS) for r in results)
 
     seconds = steps_until(manager, settled, timeout_s, "the lookups")
@@ -119,11 +146,12 @@ def load(manager, keys: list, req_id: str, timeout_s: float = 20.0):
     results, ctx, seconds = lookup(manager, keys, req_id, timeout_s)
     hits = [k for k, r in zip(keys, results) if r is LookupResult.HIT]
     data = {}
-    if hits:
-        spec = manager.prepare_load(hits, ctx)
-        view = rows(manager)
-        data = {k: view[int(c)].copy() for k, c in zip(hits, spec.chunk_ids)}
-        manager.complete_load(hits, ctx)
-    manager.on_request_finished(ctx)
-    manager.on_schedule_end(STEP)
+    with manager_lock(manager):
+        if hits:
+            spec = manager.prepare_load(hits, ctx)
+            view = rows(manager)
+            data = {k: view[int(c)].copy() for k, c in zip(hits, spec.chunk_ids)}
+            manager.complete_load(hits, ctx)
+        manager.on_request_finished(ctx)
+        manager.on_schedule_end(STEP)
     return results, data, seconds
