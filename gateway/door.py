@@ -135,18 +135,19 @@ class DoorServer:
     """The listening door and its sessions; runs on the gateway loop's thread.
 
     ``register(fd)`` / ``unregister(fd)`` put descriptors into the loop's poller;
-    ``on_session_closed(session)`` lets the gateway detach what the session attached.
+    ``on_session_closed(session)`` lets the gateway detach what the session attached;
+    ``ring_for(session)`` is the ring a session's RING gets (its engine's; raises
+    ``ProtocolError`` FORBIDDEN when the session has no attached rank of an engine its user owns).
     """
 
-    def __init__(self, path: str, mode: int, group: str, operator_group: str, ring: Ring,
+    def __init__(self, path: str, mode: int, group: str, operator_group: str, ring_for: Callable[[Session], Ring],
                  register: Callable[[int], None], unregister: Callable[[int], None],
                  on_session_closed: Callable[[Session], None]):
         self.path = path
-        self.ring = ring
+        self._ring_for = ring_for
         self._register = register
         self._unregister = unregister
         self._on_session_closed = on_session_closed
-        self._ring_ino = os.fstat(ring.fd)[stat.ST_INO], os.fstat(ring.fd)[stat.ST_DEV]
         self.operator_gid = _group_id(operator_group) if operator_group else None
         self.sessions: dict[int, Session] = {}          # by connection descriptor
         self.by_token: dict[bytes, Session] = {}
@@ -249,11 +250,13 @@ class DoorServer:
 
     # ------------------------------------------------------------------ requests
     def _handle(self, session: Session, msg: P.DoorRequest, fds: list[int]) -> None:
+        if isinstance(msg, (P.SessionRequest, P.RingRequest)) and fds:
+            raise P.ProtocolError(P.BAD_MESSAGE, f"{msg.op} takes no descriptor")
         if isinstance(msg, P.SessionRequest):
-            if fds:
-                raise P.ProtocolError(P.BAD_MESSAGE, "SESSION takes no descriptor")
-            self._reply(session, P.SessionOk(id=msg.id, token=session.token, ring_size=self.ring.size),
-                        [self.ring.fd])
+            self._reply(session, P.SessionOk(id=msg.id, token=session.token))
+        elif isinstance(msg, P.RingRequest):
+            ring = self._ring_for(session)
+            self._reply(session, P.RingOk(id=msg.id, size=ring.size), [ring.fd])
         else:
             region = self._region(session, msg, fds)
             self._reply(session, P.RegionOk(id=msg.id, region=region))
@@ -270,7 +273,7 @@ class DoorServer:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise P.ProtocolError(P.BAD_REGION, "a region must be a regular file (a shared-memory buffer)")
-        if (st.st_ino, st.st_dev) == self._ring_ino or is_ring_fd(fd):
+        if is_ring_fd(fd):
             raise P.ProtocolError(P.BAD_REGION, "a ring cannot be a region")
         if not _is_shared_memory(fd):
             raise P.ProtocolError(P.BAD_REGION, f"a region must be a shared-memory buffer: a file directly "

@@ -9,7 +9,9 @@ expects):
   region the client shrank or closed fails a call, it cannot fault the gateway.
 - Nothing is written into a region once the client gave up on the request (``write_by``
   passed: its engine may reuse the buffer), nor past the region's size now (a write would
-  grow the client's file); ``door.Region.size_now`` is that check, made again before every write.
+  grow the client's file); ``door.Region.size_now`` is that check, made again before every
+  write, and the last check of ``write_by`` and the write itself happen under a lock the
+  client waits for before it takes its buffer back (``adpkv_core.region_lock.write_before``).
 - Nothing read from a region is stored once the client gave up on a PUT (``read_by``), nor
   from a region shorter than the object.
 
@@ -22,6 +24,8 @@ from __future__ import annotations
 import os
 import time
 from typing import Optional
+
+from adpkv_core.region_lock import write_before
 
 from .scatter import Scatter
 from .store import ObjectStore
@@ -60,12 +64,8 @@ def to_region(region, items: list, write_by: Optional[float]) -> list[tuple[int,
     out = []
     for j, view, place in items:
         size_now = region.size_now(write_by)
-        ok = False
-        if size_now is not None and place + len(view) <= size_now:
-            try:
-                ok = os.pwritev(region.fd, [view], place) == len(view)
-            except OSError:
-                pass
+        ok = size_now is not None and place + len(view) <= size_now and \
+            write_before(region.fd, view, place, write_by) == len(view)
         out.append((j, ok))
     return out
 

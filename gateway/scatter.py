@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from adpkv_core.region_lock import write_before
+
 
 class Scatter:
     """The regions of a scattered region request: piece k of every object is ``lengths[k]``
@@ -57,10 +59,7 @@ class Scatter:
             size_now = region.size_now(write_by)
             if size_now is None or off + length > size_now:
                 return False
-            try:
-                if os.pwritev(region.fd, [view[pos:pos + length]], off) != length:
-                    return False
-            except OSError:
+            if write_before(region.fd, view[pos:pos + length], off, write_by) != length:
                 return False
             pos += length
         return True

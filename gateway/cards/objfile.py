@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Optional
 
+from adpkv_core.region_lock import write_before
+
 from ..checksum import Xxh3Stream, xxh3_64
 from . import objfmt
 
@@ -87,11 +89,14 @@ def _read_hashed(fd: int, header: memoryview, buf: memoryview, hasher: Xxh3Strea
     return (HEADER_BYTES + pos if pos else min(got, HEADER_BYTES)), hasher.digest()
 
 
-def read_object_file(path: str, fkey: bytes, buf: memoryview, o_direct: bool, scratch: Scratch) -> Optional[str]:
+def read_object_file(path: str, fkey: bytes, buf: memoryview, o_direct: bool, scratch: Scratch,
+                     shared: bool = True) -> Optional[str]:
     """Read the payload of one object file into ``buf`` (exactly its length), checking
     header and checksum. None when the bytes are right, else what is wrong: "missing",
     "truncated", "bad header", "checksum mismatch" or "I/O error: ...". Runs in the
-    gateway's I/O threads and in its I/O processes alike."""
+    gateway's I/O threads and in its I/O processes alike. ``shared``: ``buf`` is memory
+    others may write (a ring slot): a checksum that fails there is checked again on a
+    private read of the file before the object is called corrupt."""
     n = len(buf)
     try:
         fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))
@@ -120,6 +125,15 @@ def read_object_file(path: str, fkey: bytes, buf: memoryview, o_direct: bool, sc
         digest_ok = objfmt.payload_ok(header, buf)
     else:
         digest_ok = digest == objfmt.payload_checksum(header)
+    if not digest_ok and shared:
+        # ``buf`` is a ring slot the engine's ranks map too: its bytes may have changed since
+        # they were read. Only the file's own bytes, checked in private memory, can say the
+        # object is corrupt; when they check, they are what lands in ``buf``.
+        private = scratch.bounce_of(n)
+        problem = read_object_file(path, fkey, private, False, scratch, shared=False)
+        if problem is None:
+            buf[:] = private
+        return problem
     if not digest_ok:
         return "checksum mismatch"
     return None
@@ -173,13 +187,7 @@ def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: in
             if os.preadv(fd, [piece[:k]], HEADER_BYTES + pos) != k:
                 return "truncated"
             hasher.update(piece[:k])
-            if write_by is not None and time.monotonic() >= write_by:
-                return REGION_WRITE_FAILED
-            try:
-                written = os.pwrite(out_fd, piece[:k], out_offset + pos)
-            except OSError:
-                written = -1
-            if written != k:
+            if write_before(out_fd, piece[:k], out_offset + pos, write_by) != k:
                 return REGION_WRITE_FAILED
     except OSError as exc:
         return f"I/O error: {exc}"
@@ -270,13 +278,7 @@ def _check_and_land(header: memoryview, payload: memoryview, fkey: bytes, n: int
         return "bad header"
     if not objfmt.payload_ok(header, payload):
         return "checksum mismatch"
-    if write_by is not None and time.monotonic() >= write_by:
-        return REGION_WRITE_FAILED
-    try:
-        written = os.pwrite(out_fd, payload, out_offset)
-    except OSError:
-        written = -1
-    return None if written == n else REGION_WRITE_FAILED
+    return None if write_before(out_fd, payload, out_offset, write_by) == n else REGION_WRITE_FAILED
 
 
 class FdSlice:
