@@ -127,14 +127,16 @@ def _hunt_the_ring(port, engine_id, needles, seconds):
         if size:
             maps.append(mmap.mmap(fd, size, mmap.MAP_SHARED))
     seen["memory_fds"] = len(maps)
-    found = 0
+    found, rounds = 0, 0
     deadline = time.monotonic() + seconds
     junk = os.urandom(1 << 16)
     while maps and time.monotonic() < deadline:
         for mm in maps:
-            found += sum(mm.find(n) >= 0 for n in needles)
+            if rounds % 8 == 0:
+                found += sum(mm.find(n) >= 0 for n in needles)
             for off in range(0, len(mm) - len(junk) + 1, len(junk)):
                 mm[off:off + len(junk)] = junk
+        rounds += 1
     seen["root_bytes_seen"] = found
     s.close()
     return seen

@@ -164,7 +164,8 @@ def test_rings_and_foreign_ranges_are_refused(gateway, shm_buffer):
     c = _client(gateway.port, "region-ring")
     try:
         assert _refusal(gateway.port, c._ring.fd, 0, 4096).code == "BAD_REGION"    # this gateway's ring
-        with GatewayProcess(str(gateway.card_dirs[0]) + "-other") as other:              # another gateway's
+        with GatewayProcess(str(gateway.card_dirs[0]) + "-other", shared_memory_size=64 << 20) as other:  # another
+            # gateway's ring (its engine's: handed to our attached rank there)
             other_client = _client(other.port, "region-ring-other")
             try:
                 assert _refusal(gateway.port, other_client._ring.fd, 0, 4096).code == "BAD_REGION"
