@@ -271,10 +271,11 @@ class GatewayClient:
         if n == 0 or not self._link.enabled or self.rank is None:
             return resolved(nothing(op, n))
         locks = ()
-        if into is not None:
+        if into is not None and op == "GET":
+            # the request's own duplicates (closed when it resolves): close() may close ours meanwhile
             region, _, pieces = into
             ids = {region} if pieces is None else {int(r) for r, _ in pieces}
-            locks = tuple(self._region_locks[r] for r in ids if r in self._region_locks)
+            locks = tuple(os.dup(self._region_locks[r]) for r in ids if r in self._region_locks)
         msg, pending = data_request(op, keys, object_bytes, on_batch, marks, tag, slice_, unlock, into,
                                     self.config.timeout_s, locks)
         return self._link.submit(msg, pending)

@@ -228,6 +228,7 @@ class Link:
                 self._run_batch(msg, pending)
             return
         del self._pending[req_id]
+        _close_locks(pending)           # answered: the gateway's writes into our regions are done
         if pending.ok is None:          # a control call
             pending.future.set_result(msg)
             return
@@ -284,8 +285,8 @@ class Link:
         pending.future.set_result(None if pending.ok is None else nothing(pending.op, pending.n))
 
     def _hand_back(self, pending: Pending) -> None:
-        locks, pending.region_locks = pending.region_locks, ()
-        take_back(locks, f"a {pending.op} of {pending.n} objects")
+        take_back(pending.region_locks, f"a {pending.op} of {pending.n} objects")
+        _close_locks(pending)
         self._fail(pending)
 
     def _fail_in_flight(self) -> None:
@@ -296,3 +297,10 @@ class Link:
     def _fail_queued(self) -> None:
         while self._outbox:
             self._fail(self._outbox.popleft()[1])
+
+
+def _close_locks(pending: Pending) -> None:
+    """Close a request's own descriptors of its regions (``region_lock``), once."""
+    locks, pending.region_locks = pending.region_locks, ()
+    for fd in locks:
+        os.close(fd)

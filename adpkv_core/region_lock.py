@@ -7,9 +7,11 @@ client gave up and the engine reused its buffer. Open-file-description byte-rang
 (``F_OFD_SETLK``, they work on memfds and /dev/shm files, the only regions there are) close
 that window:
 
-- the gateway (``write_before``) takes a *shared* lock on the bytes it is about to write,
-  without waiting, then checks ``write_by``, writes, and drops the lock. A refused lock means
-  the client holds its exclusive one: it gave up, nothing is written;
+- the gateway (``holding``) takes a *shared* lock on the bytes an I/O task is about to write,
+  without waiting, then checks ``write_by`` and writes, object by object, and drops the lock
+  when the task is done. A refused lock means the client holds its exclusive one: it gave up,
+  nothing is written (a client that holds its lock for long only makes its own requests miss:
+  the gateway never waits for a client);
 - a client that gave up (``take_back``, once ``write_by`` passed) takes an *exclusive* lock
   on the whole file on a descriptor of its own (an OFD lock belongs to an open file
   description: the gateway's is the one the client passed at the door, so the client opens
@@ -23,19 +25,20 @@ it has to wait and one when the gateway let go: waiting is what keeps the engine
 right; a buffer the gateway may still write into is never handed back.
 
 The gateway's locks are all of one open file description per region (its descriptor), so two
-of its writes into overlapping bytes at once (a client with two GETs into the same bytes in
-flight: they race with each other anyway) do not hold each other's lock.
+of its tasks writing into overlapping bytes at once (a client with two GETs into the same bytes
+in flight: they race with each other anyway) do not hold each other's lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import os
 import struct
 import time
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional, Sequence
 
 logger = logging.getLogger("adpkv.client")
 
@@ -45,28 +48,32 @@ def _flock(kind: int, start: int, length: int) -> bytes:
     return struct.pack("hhqqi4x", kind, os.SEEK_SET, start, length, 0)
 
 
-def write_before(fd: int, data, offset: int, write_by: Optional[float]) -> int:
-    """The gateway's write of ``data`` into a client's region at ``offset``: the bytes written,
-    or -1 when nothing was (the client gave up: ``write_by`` passed or it holds its exclusive
-    lock; or the write failed). The check and the write happen under a shared lock on the bytes."""
-    n = len(data)
-    if write_by is None:
-        try:
-            return os.pwrite(fd, data, offset)
-        except OSError:
-            return -1
+@contextlib.contextmanager
+def holding(spans: Sequence[tuple[int, int, int]], write_by: Optional[float]) -> Iterator[bool]:
+    """The gateway's side, around one I/O task's writes into client regions: a shared lock on
+    each ``(fd, start, end)`` byte span, taken without waiting, for the task's duration; yields
+    whether the task may write at all (False: a client holds its exclusive lock, it gave up).
+    Every ``write_by`` check and write of the task happen inside. No lock without ``write_by``
+    (a request with no give-up moment has nothing to hand back). One lock per task, not per
+    object: the lock's cost (two ``fcntl`` calls, each a release of the GIL) is paid once for
+    up to ``transfers.IO_TASK_ITEMS`` objects."""
+    held: list[tuple[int, int, int]] = []
     try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_RDLCK, offset, n))
-    except OSError:
-        return -1               # EAGAIN: the client took its buffer back
-    try:
-        if time.monotonic() >= write_by:
-            return -1
-        return os.pwrite(fd, data, offset)
-    except OSError:
-        return -1
+        if write_by is not None:
+            for fd, start, end in spans:
+                try:
+                    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_RDLCK, start, end - start))
+                except OSError:
+                    yield False         # EAGAIN: the client took its buffer back (or the lock failed)
+                    return
+                held.append((fd, start, end))
+        yield True
     finally:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, offset, n))
+        for fd, start, end in held:
+            try:
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, start, end - start))
+            except OSError:
+                pass                    # the descriptor is gone with its session: so is the lock
 
 
 def take_back(fds: Iterable[int], what: str = "a region request") -> None:

@@ -141,7 +141,8 @@ def data_request(op: str, keys: Sequence[bytes], object_bytes: int, on_batch: Op
     """The GET or PUT message of ``keys`` and its ``Pending``. ``into``: ``(region, at, None)``
     for one registered region, ``(None, at, pieces)`` for pieces of several, None for the
     ring (``on_batch`` copies); ``timeout_s``: how long the client waits for the gateway;
-    ``region_locks``: our own descriptors of the regions ``into`` names."""
+    ``region_locks``: a GET's own descriptors of the regions ``into`` names (the ``Pending``
+    owns them: ``link.Link`` closes them when the request resolves)."""
     region, at, pieces = into if into is not None else (None, None, None)
     fields = dict(keys=list(keys), obj=int(object_bytes), marks=None if marks is None else list(marks),
                   tag=None if tag is None else str(tag), region=region, at=at,

@@ -18,8 +18,6 @@ import threading
 import time
 from typing import Optional
 
-from adpkv_core.region_lock import write_before
-
 from ..checksum import Xxh3Stream, xxh3_64
 from . import objfmt
 
@@ -187,7 +185,13 @@ def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: in
             if os.preadv(fd, [piece[:k]], HEADER_BYTES + pos) != k:
                 return "truncated"
             hasher.update(piece[:k])
-            if write_before(out_fd, piece[:k], out_offset + pos, write_by) != k:
+            if write_by is not None and time.monotonic() >= write_by:
+                return REGION_WRITE_FAILED
+            try:
+                written = os.pwrite(out_fd, piece[:k], out_offset + pos)
+            except OSError:
+                written = -1
+            if written != k:
                 return REGION_WRITE_FAILED
     except OSError as exc:
         return f"I/O error: {exc}"
@@ -278,7 +282,13 @@ def _check_and_land(header: memoryview, payload: memoryview, fkey: bytes, n: int
         return "bad header"
     if not objfmt.payload_ok(header, payload):
         return "checksum mismatch"
-    return None if write_before(out_fd, payload, out_offset, write_by) == n else REGION_WRITE_FAILED
+    if write_by is not None and time.monotonic() >= write_by:
+        return REGION_WRITE_FAILED
+    try:
+        written = os.pwrite(out_fd, payload, out_offset)
+    except OSError:
+        written = -1
+    return None if written == n else REGION_WRITE_FAILED
 
 
 class FdSlice:
