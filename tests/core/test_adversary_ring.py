@@ -193,6 +193,12 @@ def _ring_identity(fd: int) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+def _rings_mapped(pid: int) -> int:
+    """How many mappings of a ring memfd the process ``pid`` holds."""
+    with open(f"/proc/{pid}/maps") as fh:
+        return sum("/memfd:adpkv-ring-" in line for line in fh)
+
+
 def _nobody_engine_puts(port, keys):
     c = GatewayClient(ClientConfig(port=port, timeout_s=10.0, busy_wait_s=5.0), "nobody-engine-second")
     try:
@@ -247,6 +253,11 @@ def test_engines_in_turn_never_share_a_ring(start_gateway, open_dir, io_processe
     assert not any(old.find(pattern(k, 0, OBJ)[:64]) >= 0 for k in nobody_keys)
     old.close()
     os.close(kept)
+    # both engines detached: the gateway maps no ring any more (each went once nothing used it)
+    deadline = time.monotonic() + 10
+    while _rings_mapped(gw.proc.pid) and time.monotonic() < deadline:
+        select.select([], [], [], 0.05)
+    assert _rings_mapped(gw.proc.pid) == 0
     # 65534 first, root second
     ctx = mp.get_context("fork")
     detached, root_done = ctx.Event(), ctx.Event()
