@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Optional, Sequence
+from typing import Sequence
 
 from . import protocol as P
 from .ring import Ring

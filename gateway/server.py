@@ -111,8 +111,9 @@ class Gateway:
                                register=lambda fd: self.poller.register(fd, zmq.POLLIN),
                                unregister=self.poller.unregister, on_session_closed=self._on_session_closed)
         self.status_writing = False
-        self.transfers = Transfers(config.shared_memory_size,
-                                   lambda: Ring.create(config.port, config.shared_memory_size), self.store, self.pool, self.procs, config.thread_pool_size,
+        self.transfers = Transfers(config.shared_memory_size,        # a ring per engine, made as it attaches
+                                   lambda: Ring.create(config.port, config.shared_memory_size), self.store,
+                                   self.pool, self.procs, config.thread_pool_size,
                                    run=self._run, send=self._send, attached=lambda ident: ident in self.engines.peers,
                                    unpin=lambda ident, keys: self._release_pins(self.engines.peers[ident], keys))
         self.counters = collections.Counter()

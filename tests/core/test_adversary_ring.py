@@ -38,7 +38,7 @@ from adpkv_core.door import door_path
 from adpkv_core.settings import ClientConfig
 
 from .rankproc import make_keys, pattern
-from .test_security import NOBODY, as_nobody
+from .test_security import as_nobody
 
 OBJ = 256 << 10          # one read piece of the fs card's page-cache path (hashing after each piece)
 
