@@ -7,7 +7,8 @@ the gateway stops answering, the client turns the external cache off on this
 rank (logged once) and every later call resolves at once as a miss / no-op:
 the engine keeps serving from its own memory.
 
-This module is the public API and the attachment (the door, the ring, HELLO); the
+This module is the public API and the attachment (the door, HELLO, then the engine's
+ring: the gateway hands it only to an attached rank of its owner); the
 rest is in ``request`` (what a request sends and resolves with: ``RingBatch``, the
 ``BatchCallback`` contract, ``StoreResult``, region and scattered requests) and ``link``
 (the control connection and its I/O thread: replies, copies, heartbeats, deadlines,
@@ -86,6 +87,7 @@ class GatewayClient:
         self._ring: Optional[Ring] = None
         self._door: Optional[DoorSession] = None
         self._door_lock = threading.Lock()       # door requests: one at a time
+        self._region_locks: dict[int, int] = {}   # region id -> our own descriptor of it (region_lock)
         self._link = Link(config, rank)
         self._attach(layout or {})
 
@@ -134,16 +136,27 @@ class GatewayClient:
             logger.warning("Cannot open %s as a region: %s", path, exc)
             return resolved(None)
         try:
+            # our own open file description of the buffer, for taking it back from the gateway
+            # (``region_lock.take_back``): the gateway's locks are on the one we pass it
+            lock_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            os.close(fd)
+            logger.warning("Cannot open %s again for its lock: %s", path, exc)
+            return resolved(None)
+        try:
             with self._door_lock:
                 reply = self._door.register_region(fd, offset, size)
         except (OSError, EOFError, P.ProtocolError) as exc:
             logger.warning("Registering region %s failed: %s", path, exc)
-            return resolved(None)
+            reply = None
         finally:
             os.close(fd)
         if isinstance(reply, P.Error):
             logger.warning("The gateway refused region %s: %s %s", path, reply.code, reply.msg)
+        if not isinstance(reply, P.RegionOk):
+            os.close(lock_fd)
             return resolved(None)
+        self._region_locks[reply.region] = lock_fd
         return resolved(reply.region)
 
     def get_into(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
@@ -199,6 +212,9 @@ class GatewayClient:
             self._ring.close()
         if self._door is not None:
             self._door.close()
+        for fd in self._region_locks.values():
+            os.close(fd)
+        self._region_locks.clear()
 
     # ---------------------------------------------------------------- internals
     def _attach(self, layout: dict) -> None:
@@ -211,14 +227,6 @@ class GatewayClient:
         except (OSError, EOFError, ValueError, P.ProtocolError) as exc:
             self._link.turn_off(f"no gateway let us in at {door} ({exc})")
             return
-        try:
-            ring = Ring.from_fd(session.ring_fd, session.ring_size) if self.rank is not None else None
-        except (OSError, ValueError) as exc:
-            session.close()
-            self._link.turn_off(f"the gateway's ring is not usable: {exc}")
-            return
-        if self.rank is None:
-            os.close(session.ring_fd)
         self._door = session
         self._link.watch_door(session)
         try:
@@ -226,8 +234,6 @@ class GatewayClient:
                             rank=self.rank, role="rank" if self.rank is not None else "lookup",
                             namespace=self.config.namespace, layout=layout)
         except (ValueError, TypeError) as exc:
-            if ring is not None:
-                ring.close()
             self._link.turn_off(f"this engine cannot attach: {exc}")
             return
         busy_until = time.monotonic() + self.config.busy_wait_s
@@ -244,10 +250,7 @@ class GatewayClient:
             time.sleep(0.5)
         # only the gateway behind the door knows the session's proof: anything else that
         # answers on the control port (a process that took the port) is not our gateway
-        impostor = isinstance(reply, P.HelloOk) and not hmac.compare_digest(reply.proof, session.proof)
-        if (not isinstance(reply, P.HelloOk) or impostor) and ring is not None:
-            ring.close()
-        if impostor:
+        if isinstance(reply, P.HelloOk) and not hmac.compare_digest(reply.proof, session.proof):
             self._link.turn_off(f"what answers on {self.config.host}:{self.config.port} is not the gateway of "
                                 f"the door {door} (its HELLO reply lacks the session's proof): another process "
                                 "holds the control port; not attaching to it")
@@ -264,6 +267,13 @@ class GatewayClient:
         if self.rank is None:
             logger.info("Attached to the adpkv gateway on port %d for lookups", self.config.port)
             return
+        # the ring of our engine, only now: it is handed to an attached rank of its owner only
+        try:
+            with self._door_lock:
+                ring = session.ring()
+        except (OSError, EOFError, ValueError, P.ProtocolError) as exc:
+            self._link.turn_off(f"the gateway's ring is not usable: {exc}")
+            return
         self._ring = ring
         self.ring = ring.buf
         logger.info("Attached to the adpkv gateway on port %d as rank %d/%d (ring %d bytes)",
@@ -273,6 +283,12 @@ class GatewayClient:
         n = len(keys)
         if n == 0 or not self._link.enabled or self.rank is None:
             return resolved(nothing(op, n))
+        locks = ()
+        if into is not None and op == "GET":
+            # the request's own duplicates (closed when it resolves): close() may close ours meanwhile
+            region, _, pieces = into
+            ids = {region} if pieces is None else {int(r) for r, _ in pieces}
+            locks = tuple(os.dup(self._region_locks[r]) for r in ids if r in self._region_locks)
         msg, pending = data_request(op, keys, object_bytes, on_batch, marks, tag, slice_, unlock, into,
-                                    self.config.timeout_s)
+                                    self.config.timeout_s, locks)
         return self._link.submit(msg, pending)

@@ -7,8 +7,12 @@ that port is served to a process that has not first come through the door:
   default). Its file permissions decide who may connect at all; the gateway reads
   the peer's credentials (``SO_PEERCRED``) on every connection;
 - ``SESSION`` answers a random session token (carried by HELLO, STATS and CLEAN on
-  the control port) and the ring itself as an open file descriptor (``SCM_RIGHTS``):
-  a sealed memfd that no one can shrink or grow, so no engine can make the gateway
+  the control port), and nothing else: no session maps any memory before it is settled
+  whose engine it serves;
+- ``RING``, once a connection of the session is attached (HELLO) as a rank of an engine
+  the session's user owns, answers that engine's ring as an open file descriptor
+  (``SCM_RIGHTS``): a sealed memfd of the engine's own (a fresh one for every engine
+  that attaches), that no one can shrink or grow, so no engine can make the gateway
   fault on it. There is no ring file to open, replace or link to;
 - ``REGION`` hands the gateway an open descriptor of a buffer of the client's own
   (an engine's shared-memory file). The gateway never opens a path on a client's
@@ -33,6 +37,7 @@ import struct
 from typing import Optional, Sequence
 
 from . import protocol as P
+from .ring import Ring
 
 SHM_DIR = "/dev/shm"
 MAX_PACKET = 1 << 16          # a door message is small: a map of a few fields
@@ -93,6 +98,7 @@ def recv(sock: socket.socket) -> tuple[bytes, list[int]]:
 
 
 _SESSION_REPLY = P.ReplyDecoder(P.SessionOk)
+_RING_REPLY = P.ReplyDecoder(P.RingOk)
 _REGION_REPLY = P.ReplyDecoder(P.RegionOk)
 
 
@@ -106,7 +112,7 @@ def close_fds(fds) -> None:
 
 
 class DoorSession:
-    """A client's session at the gateway's door: its token, the ring, its regions.
+    """A client's session at the gateway's door: its token, its engine's ring, its regions.
 
     Requests on the door are synchronous and serialised by the caller (one at a time);
     they are rare (once at attach, once per registered region).
@@ -118,7 +124,6 @@ class DoorSession:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout_s)
-        self.ring_fd: Optional[int] = None
         try:
             self.sock.connect(path)
             check_gateway(self.sock, path, default_trusted_uids() if trusted_uids is None else trusted_uids)
@@ -126,15 +131,24 @@ class DoorSession:
         except BaseException:
             self.sock.close()
             raise
-        if not isinstance(reply, P.SessionOk) or len(fds) != 1:
-            close_fds(fds)
+        close_fds(fds)
+        if not isinstance(reply, P.SessionOk):
             self.sock.close()
             raise ConnectionRefusedError(f"the gateway at {path} refused a session: "
                                          f"{getattr(reply, 'code', '')} {getattr(reply, 'msg', '')}")
         self.token: bytes = reply.token
         self.proof: bytes = reply.proof
-        self.ring_size: int = reply.ring_size
-        self.ring_fd = fds[0]
+
+    def ring(self) -> Ring:
+        """The ring of this session's engine, mapped (RING: only after a HELLO of ours as a rank
+        was answered). ``ConnectionRefusedError`` when the gateway refuses, ``ValueError`` when
+        what it handed is not a sealed ring of the size it announced."""
+        reply, fds = self.request(P.RingRequest(), _RING_REPLY)
+        if not isinstance(reply, P.RingOk) or len(fds) != 1:
+            close_fds(fds)
+            raise ConnectionRefusedError(f"the gateway at {self.path} handed no ring: "
+                                         f"{getattr(reply, 'code', '')} {getattr(reply, 'msg', '')}")
+        return Ring.from_fd(fds[0], reply.size)
 
     def request(self, msg: P.Message, replies: P.ReplyDecoder, fds: Sequence[int] = ()) -> tuple[P.Message, list[int]]:
         """Send ``msg`` (with ``fds``); the reply, decoded by ``replies``, and its descriptors."""
@@ -157,6 +171,6 @@ class DoorSession:
         return self.sock.fileno()
 
     def close(self) -> None:
-        """Close the door connection (the gateway then forgets the session); the ring
-        descriptor is the caller's to close."""
+        """Close the door connection (the gateway then forgets the session); a ring it
+        handed (``ring``) is the caller's to close."""
         self.sock.close()

@@ -34,6 +34,7 @@ import zmq
 
 from . import protocol as P
 from .door import DoorSession
+from .region_lock import take_back
 from .request import OK, REGION_WRITE_MARGIN_S, Pending, RingBatch, StoreResult, nothing, reply_flags, resolved
 from .settings import ClientConfig
 
@@ -227,6 +228,7 @@ class Link:
                 self._run_batch(msg, pending)
             return
         del self._pending[req_id]
+        _close_locks(pending)           # answered: the gateway's writes into our regions are done
         if pending.ok is None:          # a control call
             pending.future.set_result(msg)
             return
@@ -268,17 +270,24 @@ class Link:
     def _fail(self, pending: Pending) -> None:
         """Resolve a request that will get no answer as a miss / not stored. A request into or
         out of one of our regions resolves only once the gateway may no longer touch it
-        (``region_by``): until then the engine must not reuse the buffer."""
+        (``region_by`` passed, and for a GET no gateway write into its regions is still in
+        progress: ``region_lock.take_back``, on a thread of its own, as long as that takes):
+        until then the engine must not reuse the buffer."""
         if pending.future.done():
             return
         wait = pending.region_by - time.monotonic() if pending.region_by is not None else 0.0
-        if wait > 0:
+        if wait > 0 or pending.region_locks:
             pending.region_by = None
-            timer = threading.Timer(wait, lambda: self._fail(pending))
+            timer = threading.Timer(max(0.0, wait), self._hand_back, (pending,))
             timer.daemon = True
             timer.start()
             return
         pending.future.set_result(None if pending.ok is None else nothing(pending.op, pending.n))
+
+    def _hand_back(self, pending: Pending) -> None:
+        take_back(pending.region_locks, f"a {pending.op} of {pending.n} objects")
+        _close_locks(pending)
+        self._fail(pending)
 
     def _fail_in_flight(self) -> None:
         for pending in list(self._pending.values()):
@@ -288,3 +297,10 @@ class Link:
     def _fail_queued(self) -> None:
         while self._outbox:
             self._fail(self._outbox.popleft()[1])
+
+
+def _close_locks(pending: Pending) -> None:
+    """Close a request's own descriptors of its regions (``region_lock``), once."""
+    locks, pending.region_locks = pending.region_locks, ()
+    for fd in locks:
+        os.close(fd)

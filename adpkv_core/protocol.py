@@ -28,7 +28,8 @@ Requests (client → gateway, ZeroMQ)::
 
 Door requests (client → gateway, Unix socket, ``adpkv_core.door``)::
 
-    SESSION                                            -> OK token proof ring_size  + the ring's fd
+    SESSION                                            -> OK token proof
+    RING    (after HELLO as a rank of the engine)       -> OK size  + the engine's ring fd | ERROR FORBIDDEN
     REGION  offset, size   + one fd                    -> OK region
 
 ``session`` is the token a process got at the gateway's door: nothing but PING is
@@ -72,6 +73,7 @@ CLEAN_REFUSED = "CLEAN_REFUSED"      # shared_storage: nothing was deleted
 BAD_REGION = "BAD_REGION"            # a region that cannot be used, or a range outside it
 FORBIDDEN = "FORBIDDEN"              # no session, another user's engine, or not an operator
 CARD_ERROR = "CARD_ERROR"            # the cards did not answer a metadata request
+NO_RESOURCES = "NO_RESOURCES"        # the gateway is out of descriptors or memory for this now; try later
 INTERNAL = "INTERNAL"                # a bug in the gateway; never an answer to bad input
 
 
@@ -303,7 +305,13 @@ class Error(Message, **_op("ERROR")):
 
 # ---------------------------------------------------------------- door messages
 class SessionRequest(Message, **_op("SESSION")):
-    """Open a session (door); the reply carries the ring's descriptor."""
+    """Open a session (door): its token. No ring: that is RING's, after HELLO."""
+
+
+class RingRequest(Message, **_op("RING")):
+    """The ring of the session's engine (door), once a connection of the session is attached
+    to it as a rank (HELLO) and the session's user owns it; the reply carries its descriptor.
+    FORBIDDEN otherwise."""
 
 
 class RegionRequest(Message, **_op("REGION")):
@@ -316,14 +324,17 @@ class RegionRequest(Message, **_op("REGION")):
 class SessionOk(Message, **_op("OK")):
     token: bytes = b""
     proof: bytes = b""      # what this gateway answers HELLO with (the client checks it)
-    ring_size: int = 0
+
+
+class RingOk(Message, **_op("OK")):
+    size: int = 0
 
 
 class RegionOk(Message, **_op("OK")):
     region: int = 0
 
 
-DoorRequest = Union[SessionRequest, RegionRequest]
+DoorRequest = Union[SessionRequest, RingRequest, RegionRequest]
 
 # ---------------------------------------------------------------- encoding and decoding
 _encoder = msgspec.msgpack.Encoder()
@@ -379,11 +390,11 @@ def decode_request(frame: bytes) -> Request:
     return msg
 
 
-def decode_door_request(frame: bytes) -> Union[SessionRequest, RegionRequest]:
+def decode_door_request(frame: bytes) -> DoorRequest:
     try:
         msg = _door_decoder.decode(frame)
     except _BAD_FRAME as exc:
-        raise _classify(frame, {"SESSION", "REGION"}, exc) from None
+        raise _classify(frame, {"SESSION", "RING", "REGION"}, exc) from None
     if msg.v != PROTOCOL_VERSION:
         raise ProtocolError(BAD_VERSION, f"protocol version {msg.v}, this side speaks {PROTOCOL_VERSION}")
     return msg

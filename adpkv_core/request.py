@@ -93,7 +93,8 @@ def nothing(op: str, n: int):
 class Pending:
     """A request in flight: how its replies decode and where its result goes."""
 
-    __slots__ = ("future", "op", "n", "on_batch", "deadline", "ok", "slice", "replies", "region_by")
+    __slots__ = ("future", "op", "n", "on_batch", "deadline", "ok", "slice", "replies", "region_by",
+                 "region_locks")
 
     def __init__(self, future, op, n, on_batch, deadline, slice_, replies: P.ReplyDecoder, data=False):
         self.future = future
@@ -108,6 +109,8 @@ class Pending:
         # a request into/out of one of our regions: the gateway's last moment to write into it
         # (GET) or read from it (PUT)
         self.region_by: Optional[float] = None
+        # and our own descriptors of those regions, to take them back (``region_lock.take_back``)
+        self.region_locks: tuple[int, ...] = ()
 
 
 # How the replies to each kind of request decode (an ERROR is always possible).
@@ -134,10 +137,13 @@ def resolved(value) -> Future:
 
 def data_request(op: str, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
                  marks: Optional[Sequence[int]], tag: Optional[str], slice_: Optional[tuple[int, int]],
-                 unlock: bool, into: Optional[tuple], timeout_s: float) -> tuple[P.Message, Pending]:
+                 unlock: bool, into: Optional[tuple], timeout_s: float,
+                 region_locks: tuple[int, ...] = ()) -> tuple[P.Message, Pending]:
     """The GET or PUT message of ``keys`` and its ``Pending``. ``into``: ``(region, at, None)``
     for one registered region, ``(None, at, pieces)`` for pieces of several, None for the
-    ring (``on_batch`` copies); ``timeout_s``: how long the client waits for the gateway."""
+    ring (``on_batch`` copies); ``timeout_s``: how long the client waits for the gateway;
+    ``region_locks``: a GET's own descriptors of the regions ``into`` names (the ``Pending``
+    owns them: ``link.Link`` closes them when the request resolves)."""
     region, at, pieces = into if into is not None else (None, None, None)
     fields = dict(keys=list(keys), obj=int(object_bytes), marks=None if marks is None else list(marks),
                   tag=None if tag is None else str(tag), region=region, at=at,
@@ -151,6 +157,7 @@ def data_request(op: str, keys: Sequence[bytes], object_bytes: int, on_batch: Op
         pending.region_by = time.monotonic() + timeout_s - REGION_WRITE_MARGIN_S
         if op == "GET":
             msg.write_by = pending.region_by
+            pending.region_locks = region_locks      # a GET given up waits for the gateway's writes
         else:
             msg.read_by = pending.region_by
     return msg, pending

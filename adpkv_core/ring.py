@@ -1,9 +1,11 @@
 """The shared-memory ring: the transfer window between engine ranks and the gateway.
 
-The gateway creates the ring as a memfd (``adpkv-ring-<port>``) sealed against
-shrinking and growing, and hands it to each rank as a descriptor through its door
-(``adpkv_core.door``): there is no ring file anyone could replace, truncate or
-link to, so no process can make the gateway fault on the ring. A slot lives for
+The gateway creates a ring for each engine that attaches, as a fresh memfd
+(``adpkv-ring-<port>``) sealed against shrinking and growing, and hands it as a
+descriptor through its door (``adpkv_core.door``, RING) only to the attached ranks of
+that engine's owner: no other session ever maps memory that carries the engine's data.
+There is no ring file anyone could replace, truncate or link to, so no process can make
+the gateway fault on the ring. A slot lives for
 one transfer only; the ring is not a cache. Objects sit in the ring at a stride
 rounded up to ``RING_ALIGN`` so card I/O can use O_DIRECT straight into the
 mapped slots.
@@ -11,6 +13,7 @@ mapped slots.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -18,6 +21,9 @@ import os
 RING_ALIGN = 4096
 RING_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 MEMFD_NAME_PREFIX = "adpkv-ring-"
+_MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def align_up(n: int, align: int = RING_ALIGN) -> int:
@@ -37,27 +43,39 @@ def max_parallel_ios(shared_memory_size: int, io_size: int) -> int:
 class Ring:
     """A mapping of the ring. ``buf`` is a writable memoryview of all of it."""
 
-    def __init__(self, name: str, size: int, fd: int, owner: bool):
+    def __init__(self, name: str, size: int, fd: int, owner: bool, populate: bool = True):
         self.name = name
         self.size = size
         self.fd = fd
         self._owner = owner
         # MAP_POPULATE: the pages are allocated and mapped now, not faulted in one by
-        # one during the first transfers (the ring is held for the gateway's lifetime).
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        # one during the first transfers (the ring is held for the engine's lifetime).
+        # The gateway maps a new ring without it (an engine's first RING must not wait for
+        # it) and populates it on its I/O pool (``populate``).
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         self._mmap = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = memoryview(self._mmap)
 
+    def populate(self) -> None:
+        """Allocate and map every page of the ring now (``MADV_POPULATE_WRITE``, Linux 5.14+;
+        through ctypes, so other threads run meanwhile); a no-op where the kernel lacks it."""
+        export = (ctypes.c_char * self.size).from_buffer(self._mmap)
+        try:
+            _libc.madvise(ctypes.addressof(export), self.size, _MADV_POPULATE_WRITE)
+        finally:
+            del export
+
     @classmethod
     def create(cls, port: int, size: int) -> "Ring":
-        """The gateway's ring: a sealed memfd of ``size`` bytes (rounded up to the alignment)."""
+        """A ring of the gateway (one per engine): a fresh sealed memfd of ``size`` bytes
+        (rounded up to the alignment), mapped but not populated yet (``populate``)."""
         size = align_up(size)
         name = f"{MEMFD_NAME_PREFIX}{port}"
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, RING_SEALS)
-            return cls(name, size, fd, owner=True)
+            return cls(name, size, fd, owner=True, populate=False)
         except BaseException:
             os.close(fd)
             raise

@@ -9,7 +9,6 @@ checked against its ``adpkv_core.protocol`` type before it is sent.
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from typing import Optional
 
@@ -53,7 +52,6 @@ def request(port: int, msg: dict, host: str = "127.0.0.1", timeout_s: float = 3.
     finally:
         sock.close(0)
         if session is not None:
-            os.close(session.ring_fd)
             session.close()
 
 
@@ -68,7 +66,6 @@ def ready(port: int, host: str = "127.0.0.1", timeout_s: float = 3.0, door: Opti
     try:
         return request(port, {"op": "PING"}, host, timeout_s=timeout_s) is not None
     finally:
-        os.close(session.ring_fd)
         session.close()
 
 

@@ -50,7 +50,7 @@ class DataRequests:
         self.transfers = transfers
         self.counters = counters
         self._send = send
-        self.ring_size = transfers.ring.size
+        self.ring_size = transfers.ring_size
         self.max_batch_bytes = transfers.max_batch_bytes
         self.object_sizes_logged: set[int] = set()
         # tag -> rank -> (its connection, its request): the parts of collectives not complete yet
@@ -117,7 +117,9 @@ class DataRequests:
 
     def _start(self, job: DataJob) -> None:
         self.counters[job.op.lower() + "_requests"] += 1
-        job.namespace = self.engines.engine.namespace if self.engines.engine is not None else ""
+        engine = self.engines.engine       # attached: the request came from one of its ranks
+        job.namespace = engine.namespace
+        job.ring = self.transfers.engine_ring(engine)      # only the asking engine's ring carries its data
         self.transfers.start(job)
 
     def rank_left(self, identity: bytes, rank: int) -> None:

@@ -263,21 +263,22 @@ class DoorServer:
     ``on_session_closed(session)`` lets the gateway detach what the session attached;
     ``engine_uid()`` is the attached engine's user (None: none attached). ``tick(now)``
     runs on every pass of the loop: handshake deadlines and the listener's rest.
+    ``ring_for(session)`` is the ring a session's RING gets (its engine's; raises
+    ``ProtocolError`` FORBIDDEN when the session has no attached rank of an engine its user owns).
     """
 
-    def __init__(self, path: str, mode: int, group: str, operator_group: str, ring: Ring,
+    def __init__(self, path: str, mode: int, group: str, operator_group: str, ring_for: Callable[[Session], Ring],
                  register: Callable[[int], None], unregister: Callable[[int], None],
                  on_session_closed: Callable[[Session], None], engine_uid: Callable[[], Optional[int]],
                  per_user: int, handshake_s: float):
         self.path = path
-        self.ring = ring
+        self._ring_for = ring_for
         self._register = register
         self._unregister = unregister
         self._on_session_closed = on_session_closed
         self._engine_uid = engine_uid
         self.per_user = per_user
         self.handshake_s = handshake_s
-        self._ring_ino = os.fstat(ring.fd)[stat.ST_INO], os.fstat(ring.fd)[stat.ST_DEV]
         self.operator_gid = _group_id(operator_group) if operator_group else None
         self.sessions: dict[int, Session] = {}          # by connection descriptor
         self.by_token: dict[bytes, Session] = {}
@@ -446,13 +447,29 @@ class DoorServer:
             except OSError:
                 conn = None
             if conn is not None:
-                if self.privileged(D.peer_credentials(conn)[1]) and self._make_room(2):
-                    self._admit(conn)          # one freed descriptor for the spare, one for its control port
+                if self.privileged(D.peer_credentials(conn)[1]) and self._make_room(3):
+                    # freed descriptors: one for the spare, one for its control port, one for
+                    # its engine's ring (a memfd made when its first rank asks for it)
+                    self._admit(conn)
                 else:
                     conn.close()
             self._spare = _open_spare()
         if self._spare is None:
             self._rest()
+
+    def _engine_ring(self, session: Session) -> Ring:
+        """``ring_for(session)``; out of descriptors (a new engine's ring is a memfd and its
+        mapping), a privileged session's ring is made after closing other users' connections
+        to make room; anyone else gets NO_RESOURCES, a clear refusal that changes nothing."""
+        try:
+            return self._ring_for(session)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            if not (session.privileged and self._make_room(4)):
+                raise P.ProtocolError(P.NO_RESOURCES, f"the gateway is out of descriptors for a ring ({exc.strerror}); "
+                                      "try again later") from None
+        return self._ring_for(session)
 
     def _make_room(self, n: int) -> bool:
         """Close ``n`` connections of the unprivileged user holding the most (its newest first)."""
@@ -529,14 +546,16 @@ class DoorServer:
 
     # ------------------------------------------------------------------ requests
     def _handle(self, session: Session, msg: P.DoorRequest, fds: list[int]) -> None:
+        if isinstance(msg, (P.SessionRequest, P.RingRequest)) and fds:
+            raise P.ProtocolError(P.BAD_MESSAGE, f"{msg.op} takes no descriptor")
         if isinstance(msg, P.SessionRequest):
-            if fds:
-                raise P.ProtocolError(P.BAD_MESSAGE, "SESSION takes no descriptor")
             if not session.answered:
                 session.answered = True
                 session.deadline = time.monotonic() + self.handshake_s     # now: use the token
-            self._reply(session, P.SessionOk(id=msg.id, token=session.token, proof=session.proof,
-                                             ring_size=self.ring.size), [self.ring.fd])
+            self._reply(session, P.SessionOk(id=msg.id, token=session.token, proof=session.proof))
+        elif isinstance(msg, P.RingRequest):
+            ring = self._engine_ring(session)
+            self._reply(session, P.RingOk(id=msg.id, size=ring.size), [ring.fd])
         else:
             region = self._region(session, msg, fds)
             self._reply(session, P.RegionOk(id=msg.id, region=region))
@@ -556,7 +575,7 @@ class DoorServer:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise P.ProtocolError(P.BAD_REGION, "a region must be a regular file (a shared-memory buffer)")
-        if (st.st_ino, st.st_dev) == self._ring_ino or is_ring_fd(fd):
+        if is_ring_fd(fd):
             raise P.ProtocolError(P.BAD_REGION, "a ring cannot be a region")
         if not _is_shared_memory(fd):
             raise P.ProtocolError(P.BAD_REGION, f"a region must be a shared-memory buffer: a file directly "

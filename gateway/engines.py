@@ -36,6 +36,7 @@ class EngineSession:
         self.layout = layout
         self.ranks: dict[int, Peer] = {}
         self.lookups: set[bytes] = set()
+        self.ring = None        # ring_alloc.EngineRing, its own (``Transfers.engine_ring``)
 
 
 class EngineRegistry:

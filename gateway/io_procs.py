@@ -3,8 +3,10 @@
 Python threads share one GIL: on a host with many cores the gateway's I/O
 threads spend much of a page-cache read waiting for it. With ``io_processes: N``
 the reads that a card can hand out (``Card.process_reads``: the fs card's ``FileRead``s)
-run in N processes, each with its own GIL, that map the same ring and read straight
-into their ring slots. A GET batch goes to them as about one ``ReadTask`` per process
+run in N processes, each with its own GIL, that map the ring of the engine that asked
+(each engine has its own: a task names it, a reader maps it by the gateway's descriptor
+the first time it sees it and drops the rings the gateway no longer holds) and read
+straight into their ring slots. A GET batch goes to them as about one ``ReadTask`` per process
 (flat lists and arrays, not an object per read), and comes back as the few reads that
 failed and an array of durations. The gateway keeps every decision (index, LRU,
 placement, corrupt files, statistics, health) in its own process
@@ -31,14 +33,25 @@ from .cards.objfile import FileRead, Scratch, read_object_file
 
 logger = logging.getLogger("adpkv.gateway")
 
-_ring: Optional[Ring] = None
+_rings: dict[int, Ring] = {}          # a reader's mappings of engine rings, by ring number
 _scratch: Optional[Scratch] = None
 
 
-def _init(ring_path: str, ring_size: int) -> None:
-    global _ring, _scratch
-    _ring = Ring.attach(ring_path, ring_size)
+def _init() -> None:
+    global _scratch
     _scratch = Scratch()
+
+
+def _ring_of(number: int, path: str, size: int, oldest_live: int) -> Ring:
+    """The reader's mapping of ring ``number`` (mapped now by ``path`` if new: the gateway's
+    descriptor stays open while a task of that ring is in flight); rings older than
+    ``oldest_live`` (closed by the gateway) are dropped first."""
+    for old in [k for k in _rings if k < oldest_live]:
+        _rings.pop(old).close()
+    ring = _rings.get(number)
+    if ring is None:
+        ring = _rings[number] = Ring.attach(path, size)
+    return ring
 
 
 class ReadTask:
@@ -46,20 +59,25 @@ class ReadTask:
     path, fragment key, O_DIRECT) and the ring extents they go to, packed into flat fields (two
     lists, two arrays) that pickle as such, not as an object per read."""
 
-    __slots__ = ("paths", "fkeys", "offsets", "lengths", "o_direct")
+    __slots__ = ("paths", "fkeys", "offsets", "lengths", "o_direct", "ring")
 
-    def __init__(self, paths: list[str], fkeys: list[bytes], offsets: array, lengths: array, o_direct: bool):
+    def __init__(self, paths: list[str], fkeys: list[bytes], offsets: array, lengths: array, o_direct: bool,
+                 ring: tuple[int, str, int, int]):
         self.paths, self.fkeys, self.offsets, self.lengths, self.o_direct = paths, fkeys, offsets, lengths, o_direct
+        self.ring = ring        # (number, path to the gateway's descriptor, size, oldest ring still live)
 
     @classmethod
-    def of(cls, reads: Sequence[FileRead], offsets: Sequence[int], lengths: Sequence[int]) -> "ReadTask":
-        """The reads of one card (one ``o_direct``), read ``k`` into ring bytes ``offsets[k]``
-        .. ``+ lengths[k]``."""
+    def of(cls, reads: Sequence[FileRead], offsets: Sequence[int], lengths: Sequence[int], ring,
+           oldest_live: int) -> "ReadTask":
+        """The reads of one card (one ``o_direct``), read ``k`` into bytes ``offsets[k]``
+        .. ``+ lengths[k]`` of ``ring`` (a ``ring_alloc.EngineRing``: the asking engine's);
+        ``oldest_live``: the number of the oldest ring the gateway still holds."""
         return cls([r.path for r in reads], [r.fkey for r in reads], array("q", offsets), array("q", lengths),
-                   reads[0].o_direct if reads else False)
+                   reads[0].o_direct if reads else False,
+                   (ring.number, f"/proc/{os.getpid()}/fd/{ring.ring.fd}", ring.ring.size, oldest_live))
 
     def __reduce__(self):
-        return ReadTask, (self.paths, self.fkeys, self.offsets, self.lengths, self.o_direct)
+        return ReadTask, (self.paths, self.fkeys, self.offsets, self.lengths, self.o_direct, self.ring)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -71,7 +89,7 @@ def read_task(task: ReadTask) -> tuple[list[tuple[int, str]], array]:
     went well), ``seconds`` each read's duration."""
     problems: list[tuple[int, str]] = []
     seconds = array("d", bytes(8 * len(task.paths)))
-    buf, o_direct, scratch, clock = _ring.buf, task.o_direct, _scratch, time.monotonic
+    buf, o_direct, scratch, clock = _ring_of(*task.ring).buf, task.o_direct, _scratch, time.monotonic
     for k, (path, fkey, offset, length) in enumerate(zip(task.paths, task.fkeys, task.offsets, task.lengths)):
         t0 = clock()
         problem = read_object_file(path, fkey, buf[offset:offset + length], o_direct, scratch)
@@ -81,9 +99,9 @@ def read_task(task: ReadTask) -> tuple[list[tuple[int, str]], array]:
     return problems, seconds
 
 
-def _serve(ring_path: str, ring_size: int, tasks, task_lock, results, result_lock) -> None:
+def _serve(tasks, task_lock, results, result_lock) -> None:
     """A reader process: run the tasks of the shared task pipe until told to stop (None)."""
-    _init(ring_path, ring_size)
+    _init()
     with result_lock:
         results.send((None, True, None))          # ready
     while True:
@@ -108,7 +126,7 @@ PIPE_BYTES = 1 << 20      # the task pipe holds this much (about 300 tasks) befo
 
 
 class ReaderPool(Executor):
-    """``processes`` spawned readers (the gateway has threads) mapping the ring, fed from one
+    """``processes`` spawned readers (the gateway has threads) mapping the engines' rings, fed from one
     task pipe that the submitting thread writes itself; one thread here reads the results.
 
     Against ``ProcessPoolExecutor``: a task crosses no manager or feeder thread of the gateway
@@ -120,10 +138,9 @@ class ReaderPool(Executor):
     queued before can still write into a ring slot that was handed on since.
     """
 
-    def __init__(self, processes: int, ring: Ring):
+    def __init__(self, processes: int):
         self._ctx = multiprocessing.get_context("spawn")
         self.processes = processes             # readers per set
-        self._ring_args = (f"/proc/{os.getpid()}/fd/{ring.fd}", ring.size)
         self._lock = threading.Lock()          # the generation and its futures
         self._ids = itertools.count()
         self._closed = False
@@ -131,7 +148,7 @@ class ReaderPool(Executor):
 
     def _spawn(self) -> "_Generation":
         gen = _Generation(self._ctx)
-        gen.procs = [self._ctx.Process(target=_serve, args=(*self._ring_args, gen.task_r, gen.task_lock,
+        gen.procs = [self._ctx.Process(target=_serve, args=(gen.task_r, gen.task_lock,
                                                             gen.result_w, gen.result_lock),
                                        name=f"adpkv-io-{i}", daemon=True) for i in range(self.processes)]
         for proc in gen.procs:
@@ -141,7 +158,7 @@ class ReaderPool(Executor):
         return gen
 
     def wait_ready(self, timeout: float) -> bool:
-        """Wait until every reader of the current set has mapped the ring."""
+        """Wait until every reader of the current set has started."""
         return self._generation.ready.wait(timeout)
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
@@ -233,7 +250,7 @@ class _Generation:
         self.futures: dict[int, Future] = {}
         self.procs: list = []
         self.collector: Optional[threading.Thread] = None
-        self.started = 0                        # readers that mapped the ring
+        self.started = 0                        # readers that started
         self.ready = threading.Event()
         try:
             fcntl.fcntl(self.task_w.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
@@ -245,11 +262,11 @@ class _Generation:
             end.close()
 
 
-def start(processes: int, ring: Ring) -> ReaderPool:
-    """A pool of ``processes`` readers mapping ``ring``. They open the ring through the
-    gateway's descriptor (``/proc/<pid>/fd/<n>``)."""
-    pool = ReaderPool(processes, ring)
+def start(processes: int) -> ReaderPool:
+    """A pool of ``processes`` readers. They open each engine's ring through the gateway's
+    descriptor (``/proc/<pid>/fd/<n>``) when a task first names it."""
+    pool = ReaderPool(processes)
     if not pool.wait_ready(READY_TIMEOUT_S):          # started now, not on the first restore
-        logger.warning("gateway I/O processes: not all %d mapped the ring within %d s", processes,
+        logger.warning("gateway I/O processes: not all %d started within %d s", processes,
                        READY_TIMEOUT_S)
     return pool

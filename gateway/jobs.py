@@ -77,6 +77,7 @@ class DataJob:
         # after this moment (the client's give-up time, monotonic clock)
         self.region_by: Optional[float] = None
         self.namespace = ""                       # of the engine that asked (the metrics' label)
+        self.ring = None                          # ring_alloc.EngineRing: the ring of the engine that asked
         self.started = time.monotonic()           # every part arrived (the request latency's start)
 
     @property

@@ -9,7 +9,9 @@ expects):
   region the client shrank or closed fails a call, it cannot fault the gateway.
 - Nothing is written into a region once the client gave up on the request (``write_by``
   passed: its engine may reuse the buffer), nor past the region's size now (a write would
-  grow the client's file); ``door.Region.size_now`` is that check, made again before every write.
+  grow the client's file); ``door.Region.size_now`` is that check, made again before every
+  write, and those checks and the writes of a task happen under a lock the client waits for
+  before it takes its buffer back (``adpkv_core.region_lock.holding``).
 - Nothing read from a region is stored once the client gave up on a PUT (``read_by``), nor
   from a region shorter than the object.
 
@@ -23,6 +25,8 @@ import os
 import time
 from typing import Optional
 
+from adpkv_core.region_lock import holding
+
 from .scatter import Scatter
 from .store import ObjectStore
 
@@ -35,19 +39,20 @@ def direct_reads(store: ObjectStore, region, items: list, write_by: Optional[flo
     whose card reads into regions (one without ``direct_reads`` is passed over: the
     fragment misses on this path)."""
     out = []
-    for j, frag, place in items:
-        ok = False
-        for card in (frag.card, *frag.others):
-            if card != frag.card and not (store.active[card] and store.cards[card].direct_reads):
-                continue
-            size_now = region.size_now(write_by)
-            if size_now is None or place + frag.length > size_now:
-                break
-            replica = frag if card == frag.card else frag._replace(card=card, others=())
-            (_, ok), = store.read_to_fds([(j, replica, region.fd, place)], write_by)
-            if ok:
-                break
-        out.append((j, ok))
+    with holding(_span(region, [(place, frag.length) for _, frag, place in items]), write_by) as may_write:
+        for j, frag, place in items:
+            ok = False
+            for card in (frag.card, *frag.others) if may_write else ():
+                if card != frag.card and not (store.active[card] and store.cards[card].direct_reads):
+                    continue
+                size_now = region.size_now(write_by)
+                if size_now is None or place + frag.length > size_now:
+                    break
+                replica = frag if card == frag.card else frag._replace(card=card, others=())
+                (_, ok), = store.read_to_fds([(j, replica, region.fd, place)], write_by)
+                if ok:
+                    break
+            out.append((j, ok))
     return out
 
 
@@ -58,16 +63,24 @@ def to_region(region, items: list, write_by: Optional[float]) -> list[tuple[int,
     shorter now than registered takes nothing (a write would grow the client's file), and
     nothing is written once the client gave up on the request (``write_by``)."""
     out = []
-    for j, view, place in items:
-        size_now = region.size_now(write_by)
-        ok = False
-        if size_now is not None and place + len(view) <= size_now:
-            try:
-                ok = os.pwritev(region.fd, [view], place) == len(view)
-            except OSError:
-                pass
-        out.append((j, ok))
+    with holding(_span(region, [(place, len(view)) for _, view, place in items]), write_by) as may_write:
+        for j, view, place in items:
+            size_now = region.size_now(write_by) if may_write else None
+            ok = False
+            if size_now is not None and place + len(view) <= size_now:
+                try:
+                    ok = os.pwritev(region.fd, [view], place) == len(view)
+                except OSError:
+                    pass
+            out.append((j, ok))
     return out
+
+
+def _span(region, places: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """The byte span of a task's writes (file offset, length) in ``region``, as ``holding`` takes it."""
+    if not places:
+        return []
+    return [(region.fd, min(p for p, _ in places), max(p + n for p, n in places))]
 
 
 def write_via_ring(store: ObjectStore, region, items: list, read_by: Optional[float]) -> list[tuple[int, bool]]:

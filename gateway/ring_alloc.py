@@ -50,3 +50,25 @@ class RingAllocator:
         if i > 0 and self._starts[i - 1] + self._lens[i - 1] == offset:
             self._lens[i - 1] += self._lens.pop(i)
             self._starts.pop(i)
+
+
+class EngineRing:
+    """The ring of one attached engine and the allocator of its extents.
+
+    A fresh sealed memfd per engine (``Ring.create``): no session of another engine ever
+    maps memory that carried this engine's data, and this engine's sessions never map a
+    ring that carried another's. ``retired`` once the engine detached: no batch is started
+    on it any more; ``batches`` counts the batches that still hold extents of it, and the
+    gateway unmaps it when the last one retires (``Transfers``). The memfd itself goes with
+    the last mapping of it (a client's, or an I/O process's that has not seen a later ring).
+    ``number``: this ring's place in the gateway's sequence of rings (I/O processes map
+    rings by it)."""
+
+    __slots__ = ("ring", "alloc", "number", "retired", "batches")
+
+    def __init__(self, ring, number: int):
+        self.ring = ring
+        self.alloc = RingAllocator(ring.size)
+        self.number = number
+        self.retired = False
+        self.batches = 0

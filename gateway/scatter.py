@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from adpkv_core.region_lock import holding
+
 
 class Scatter:
     """The regions of a scattered region request: piece k of every object is ``lengths[k]``
@@ -68,5 +70,13 @@ class Scatter:
 
 def to_scatter(scatter: Scatter, items: list, write_by: Optional[float]) -> list[tuple[int, bool]]:
     """Copy ``(j, ring view, places)`` items (checked objects in the ring) into their pieces
-    (runs on the gateway's I/O pool); ``(j, ok)`` each."""
-    return [(j, scatter.scatter(view, place, write_by)) for j, view, place in items]
+    (runs on the gateway's I/O pool); ``(j, ok)`` each. The task's writes happen under a
+    shared lock on each piece's span (``region_lock.holding``: none once the client took its
+    buffers back)."""
+    spans = []
+    for k, (region, length) in enumerate(zip(scatter.regions, scatter.lengths)):
+        offs = [place[k] for _, _, place in items]
+        if offs:
+            spans.append((region.fd, min(offs), max(offs) + length))
+    with holding(spans, write_by) as may_write:
+        return [(j, may_write and scatter.scatter(view, place, write_by)) for j, view, place in items]

@@ -67,12 +67,9 @@ class Gateway:
             raise_open_files_limit()
             _remove_legacy_ring(config.port)
             self._open_store(config, undo)
-            self.ring = Ring.create(config.port, config.shared_memory_size)
-            undo.callback(self.ring.close)
-            logger.info("Ring %s: %d bytes (a sealed memfd, handed out at the door)", self.ring.name, self.ring.size)
             self.pool = ThreadPoolExecutor(config.thread_pool_size, thread_name_prefix="adpkv-io")
             undo.callback(self.pool.shutdown, wait=True)
-            self.procs = io_procs.start(config.io_processes, self.ring) if config.io_processes else None
+            self.procs = io_procs.start(config.io_processes) if config.io_processes else None
             if self.procs:
                 undo.callback(self.procs.shutdown, wait=True)
                 logger.info("fs card reads run in %d I/O processes", config.io_processes)
@@ -97,7 +94,7 @@ class Gateway:
             self.poller.register(self.wake_r, zmq.POLLIN)
             self.sessions_by_peer: dict[bytes, Session] = {}
             self.door = DoorServer(self.door_file, socket_mode(config), config.control_socket_group,
-                                   config.operator_group, self.ring,
+                                   config.operator_group, ring_for=self._ring_for,
                                    register=lambda fd: self.poller.register(fd, zmq.POLLIN),
                                    unregister=self.poller.unregister, on_session_closed=self._on_session_closed,
                                    engine_uid=lambda: self.engines.engine.uid if self.engines.engine else None,
@@ -105,7 +102,9 @@ class Gateway:
                                    handshake_s=config.door_handshake_s)
             undo.callback(self.door.close)
             self.status_writing = False
-            self.transfers = Transfers(self.ring, self.store, self.pool, self.procs, config.thread_pool_size,
+            self.transfers = Transfers(config.shared_memory_size,     # a ring per engine, made as it attaches
+                                       lambda: Ring.create(config.port, config.shared_memory_size), self.store,
+                                       self.pool, self.procs, config.thread_pool_size,
                                        run=self._run, send=self._send,
                                        attached=lambda ident: ident in self.engines.peers,
                                        unpin=lambda ident, keys: self._release_pins(self.engines.peers[ident], keys))
@@ -227,7 +226,8 @@ class Gateway:
         self.ctx.term()
         for card in self.store.cards:
             card.close()
-        self.ring.close()
+        for ring in self.transfers.rings.values():
+            ring.ring.close()
         logger.info("Gateway stopped")
 
     # ================================================================ messages
@@ -284,6 +284,18 @@ class Gateway:
         self.sessions_by_peer[identity] = session
         session.identities.add(identity)
         self._send(identity, P.HelloOk(id=msg.id, proof=session.proof))
+
+    def _ring_for(self, session: Session) -> Ring:
+        """The ring a door session may map (its RING request): its engine's, and only once one
+        of its connections is attached as a rank of that engine and the session's user owns the
+        engine. FORBIDDEN otherwise (before HELLO, a lookup peer, another user's engine)."""
+        engine = self.engines.engine
+        ranks = [self.engines.peers.get(identity) for identity in session.identities]
+        if engine is None or engine.uid != session.uid or not any(p is not None and p.rank is not None
+                                                                  for p in ranks):
+            raise P.ProtocolError(P.FORBIDDEN, "the ring is handed only to an attached rank of its engine "
+                                  "(HELLO first, as a rank)")
+        return self.transfers.engine_ring(engine).ring
 
     def _on_session_closed(self, session: Session) -> None:
         """A client's door closed (it exited, or closed its client): what it attached goes now."""
@@ -408,18 +420,19 @@ class Gateway:
 
     # ---------------------------------------------------------------- detach
     def _detach(self, identity: bytes, why: str) -> None:
+        engine = self.engines.engine
         peer = self.engines.detach(identity, why)
         if peer is None:
             return
         session = self.sessions_by_peer.pop(identity, None)
         if session is not None:
             session.identities.discard(identity)
-        if peer.rank is None:
-            self.store.unpin(list(peer.pins.elements()))
-            return
         self.store.unpin(list(peer.pins.elements()))
-        self.data_requests.rank_left(identity, peer.rank)
-        self.transfers.rank_left(identity)
+        if peer.rank is not None:
+            self.data_requests.rank_left(identity, peer.rank)
+            self.transfers.rank_left(identity)
+        if engine is not None and self.engines.engine is not engine and engine.ring is not None:
+            self.transfers.retire_ring(engine.ring)      # the engine is gone: so is its ring
 
     # ---------------------------------------------------------------- stats
     def _collect_stats(self, then, identity: Optional[bytes] = None, msg: Optional[P.Message] = None) -> None:

@@ -35,7 +35,7 @@ def loop_snapshot(gateway) -> dict:
         "fingerprint": store.fingerprint, "placement": config.key_placement,
         "storage_slots": config.storage_slots, "num_dbs": config.num_dbs,
         "shared_storage": bool(config.shared_storage), "replicas": store.replicas,
-        "ring_size": gateway.ring.size, "ring_in_use": gateway.transfers.alloc.in_use,
+        "ring_size": gateway.transfers.ring_size, "ring_in_use": gateway.transfers.ring_in_use(),
         "requests_in_flight": len(gateway.transfers.jobs), "pinned": store.pinned_count(),
         "regions": sum(len(s.regions) for s in gateway.door.sessions.values()),
         "sessions": len(gateway.door.sessions),

@@ -24,6 +24,13 @@ open answers DONE to its participants (``_finish``, from ``_pump``: after ``star
 Everything here runs on the gateway loop's thread; card I/O runs on the pool (or the
 I/O processes) through ``run`` and comes back to ``_io_done`` on the loop. The copies
 between the cards or the ring and a client's region are ``region_io.py``'s.
+
+Rings: every engine has a ring of its own (``ring_alloc.EngineRing``, made by ``engine_ring``
+the first time the engine needs it: its first rank's RING at the door, or its first data
+request), and a job moves only through the ring of the engine that asked (``job.ring``).
+When the engine detaches, ``retire_ring`` stops every batch from starting on its ring (its
+jobs, whose ranks are all gone, end with what they had); the gateway unmaps the ring when
+the last batch holding an extent of it retires.
 """
 
 from __future__ import annotations
@@ -38,13 +45,13 @@ from concurrent.futures import Executor
 from typing import Callable, Optional
 
 from adpkv_core import protocol as P
-from adpkv_core.ring import Ring
+from adpkv_core.ring import Ring, align_up
 
 from . import io_procs
 from .jobs import Batch, DataJob
 from .latency import LatencyBuckets
 from .region_io import direct_reads, to_region, write_via_ring
-from .ring_alloc import RingAllocator
+from .ring_alloc import EngineRing
 from .scatter import Scatter, to_scatter
 from .store import ObjectStore
 
@@ -74,16 +81,19 @@ class Transfers:
     ``run(executor, work, then, fail)`` runs ``work()`` on an executor and calls ``then(result)``
     (or ``fail(exc)``) back on the loop; ``send(identity, message)`` replies to a rank;
     ``attached(identity)`` says whether a rank is still there; ``unpin(identity, keys)``
-    drops a rank's pins on keys (a GET with ``unlock``).
+    drops a rank's pins on keys (a GET with ``unlock``); ``make_ring()`` creates a fresh ring
+    of ``ring_size`` bytes (``Ring.create``) for an engine.
     """
 
-    def __init__(self, ring: Ring, store: ObjectStore, pool: Executor, procs: Optional[io_procs.ReaderPool],
-                 io_threads: int,
+    def __init__(self, ring_size: int, make_ring: Callable[[], Ring], store: ObjectStore, pool: Executor,
+                 procs: Optional[io_procs.ReaderPool], io_threads: int,
                  run: Callable, send: Callable[[bytes, P.Message], None], attached: Callable[[bytes], bool],
                  unpin: Callable[[bytes, list], None]):
-        self.ring = ring
-        self.alloc = RingAllocator(ring.size)
-        self.max_batch_bytes = ring.size // 2
+        self.ring_size = align_up(ring_size)
+        self._make_ring = make_ring
+        self.rings: dict[int, EngineRing] = {}       # by number: the rings still mapped here
+        self._ring_numbers = itertools.count(1)
+        self.max_batch_bytes = self.ring_size // 2
         self.store = store
         self.pool = pool
         self.procs = procs
@@ -120,17 +130,49 @@ class Transfers:
             if identity in batch.waiting:
                 self._rank_done(batch, identity, filled=batch.job.op == "GET")
 
+    # ------------------------------------------------------------------ rings
+    def engine_ring(self, engine) -> EngineRing:
+        """The ring of ``engine`` (an ``engines.EngineSession``), made now if it has none yet."""
+        if engine.ring is None:
+            number = next(self._ring_numbers)
+            engine.ring = self.rings[number] = EngineRing(self._make_ring(), number)
+            # its pages allocated off the loop; in use meanwhile they fault in as needed
+            self._run(self.pool, engine.ring.ring.populate, lambda _: None, lambda _: None)
+            logger.info("Ring %d of engine %s: %d bytes (a sealed memfd of its own)", number, engine.engine_id,
+                        self.ring_size)
+        return engine.ring
+
+    def retire_ring(self, ring: EngineRing) -> None:
+        """Its engine detached: no batch starts on ``ring`` any more; unmapped once none holds it."""
+        ring.retired = True
+        self._pump()
+        self._drop_if_idle(ring)
+
+    def _drop_if_idle(self, ring: EngineRing) -> None:
+        if ring.retired and ring.batches == 0 and self.rings.pop(ring.number, None) is not None:
+            ring.ring.close()
+            logger.info("Ring %d unmapped (its engine detached, nothing in flight uses it)", ring.number)
+
+    def ring_in_use(self) -> int:
+        """Bytes of ring extents held by batches now, over every ring."""
+        return sum(r.alloc.in_use for r in self.rings.values())
+
     # ------------------------------------------------------------------ ring extents
     def _pump(self) -> None:
-        """Give ring extents to jobs that want them, oldest first."""
+        """Give ring extents to jobs that want them, oldest first. A job whose engine detached
+        gets none any more: it ends with what its batches so far found or stored."""
         for job in list(self.jobs.values()):
+            ring = job.ring
+            if ring.retired:
+                job.next = job.n
             while job.wants_more():
                 count = min(job.n - job.next, self.max_batch_bytes // job.stride,
-                            self.alloc.largest_free() // job.stride)
+                            ring.alloc.largest_free() // job.stride)
                 if count <= 0:
                     return  # the ring is busy: wait for a release, keep the order
                 nbytes = count * job.stride
-                batch = Batch(next(self._ids), job, job.next, count, self.alloc.alloc(nbytes), nbytes)
+                batch = Batch(next(self._ids), job, job.next, count, ring.alloc.alloc(nbytes), nbytes)
+                ring.batches += 1
                 job.next += count
                 job.batches[batch.id] = batch
                 self.batches[batch.id] = batch
@@ -142,7 +184,7 @@ class Transfers:
 
     def _slot(self, batch: Batch, j: int, offset: int = 0, length: Optional[int] = None) -> memoryview:
         """Bytes ``offset..offset+length`` of object ``j`` of a batch, in the ring."""
-        return self.ring.slot(batch.object_offset(j) + offset,
+        return batch.job.ring.ring.slot(batch.object_offset(j) + offset,
                               batch.job.object_bytes if length is None else length)
 
     # ------------------------------------------------------------------ stages
@@ -222,7 +264,7 @@ class Transfers:
             batch.stage = Stage.READ
             if self.procs:
                 reads = self._read_in_processes(batch, reads)
-            slot = self.ring.slot
+            slot = job.ring.ring.slot
             self._submit(batch, self.store.read_many, [(j, f, slot(at, f.length)) for j, f, at in reads])
             region, write_by = job.region, job.region_by
             self._submit(batch, lambda group: direct_reads(self.store, region, group, write_by), direct)
@@ -278,9 +320,11 @@ class Transfers:
             counters["stored"] += stored
             counters["store_failed"] += batch.count - stored
             counters["stored_bytes"] += stored * job.object_bytes
-        self.alloc.free(batch.offset, batch.nbytes)
+        job.ring.alloc.free(batch.offset, batch.nbytes)
+        job.ring.batches -= 1
         del job.batches[batch.id]
         del self.batches[batch.id]
+        self._drop_if_idle(job.ring)
         self._pump()
         if job.finished() and id(job) in self.jobs:
             self._finish(job)
@@ -349,7 +393,8 @@ class Transfers:
             per = max(1, -(-len(group) // self.procs.processes))
             for k in range(0, len(group), per):
                 part, files = group[k:k + per], tasks[k:k + per]
-                task = io_procs.ReadTask.of(files, [at for _, _, at in part], [frag.length for _, frag, _ in part])
+                task = io_procs.ReadTask.of(files, [at for _, _, at in part], [frag.length for _, frag, _ in part],
+                                            batch.job.ring, min(self.rings))
                 batch.pending += 1
                 self._run(self.procs, functools.partial(io_procs.read_task, task),
                           lambda result, c=card, p=part, f=files, t=task:
@@ -374,7 +419,7 @@ class Transfers:
             j, frag, offset = part[k]
             store.cards[card].process_read_result(files[k], problem)
             if frag.others:
-                again.append((j, frag, self.ring.slot(offset, frag.length)))
+                again.append((j, frag, batch.job.ring.ring.slot(offset, frag.length)))
             else:
                 done.append((j, False))
         if again:

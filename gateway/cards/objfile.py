@@ -87,11 +87,14 @@ def _read_hashed(fd: int, header: memoryview, buf: memoryview, hasher: Xxh3Strea
     return (HEADER_BYTES + pos if pos else min(got, HEADER_BYTES)), hasher.digest()
 
 
-def read_object_file(path: str, fkey: bytes, buf: memoryview, o_direct: bool, scratch: Scratch) -> Optional[str]:
+def read_object_file(path: str, fkey: bytes, buf: memoryview, o_direct: bool, scratch: Scratch,
+                     shared: bool = True) -> Optional[str]:
     """Read the payload of one object file into ``buf`` (exactly its length), checking
     header and checksum. None when the bytes are right, else what is wrong: "missing",
     "truncated", "bad header", "checksum mismatch" or "I/O error: ...". Runs in the
-    gateway's I/O threads and in its I/O processes alike."""
+    gateway's I/O threads and in its I/O processes alike. ``shared``: ``buf`` is memory
+    others may write (a ring slot): a checksum that fails there is checked again on a
+    private read of the file before the object is called corrupt."""
     n = len(buf)
     try:
         fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))
@@ -120,6 +123,15 @@ def read_object_file(path: str, fkey: bytes, buf: memoryview, o_direct: bool, sc
         digest_ok = objfmt.payload_ok(header, buf)
     else:
         digest_ok = digest == objfmt.payload_checksum(header)
+    if not digest_ok and shared:
+        # ``buf`` is a ring slot the engine's ranks map too: its bytes may have changed since
+        # they were read. Only the file's own bytes, checked in private memory, can say the
+        # object is corrupt; when they check, they are what lands in ``buf``.
+        private = scratch.bounce_of(n)
+        problem = read_object_file(path, fkey, private, False, scratch, shared=False)
+        if problem is None:
+            buf[:] = private
+        return problem
     if not digest_ok:
         return "checksum mismatch"
     return None

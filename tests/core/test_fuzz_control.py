@@ -159,7 +159,6 @@ class Peer:
     def __init__(self, port: int, name: str, ctx):
         self.name = name
         self.door = DoorSession(door_path(port), 5.0)
-        os.close(self.door.ring_fd)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
@@ -835,10 +834,12 @@ def door_fuzz(gw, rnd: random.Random, objs: DoorObjects, ring_fd_holder: list, c
                 problems.append(f"door: an oversized packet answered {reply!r:.200}")
             continue
         if kind == 2:
-            op = rnd.choice(["SESSION", "session", "HELLO", "GET", "", "REGIONS"])
+            op = rnd.choice(["SESSION", "session", "HELLO", "GET", "", "REGIONS", "RING"])
             fds = [objs.fds[rnd.choice(names)]] if rnd.random() < 0.5 else []
             reply = request(conn, msgpack.packb({"v": 1, "op": op, "id": i}), fds, f"door op {op!r}")
-            want = ("OK" if not fds else P.BAD_MESSAGE) if op == "SESSION" else P.UNKNOWN_OP
+            # RING: these sessions attach nothing, so no ring is ever handed to them
+            want = {"SESSION": "OK", "RING": P.FORBIDDEN}.get(op, P.UNKNOWN_OP) if not fds or \
+                op not in ("SESSION", "RING") else P.BAD_MESSAGE
             if reply is not None and (reply.get("code") or reply.get("op")) != want:
                 problems.append(f"door: {op!r} with {len(fds)} fd answered {reply!r:.200}, wanted {want}")
             continue

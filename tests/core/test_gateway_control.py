@@ -26,7 +26,6 @@ class RawPeer:
 
     def __init__(self, port):
         self.door = DoorSession(door_path(port), 5.0)
-        os.close(self.door.ring_fd)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
@@ -407,8 +406,9 @@ def test_a_dead_gateways_door_is_reclaimed(start_gateway, tmp_path):
 
 def test_a_ring_of_the_wrong_size_turns_the_cache_off(tmp_path):
     """A client that gets a ring other than announced turns the cache off on its rank
-    (before: ValueError out of GatewayClient). The door here is the test's own (it hands
-    out a memfd one page short); no gateway could be made to do that."""
+    (before: ValueError out of GatewayClient). The door and the control port here are the
+    test's own (the door hands out a memfd one page short after an answered HELLO); no
+    gateway could be made to do that."""
     import socket
     import threading
     from adpkv_core import door as D
@@ -416,23 +416,32 @@ def test_a_ring_of_the_wrong_size_turns_the_cache_off(tmp_path):
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(1)
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
 
     def serve():
         conn, _ = listener.accept()
         D.recv(conn)
+        D.send(conn, P.SessionOk(token=b"t" * 16))
+        ident, frame = router.recv_multipart()          # HELLO
+        router.send_multipart([ident, P.encode(P.Ok(id=P.request_id(frame)))])
+        D.recv(conn)                                    # RING
         fd = os.memfd_create("short", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, 1 << 20)
-        D.send(conn, P.SessionOk(token=b"t" * 16, ring_size=(1 << 20) + 4096), [fd])
+        D.send(conn, P.RingOk(size=(1 << 20) + 4096), [fd])
+        os.close(fd)
         conn.recv(1)                   # until the client closes
         conn.close()
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    client = GatewayClient(ClientConfig(port=1, socket=path, connect_timeout_s=2.0), "engine")
+    client = GatewayClient(ClientConfig(port=port, socket=path, connect_timeout_s=2.0), "engine")
     assert not client.enabled
     assert client.get(make_keys(2), 4096, lambda b: None).result(timeout=1) == [False, False]
     client.close()
     t.join(5)
     listener.close()
+    router.close(0)
 
 
 def test_a_request_of_no_keys_is_answered(gateway):

@@ -121,7 +121,6 @@ def _refusal(port, fd, offset, size):
     """What the gateway answers a REGION of ``fd`` on a fresh door session of our own."""
     session = DoorSession(door_path(port), 5.0)
     try:
-        os.close(session.ring_fd)
         return session.register_region(fd, offset, size)
     finally:
         session.close()
@@ -165,13 +164,13 @@ def test_rings_and_foreign_ranges_are_refused(gateway, shm_buffer):
     c = _client(gateway.port, "region-ring")
     try:
         assert _refusal(gateway.port, c._ring.fd, 0, 4096).code == "BAD_REGION"    # this gateway's ring
-        with GatewayProcess(str(gateway.card_dirs[0]) + "-other") as other:              # another gateway's
-            other_session = DoorSession(door_path(other.port), 5.0)
+        with GatewayProcess(str(gateway.card_dirs[0]) + "-other", shared_memory_size=64 << 20) as other:  # another
+            # gateway's ring (its engine's: handed to our attached rank there)
+            other_client = _client(other.port, "region-ring-other")
             try:
-                assert _refusal(gateway.port, other_session.ring_fd, 0, 4096).code == "BAD_REGION"
+                assert _refusal(gateway.port, other_client._ring.fd, 0, 4096).code == "BAD_REGION"
             finally:
-                os.close(other_session.ring_fd)
-                other_session.close()
+                other_client.close()
         region = c.register_region(path, 0, 1 << 20).result(5)
         keys = make_keys(2)
         for at, reg in (([0, (1 << 20) - OBJ + 1], region), ([0, 0], region + 1)):
