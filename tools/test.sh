@@ -9,7 +9,7 @@
 # Usage: bash tools/test.sh [suite ...]   (default: all suites)
 # On a fresh machine it first installs the system packages the suites need (apt-get, as
 # root or through password-less sudo): redis-server and redis-tools (real servers and
-# redis-cli --cluster for the resp and cluster card tests),
+# redis-cli --cluster for the resp and cluster card tests), strace (the region-stall test),
 # g++ and libssl-dev (SGLang's page hash JIT-compiles). ADPKV_NO_SYSTEM_SETUP=1 skips that.
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -22,6 +22,7 @@ system_setup() {
   local need=() s
   command -v redis-server >/dev/null || need+=(redis-server)
   command -v redis-cli >/dev/null || need+=(redis-tools)      # redis-cli --cluster: the cluster card's tests
+  command -v strace >/dev/null || need+=(strace)             # the region-stall test stops the gateway between check and write
   for s in "${suites[@]}"; do
     if [[ "$s" == sglang ]]; then
       command -v g++ >/dev/null || need+=(g++)
