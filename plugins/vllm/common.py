@@ -54,19 +54,28 @@ class AdapterSettings:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, block_size: int,
                           chunk_key: str = "chunk_size", hash_block_size: int | None = None,
-                          default_chunk: int | None = None) -> "AdapterSettings":
+                          one_block_chunks: bool = False) -> "AdapterSettings":
         """``block_size``/``hash_block_size``: the tokens of a KV block and of one of vLLM's
         block hashes; a chunk is a whole number of both. A chunk size that is not is
         rounded up to the next one that is, with one log line: a setting that cannot
         apply never stops the engine (vLLM picks block sizes per model, e.g. 544 tokens
         for a Gated DeltaNet hybrid, so no fixed chunk size fits every model).
-        ``default_chunk``: the chunk when the setting is absent (None: ``DEFAULT_CHUNK_TOKENS``
-        rounded up; a model with recurrent state passes its block size)."""
+
+        ``one_block_chunks`` (a model with recurrent state): the chunk is that unit, whatever
+        the setting asks (a larger value is logged once and not used). vLLM keeps such a
+        model's state only at the prompt's last block boundary (``(N - 1) // block * block``,
+        its replay boundary), so a hit needs an object boundary at every block boundary: with
+        chunks of k blocks, k - 1 prompts in k would find no state at a chunk boundary."""
         extra = dict(extra or {})
         client = ClientConfig.from_settings(extra, prefix=PREFIX)
         unit = math.lcm(block_size, hash_block_size or block_size)
         raw = extra.get(PREFIX + chunk_key, extra.get(chunk_key))
-        chunk = rounded_chunk(raw, unit, PREFIX + chunk_key, default_chunk)
+        chunk = rounded_chunk(raw, unit, PREFIX + chunk_key, unit if one_block_chunks else None)
+        if one_block_chunks and chunk != unit:
+            warn_once(f"adpkv: {PREFIX}{chunk_key}={raw} is not used for a model with recurrent state: "
+                      f"vLLM keeps its state only at the prompt's last block boundary, so an object is "
+                      f"one block ({unit} tokens)")
+            chunk = unit
         exist_layers = str(extra.get(PREFIX + "exist_layers", "ends"))
         if exist_layers not in ("ends", "all"):
             raise ValueError(f"adpkv: {PREFIX}exist_layers must be 'ends' or 'all', not {exist_layers!r}")

@@ -162,11 +162,11 @@ class ConnectorConfig:
         supported = not why
         if supported:
             block_size = _group_block_size(kv_cache_config)
-            # recurrent state is kept at the block boundaries a step ends on: by default an
-            # object is one block, so that every such boundary is a chunk boundary
+            # recurrent state: vLLM keeps it only at the prompt's last block boundary, so an
+            # object is one block and every such boundary is a chunk boundary
             settings = AdapterSettings.from_extra_config(
                 extra, block_size, hash_block_size=hash_block_size,
-                default_chunk=block_size if any(g.recurrent for g in groups) else None)
+                one_block_chunks=any(g.recurrent for g in groups))
         else:    # nothing is stored: the chunk size does not matter (and is not rounded)
             settings = AdapterSettings.from_extra_config(extra, 1)
         cache_layout = kv_cache_layout(getattr(vllm_config.cache_config, "kv_cache_layout", None))
