@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from adpkv_core.keys import chunk_digest, key_namespace
+from adpkv_core.keys import DEFAULT_NAMESPACE, chunk_digest, key_namespace
 from adpkv_core.settings import ClientConfig, parse_bool
 
 logger = logging.getLogger("adpkv.vllm")
@@ -157,7 +157,8 @@ def ordered_layer_names(layer_names: Sequence[str]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- namespace
-def resolve_namespace(vllm_config, settings: AdapterSettings, layout: str, engine_id: str) -> str:
+def resolve_namespace(vllm_config, settings: AdapterSettings, layout: str, engine_id: str,
+                      layout_tp_size: int = 1) -> str:
     """The key namespace of the KV connector (``adpkv_core.keys.key_namespace``).
 
     ``adpkv.namespace`` as given; with ``adpkv.key_namespace_from_model`` derived from it
@@ -165,9 +166,17 @@ def resolve_namespace(vllm_config, settings: AdapterSettings, layout: str, engin
     layout). An unknown field gives a namespace private to this engine (a cold cache,
     never a wrong hit); it is the same in the scheduler and the workers because it
     derives from the engine id they share.
+
+    ``layout_tp_size``: the TP size whose layout the objects have, the identity's TP size: 1
+    where they are canonical (a TP=1 engine's objects, read and written at every TP size:
+    ``heads.py``), else the engine's. Objects of a per-TP layout of more than one rank are
+    also kept apart under a given ``adpkv.namespace`` (suffix ``/tp<size>``): the same
+    deployment namespace at another TP size never reads them.
     """
     cfg = settings.client
     identity = None
+    if not cfg.key_namespace_from_model and layout_tp_size > 1:
+        return key_namespace(f"{cfg.namespace or DEFAULT_NAMESPACE}/tp{layout_tp_size}")
     if cfg.key_namespace_from_model:
         mc = vllm_config.model_config
         hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
@@ -178,8 +187,7 @@ def resolve_namespace(vllm_config, settings: AdapterSettings, layout: str, engin
             geometry = None
         identity = dict(model=mc.model, revision=mc.revision, kv_dtype=kv_dtype(vllm_config),
                         geometry=geometry if geometry and None not in geometry else None,
-                        tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                        chunk_size=settings.chunk_size, layout=layout)
+                        tp_size=layout_tp_size, chunk_size=settings.chunk_size, layout=layout)
     return key_namespace(cfg.namespace, identity, from_model=cfg.key_namespace_from_model,
                          private_to=f"vllm-{engine_id}")
 

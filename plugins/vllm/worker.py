@@ -29,6 +29,7 @@ from adpkv_core.attachment import Attachment, Session
 
 from .copy import PagedLayer, as_index
 from .fanout import Fanout, LayerLoad, for_vllm
+from .heads import HeadShare
 from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
 from .recurrent import state_pages
 from .transfers import AsyncLoad, ChunkPlanIndex, PutJob
@@ -47,6 +48,7 @@ class AdpConnectorWorker:
         self.client = None                     # this step's client and ring (see _use)
         self.ring: Optional[torch.Tensor] = None
         self.layers: dict[str, PagedLayer] = {}
+        self.shares: dict[str, HeadShare] = {}   # canonical objects, several ranks: each layer's heads
         self.rank = 0
         self._layer_index = cfg.layer_index
         self._group_of = cfg.group_of_layer
@@ -93,6 +95,16 @@ class AdpConnectorWorker:
                 self.supported = False
                 return
             self.layers[name] = PagedLayer(name, kv, self._num_blocks or kv.shape[0])
+            if cfg.head_sharded and name in cfg.layer_heads:
+                layer = self.layers[name]
+                share = HeadShare.of(layer.page_shape, layer.dtype, *cfg.layer_heads[name], cfg.tp_size, self.rank)
+                if share is None:    # the objects are canonical: a page we cannot cut by heads
+                    logger.warning("adpkv: layer %s: page %s is not vLLM's standardized [heads, tokens, 2 x "
+                                   "head size] of %s heads; external cache disabled", name, layer.page_shape,
+                                   cfg.layer_heads[name])
+                    self.supported = False
+                    return
+                self.shares[name] = share
         first = self.layers[cfg.layer_names[0]]
         if first.on_gpu:
             self._stream = torch.cuda.Stream(device=first.device)
@@ -140,11 +152,15 @@ class AdpConnectorWorker:
         return self.supported and self.client is not None and self.ring is not None and self.client.enabled
 
     def _part(self, layer: PagedLayer, group: CacheGroup) -> tuple[int, tuple[int, int]]:
-        """(object bytes, this rank's (offset, bytes) of it): a TP rank owns its heads' slice
-        of an object; an MLA object (latent pages every rank holds) is one page per block."""
+        """(object bytes, this rank's (offset, bytes) of it): an MLA object (latent pages every
+        rank holds) is one page per block; a canonical object (every KV head, ``heads.py``) is
+        TP pages per block, of which the rank copies its heads' rows (the whole object is its
+        request's slice); in a per-TP layout a rank owns the slice at ``rank * part``."""
         part = layer.page_bytes * self.cfg.object_blocks(group)
         if group.tp_shared:
             return part, (0, part)
+        if layer.name in self.shares:
+            return part * self.cfg.tp_size, (0, part * self.cfg.tp_size)
         return part * self.cfg.tp_size, (self.rank * part, part)
 
     def _collective(self, group: CacheGroup) -> bool:
@@ -207,6 +223,7 @@ class AdpConnectorWorker:
         group = self._group_of[name]
         layer = self.layers[name]
         obj, sl = self._part(layer, group)
+        heads = self.shares.get(name)
         keys = cfg.keys.keys(index.digests, (self._layer_index[name],), kind=group.index)
 
         def on_batch(b):
@@ -214,7 +231,11 @@ class AdpConnectorWorker:
                 self.fanout.scatter_share(share, layer, ring, b, sl, index, cfg.blocks_per_chunk, self._stream)
                 return True
             dst, pos = index.batch_blocks(b.first, b.count, b.hits)
-            if dst is not None:
+            if dst is None:
+                return True
+            if heads is not None:
+                layer.scatter_share(heads.view(ring, b.offset, b.stride, b.count, index.bpc), dst, pos, self._stream)
+            else:
                 layer.scatter(ring, b.offset, b.stride, b.count, sl[0], sl[1], dst, pos,
                               index.bpc, self._stream)
             return True
@@ -333,6 +354,7 @@ class AdpConnectorWorker:
             return
         req_ids = {p.req_id for p in plans}
         layers = [self.layers[name] for name in layer_names]
+        heads = [self.shares.get(name) for name in layer_names]
         obj, sl = self._part(layers[0], group)
         ready = None
         if layers[0].on_gpu:
@@ -353,8 +375,11 @@ class AdpConnectorWorker:
                 li, ci = divmod(i, n)
                 run = min(end, (li + 1) * n) - i
                 slot = b.offset + (i - b.first) * b.stride
-                layers[li].gather(ring, slot, b.stride, run, sl[0], sl[1],
-                                  blocks[ci * bpc:(ci + run) * bpc], bpc, self._stream, ready)
+                ids = blocks[ci * bpc:(ci + run) * bpc]
+                if heads[li] is not None:
+                    layers[li].gather_share(heads[li].view(ring, slot, b.stride, run, bpc), ids, self._stream, ready)
+                else:
+                    layers[li].gather(ring, slot, b.stride, run, sl[0], sl[1], ids, bpc, self._stream, ready)
                 i += run
             job.copied(b.count)
             return True
