@@ -83,7 +83,9 @@ def key_namespace(namespace: str = "", identity: Optional[Mapping[str, Any]] = N
     the setting ``key_namespace_from_model``, ``identity`` what the adapter knows of
     the model identity (``MODEL_IDENTITY_FIELDS``: model, revision, KV dtype, KV
     geometry, TP size, chunk size, layout) and of the format of its objects (any
-    other field the adapter adds, e.g. SGLang's attention kind).
+    other field the adapter adds, e.g. SGLang's attention kind). ``tp_size`` is the TP
+    size of the objects' layout: an adapter whose objects read the same at every TP size
+    gives 1 at every size (vLLM's KV connector: ``plugins/vllm/heads.py``).
 
     - No ``identity`` and not ``from_model``: ``namespace`` exactly as given
       (``default`` when empty). The operator names the deployment and keeps

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from adpkv_core.keys import chunk_digest, key_namespace
+from adpkv_core.keys import DEFAULT_NAMESPACE, chunk_digest, key_namespace
 from adpkv_core.settings import ClientConfig, parse_bool
 
 logger = logging.getLogger("adpkv.vllm")
@@ -55,19 +55,28 @@ class AdapterSettings:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, block_size: int,
                           chunk_key: str = "chunk_size", hash_block_size: int | None = None,
-                          default_chunk: int | None = None) -> "AdapterSettings":
+                          one_block_chunks: bool = False) -> "AdapterSettings":
         """``block_size``/``hash_block_size``: the tokens of a KV block and of one of vLLM's
         block hashes; a chunk is a whole number of both. A chunk size that is not is
         rounded up to the next one that is, with one log line: a setting that cannot
         apply never stops the engine (vLLM picks block sizes per model, e.g. 544 tokens
         for a Gated DeltaNet hybrid, so no fixed chunk size fits every model).
-        ``default_chunk``: the chunk when the setting is absent (None: ``DEFAULT_CHUNK_TOKENS``
-        rounded up; a model with recurrent state passes its block size)."""
+
+        ``one_block_chunks`` (a model with recurrent state): the chunk is that unit, whatever
+        the setting asks (a larger value is logged once and not used). vLLM keeps such a
+        model's state only at the prompt's last block boundary (``(N - 1) // block * block``,
+        its replay boundary), so a hit needs an object boundary at every block boundary: with
+        chunks of k blocks, k - 1 prompts in k would find no state at a chunk boundary."""
         extra = dict(extra or {})
         client = ClientConfig.from_settings(extra, prefix=PREFIX)
         unit = math.lcm(block_size, hash_block_size or block_size)
         raw = extra.get(PREFIX + chunk_key, extra.get(chunk_key))
-        chunk = rounded_chunk(raw, unit, PREFIX + chunk_key, default_chunk)
+        chunk = rounded_chunk(raw, unit, PREFIX + chunk_key, unit if one_block_chunks else None)
+        if one_block_chunks and chunk != unit:
+            warn_once(f"adpkv: {PREFIX}{chunk_key}={raw} is not used for a model with recurrent state: "
+                      f"vLLM keeps its state only at the prompt's last block boundary, so an object is "
+                      f"one block ({unit} tokens)")
+            chunk = unit
         exist_layers = str(extra.get(PREFIX + "exist_layers", "ends"))
         if exist_layers not in ("ends", "all"):
             raise ValueError(f"adpkv: {PREFIX}exist_layers must be 'ends' or 'all', not {exist_layers!r}")
@@ -149,7 +158,8 @@ def ordered_layer_names(layer_names: Sequence[str]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- namespace
-def resolve_namespace(vllm_config, settings: AdapterSettings, layout: str, engine_id: str) -> str:
+def resolve_namespace(vllm_config, settings: AdapterSettings, layout: str, engine_id: str,
+                      layout_tp_size: int = 1) -> str:
     """The key namespace of the KV connector (``adpkv_core.keys.key_namespace``).
 
     ``adpkv.namespace`` as given; with ``adpkv.key_namespace_from_model`` derived from it
@@ -157,9 +167,17 @@ def resolve_namespace(vllm_config, settings: AdapterSettings, layout: str, engin
     layout). An unknown field gives a namespace private to this engine (a cold cache,
     never a wrong hit); it is the same in the scheduler and the workers because it
     derives from the engine id they share.
+
+    ``layout_tp_size``: the TP size whose layout the objects have, the identity's TP size: 1
+    where they are canonical (a TP=1 engine's objects, read and written at every TP size:
+    ``heads.py``), else the engine's. Objects of a per-TP layout of more than one rank are
+    also kept apart under a given ``adpkv.namespace`` (suffix ``/tp<size>``): the same
+    deployment namespace at another TP size never reads them.
     """
     cfg = settings.client
     identity = None
+    if not cfg.key_namespace_from_model and layout_tp_size > 1:
+        return key_namespace(f"{cfg.namespace or DEFAULT_NAMESPACE}/tp{layout_tp_size}")
     if cfg.key_namespace_from_model:
         mc = vllm_config.model_config
         hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
@@ -170,8 +188,7 @@ def resolve_namespace(vllm_config, settings: AdapterSettings, layout: str, engin
             geometry = None
         identity = dict(model=mc.model, revision=mc.revision, kv_dtype=kv_dtype(vllm_config),
                         geometry=geometry if geometry and None not in geometry else None,
-                        tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                        chunk_size=settings.chunk_size, layout=layout)
+                        tp_size=layout_tp_size, chunk_size=settings.chunk_size, layout=layout)
     return key_namespace(cfg.namespace, identity, from_model=cfg.key_namespace_from_model,
                          private_to=f"vllm-{engine_id}")
 

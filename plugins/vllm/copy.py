@@ -124,6 +124,37 @@ class PagedLayer:
             src = src.index_select(0, src_positions)
         self.view.index_copy_(0, dst_block_ids, src)
 
+    # ------------------------------------------------------------------ a rank's heads (heads.py)
+    def gather_share(self, share: torch.Tensor, block_ids: torch.Tensor,
+                     stream: "torch.cuda.Stream | None" = None,
+                     ready: "torch.cuda.Event | None" = None) -> None:
+        """Copy blocks ``block_ids`` into ``share``: this rank's heads of ``count`` canonical
+        objects in the ring (``HeadShare.view``: ``(count, nblocks, *page)``, strided)."""
+        count, nblocks = share.shape[:2]
+        with torch.cuda.stream(stream) if (self.on_gpu and stream is not None) else _null():
+            if ready is not None:
+                torch.cuda.current_stream().wait_event(ready)
+            staged = self.view.index_select(0, block_ids.to(self.device))
+            share.copy_(staged.view(count, nblocks, *self.page_shape))
+        if self.on_gpu:    # the ring slot is handed back when on_batch returns
+            (stream or torch.cuda.current_stream()).synchronize()
+
+    def scatter_share(self, share: torch.Tensor, dst_block_ids: torch.Tensor,
+                      src_positions: Optional[torch.Tensor],
+                      stream: "torch.cuda.Stream | None" = None) -> None:
+        """Copy this rank's heads of ``count`` canonical objects (``share``, as in
+        ``gather_share``) into the KV blocks; ``src_positions`` as in ``scatter``."""
+        count, nblocks = share.shape[:2]
+        with torch.cuda.stream(stream) if (self.on_gpu and stream is not None) else _null():
+            src = share.to(self.device) if self.on_gpu else share
+            if src_positions is None:
+                self.view[dst_block_ids.to(self.device).view(count, nblocks)] = src
+            else:
+                q = src_positions.to(self.device)
+                self.view.index_copy_(0, dst_block_ids.to(self.device), src[q // nblocks, q % nblocks])
+        if self.on_gpu:
+            (stream or torch.cuda.current_stream()).synchronize()
+
     def _scatter_gpu(self, parts, dst_block_ids, src_positions, nblocks, stream):
         count = parts.shape[0]
         with torch.cuda.stream(stream) if stream is not None else _null():

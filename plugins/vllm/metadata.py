@@ -23,6 +23,7 @@ from adpkv_core.keys import KeyBuilder
 
 from .common import AdapterSettings, kv_cache_layout, ordered_layer_names, resolve_namespace
 from .drafter import DrafterSpec, drafter_of
+from .heads import layer_specs, tp_portable_why
 
 logger = logging.getLogger("adpkv.vllm")
 
@@ -119,6 +120,17 @@ class ConnectorConfig:
     why: str = ""
     groups: list[CacheGroup] = field(default_factory=list)
     drafter: Optional[DrafterSpec] = None   # an EAGLE/MTP drafter's layers (drafter.py)
+    # why the objects depend on the TP size ("": they do not, heads.py: a TP=1 engine's objects,
+    # read and written at any TP size that splits the KV heads, each rank its heads)
+    tp_dependent: str = ""
+    # attention layers (not MLA): (this rank's KV heads, head size), as vLLM's spec says
+    layer_heads: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def head_sharded(self) -> bool:
+        """Attention objects are canonical (every KV head) and this engine has several ranks:
+        each rank copies its heads' rows of every object (``heads.HeadShare``)."""
+        return not self.tp_dependent and self.tp_size > 1
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -162,11 +174,11 @@ class ConnectorConfig:
         supported = not why
         if supported:
             block_size = _group_block_size(kv_cache_config)
-            # recurrent state is kept at the block boundaries a step ends on: by default an
-            # object is one block, so that every such boundary is a chunk boundary
+            # recurrent state: vLLM keeps it only at the prompt's last block boundary, so an
+            # object is one block and every such boundary is a chunk boundary
             settings = AdapterSettings.from_extra_config(
                 extra, block_size, hash_block_size=hash_block_size,
-                default_chunk=block_size if any(g.recurrent for g in groups) else None)
+                one_block_chunks=any(g.recurrent for g in groups))
         else:    # nothing is stored: the chunk size does not matter (and is not rounded)
             settings = AdapterSettings.from_extra_config(extra, 1)
         cache_layout = kv_cache_layout(getattr(vllm_config.cache_config, "kv_cache_layout", None))
@@ -176,16 +188,24 @@ class ConnectorConfig:
             layout += ":" + ",".join(g.describe() for g in groups)
         if drafter is not None:     # what the drafter layers' objects mean
             layout += ":" + drafter.identity
-        namespace = resolve_namespace(vllm_config, settings, layout, engine_id)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        tp_dependent = tp_portable_why(vllm_config, kv_cache_config, groups, drafter) if supported else ""
+        # the TP size whose layout the objects have: 1 for canonical objects, at every TP size
+        namespace = resolve_namespace(vllm_config, settings, layout, engine_id,
+                                      layout_tp_size=tp_size if tp_dependent else 1)
         layer_names = ordered_layer_names([n for g in groups for n in g.layer_names])
+        layer_heads = {n: (spec.num_kv_heads, spec.head_size) for g in groups if g.kind in ("full", "sliding")
+                       for n, spec in layer_specs(kv_cache_config.kv_cache_groups[g.index].kv_cache_spec,
+                                                  g.layer_names)}
         return cls(settings=settings, reconnect_s=reconnect_setting(extra), block_size=block_size,
                    hash_block_size=hash_block_size, chunk_size=settings.chunk_size,
                    engine_id=f"vllm-{engine_id}",
-                   tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                   tp_size=tp_size,
                    layer_names=layer_names if supported else [],
                    layout=layout, namespace=namespace, keys=KeyBuilder(namespace),
                    supported=supported, why=why, groups=groups if supported else [],
-                   drafter=drafter if supported else None)
+                   drafter=drafter if supported else None, tp_dependent=tp_dependent,
+                   layer_heads=layer_heads if supported else {})
 
 
 # the spec classes the connector restores, by exact class (a subclass such as R-SWA or

