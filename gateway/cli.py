@@ -62,6 +62,12 @@ def cmd_status(args) -> int:
     engine = "none" if eng is None else f"{eng['id']} ranks {eng['ranks']} of {eng['world']}"
     print(f"engine  : {engine}  ring {stats['ring_in_use'] / MiB:.0f}/{stats['ring_size'] / MiB:.0f} MiB  "
           f"requests in flight {stats['requests_in_flight']}")
+    change = stats.get("layout_change")
+    if change:
+        state = "complete, the previous layout is dropped" if change["complete"] else \
+            f"moving, {change['left_objects']} objects known to be left"
+        print(f"layout  : change from {change['previous_fingerprint']} {state}; moved {change['moved_objects']} "
+              f"objects, {change['moved_bytes'] / MiB:.1f} MiB at {change['rate_bytes_per_s'] / MiB:.1f} MiB/s")
     for w in stats.get("work", []):
         print(f"working : {w['what']} {w['done']}/{w['total']} {w['unit']} ({w['elapsed_s']:.0f} s)")
     o = stats["objects"]

@@ -38,6 +38,7 @@ from .data_requests import DataRequests
 from .door import DoorServer, Session, claim_door, raise_open_files_limit
 from .engines import EngineRegistry, Peer
 from .health import HealthMonitor
+from .layout_change import LayoutChange
 from . import stats
 from .metrics import GatewayMetrics
 from .store import ObjectStore
@@ -78,6 +79,8 @@ class Gateway:
                 logger.info("fs card reads run in %d I/O processes", config.io_processes)
             self.health.start()
             undo.callback(self.health.stop)
+            self.layout_change.start()
+            undo.callback(self.layout_change.stop)
             self.engines = EngineRegistry(config.engine_timeout_s)
             self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
             self.wake_r, self.wake_w = os.pipe()
@@ -143,6 +146,7 @@ class Gateway:
                                  "place keys elsewhere than its peers; refusing to start")
             logger.warning("Not every card answered: the key layout fingerprint is checked when they join")
             self.health.expected_fingerprint = config.key_layout_fingerprint
+        self.layout_change = LayoutChange.open(self.store, config)
         for card in cards:
             if card.serial:
                 logger.info("Card %s (%s %s) Group Health: active", card.serial, card.kind, card.device)
@@ -210,6 +214,7 @@ class Gateway:
 
     def _shutdown(self) -> None:
         logger.info("Gateway stopping: finishing card I/O in flight")
+        self.layout_change.stop()
         self.pool.shutdown(wait=True)
         if self.procs:
             self.procs.shutdown(wait=True)

@@ -1,0 +1,195 @@
+"""A change of the card set without a cold cache (issue 29): the layout recorded on the cards,
+reads that fall back to the previous placement, the mover, the fingerprint rule.
+
+Real gateway processes on real redis-server cards and fs cards on separate directories;
+dialogs stored before the change are restored after it, every hit compared byte for byte
+(``Dialogs.restore`` asserts it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from adpkv_gateway.layout_record import CardRecord, Layout, LayoutError, resolve
+from adpkv_gateway.placement import Placement
+
+from .test_cards_cluster import Dialogs, stats, wait_for
+
+
+def record_of(card_dir: str) -> dict:
+    with open(os.path.join(card_dir, "adpkv-layout.json"), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def serial_of(card_dir: str) -> str:
+    with open(os.path.join(card_dir, "adpkv-card.json"), encoding="utf-8") as fh:
+        return json.load(fh)["serial"]
+
+
+def total_objects(port: int) -> int:
+    return sum(c["objects"] for c in stats(port)["cards"])
+
+
+# ------------------------------------------------------------------------------ the rule
+def layout(*serials, slots=16):
+    return Layout.of(serials, slots, 16, "dialog", 0, 1)
+
+
+def test_rule_first_start_resume_change_and_refusals():
+    a, ab = layout("A", "B"), layout("A", "B", "C")
+    assert resolve([None, None], a, "", "") == CardRecord(a)
+    assert resolve([CardRecord(a), CardRecord(a)], a, "", "") == CardRecord(a)
+    # a third card: a change from the recorded layout, resumed as it is at the next start
+    change = resolve([CardRecord(a, None, 3), CardRecord(a, None, 3), None], ab, "", "")
+    assert change == CardRecord(ab, a, 4)
+    assert resolve([change, CardRecord(a, None, 3), change], ab, "", "") == change     # a crash while recording
+    # with key_layout_fingerprint the change must be declared with the recorded layout's fingerprint
+    with pytest.raises(LayoutError, match=f"set previous_key_layout_fingerprint to {a.fingerprint}"):
+        resolve([CardRecord(a), CardRecord(a), None], ab, ab.fingerprint, "")
+    assert resolve([CardRecord(a), CardRecord(a), None], ab, ab.fingerprint, a.fingerprint).previous == a
+    with pytest.raises(LayoutError, match="is not the layout the cards record"):
+        resolve([CardRecord(a), CardRecord(a), None], ab, "", ab.fingerprint)
+    with pytest.raises(LayoutError, match="differs from the configured key_layout_fingerprint"):
+        resolve([CardRecord(a), CardRecord(a), None], ab, a.fingerprint, "")
+    # mixed layouts, another change before this one is moved, another key distribution
+    with pytest.raises(LayoutError, match="record different key layouts"):
+        resolve([CardRecord(a, None, 1), CardRecord(layout("B", "C"), None, 1)], ab, "", "")
+    with pytest.raises(LayoutError, match="in the middle of a change"):
+        resolve([change, change, change, None], layout("A", "B", "C", "D"), "", "")
+    with pytest.raises(LayoutError, match="only storage_devices may change"):
+        resolve([CardRecord(a), CardRecord(a)], layout("A", "B", slots=32), "", "")
+
+
+# ------------------------------------------------------------------------------ real gateways
+def test_four_to_five_resp_cards_every_dialog_still_hits_and_moves(redis_servers, start_gateway, tmp_path):
+    servers = redis_servers(5)
+    gw = start_gateway(card_dirs=[s.url for s in servers[:4]], storage_backend="resp")
+    dialogs = Dialogs("m", n=80, chunks=1, layers=1)
+    assert all(dialogs.store(gw.port))
+    stored = total_objects(gw.port)
+    gw.stop()
+    status = tmp_path / "status.prom"
+    gw5 = start_gateway(card_dirs=[s.url for s in servers], storage_backend="resp", status_file=str(status))
+    assert dialogs.restore(gw5.port) == [1.0] * 80          # today about 31 % of them miss
+    change = stats(gw5.port)["layout_change"]
+    assert change is not None and not change["complete"]
+    # the dialogs read from their previous card move to their card now, and leave the old one
+    assert wait_for(lambda: stats(gw5.port)["layout_change"]["moved_objects"] >= 10, 30)
+    moved = stats(gw5.port)["layout_change"]["moved_objects"]
+    assert moved <= 40
+    assert wait_for(lambda: total_objects(gw5.port) == stored, 15), "an old copy was left behind"
+    assert stats(gw5.port)["cards"][4]["objects"] == moved           # the new card got exactly those
+    assert dialogs.restore(gw5.port) == [1.0] * 80
+    assert wait_for(lambda: "adpkv_gateway_layout_moved_objects" in status.read_text(), 10)
+
+
+def test_four_to_five_fs_cards_stripe_sweep_finishes_and_drops_previous(start_gateway, tmp_path):
+    dirs = [str(tmp_path / f"fs{i}") for i in range(5)]
+    gw = start_gateway(card_dirs=dirs[:4], key_placement="stripe")
+    dialogs = Dialogs("s", n=30, chunks=2, layers=1)
+    assert all(dialogs.store(gw.port))
+    gw.stop()
+    old = record_of(dirs[0])["layout"]
+    gw5 = start_gateway(card_dirs=dirs, key_placement="stripe")
+    # objects never read move too: the sweep over the old cards
+    assert wait_for(lambda: stats(gw5.port)["layout_change"]["complete"], 60), stats(gw5.port)["layout_change"]
+    assert stats(gw5.port)["layout_change"]["moved_objects"] > 0
+    assert stats(gw5.port)["cards"][4]["objects"] == stats(gw5.port)["layout_change"]["moved_objects"]
+    for d in dirs:
+        rec = record_of(d)
+        assert rec["previous"] is None and rec["layout"]["fingerprint"] == stats(gw5.port)["fingerprint"]
+        assert rec["layout"]["fingerprint"] != old["fingerprint"]
+    assert "previous layout is dropped" in gw5.log()
+    assert dialogs.restore(gw5.port) == [1.0] * 30
+    gw5.stop()
+    gw5.start()
+    assert stats(gw5.port)["layout_change"] is None
+    assert dialogs.restore(gw5.port) == [1.0] * 30
+
+
+def test_a_replaced_card_costs_only_its_own_dialogs(redis_servers, start_gateway):
+    servers = redis_servers(5)
+    gw = start_gateway(card_dirs=[s.url for s in servers[:4]], storage_backend="resp")
+    dialogs = Dialogs("r", n=80, chunks=1, layers=1)
+    assert all(dialogs.store(gw.port))
+    serials = [c["serial"] for c in stats(gw.port)["cards"]]
+    gw.stop()
+    before = Placement(serials, 16)
+    lost = [before.ranking(keys[0], marks[0])[0] == 3 for keys, marks in dialogs.dialogs]
+    gw2 = start_gateway(card_dirs=[s.url for s in servers[:3]] + [servers[4].url], storage_backend="resp")
+    shares = dialogs.restore(gw2.port)
+    assert [s == 0.0 for s in shares] == lost, "a dialog of a card that is still there missed"
+    assert 5 <= sum(lost) <= 35
+
+
+def test_the_fingerprint_must_declare_the_change(start_gateway, tmp_path):
+    dirs = [str(tmp_path / f"fs{i}") for i in range(3)]
+    gw = start_gateway(card_dirs=dirs[:2])
+    old = stats(gw.port)["fingerprint"]
+    gw.stop()
+    gw3 = start_gateway(card_dirs=dirs)          # learn the new fingerprint (and the new card's serial)
+    new = stats(gw3.port)["fingerprint"]
+    gw3.stop()
+    for d in dirs:                                # back to before the change
+        os.unlink(os.path.join(d, "adpkv-layout.json"))
+    gw = start_gateway(card_dirs=dirs[:2])
+    gw.stop()
+    with pytest.raises(RuntimeError, match=f"set previous_key_layout_fingerprint to {old}"):
+        start_gateway(card_dirs=dirs, key_layout_fingerprint=new)
+    with pytest.raises(RuntimeError, match="differs from the configured key_layout_fingerprint"):
+        start_gateway(card_dirs=dirs, key_layout_fingerprint=old)
+    assert record_of(dirs[0])["layout"]["fingerprint"] == old and not os.path.exists(
+        os.path.join(dirs[2], "adpkv-layout.json")), "a refused start recorded a layout"
+    ok = start_gateway(card_dirs=dirs, key_layout_fingerprint=new, previous_key_layout_fingerprint=old)
+    assert stats(ok.port)["layout_change"]["previous_fingerprint"] == old
+    ok.stop()
+    # a card of another deployment's layout in the set: refused
+    other = [str(tmp_path / "x0"), str(tmp_path / "x1")]
+    start_gateway(card_dirs=other).stop()
+    with pytest.raises(RuntimeError, match="record different key layouts"):
+        start_gateway(card_dirs=dirs[:2] + other[:1])
+
+
+def test_a_gateway_killed_mid_move_resumes_and_loses_nothing(start_gateway, tmp_path):
+    dirs = [str(tmp_path / f"fs{i}") for i in range(5)]
+    gw = start_gateway(card_dirs=dirs[:4], key_placement="stripe")
+    dialogs = Dialogs("k", n=40, chunks=2, layers=1)
+    assert all(dialogs.store(gw.port))
+    stored = total_objects(gw.port)
+    gw.stop()
+    slow = start_gateway(card_dirs=dirs, key_placement="stripe", move_rate_bytes=64 * 1024)   # ~4 objects/s
+    assert wait_for(lambda: stats(slow.port)["layout_change"]["moved_objects"] >= 3, 30)
+    slow.kill()                                               # SIGKILL in the middle of the move
+    fast = start_gateway(card_dirs=dirs, key_placement="stripe")
+    assert stats(fast.port)["layout_change"]["previous_fingerprint"] == record_of(dirs[0])["previous"]["fingerprint"]
+    assert dialogs.restore(fast.port) == [1.0] * 40          # nothing lost, nothing wrong, mid-move
+    assert wait_for(lambda: stats(fast.port)["layout_change"]["complete"], 60)
+    assert total_objects(fast.port) == stored
+    assert dialogs.restore(fast.port) == [1.0] * 40
+
+
+def test_two_gateways_move_one_change_together(redis_servers, start_gateway):
+    servers = redis_servers(5)
+    urls = [s.url for s in servers]
+    gw = start_gateway(card_dirs=urls[:4], storage_backend="resp", key_placement="stripe", shared_storage=True)
+    dialogs = Dialogs("t", n=40, chunks=2, layers=1)
+    assert all(dialogs.store(gw.port))
+    stored = total_objects(gw.port)
+    gw.stop()
+    a = start_gateway(card_dirs=urls, storage_backend="resp", key_placement="stripe", shared_storage=True,
+                      move_rate_bytes=256 * 1024)
+    b = start_gateway(card_dirs=list(reversed(urls)), storage_backend="resp", key_placement="stripe",
+                      shared_storage=True, move_rate_bytes=256 * 1024)
+    assert stats(a.port)["fingerprint"] == stats(b.port)["fingerprint"]
+    assert stats(b.port)["layout_change"]["previous_fingerprint"] == stats(a.port)["layout_change"][
+        "previous_fingerprint"]
+    assert dialogs.restore(b.port) == [1.0] * 40
+    assert dialogs.restore(a.port) == [1.0] * 40
+    assert wait_for(lambda: stats(a.port)["layout_change"]["complete"] and stats(b.port)["layout_change"]["complete"],
+                    90)
+    assert total_objects(a.port) == stored, "an object is on two cards, or lost"
+    assert dialogs.restore(a.port) == [1.0] * 40
+    assert dialogs.restore(b.port) == [1.0] * 40
