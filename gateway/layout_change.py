@@ -3,14 +3,14 @@
 on and runs the mover (``gateway/mover.py``) until nothing is left, then drops the previous
 layout: recorded on every card, logged once, shown in STATS and the status file.
 
-Contract: ``open`` runs once the store is built (its cards opened); ``start`` after the
-gateway's start can no longer fail, ``stop`` at shutdown. ``figures`` is read on any thread.
+Contract: ``open`` runs once the store is built (its cards opened); ``start`` once the
+gateway's data path is built, ``stop`` at shutdown. ``figures`` is read on any thread.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 from .config import GatewayConfig
 from .layout_record import CardRecord, Layout, LayoutError, settle, write_all
@@ -52,8 +52,10 @@ class LayoutChange:
             store.on_previous_hit = change.mover.hit
         return change
 
-    def start(self) -> None:
+    def start(self, engine_busy: Callable[[], bool]) -> None:
+        """Start the mover, which yields to the engine while ``engine_busy()`` (any thread)."""
         if self.mover:
+            self.mover.engine_busy = engine_busy
             self.mover.start()
 
     def stop(self) -> None:

@@ -43,6 +43,8 @@ from .store import ObjectStore
 logger = logging.getLogger("adpkv.gateway.mover")
 
 MOVE_AFTER_S = 1.0            # a hit moves this long after it was served
+YIELD_S = 0.005               # while the engine's requests are in flight the mover looks again after this
+YIELD_AT_MOST_S = 0.25        # ... and moves one object after this long anyway (a busy engine never stops it)
 MAX_WAITING = 1 << 18         # hits remembered at most (more: the sweep, or the next read, finds them)
 RETRY_S = 5.0                 # a sweep pass that could not move everything runs again after this
 HEAD_SUFFIX = fragment_key(b"", 0)
@@ -54,6 +56,7 @@ class Mover:
     def __init__(self, store: ObjectStore, previous_fingerprint: str, rate_bytes: int, sweep: bool,
                  on_complete: Callable[[], None]):
         self.store = store
+        self.engine_busy: Callable[[], bool] = lambda: False      # the engine has requests in flight
         self.previous_fingerprint = previous_fingerprint
         self.rate_bytes = rate_bytes
         self.sweep_enabled = sweep
@@ -163,10 +166,18 @@ class Mover:
                 self.left_objects -= 1
         return clean
 
+    def _yield_to_engine(self) -> None:
+        """Wait while the engine's requests are in flight (at most ``YIELD_AT_MOST_S``): the
+        engine's reads go first."""
+        deadline = time.monotonic() + YIELD_AT_MOST_S
+        while self.engine_busy() and time.monotonic() < deadline and not self._stop.wait(YIELD_S):
+            pass
+
     def _move(self, key: bytes, mark: int, old: int) -> bool:
         """Move one object from card ``old`` to its current cards; whether nothing of it is left
         to move (moved, already there, or gone)."""
         store = self.store
+        self._yield_to_engine()
         targets = store.targets(key, mark, store.replicas)
         if not targets or old in targets:
             return bool(targets)

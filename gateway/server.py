@@ -79,8 +79,6 @@ class Gateway:
                 logger.info("fs card reads run in %d I/O processes", config.io_processes)
             self.health.start()
             undo.callback(self.health.stop)
-            self.layout_change.start()
-            undo.callback(self.layout_change.stop)
             self.engines = EngineRegistry(config.engine_timeout_s)
             self.done_q: "queue.SimpleQueue" = queue.SimpleQueue()
             self.wake_r, self.wake_w = os.pipe()
@@ -116,6 +114,8 @@ class Gateway:
             self.data_requests = DataRequests(self.engines, self.sessions_by_peer, self.transfers, self.counters,
                                               self._send)
             self.stopping = False
+            self.layout_change.start(engine_busy=lambda: bool(self.transfers.jobs))
+            undo.callback(self.layout_change.stop)
             try:
                 self.sock.bind(f"tcp://{config.bind_address}:{config.port}")
             except zmq.ZMQError as exc:
