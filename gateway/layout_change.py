@@ -23,10 +23,12 @@ logger = logging.getLogger("adpkv.gateway.layout")
 class LayoutChange:
     """The gateway's layout record and, during a change, its mover."""
 
-    def __init__(self, store: ObjectStore, record: Optional[CardRecord], mover: Optional[Mover]):
+    def __init__(self, store: ObjectStore, record: Optional[CardRecord], move_rate_bytes: int):
         self.store = store
         self.record = record             # None: not every card answered at start (nothing recorded)
-        self.mover = mover
+        self.move_rate_bytes = move_rate_bytes
+        self.mover: Optional[Mover] = None
+        self.engine_busy: Callable[[], bool] = lambda: False
 
     @classmethod
     def open(cls, store: ObjectStore, config: GatewayConfig) -> "LayoutChange":
@@ -34,7 +36,7 @@ class LayoutChange:
         if not all(c.serial for c in store.cards):
             logger.warning("Not every card answered: the key layout recorded on the cards is checked at the "
                            "next start with every card")
-            return cls(store, None, None)
+            return cls(store, None, config.move_rate_bytes)
         current = Layout.of([c.serial for c in store.cards], config.storage_slots, config.num_dbs,
                             config.key_placement, config.fragment_size, config.replicas)
         try:
@@ -42,18 +44,58 @@ class LayoutChange:
                             config.previous_key_layout_fingerprint)
         except LayoutError as exc:
             raise SystemExit(str(exc)) from None
-        change = cls(store, record, None)
+        change = cls(store, record, config.move_rate_bytes)
+        store.left_out = frozenset(c.serial for c in store.cards) - frozenset(record.layout.serials)
+        store.rebuild_placement()
         if record.previous is not None:
-            prev = record.previous
-            store.previous = PreviousPlacement(prev.serials, store.cards, prev.storage_slots, prev.key_placement,
-                                               prev.replicas)
-            change.mover = Mover(store, prev.fingerprint, config.move_rate_bytes,
-                                 sweep=config.key_placement == "stripe", on_complete=change._complete)
-            store.on_previous_hit = change.mover.hit
+            change._begin(record.previous)
         return change
+
+    def _begin(self, prev: Layout) -> None:
+        """Fall back to ``prev`` and move its objects (the mover starts with ``start``)."""
+        store = self.store
+        store.previous = PreviousPlacement(prev.serials, store.cards, prev.storage_slots, prev.key_placement,
+                                           prev.replicas)
+        self.mover = Mover(store, prev.fingerprint, self.move_rate_bytes,
+                           sweep=prev.key_placement == "stripe", on_complete=self._complete)
+        store.on_previous_hit = self.mover.hit
+
+    def drain_refusal(self, serial: str) -> Optional[str]:
+        """Why ``serial`` cannot be drained now, or None (on the gateway's loop)."""
+        if self.record is None:
+            return "not every card answered at start: the layout is not recorded"
+        if self.store.previous is not None:
+            return "a card-set change is being moved; drain when it is complete"
+        if self.record.layout.key_placement != "stripe":
+            return ("with key_placement dialog a card does not store the dialog marks that place its objects; "
+                    "only a stripe layout can be drained")
+        if serial not in self.record.layout.serials:
+            return f"card {serial} is not in the layout"
+        if len(self.record.layout.serials) == 1:
+            return "the last card cannot be drained"
+        return None
+
+    def drain(self, serial: str) -> Layout:
+        """Leave card ``serial`` out of the layout (on the gateway's loop, after ``drain_refusal``
+        found nothing): lookups fall back to the layout with it; ``record_drain`` (on the pool)
+        then records the change on every card and starts the mover. The layout after it."""
+        store, old = self.store, self.record.layout
+        self.record = CardRecord(old.without([serial]), old, self.record.epoch + 1)
+        self._begin(old)
+        store.left_out = store.left_out | {serial}
+        store.rebuild_placement()
+        logger.info("Drain of card %s: layout %s -> %s; its objects move to the other cards", serial,
+                    old.fingerprint, self.record.layout.fingerprint)
+        return self.record.layout
+
+    def record_drain(self) -> None:
+        write_all(self.store.cards, self.record)
+        self.mover.engine_busy = self.engine_busy
+        self.mover.start()
 
     def start(self, engine_busy: Callable[[], bool]) -> None:
         """Start the mover, which yields to the engine while ``engine_busy()`` (any thread)."""
+        self.engine_busy = engine_busy
         if self.mover:
             self.mover.engine_busy = engine_busy
             self.mover.start()

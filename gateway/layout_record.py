@@ -19,6 +19,8 @@ The rule at start (``resolve``), when every configured card answered:
 
 - no card holds a record: a first start; the current layout is recorded;
 - records that are neither the newest one's layout nor its previous: a mixed layout, refused;
+- a configured card that holds a record but is not in the newest record's layout was drained
+  (``adpkv drain``): it is left out of the current layout (read during the move, never placed on);
 - the newest record's layout is the current one: its ``previous`` (if any) is resumed;
 - else a change from the recorded layout to the current one: refused when the recorded
   change is not finished yet, or when anything but the card set differs (``storage_slots``,
@@ -62,6 +64,11 @@ class Layout(msgspec.Struct, frozen=True):
            fragment_size: int, replicas: int) -> "Layout":
         return cls(tuple(sorted(serials)), storage_slots, num_dbs, key_placement, fragment_size, replicas,
                    key_layout_fingerprint(serials, storage_slots, num_dbs, key_placement, fragment_size))
+
+    def without(self, serials: Sequence[str]) -> "Layout":
+        """This layout without the cards ``serials`` (a drain)."""
+        return Layout.of([s for s in self.serials if s not in serials], self.storage_slots, self.num_dbs,
+                         self.key_placement, self.fragment_size, self.replicas)
 
     def same_keys_but_cards(self, other: "Layout") -> bool:
         """Whether only the card set differs (a key's slot and fragments are the same)."""
@@ -154,16 +161,17 @@ def write_all(cards: Sequence[Card], record: CardRecord) -> None:
 
 
 # ---------------------------------------------------------------------------- the rule
-def resolve(records: Sequence[Optional[CardRecord]], current: Layout, configured_fingerprint: str,
-            previous_fingerprint: str) -> CardRecord:
+def resolve(records: Sequence[Optional[CardRecord]], serials: Sequence[str], current: Layout,
+            configured_fingerprint: str, previous_fingerprint: str) -> CardRecord:
     """The record the gateway runs with (write it to every card), from each card's record
-    (None: none) and the configured layout; raises ``LayoutError`` with the reason to refuse."""
+    (None: none; ``serials[i]`` is the serial of the card of ``records[i]``) and the configured
+    layout ``current`` (over every configured card); raises ``LayoutError`` with the reason to
+    refuse. A configured card whose record does not name it in the newest layout was drained
+    (``adpkv drain``): it is left out (the layout returned does not name it)."""
     found = [r for r in records if r is not None]
-    if configured_fingerprint and configured_fingerprint != current.fingerprint:
-        raise LayoutError(f"key layout fingerprint {current.fingerprint} differs from the configured "
-                          f"key_layout_fingerprint {configured_fingerprint}: this gateway would place keys "
-                          "elsewhere than its peers; refusing to start")
     if not found:
+        if configured_fingerprint and configured_fingerprint != current.fingerprint:
+            raise LayoutError(_differs(current, configured_fingerprint))
         if previous_fingerprint:
             raise LayoutError(f"previous_key_layout_fingerprint is {previous_fingerprint} but no card records "
                               "a layout: nothing to change from; refusing to start")
@@ -175,6 +183,13 @@ def resolve(records: Sequence[Optional[CardRecord]], current: Layout, configured
         raise LayoutError(f"the cards record different key layouts ({newest.layout.fingerprint} and "
                           f"{', '.join(mixed)}): they were run by gateways with different storage_devices or "
                           "settings; refusing to start")
+    drained = [s for s, r in zip(serials, records) if r is not None and s not in newest.layout.serials]
+    if drained:
+        logger.warning("Card(s) %s were drained: left out of the layout (remove them from storage_devices)",
+                       ", ".join(drained))
+        current = current.without(drained)
+    if configured_fingerprint and configured_fingerprint != current.fingerprint:
+        raise LayoutError(_differs(current, configured_fingerprint))
     if newest.layout == current:
         if previous_fingerprint and newest.previous is not None and \
                 previous_fingerprint != newest.previous.fingerprint:
@@ -202,6 +217,11 @@ def resolve(records: Sequence[Optional[CardRecord]], current: Layout, configured
     return CardRecord(current, old, newest.epoch + 1)
 
 
+def _differs(current: Layout, configured: str) -> str:
+    return (f"key layout fingerprint {current.fingerprint} differs from the configured key_layout_fingerprint "
+            f"{configured}: this gateway would place keys elsewhere than its peers; refusing to start")
+
+
 def settle(cards: Sequence[Card], current: Layout, configured_fingerprint: str,
            previous_fingerprint: str) -> CardRecord:
     """Read every card's record, ``resolve`` them and record the result on every card; a card
@@ -212,7 +232,7 @@ def settle(cards: Sequence[Card], current: Layout, configured_fingerprint: str,
             records.append(read_record(card))
         except CardIOError as exc:
             raise LayoutError(f"card {card.serial} ({card.device}): cannot read its layout record: {exc}") from None
-    record = resolve(records, current, configured_fingerprint, previous_fingerprint)
+    record = resolve(records, [c.serial for c in cards], current, configured_fingerprint, previous_fingerprint)
     if record.previous is not None:
         logger.info("Card-set change from layout %s (cards %s) to %s (cards %s): reads fall back to the previous "
                     "layout and its objects move", record.previous.fingerprint, ", ".join(record.previous.serials),

@@ -112,11 +112,13 @@ class ObjectStore:
         # a card-set change (gateway/layout_record.py, gateway/mover.py): the placement moved from
         self.previous: Optional[PreviousPlacement] = None
         self.on_previous_hit: Callable[[bytes, int, int], None] = lambda key, mark, card: None
+        self.left_out: frozenset[str] = frozenset()       # serials of drained cards: read, never placed on
         self.rebuild_placement()
 
     def rebuild_placement(self) -> None:
-        """Recompute placement over the cards whose serial is known (atomic swap)."""
-        serials = [c.serial or None for c in self.cards]
+        """Recompute placement over the cards whose serial is known and not ``left_out``
+        (atomic swap)."""
+        serials = [c.serial if c.serial and c.serial not in self.left_out else None for c in self.cards]
         self.placement = Placement(serials, self.storage_slots, self.placement_mode)
         self.fingerprint = key_layout_fingerprint([s for s in serials if s], self.storage_slots,
                                                   self.num_dbs, self.placement_mode, self.fragment_size)

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from adpkv_gateway.layout_record import CardRecord, Layout, LayoutError, resolve
+from adpkv_gateway.layout_record import CardRecord, Layout, LayoutError
+from adpkv_gateway.layout_record import resolve as resolve_records
 from adpkv_gateway.placement import Placement
 
 from .test_cards_cluster import Dialogs, stats, wait_for
@@ -29,6 +30,20 @@ def serial_of(card_dir: str) -> str:
         return json.load(fh)["serial"]
 
 
+def placed(serials, dialogs, mode: str) -> list[int]:
+    """Objects per card (``serials`` in configuration order, None: a card left out) where the
+    placement puts the dialogs' objects."""
+    p, counts = Placement(serials, 16, mode), [0] * len(serials)
+    for keys, marks in dialogs.dialogs:
+        for key, mark in zip(keys, marks):
+            counts[p.ranking(key, mark)[0]] += 1
+    return counts
+
+
+def card_objects(port: int) -> list[int]:
+    return [c["objects"] for c in stats(port)["cards"]]
+
+
 def total_objects(port: int) -> int:
     return sum(c["objects"] for c in stats(port)["cards"])
 
@@ -36,6 +51,11 @@ def total_objects(port: int) -> int:
 # ------------------------------------------------------------------------------ the rule
 def layout(*serials, slots=16):
     return Layout.of(serials, slots, 16, "dialog", 0, 1)
+
+
+def resolve(records, current, configured, previous):
+    """``layout_record.resolve`` with the cards of ``current`` in its order."""
+    return resolve_records(records, list(current.serials), current, configured, previous)
 
 
 def test_rule_first_start_resume_change_and_refusals():
@@ -103,7 +123,7 @@ def test_four_to_five_fs_cards_stripe_sweep_finishes_and_drops_previous(start_ga
     # objects never read move too: the sweep over the old cards
     assert wait_for(lambda: stats(gw5.port)["layout_change"]["complete"], 60), stats(gw5.port)["layout_change"]
     assert stats(gw5.port)["layout_change"]["moved_objects"] > 0
-    assert stats(gw5.port)["cards"][4]["objects"] == stats(gw5.port)["layout_change"]["moved_objects"]
+    assert card_objects(gw5.port) == placed([serial_of(d) for d in dirs], dialogs, "stripe")
     for d in dirs:
         rec = record_of(d)
         assert rec["previous"] is None and rec["layout"]["fingerprint"] == stats(gw5.port)["fingerprint"]
@@ -168,12 +188,15 @@ def test_a_gateway_killed_mid_move_resumes_and_loses_nothing(start_gateway, tmp_
     gw.stop()
     slow = start_gateway(card_dirs=dirs, key_placement="stripe", move_rate_bytes=64 * 1024)   # ~4 objects/s
     assert wait_for(lambda: stats(slow.port)["layout_change"]["moved_objects"] >= 3, 30)
+    moving_from = stats(slow.port)["layout_change"]["previous_fingerprint"]
     slow.kill()                                               # SIGKILL in the middle of the move
+    assert record_of(dirs[0])["previous"]["fingerprint"] == moving_from
     fast = start_gateway(card_dirs=dirs, key_placement="stripe")
-    assert stats(fast.port)["layout_change"]["previous_fingerprint"] == record_of(dirs[0])["previous"]["fingerprint"]
+    assert stats(fast.port)["layout_change"]["previous_fingerprint"] == moving_from    # resumed
     assert dialogs.restore(fast.port) == [1.0] * 40          # nothing lost, nothing wrong, mid-move
     assert wait_for(lambda: stats(fast.port)["layout_change"]["complete"], 60)
     assert total_objects(fast.port) == stored
+    assert card_objects(fast.port) == placed([serial_of(d) for d in dirs], dialogs, "stripe")
     assert dialogs.restore(fast.port) == [1.0] * 40
 
 
@@ -199,3 +222,59 @@ def test_two_gateways_move_one_change_together(redis_servers, start_gateway):
     assert total_objects(a.port) == stored, "an object is on two cards, or lost"
     assert dialogs.restore(a.port) == [1.0] * 40
     assert dialogs.restore(b.port) == [1.0] * 40
+
+
+def test_drain_moves_a_card_away_then_it_can_go(start_gateway, tmp_path):
+    from .test_cli_edges import ADPKV, run
+    dirs = [str(tmp_path / f"fs{i}") for i in range(5)]
+    gw = start_gateway(card_dirs=dirs, key_placement="stripe")
+    dialogs = Dialogs("n", n=30, chunks=2, layers=1)
+    assert all(dialogs.store(gw.port))
+    stored = total_objects(gw.port)
+    going = serial_of(dirs[4])
+    on_it = stats(gw.port)["cards"][4]["objects"]
+    assert on_it > 0
+    before = stats(gw.port)["fingerprint"]
+    refused = run([*ADPKV, "--port", str(gw.port), "drain", "FSNOSUCHCARD"])
+    assert refused.returncode == 1 and "DRAIN_REFUSED" in refused.stderr
+    done = run([*ADPKV, "--port", str(gw.port), "drain", going])
+    assert done.returncode == 0, done.stderr
+    assert f"card {going} is drained: remove it from storage_devices" in done.stdout
+    after = stats(gw.port)
+    assert after["layout_change"]["complete"] and after["cards"][4]["objects"] == 0
+    assert after["layout_change"]["moved_objects"] >= on_it           # and the rebalancing between the others
+    assert card_objects(gw.port) == placed([serial_of(d) for d in dirs[:4]] + [None], dialogs, "stripe")
+    assert after["fingerprint"] != before and total_objects(gw.port) == stored
+    assert dialogs.restore(gw.port) == [1.0] * 30             # during and after: the same bytes
+    # a restart with the drained card still configured leaves it out; without it, nothing changes
+    gw.stop()
+    again = start_gateway(card_dirs=dirs, key_placement="stripe")
+    assert stats(again.port)["fingerprint"] == after["fingerprint"]
+    assert "were drained: left out of the layout" in again.log()
+    assert dialogs.restore(again.port) == [1.0] * 30
+    assert stats(again.port)["cards"][4]["objects"] == 0       # nothing was placed on it
+    again.stop()
+    four = start_gateway(card_dirs=dirs[:4], key_placement="stripe", key_layout_fingerprint=after["fingerprint"])
+    assert stats(four.port)["layout_change"] is None
+    assert dialogs.restore(four.port) == [1.0] * 30
+
+
+def _drain_as_another_user(port: int) -> dict:
+    from adpkv_gateway import control
+    return {"drain": control.request(port, {"op": "DRAIN", "card": "x"}),
+            "stats": control.request(port, {"op": "STATS"})["op"]}
+
+
+def test_drain_is_for_operators_and_dialog_layouts_refuse_it(start_gateway, tmp_path):
+    from adpkv_core import protocol as P
+    from .test_security import as_nobody
+    dirs = [str(tmp_path / f"fs{i}") for i in range(2)]
+    gw = start_gateway(card_dirs=dirs, key_placement="stripe", control_socket_mode="0666")
+    seen = as_nobody(_drain_as_another_user, gw.port)
+    assert seen["stats"] == "OK" and seen["drain"]["code"] == P.FORBIDDEN     # a session, not an operator
+    assert stats(gw.port)["layout_change"] is None
+    gw.stop()
+    dialog = start_gateway(card_dirs=[str(tmp_path / "d0"), str(tmp_path / "d1")])
+    from adpkv_gateway import control
+    reply = control.request(dialog.port, {"op": "DRAIN", "card": serial_of(str(tmp_path / "d1"))})
+    assert reply["code"] == P.DRAIN_REFUSED and "key_placement dialog" in reply["msg"]
