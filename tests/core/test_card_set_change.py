@@ -77,8 +77,12 @@ def test_rule_first_start_resume_change_and_refusals():
     # mixed layouts, another change before this one is moved, another key distribution
     with pytest.raises(LayoutError, match="record different key layouts"):
         resolve([CardRecord(a, None, 1), CardRecord(layout("B", "C"), None, 1)], ab, "", "")
-    with pytest.raises(LayoutError, match="in the middle of a change"):
-        resolve([change, change, change, None], layout("A", "B", "C", "D"), "", "")
+    abcd = layout("A", "B", "C", "D")
+    assert resolve([change, change, change, None], abcd, "", "") == CardRecord(abcd, ab, 5)   # dialog: from ab
+    striped = [Layout.of(s, 16, 16, "stripe", 0, 1) for s in (("A", "B"), ("A", "B", "C"), ("A", "B", "C", "D"))]
+    moving = CardRecord(striped[1], striped[0], 1)
+    with pytest.raises(LayoutError, match="in the middle of a change"):         # stripe: the sweep finishes it
+        resolve([moving, moving, moving, None], striped[2], "", "")
     with pytest.raises(LayoutError, match="only storage_devices may change"):
         resolve([CardRecord(a), CardRecord(a)], layout("A", "B", slots=32), "", "")
 
