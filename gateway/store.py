@@ -438,12 +438,17 @@ class ObjectStore:
         return [b > a and all(found[a:b]) for a, b in spans]
 
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]]) -> int:
-        """Remove objects (all their fragments) from their replica cards; how many existed."""
+        """Remove objects (all their fragments) from their replica cards (and, during a card-set
+        change, from their cards in the previous layout); how many existed."""
         deleted = 0
+        prev = self.previous
         for i, key in enumerate(keys):
             mark = marks[i] if marks else 0
             tag = self.slot_tag(mark)
-            for card_index in self.targets(key, mark, self.replicas):
+            cards = self.targets(key, mark, self.replicas)
+            if prev is not None:           # during a card-set change: its copy on its previous card too
+                cards += [c for c in prev.targets(key, mark, self.active) if c not in cards]
+            for card_index in cards:
                 card = self.cards[card_index]
                 head = (fragment_db(key, 0, self.num_dbs, self.spread), fragment_key(key, 0))
                 try:

@@ -282,3 +282,22 @@ def test_drain_is_for_operators_and_dialog_layouts_refuse_it(start_gateway, tmp_
     from adpkv_gateway import control
     reply = control.request(dialog.port, {"op": "DRAIN", "card": serial_of(str(tmp_path / "d1"))})
     assert reply["code"] == P.DRAIN_REFUSED and "key_placement dialog" in reply["msg"]
+
+
+def test_a_delete_during_the_change_removes_the_copy_on_the_previous_card(redis_servers, start_gateway):
+    from adpkv_core.client import GatewayClient
+    from adpkv_core.settings import ClientConfig
+    servers = redis_servers(5)
+    gw = start_gateway(card_dirs=[s.url for s in servers[:4]], storage_backend="resp")
+    dialogs = Dialogs("x", n=40, chunks=1, layers=1)
+    assert all(dialogs.store(gw.port))
+    gw.stop()
+    gw5 = start_gateway(card_dirs=[s.url for s in servers], storage_backend="resp", move_rate_bytes=1)
+    c = GatewayClient(ClientConfig(port=gw5.port, busy_wait_s=5), "deleter")
+    keys = [k for ks, _ in dialogs.dialogs for k in ks]
+    marks = [m for _, ms in dialogs.dialogs for m in ms]
+    assert c.exist(keys, marks=marks).result(10) == [True] * 40         # some of them on their previous card
+    assert c.delete(keys, marks=marks).result(10) == 40
+    assert c.exist(keys, marks=marks).result(10) == [False] * 40         # none comes back from there
+    c.close()
+    assert total_objects(gw5.port) == 0
