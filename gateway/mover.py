@@ -8,7 +8,8 @@ Where the work comes from:
   that found it is done by then);
 - the sweep: with ``key_placement: stripe`` an object's card follows from its key alone, so
   the mover lists the objects of every previous card (fs: its database directories; resp: a
-  SCAN) and moves those whose card changed. With ``dialog`` placement a key's card follows
+  SCAN; a cluster card is not listed yet: its objects move when read) and moves those whose card
+  changed. With ``dialog`` placement a key's card follows
   from its dialog mark, which a card does not store: objects move when they are read.
 
 One move, and why it loses nothing acknowledged: the object is read whole from its old card
@@ -66,6 +67,7 @@ class Mover:
         self.left_objects = 0          # found by the running sweep pass, not moved yet (+ waiting hits)
         self.failed = 0                # moves that could not be done (a card failed): tried again
         self.complete = False
+        self._unlisted: set[int] = set()   # cards whose listing failed (warned once)
         self._waiting: "collections.OrderedDict[bytes, tuple[int, int, float]]" = collections.OrderedDict()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -152,7 +154,10 @@ class Mover:
             try:
                 keys = list(object_keys(self.store.cards[card_index]))
             except (CardIOError, OSError) as exc:
-                logger.warning("mover: cannot list card %s: %s", self.store.cards[card_index].serial, exc)
+                if card_index not in self._unlisted:        # once a card, not every pass
+                    self._unlisted.add(card_index)
+                    logger.warning("mover: cannot list card %s (its objects move when read): %s",
+                                   self.store.cards[card_index].serial, exc)
                 clean = False
                 continue
             todo = [k for k in keys if card_index not in self.store.targets(k, 0, self.store.replicas)]

@@ -301,3 +301,23 @@ def test_a_delete_during_the_change_removes_the_copy_on_the_previous_card(redis_
     assert c.exist(keys, marks=marks).result(10) == [False] * 40         # none comes back from there
     c.close()
     assert total_objects(gw5.port) == 0
+
+
+def test_a_gateway_killed_mid_drain_resumes_it(start_gateway, tmp_path):
+    from adpkv_gateway import control
+    dirs = [str(tmp_path / f"fs{i}") for i in range(5)]
+    gw = start_gateway(card_dirs=dirs, key_placement="stripe", move_rate_bytes=64 * 1024)    # ~4 objects/s
+    dialogs = Dialogs("q", n=40, chunks=2, layers=1)
+    assert all(dialogs.store(gw.port))
+    stored = total_objects(gw.port)
+    going = serial_of(dirs[4])
+    assert control.request(gw.port, {"op": "DRAIN", "card": dirs[4]})["serial"] == going    # by its device
+    assert control.request(gw.port, {"op": "DRAIN", "card": going})["code"] == "DRAIN_REFUSED"   # one at a time
+    assert wait_for(lambda: stats(gw.port)["layout_change"]["moved_objects"] >= 2, 30)
+    gw.kill()                                                 # SIGKILL in the middle of the drain
+    again = start_gateway(card_dirs=dirs, key_placement="stripe")
+    assert dialogs.restore(again.port) == [1.0] * 40
+    assert wait_for(lambda: stats(again.port)["layout_change"]["complete"], 60)
+    assert stats(again.port)["cards"][4]["objects"] == 0 and total_objects(again.port) == stored
+    assert card_objects(again.port) == placed([serial_of(d) for d in dirs[:4]] + [None], dialogs, "stripe")
+    assert dialogs.restore(again.port) == [1.0] * 40
