@@ -321,3 +321,24 @@ def test_a_gateway_killed_mid_drain_resumes_it(start_gateway, tmp_path):
     assert stats(again.port)["cards"][4]["objects"] == 0 and total_objects(again.port) == stored
     assert card_objects(again.port) == placed([serial_of(d) for d in dirs[:4]] + [None], dialogs, "stripe")
     assert dialogs.restore(again.port) == [1.0] * 40
+
+
+def test_a_card_that_dies_during_the_move_costs_only_its_own_objects(redis_servers, start_gateway):
+    servers = redis_servers(5)
+    urls = [s.url for s in servers]
+    gw = start_gateway(card_dirs=urls[:4], storage_backend="resp", key_placement="stripe")
+    dialogs = Dialogs("f", n=60, chunks=1, layers=1)
+    assert all(dialogs.store(gw.port))
+    gw.stop()
+    gw5 = start_gateway(card_dirs=urls, storage_backend="resp", key_placement="stripe", move_rate_bytes=64 * 1024,
+                        io_timeout_ms=500)
+    assert wait_for(lambda: stats(gw5.port)["layout_change"]["moved_objects"] >= 2, 30)
+    servers[1].kill()                                          # an old card dies in the middle of the move
+    serials = [c["serial"] for c in stats(gw5.port)["cards"]]
+    four, five = Placement(serials[:4], 16, "stripe"), Placement(serials, 16, "stripe")
+    shares = dialogs.restore(gw5.port)                        # every hit byte-compared
+    for (keys, marks), share in zip(dialogs.dialogs, shares):
+        if 1 not in (four.ranking(keys[0], 0)[0], five.ranking(keys[0], 0)[0]):
+            assert share == 1.0, "an object of the cards that live missed"
+    assert 0 < sum(s == 0.0 for s in shares) < 30
+    assert gw5.alive() and not stats(gw5.port)["layout_change"]["complete"]    # it may come back
