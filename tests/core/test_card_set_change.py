@@ -133,6 +133,10 @@ def test_four_to_five_fs_cards_stripe_sweep_finishes_and_drops_previous(start_ga
         assert rec["previous"] is None and rec["layout"]["fingerprint"] == stats(gw5.port)["fingerprint"]
         assert rec["layout"]["fingerprint"] != old["fingerprint"]
     assert "previous layout is dropped" in gw5.log()
+    from .test_cli_edges import ADPKV, run
+    shown = run([*ADPKV, "--port", str(gw5.port), "status"])
+    assert shown.returncode == 0 and f"layout  : change from {old['fingerprint']} complete, the previous layout " \
+        "is dropped" in shown.stdout, shown.stdout
     assert dialogs.restore(gw5.port) == [1.0] * 30
     gw5.stop()
     gw5.start()
