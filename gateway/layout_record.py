@@ -25,9 +25,9 @@ The rule at start (``resolve``), when every configured card answered:
 - else a change from the recorded layout to the current one: refused when the recorded
   change is not finished yet with ``stripe`` placement (its sweep finishes it; with ``dialog``
   placement objects move only when read, so a change never finishes: the next one moves from
-  the layout before it, and what was not read since is a miss), or when anything but the card set differs (``storage_slots``,
-  ``num_dbs``, ``key_placement``, ``fragment_size`` move every key: that is a new cache, not a
-  change of cards). With ``key_layout_fingerprint`` set, ``previous_key_layout_fingerprint``
+  the layout before it, and what was not read since is a miss), or when anything but the card
+  set differs (``storage_slots``, ``num_dbs``, ``key_placement``, ``fragment_size`` move every
+  key: that is a new cache, not a change of cards). With ``key_layout_fingerprint`` set, ``previous_key_layout_fingerprint``
   must name the recorded layout's fingerprint: the operator declares the change.
 """
 

@@ -452,8 +452,8 @@ class Gateway:
 
     _handlers = {
         P.Hello: _on_hello, P.Bye: _on_bye, P.Ping: _on_ping, P.Exist: _on_exist, P.Unlock: _on_unlock,
-        P.Delete: _on_delete, P.Clean: _on_clean, P.Drain: _on_drain, P.Stats: _on_stats, P.Get: _on_data, P.Put: _on_data,
-        P.Release: _on_ack, P.Filled: _on_ack,
+        P.Delete: _on_delete, P.Clean: _on_clean, P.Drain: _on_drain, P.Stats: _on_stats, P.Get: _on_data,
+        P.Put: _on_data, P.Release: _on_ack, P.Filled: _on_ack,
     }
 
 
