@@ -24,6 +24,7 @@ Requests (client → gateway, ZeroMQ)::
     FILLED  batch, ok    (after copying a PUT batch into the ring)
     DELETE keys, marks?                                -> OK deleted
     CLEAN  session                                     -> OK deleted | ERROR CLEAN_REFUSED / FORBIDDEN
+    DRAIN  session, card                               -> OK serial fingerprint | ERROR DRAIN_REFUSED / FORBIDDEN
     STATS  session                                     -> OK stats
 
 Door requests (client → gateway, Unix socket, ``adpkv_core.door``)::
@@ -70,6 +71,7 @@ TOO_LARGE = "TOO_LARGE"              # one object does not fit the ring
 UNKNOWN_BATCH = "UNKNOWN_BATCH"      # RELEASE/FILLED of a batch the gateway never handed out
 COLLECTIVE_MISMATCH = "COLLECTIVE_MISMATCH"  # ranks sent different parts for one tag
 CLEAN_REFUSED = "CLEAN_REFUSED"      # shared_storage: nothing was deleted
+DRAIN_REFUSED = "DRAIN_REFUSED"      # the card cannot be drained now (see the message); nothing changed
 BAD_REGION = "BAD_REGION"            # a region that cannot be used, or a range outside it
 FORBIDDEN = "FORBIDDEN"              # no session, another user's engine, or not an operator
 CARD_ERROR = "CARD_ERROR"            # the cards did not answer a metadata request
@@ -245,11 +247,19 @@ class Clean(Message, **_op("CLEAN")):
     session: Optional[bytes] = None
 
 
+class Drain(Message, **_op("DRAIN")):
+    """Move every object of ``card`` (its serial or its device as configured) to the other
+    cards: a card-set change without it (operators only; progress in STATS ``layout_change``)."""
+
+    session: Optional[bytes] = None
+    card: str = ""
+
+
 class Stats(Message, **_op("STATS")):
     session: Optional[bytes] = None
 
 
-Request = Union[Hello, Bye, Ping, Exist, Unlock, Get, Put, Release, Filled, Delete, Clean, Stats]
+Request = Union[Hello, Bye, Ping, Exist, Unlock, Get, Put, Release, Filled, Delete, Clean, Drain, Stats]
 REQUEST_OPS = frozenset(t.__struct_config__.tag for t in Request.__args__)
 
 # ---------------------------------------------------------------- replies (gateway → client)
@@ -271,6 +281,13 @@ class ExistOk(Message, **_op("OK")):
 
 class DeleteOk(Message, **_op("OK")):
     deleted: int = 0
+
+
+class DrainOk(Message, **_op("OK")):
+    """DRAIN began: ``serial`` leaves the layout, which is ``fingerprint`` once the move is done."""
+
+    serial: str = ""
+    fingerprint: str = ""
 
 
 class StatsOk(Message, **_op("OK")):

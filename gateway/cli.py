@@ -1,4 +1,4 @@
-"""``adpkv``: the operator CLI (status, usage, clean, bench, doctor, demo)."""
+"""``adpkv``: the operator CLI (status, usage, clean, drain, bench, doctor, demo)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import threading
+import time
 from typing import Optional
 
 from . import control, progress
@@ -15,6 +16,7 @@ from .config import load_yaml
 
 MiB = 1 << 20
 CLEAN_POLL_S = 0.5        # how often adpkv clean asks for the gateway's progress
+DRAIN_POLL_S = 0.5        # how often adpkv drain asks for the move's progress
 CLEAN_WAIT_S = 24 * 3600  # a clean of a huge card may take long: the gateway answers when done
 
 
@@ -62,6 +64,12 @@ def cmd_status(args) -> int:
     engine = "none" if eng is None else f"{eng['id']} ranks {eng['ranks']} of {eng['world']}"
     print(f"engine  : {engine}  ring {stats['ring_in_use'] / MiB:.0f}/{stats['ring_size'] / MiB:.0f} MiB  "
           f"requests in flight {stats['requests_in_flight']}")
+    change = stats.get("layout_change")
+    if change:
+        state = "complete, the previous layout is dropped" if change["complete"] else \
+            f"moving, {change['left_objects']} objects known to be left"
+        print(f"layout  : change from {change['previous_fingerprint']} {state}; moved {change['moved_objects']} "
+              f"objects, {change['moved_bytes'] / MiB:.1f} MiB at {change['rate_bytes_per_s'] / MiB:.1f} MiB/s")
     for w in stats.get("work", []):
         print(f"working : {w['what']} {w['done']}/{w['total']} {w['unit']} ({w['elapsed_s']:.0f} s)")
     o = stats["objects"]
@@ -105,6 +113,36 @@ def cmd_clean(args) -> int:
         print(f"adpkv clean: {reply['code']}: {reply['msg']}", file=sys.stderr)
         return 1
     print(f"deleted {reply['deleted']} objects")
+    return 0
+
+
+def cmd_drain(args) -> int:
+    """DRAIN a card, then its progress until the move is complete (the card can go then)."""
+    host, port = _target(args)
+    reply = control.request(port, {"op": "DRAIN", "card": args.card}, host=host, timeout_s=args.timeout,
+                            door=_door(args))
+    if reply is None:
+        raise SystemExit(f"adpkv: no gateway answered on {host}:{port} (is adpkv-gateway running? see --port/--config)")
+    if reply["op"] == "ERROR":
+        print(f"adpkv drain: {reply['code']}: {reply['msg']}", file=sys.stderr)
+        return 1
+    serial, fingerprint = reply["serial"], reply["fingerprint"]
+    shown = None
+    try:
+        while True:
+            change = _ask(args, "STATS")["stats"]["layout_change"]
+            if change is None or change["complete"]:
+                break
+            total = change["moved_objects"] + change["left_objects"]
+            if shown is None and total:
+                shown = progress.track(f"draining card {serial}", total, "objects")
+            if shown is not None:
+                shown.set(change["moved_objects"])
+            time.sleep(DRAIN_POLL_S)
+    finally:
+        if shown is not None:
+            shown.close()
+    print(f"card {serial} is drained: remove it from storage_devices (key layout fingerprint now {fingerprint})")
     return 0
 
 
@@ -219,6 +257,8 @@ def main(argv=None) -> int:
     u.add_argument("--json", action="store_true", help="the totals and the namespaces' rows as JSON")
     c = sub.add_parser("clean", parents=[shared], help="delete everything (refused on shared storage)")
     c.add_argument("--yes", action="store_true")
+    dn = sub.add_parser("drain", parents=[shared], help="move a card's objects to the others, so it can be removed")
+    dn.add_argument("card", help="the card's serial (adpkv status) or its device as in storage_devices")
     b = sub.add_parser("bench", parents=[shared],
                        help="store/restore through a gateway vs raw file I/O on the same disk")
     b.add_argument("--sizes", default="128KiB,1MiB,3MiB")
@@ -249,7 +289,7 @@ def main(argv=None) -> int:
     if args.port is None:
         args.port = 5557
     handlers = {"status": cmd_status, "usage": cmd_usage, "clean": cmd_clean, "bench": cmd_bench, "demo": cmd_demo,
-                "doctor": cmd_doctor}
+                "doctor": cmd_doctor, "drain": cmd_drain}
     return handlers[args.cmd](args)
 
 

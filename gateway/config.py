@@ -26,6 +26,8 @@ class GatewayConfig:
     num_dbs: int = 16                        # databases of each card
     key_placement: str = "dialog"            # dialog or stripe
     key_layout_fingerprint: str = ""         # refuse to start on another key layout
+    previous_key_layout_fingerprint: str = ""  # a card-set change: the layout the cards record (gateway/layout_record.py)
+    move_rate_bytes: int = 64 << 20          # a card-set change: bytes per second the mover moves at most
     shared_storage: bool = False             # nobody may clean
     start_clean: int = 0                     # 1: delete everything at start (refused when shared)
     fragment_size: int = 0                   # split objects larger than this (0: never)
@@ -79,6 +81,12 @@ class GatewayConfig:
             raise ValueError("metrics_port must be 0 (off) or a TCP port")
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError("metrics_port must differ from port (the control port)")
+        if self.move_rate_bytes < 1:
+            raise ValueError("move_rate_bytes must be >= 1 (bytes per second the mover moves at most)")
+        if self.previous_key_layout_fingerprint and not (
+                len(self.previous_key_layout_fingerprint) == 16
+                and all(ch in "0123456789abcdef" for ch in self.previous_key_layout_fingerprint)):
+            raise ValueError("previous_key_layout_fingerprint must be 16 hex digits (a key layout fingerprint)")
         if self.resp_wait_ms < 0:
             raise ValueError("resp_wait_ms must be >= 0 (0: no WAIT after writes)")
         try:
@@ -143,6 +151,8 @@ HELP: dict[str, str] = {
     "num_dbs": "databases of each card (fragments spread over them)",
     "key_placement": "dialog (a dialog's blocks on one card) or stripe (spread over all cards)",
     "key_layout_fingerprint": "refuse to start unless the key layout has this fingerprint (empty: any)",
+    "previous_key_layout_fingerprint": "with key_layout_fingerprint: the layout a card-set change moves from",
+    "move_rate_bytes": "bytes per second the mover moves at most during a card-set change",
     "shared_storage": "the cards are shared with other deployments: nobody may clean",
     "start_clean": "1: delete every object at start (refused with shared_storage)",
     "fragment_size": "split objects larger than this many bytes into fragments (0: never)",

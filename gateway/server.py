@@ -38,6 +38,7 @@ from .data_requests import DataRequests
 from .door import DoorServer, Session, claim_door, raise_open_files_limit
 from .engines import EngineRegistry, Peer
 from .health import HealthMonitor
+from .layout_change import LayoutChange
 from . import stats
 from .metrics import GatewayMetrics
 from .store import ObjectStore
@@ -112,6 +113,8 @@ class Gateway:
             self.data_requests = DataRequests(self.engines, self.sessions_by_peer, self.transfers, self.counters,
                                               self._send)
             self.stopping = False
+            self.layout_change.start(engine_busy=lambda: bool(self.transfers.jobs))
+            undo.callback(self.layout_change.stop)
             try:
                 self.sock.bind(f"tcp://{config.bind_address}:{config.port}")
             except zmq.ZMQError as exc:
@@ -133,13 +136,10 @@ class Gateway:
                                                    config.fragment_spread_across_dbs, config.replicas)
         self.health = HealthMonitor(self.store, config.io_timeout_ms, config.io_timeout_strikes)
         self.metrics = GatewayMetrics(self.store.cards, self.store.stats)
+        # with every card: the layout recorded on them and the fingerprint (gateway/layout_record.py)
+        self.layout_change = LayoutChange.open(self.store, config)
         logger.info("Key layout fingerprint %s", self.store.fingerprint)
-        all_known = all(c.serial for c in cards)
         if config.key_layout_fingerprint and config.key_layout_fingerprint != self.store.fingerprint:
-            if all_known:
-                raise SystemExit(f"key layout fingerprint {self.store.fingerprint} differs from the configured "
-                                 f"key_layout_fingerprint {config.key_layout_fingerprint}: this gateway would "
-                                 "place keys elsewhere than its peers; refusing to start")
             logger.warning("Not every card answered: the key layout fingerprint is checked when they join")
             self.health.expected_fingerprint = config.key_layout_fingerprint
         for card in cards:
@@ -209,6 +209,7 @@ class Gateway:
 
     def _shutdown(self) -> None:
         logger.info("Gateway stopping: finishing card I/O in flight")
+        self.layout_change.stop()
         self.pool.shutdown(wait=True)
         if self.procs:
             self.procs.shutdown(wait=True)
@@ -252,7 +253,7 @@ class Gateway:
                 raise
             req_id = msg.id
             peer = self.engines.seen(identity)
-            if peer is None and not isinstance(msg, (P.Hello, P.Ping, P.Stats, P.Clean)):
+            if peer is None and not isinstance(msg, (P.Hello, P.Ping, P.Stats, P.Clean, P.Drain)):
                 raise P.ProtocolError(P.NOT_ATTACHED, f"{msg.op} before HELLO")
             self._handlers[type(msg)](self, identity, peer, msg)
         except zmq.ZMQError:
@@ -355,6 +356,22 @@ class Gateway:
 
         self._offload(self.store.clean, cleaned, identity, msg)
 
+    def _on_drain(self, identity, peer, msg: P.Drain):
+        """Move a card's objects to the others (gateway/layout_change.py); operators only."""
+        session = self._session(identity, msg)
+        if not session.operator:
+            raise P.ProtocolError(P.FORBIDDEN, "only an operator drains a card (root, the gateway's user, or "
+                                  "operator_group); nothing changed")
+        card = next((c for c in self.store.cards if c.serial and msg.card in (c.serial, c.device)), None)
+        why = f"no card {msg.card!r} in service" if card is None else self.layout_change.drain_refusal(card.serial)
+        if why:
+            raise P.ProtocolError(P.DRAIN_REFUSED, f"{why}; nothing changed")
+        layout = self.layout_change.drain(card.serial)
+        logger.info("DRAIN of card %s by uid %d", card.serial, session.uid)
+        self._offload(self.layout_change.record_drain,
+                      lambda _: self._send(identity, P.DrainOk(id=msg.id, serial=card.serial,
+                                                               fingerprint=layout.fingerprint)), identity, msg)
+
     def _on_stats(self, identity, peer, msg: P.Stats):
         session = self._session(identity, msg)
         engine = self.engines.engine
@@ -448,8 +465,8 @@ class Gateway:
 
     _handlers = {
         P.Hello: _on_hello, P.Bye: _on_bye, P.Ping: _on_ping, P.Exist: _on_exist, P.Unlock: _on_unlock,
-        P.Delete: _on_delete, P.Clean: _on_clean, P.Stats: _on_stats, P.Get: _on_data, P.Put: _on_data,
-        P.Release: _on_ack, P.Filled: _on_ack,
+        P.Delete: _on_delete, P.Clean: _on_clean, P.Drain: _on_drain, P.Stats: _on_stats, P.Get: _on_data,
+        P.Put: _on_data, P.Release: _on_ack, P.Filled: _on_ack,
     }
 
 

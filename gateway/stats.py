@@ -44,7 +44,7 @@ def loop_snapshot(gateway) -> dict:
         "counters": dict(gateway.counters), "objects": dict(sum(store.counters.values(), collections.Counter())),
         "objects_by_namespace": {ns: dict(c) for ns, c in store.counters.items()}, "cards": cards,
         "namespace_names": namespace_names(config.namespace_quotas, engine), "version": __version__,
-        "work": progress.running(),
+        "work": progress.running(), "layout_change": gateway.layout_change.figures(),
         "request_latency": {op.lower(): b.copy() for op, b in gateway.transfers.request_latency.items()},
     }
 

@@ -66,6 +66,28 @@ class Holder(int):
         return h
 
 
+class PreviousPlacement:
+    """The placement of the layout a card-set change moves from, over the cards of this
+    gateway that it names (a card no longer configured holds nothing for it)."""
+
+    def __init__(self, serials: Sequence[str], cards: Sequence[Card], storage_slots: int, mode: str,
+                 replicas: int):
+        here = {c.serial: i for i, c in enumerate(cards) if c.serial}
+        self.serials = list(serials)
+        self.placement = Placement(self.serials, storage_slots, mode)
+        self.card_of = [here.get(s) for s in self.serials]      # its index -> the card's index here
+        self.replicas = max(1, replicas)
+
+    def targets(self, key: bytes, mark: int, active: Sequence[bool]) -> list[int]:
+        """The cards here that held the key's replicas in the previous layout, in service."""
+        out = []
+        for i in self.placement.ranking(key, mark)[:self.replicas]:
+            c = self.card_of[i]
+            if c is not None and active[c]:
+                out.append(c)
+        return out
+
+
 class ObjectStore:
     """All cards of one gateway, seen as one key-value store of objects."""
 
@@ -87,11 +109,16 @@ class ObjectStore:
         self._pins_lock = threading.Lock()
         # by namespace: hits, misses, stored, store_failed, restored_bytes, stored_bytes (server thread only)
         self.counters: collections.defaultdict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        # a card-set change (gateway/layout_record.py, gateway/mover.py): the placement moved from
+        self.previous: Optional[PreviousPlacement] = None
+        self.on_previous_hit: Callable[[bytes, int, int], None] = lambda key, mark, card: None
+        self.left_out: frozenset[str] = frozenset()       # serials of drained cards: read, never placed on
         self.rebuild_placement()
 
     def rebuild_placement(self) -> None:
-        """Recompute placement over the cards whose serial is known (atomic swap)."""
-        serials = [c.serial or None for c in self.cards]
+        """Recompute placement over the cards whose serial is known and not ``left_out``
+        (atomic swap)."""
+        serials = [c.serial if c.serial and c.serial not in self.left_out else None for c in self.cards]
         self.placement = Placement(serials, self.storage_slots, self.placement_mode)
         self.fingerprint = key_layout_fingerprint([s for s in serials if s], self.storage_slots,
                                                   self.num_dbs, self.placement_mode, self.fragment_size)
@@ -342,7 +369,27 @@ class ObjectStore:
                             h = holder[id(cands)] = Holder.of(card, cands[r + 1:])
                         out[i] = h
             pending = [i for i in pending if out[i] is None]
+        prev = self.previous
+        if pending and prev is not None:
+            self._previous_holders(prev, keys, marks, object_bytes, tags, candidates, pending, out)
         return out
+
+    def _previous_holders(self, prev: "PreviousPlacement", keys, marks, object_bytes, tags, candidates, pending,
+                          out) -> None:
+        """During a card-set change: look the objects that missed up on their cards of the
+        previous placement (those not asked already); a hit is served from there (``out``) and
+        reported to ``on_previous_hit`` (the mover moves it to its card now)."""
+        by_card: dict[int, list[int]] = collections.defaultdict(list)
+        for i in pending:
+            for c in prev.targets(keys[i], marks[i] if marks else 0, self.active):
+                if c not in candidates[i]:
+                    by_card[c].append(i)
+                    break
+        for card, idx in by_card.items():
+            for i, hit in zip(idx, self._whole(card, [keys[i] for i in idx], object_bytes, [tags[i] for i in idx])):
+                if hit:
+                    out[i] = Holder.of(card, ())
+                    self.on_previous_hit(keys[i], marks[i] if marks else 0, card)
 
     def _whole(self, card: int, keys: Sequence[bytes], object_bytes: Optional[int],
                tags: Sequence[bytes]) -> list[bool]:
@@ -391,12 +438,17 @@ class ObjectStore:
         return [b > a and all(found[a:b]) for a, b in spans]
 
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]]) -> int:
-        """Remove objects (all their fragments) from their replica cards; how many existed."""
+        """Remove objects (all their fragments) from their replica cards (and, during a card-set
+        change, from their cards in the previous layout); how many existed."""
         deleted = 0
+        prev = self.previous
         for i, key in enumerate(keys):
             mark = marks[i] if marks else 0
             tag = self.slot_tag(mark)
-            for card_index in self.targets(key, mark, self.replicas):
+            cards = self.targets(key, mark, self.replicas)
+            if prev is not None:           # during a card-set change: its copy on its previous card too
+                cards += [c for c in prev.targets(key, mark, self.active) if c not in cards]
+            for card_index in cards:
                 card = self.cards[card_index]
                 head = (fragment_db(key, 0, self.num_dbs, self.spread), fragment_key(key, 0))
                 try:

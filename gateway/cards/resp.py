@@ -23,6 +23,7 @@ from .resp_conn import RespConnection, RespError, ThreadConnections
 logger = logging.getLogger("adpkv.gateway.resp")
 
 SERIAL_KEY = b"adpkv:card:serial"
+LAYOUT_KEY = b"adpkv:card:layout"          # the key layout recorded on the card (gateway/layout_record.py)
 KEY_PREFIX = b"adpkv:"
 _TRANSPORT = (OSError, ConnectionError, socket.timeout)
 
@@ -159,7 +160,7 @@ class RespCard(Card):
             info = c.command(b"INFO", b"memory").decode()
             fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
             return (int(fields.get("used_memory", 0)), int(fields.get("maxmemory", 0)),
-                    max(0, int(c.command(b"DBSIZE")) - 1))
+                    max(0, int(c.command(b"DBSIZE")) - int(c.command(b"EXISTS", SERIAL_KEY, LAYOUT_KEY))))
         try:
             used, cap, objects = self._io(run)
         except (CardIOError, RespError, ValueError):

@@ -69,7 +69,7 @@ MAX_KEYS = 1 << 20                     # gateway/server.py MAX_KEYS_PER_REQUEST
 ANSWER_S = 10.0                        # the longest any frame may wait for its answer
 KNOWN_CODES = {P.BAD_MESSAGE, P.BAD_VERSION, P.UNKNOWN_OP, P.NOT_ATTACHED, P.ENGINE_BUSY, P.RANK_TAKEN,
                P.TOO_LARGE, P.UNKNOWN_BATCH, P.COLLECTIVE_MISMATCH, P.CLEAN_REFUSED, P.BAD_REGION,
-               P.FORBIDDEN}
+               P.FORBIDDEN, P.DRAIN_REFUSED}
 
 
 def fuzz_seed() -> int:
@@ -438,8 +438,8 @@ class Fuzzer:
     def send_structured(self, name: str, msg: dict) -> None:
         peer = self.peers[name]
         msg = dict(msg)
-        if msg.get("op") == "CLEAN":
-            # CLEAN with a real session would delete the engine's objects: only the
+        if msg.get("op") in ("CLEAN", "DRAIN"):
+            # CLEAN (DRAIN) with a real session would delete (move) the engine's objects: only the
             # unattached peer sends it, with any session but its own
             peer = self.peers["anon"]
             if msg.get("session") is TOKEN:
@@ -474,7 +474,7 @@ FIELDS = {
     "GET": ("keys", "marks", "obj", "tag", "unlock", "region", "at"),
     "PUT": ("keys", "marks", "obj", "tag", "region", "at"),
     "RELEASE": ("batch", "ok"), "FILLED": ("batch", "ok"),
-    "CLEAN": ("session",), "STATS": ("session",),
+    "CLEAN": ("session",), "DRAIN": ("session", "card"), "STATS": ("session",),
 }
 ALL_FIELDS = sorted({f for fs in FIELDS.values() for f in fs})
 PRESENT = {"tag": 2, "region": 3, "marks": 4, "at": 3, "unlock": 3, "lock": 5, "role": 5, "layout": 4,
@@ -500,6 +500,7 @@ def field_strategies(fuzz_keys):
         "namespace": weighted(st.text(max_size=20), st.sampled_from(["n" * 257, "a\tb"]) | ANYTHING),
         "layout": weighted(st.dictionaries(st.text(max_size=8), SCALARS, max_size=4),
                            st.just({"x": "y" * 20_000}) | ANYTHING),
+        "card": weighted(st.text(max_size=20), ANYTHING),
         "lock": weighted(st.booleans()), "unlock": weighted(st.booleans()), "ok": weighted(st.booleans()),
         "obj": weighted(st.sampled_from([1, 100, 4096, 4096, 65536 + 3, 131072]),
                         st.one_of(st.sampled_from([0, -1, 2 ** 40, 2 ** 48, 2 ** 62, 2 ** 63 - 1, 2 ** 63,
@@ -551,7 +552,7 @@ def near_valid(draw, fuzz_keys):
     elif op in ("RELEASE", "FILLED"):
         msg["batch"] = (NEAR_BATCH, draw(st.integers(-8, 8)))
         msg["ok"] = draw(st.booleans())
-    elif op in ("STATS", "CLEAN"):
+    elif op in ("STATS", "CLEAN", "DRAIN"):
         msg["session"] = TOKEN
     if draw(st.booleans()):
         field = draw(st.sampled_from(sorted(set(msg) | set(FIELDS[op]) | {"v", "id"})))
