@@ -4,8 +4,9 @@ Every message is one msgpack map with ``v`` (protocol version), ``op`` (the mess
 type) and, for requests, ``id`` (chosen by the client, echoed in every reply). Data
 never travels here: it moves through the ring, and messages only name ring offsets.
 Both ends use the types below (``msgspec`` structs): a frame is decoded and checked —
-field types and bounds included — in one place, ``decode_request``, and a bad frame
-fails there with one code.
+field types and bounds included, and every list that holds one entry per key (``marks``,
+``at``) against the keys — in one place, ``decode_request``, and a bad frame fails there
+with one code (BAD_MESSAGE), before the gateway acts on it.
 
 Requests (client → gateway, ZeroMQ)::
 
@@ -142,11 +143,25 @@ class Ping(Message, **_op("PING")):
     """Liveness; served without a session."""
 
 
-class Exist(Message, **_op("EXIST")):
-    """Which keys are stored; ``lock`` pins the hits against eviction."""
+class _Keyed(Message, kw_only=True):
+    """A request about objects: ``keys``, and optionally one dialog mark per key."""
 
     keys: Keys
     marks: Marks = None
+
+    def __post_init__(self):
+        _same_length("marks", self.marks, len(self.keys))
+
+
+def _same_length(name: str, values: Optional[list], n: int, what: str = "keys") -> None:
+    """A list that must hold one entry per key (``n`` of them), when it is given."""
+    if values is not None and len(values) != n:
+        raise ValueError(f"{name} holds {len(values)} entries for {n} {what}")
+
+
+class Exist(_Keyed, **_op("EXIST")):
+    """Which keys are stored; ``lock`` pins the hits against eviction."""
+
     lock: bool = False
 
 
@@ -162,9 +177,7 @@ class Piece(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=
     length: Annotated[int, Meta(ge=1)]
 
 
-class _Data(Message, kw_only=True):
-    keys: Keys
-    marks: Marks = None
+class _Data(_Keyed, kw_only=True):
     obj: ObjectBytes
     tag: Optional[Name] = None
     region: Optional[Annotated[int, Meta(ge=0)]] = None
@@ -174,20 +187,23 @@ class _Data(Message, kw_only=True):
     pieces: Optional[Annotated[list[Piece], Meta(min_length=1, max_length=MAX_PIECES)]] = None
 
     def __post_init__(self):
-        if self.marks is not None and len(self.marks) != len(self.keys):
-            raise ValueError("marks and keys differ in length")
+        super().__post_init__()
         if self.pieces is not None:
             if self.region is not None or self.tag is not None:
                 raise ValueError("a scattered request names its regions in its pieces (no region, no tag)")
             if sum(p.length for p in self.pieces) != self.obj:
                 raise ValueError("the pieces' lengths do not add up to the object size")
-            if self.at is None or len(self.at) != len(self.keys) * len(self.pieces):
-                raise ValueError("at must hold one offset per piece of every key")
+            if self.at is None:
+                raise ValueError("a scattered request needs at: one offset per piece of every key")
+            _same_length("at", self.at, len(self.keys) * len(self.pieces), "pieces of every key")
         elif self.region is not None:
             if self.tag is not None:
                 raise ValueError("a request into a region is one rank's own (no tag)")
-            if self.at is None or len(self.at) != len(self.keys):
-                raise ValueError("at and keys differ in length")
+            if self.at is None:
+                raise ValueError("a request into a region needs at: one offset per key")
+            _same_length("at", self.at, len(self.keys))
+        elif self.at is not None:
+            raise ValueError("at names places in a region: it needs region or pieces")
 
 
 class Get(_Data, **_op("GET")):
@@ -225,13 +241,8 @@ class Filled(Message, **_op("FILLED")):
     ok: bool = True
 
 
-class Delete(Message, **_op("DELETE")):
-    keys: Keys
-    marks: Marks = None
-
-    def __post_init__(self):
-        if self.marks is not None and len(self.marks) != len(self.keys):
-            raise ValueError("marks and keys differ in length")
+class Delete(_Keyed, **_op("DELETE")):
+    """Remove objects (every fragment of each)."""
 
 
 class Clean(Message, **_op("CLEAN")):
