@@ -366,11 +366,13 @@ class ClusterCard(ClusterRouting, Card):
     def claim_namespace(self, nsid: bytes, uid: int) -> int:
         """``HSETNX`` (the first claim wins, atomically on the primary), then the field as it
         is. Replication is asynchronous: a claim the primary took just before it died may be
-        lost with it (as any write), then the next request naming the namespace claims again."""
+        lost with it (as any write), then the next request naming the namespace claims again;
+        with ``wait_ms`` a new claim waits (``WAIT 1``) for a replica, as objects do."""
         field = nsid.hex().encode()
 
         def run(c: RespConnection):
-            c.command(b"HSETNX", OWNERS_KEY, field, claim_record(uid))
+            if c.command(b"HSETNX", OWNERS_KEY, field, claim_record(uid)) == 1 and self.wait_ms > 0:
+                c.command(b"WAIT", b"1", str(self.wait_ms).encode())
             return c.command(b"HGET", OWNERS_KEY, field)
         value = self._claim_io(run)
         if value is None:

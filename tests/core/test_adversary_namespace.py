@@ -23,10 +23,12 @@ from adpkv_core import protocol as P
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import namespace_id
 from adpkv_core.settings import ClientConfig
+from adpkv_gateway.cards import ClusterCard, RespCard
 from adpkv_gateway.config import make_config
 
 from .adversary import OBJ, Raw, answer, read_back, store_own
 from .rankproc import make_keys, pattern
+from .test_cards_redis_cluster import redis_cluster  # noqa: F401  (the fixture: a real Redis Cluster)
 from .test_security import NOBODY, as_nobody
 
 ROOT_NS, NOBODY_NS, OTHER_NS = "root-tenant", "nobody-tenant", "nobody-other"
@@ -134,17 +136,19 @@ def _assert_refused(seen: dict) -> None:
 
 
 @needs_root
-@pytest.mark.parametrize("card", ["fs", "resp"])
+@pytest.mark.parametrize("card", ["fs", "resp", "cluster"])
 def test_another_user_cannot_read_delete_lock_or_store_into_roots_namespace(card, start_gateway, open_dir,
-                                                                           redis_servers):
+                                                                           redis_servers, redis_cluster):
     """Root's engine attached or not, before and after a restart of the gateway: uid 65534 gets
     FORBIDDEN for every request naming a key of root's namespace (stored or not, alone or mixed
     with its own), learns nothing, changes nothing; its own namespace works; root's objects stay
     byte-exact and root stores what 65534 tried to poison."""
     if card == "fs":
         settings = dict(card_dirs=[os.path.join(open_dir, "card")])
-    else:
+    elif card == "resp":
         settings = dict(card_dirs=[redis_servers(1)[0].url], storage_backend="resp")
+    else:
+        settings = dict(card_dirs=[redis_cluster(replicas=0).url], storage_backend="resp")
     gw = start_gateway(control_socket_mode="0666", **settings)
     theirs, fresh = make_keys(4, namespace=ROOT_NS), make_keys(2, namespace=ROOT_NS, salt=b"fresh")
     mine, other = make_keys(3, namespace=NOBODY_NS), make_keys(1, namespace=OTHER_NS)
@@ -183,14 +187,14 @@ def test_another_user_cannot_read_delete_lock_or_store_into_roots_namespace(card
             assert fh.read() == b"%d\n" % NOBODY
         assert not os.path.exists(os.path.join(claims, namespace_id(OTHER_NS).hex()))
     else:
-        from adpkv_gateway.cards.resp_conn import RespConnection
-        conn = RespConnection(settings["card_dirs"][0], 5.0)
+        url = settings["card_dirs"][0]
+        probe = RespCard(url) if card == "resp" else ClusterCard(url)
+        probe.open()
         try:
-            owners = conn.command(b"HGETALL", b"adpkv:card:owners")
+            owners = {ns: probe.namespace_owner(namespace_id(ns)) for ns in (ROOT_NS, NOBODY_NS, OTHER_NS)}
         finally:
-            conn.close()
-        assert dict(zip(owners[::2], owners[1::2])) == {namespace_id(ROOT_NS).hex().encode(): b"0\n",
-                                                          namespace_id(NOBODY_NS).hex().encode(): b"%d\n" % NOBODY}
+            probe.close()
+        assert owners == {ROOT_NS: 0, NOBODY_NS: NOBODY, OTHER_NS: None}
     assert root.exist(other).result(10) == [False]
     root.close()
 
