@@ -34,7 +34,9 @@ Door requests (client → gateway, Unix socket, ``adpkv_core.door``)::
 
 ``session`` is the token a process got at the gateway's door: nothing but PING is
 served without one. HELLO binds the connection to it; an engine belongs to the uid
-of the session that attached it first. ``hits``/``stored``/``existed`` are bytes with
+of the session that attached it first, a key namespace to the uid that first named it
+(EXIST, GET, PUT, DELETE; or the owners the gateway's configuration names): a request naming
+keys of another user's namespace is FORBIDDEN whole. ``hits``/``stored``/``existed`` are bytes with
 one 0/1 byte per key. A ``BATCH`` names objects ``first .. first+count-1`` of the
 request at ring ``offset`` with ``stride`` bytes between them.
 """
@@ -68,7 +70,7 @@ UNKNOWN_BATCH = "UNKNOWN_BATCH"      # RELEASE/FILLED of a batch the gateway nev
 COLLECTIVE_MISMATCH = "COLLECTIVE_MISMATCH"  # ranks sent different parts for one tag
 CLEAN_REFUSED = "CLEAN_REFUSED"      # shared_storage: nothing was deleted
 BAD_REGION = "BAD_REGION"            # a region that cannot be used, or a range outside it
-FORBIDDEN = "FORBIDDEN"              # no session, another user's engine, or not an operator
+FORBIDDEN = "FORBIDDEN"              # no session, another user's engine or key namespace, or not an operator
 CARD_ERROR = "CARD_ERROR"            # the cards did not answer a metadata request
 INTERNAL = "INTERNAL"                # a bug in the gateway; never an answer to bad input
 

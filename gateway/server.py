@@ -374,21 +374,21 @@ class Gateway:
         owners the cards must be asked first (``_owners_found`` goes on from there).
         ``settled``: what the cards just said for the first one."""
         while self.keyed_waiting:
-            identity, peer, msg, placed = self.keyed_waiting[0]
+            waiting = self.keyed_waiting.popleft()
+            identity, peer, msg, placed = waiting
             if self.engines.peers.get(identity) is not peer:
-                self.keyed_waiting.popleft()        # it detached meanwhile: no answer is owed
-                settled = None
+                settled = None                      # it detached meanwhile: no answer is owed
                 continue
             try:
                 uid = self.sessions_by_peer[identity].uid
                 foreign, unknown = self.namespaces.check(uid, msg.keys, settled)
+                settled = None
                 if foreign is None and unknown:
                     claim = not isinstance(msg, P.Unlock)
                     self._run(self.pool, functools.partial(self.namespaces.resolve, unknown, uid, claim),
                               self._owners_found, self._owners_unknown)
+                    self.keyed_waiting.appendleft(waiting)     # first again, until its owners are known
                     return
-                self.keyed_waiting.popleft()
-                settled = None
                 if foreign is not None:
                     raise P.ProtocolError(P.FORBIDDEN, f"{msg.op} names keys of namespace id:{foreign.hex()}, which "
                                           "belongs to another user; nothing was done")

@@ -372,7 +372,8 @@ class FsCard(Card):
     def _claims_dir(self) -> int:
         """The descriptor of ``DIR/namespaces`` (made on first use, mode as the databases'),
         checked to be a directory of the gateway's own user that nobody else may write;
-        CardError when it is not (nothing in it is then believed)."""
+        CardError when it is not (nothing in it is then believed), CardIOError when it cannot
+        be opened or made now (a full or failing disk)."""
         with self._claims_lock:
             if self._claims_fd is not None:
                 return self._claims_fd
@@ -390,7 +391,9 @@ class FsCard(Card):
                 finally:
                     os.close(root)
             except OSError as exc:
-                raise CardError(f"fs card {self.root}: cannot open {CLAIMS_DIR}/: {exc}") from None
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):      # a symlink or a file in its place
+                    raise CardError(f"fs card {self.root}: {CLAIMS_DIR} is not a directory: {exc}") from None
+                raise CardIOError(f"fs card {self.root}: cannot open {CLAIMS_DIR}/: {exc}") from None
             st = os.fstat(fd)
             if st.st_uid != os.geteuid() or st.st_mode & 0o022:
                 os.close(fd)

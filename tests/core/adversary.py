@@ -68,12 +68,20 @@ class Raw:
         return os.pread(self.region_fd, n, at)
 
     def close(self) -> None:
-        if self.hello is not None and self.hello.get("op") == "OK":
-            self.ask("BYE")
-        self.sock.close(0)
-        self.ctx.term()
-        self.door.close()
-        os.close(self.region_fd)
+        try:
+            if self.hello is not None and self.hello.get("op") == "OK":
+                self.ask("BYE")
+        finally:
+            self.sock.close(0)
+            self.ctx.term()
+            self.door.close()
+            os.close(self.region_fd)
+
+    def __enter__(self) -> "Raw":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def answer(reply: dict) -> str:
@@ -85,23 +93,19 @@ def answer(reply: dict) -> str:
 def store_own(port: int, keys: list) -> dict:
     """Attach ``nobody-engine`` and store ``keys`` from its region (``pattern(key, 1, OBJ)``
     each); the answers."""
-    raw = Raw(port, "nobody-engine")
     at = [i * OBJ for i in range(len(keys))]
-    for key, a in zip(keys, at):
-        raw.write(a, pattern(key, 1, OBJ))
-    put = raw.ask("PUT", keys=keys, obj=OBJ, region=0, at=at)
-    out = {"hello": answer(raw.hello), "put": answer(put), "stored": list(put.get("stored", b""))}
-    raw.close()
-    return out
+    with Raw(port, "nobody-engine") as raw:
+        for key, a in zip(keys, at):
+            raw.write(a, pattern(key, 1, OBJ))
+        put = raw.ask("PUT", keys=keys, obj=OBJ, region=0, at=at)
+        return {"hello": answer(raw.hello), "put": answer(put), "stored": list(put.get("stored", b""))}
 
 
 def read_back(port: int, keys: list, rank_pattern: int) -> dict:
     """Attach ``nobody-engine`` and GET ``keys`` into its region; the answers, and which
     objects came back as ``pattern(key, rank_pattern, OBJ)``."""
-    raw = Raw(port, "nobody-engine")
     at = [i * OBJ for i in range(len(keys))]
-    got = raw.ask("GET", keys=keys, obj=OBJ, region=0, at=at)
-    out = {"hello": answer(raw.hello), "get": answer(got), "hits": list(got.get("hits", b"")),
-           "exact": [raw.read(a, OBJ) == pattern(k, rank_pattern, OBJ) for k, a in zip(keys, at)]}
-    raw.close()
-    return out
+    with Raw(port, "nobody-engine") as raw:
+        got = raw.ask("GET", keys=keys, obj=OBJ, region=0, at=at)
+        return {"hello": answer(raw.hello), "get": answer(got), "hits": list(got.get("hits", b"")),
+                "exact": [raw.read(a, OBJ) == pattern(k, rank_pattern, OBJ) for k, a in zip(keys, at)]}

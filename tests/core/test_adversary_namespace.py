@@ -23,7 +23,7 @@ from adpkv_core import protocol as P
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import namespace_id
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway.cards import ClusterCard, RespCard
+from adpkv_gateway.cards import ClusterCard, FsCard, RespCard
 from adpkv_gateway.config import make_config
 
 from .adversary import OBJ, Raw, answer, read_back, store_own
@@ -215,16 +215,13 @@ def test_configured_owners_share_a_namespace_and_bind_root_too(start_gateway, op
     gw.restart()
     assert as_nobody(read_back, gw.port, shared_root, 0) == {"hello": "OK", "get": "DONE", "hits": [1, 1],
                                                          "exact": [True, True]}
-    raw = Raw(gw.port, "root-engine")
-    for i, key in enumerate(shared_nobody):
-        raw.write(i * OBJ, bytes(OBJ))
-    got = raw.ask("GET", keys=shared_nobody, obj=OBJ, region=0, at=[0, OBJ])
-    assert answer(got) == "DONE" and list(got["hits"]) == [1, 1]
-    assert [raw.read(i * OBJ, OBJ) == pattern(k, 1, OBJ) for i, k in enumerate(shared_nobody)] == [True, True]
-    assert answer(raw.ask("EXIST", keys=theirs)) == P.FORBIDDEN          # root too
-    assert answer(raw.ask("GET", keys=theirs, obj=OBJ)) == P.FORBIDDEN
-    assert answer(raw.ask("DELETE", keys=theirs)) == P.FORBIDDEN
-    raw.close()
+    with Raw(gw.port, "root-engine") as raw:
+        got = raw.ask("GET", keys=shared_nobody, obj=OBJ, region=0, at=[0, OBJ])
+        assert answer(got) == "DONE" and list(got["hits"]) == [1, 1]
+        assert [raw.read(i * OBJ, OBJ) == pattern(k, 1, OBJ) for i, k in enumerate(shared_nobody)] == [True, True]
+        assert answer(raw.ask("EXIST", keys=theirs)) == P.FORBIDDEN          # root too
+        assert answer(raw.ask("GET", keys=theirs, obj=OBJ)) == P.FORBIDDEN
+        assert answer(raw.ask("DELETE", keys=theirs)) == P.FORBIDDEN
     assert as_nobody(read_back, gw.port, theirs, 1)["exact"] == [True, True]   # still there, untouched
     # configured namespaces are not claimed on the card
     claims = os.path.join(open_dir, "card", "namespaces")
@@ -247,11 +244,10 @@ def test_cards_that_disagree_about_an_owner_refuse_the_namespace_to_everyone(sta
     with open(os.path.join(cards[1], "namespaces", name), "wb") as fh:     # card b now says 65534
         fh.write(b"%d\n" % NOBODY)
     gw.start()
-    raw = Raw(gw.port, "root-engine")
-    assert answer(raw.ask("EXIST", keys=keys)) == P.FORBIDDEN
-    assert answer(raw.ask("GET", keys=keys, obj=OBJ)) == P.FORBIDDEN
-    assert list(raw.ask("EXIST", keys=others)["hits"]) == [1, 1]
-    raw.close()
+    with Raw(gw.port, "root-engine") as raw:
+        assert answer(raw.ask("EXIST", keys=keys)) == P.FORBIDDEN
+        assert answer(raw.ask("GET", keys=keys, obj=OBJ)) == P.FORBIDDEN
+        assert list(raw.ask("EXIST", keys=others)["hits"]) == [1, 1]
     assert as_nobody(read_back, gw.port, keys, 0)["get"] == P.FORBIDDEN
     assert "record different owners" in gw.log()
 
@@ -286,7 +282,6 @@ def test_lists_of_the_wrong_length_are_bad_messages(start_gateway):
     root = _root(gw.port)
     assert root.put(keys, OBJ, _fill(root, keys)).result(10).stored == [True] * 3
     root.close()
-    raw = Raw(gw.port, "lengths-engine")
     cases = {
         "EXIST marks short": ("EXIST", dict(keys=keys, marks=[1])),
         "EXIST marks long": ("EXIST", dict(keys=keys[:1], marks=[1, 2])),
@@ -300,9 +295,9 @@ def test_lists_of_the_wrong_length_are_bad_messages(start_gateway):
         "GET pieces at short": ("GET", dict(keys=keys, obj=OBJ, pieces=[[0, OBJ // 2], [0, OBJ // 2]],
                                             at=[0, 1, 2, 3, 4])),
     }
-    got = {name: answer(raw.ask(op, **fields)) for name, (op, fields) in cases.items()}
+    with Raw(gw.port, "lengths-engine") as raw:
+        got = {name: answer(raw.ask(op, **fields)) for name, (op, fields) in cases.items()}
     assert got == {name: P.BAD_MESSAGE for name in cases}, got
-    raw.close()
     root = _root(gw.port)
     assert _exact(root, keys) == [True] * 3
     root.close()
@@ -318,3 +313,38 @@ def test_namespace_owners_setting_is_checked():
                      (["a"], "must map")]:
         with pytest.raises(ValueError, match=why):
             make_config({"namespace_owners": bad})
+
+
+def _claim_in_a_process(device: str, uid: int, start, out) -> None:
+    card = RespCard(device) if device.startswith("redis://") else FsCard(device, num_dbs=2)
+    card.open()
+    start.wait(10)
+    out.put((uid, card.claim_namespace(namespace_id("raced"), uid)))
+    card.close()
+
+
+@pytest.mark.parametrize("kind", ["fs", "resp"])
+def test_gateways_claiming_one_namespace_at_once_agree(kind, tmp_path, redis_servers):
+    """Six processes (as gateways sharing a card would) claim one namespace at the same moment,
+    each for another uid: every one is told the same owner, and that is what the card records."""
+    import multiprocessing as mp
+    device = str(tmp_path / "card") if kind == "fs" else redis_servers(1)[0].url
+    probe = RespCard(device) if kind == "resp" else FsCard(device, num_dbs=2)
+    probe.open()                                       # the card exists before the race
+    assert probe.namespace_owner(namespace_id("raced")) is None
+    ctx = mp.get_context("fork")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_claim_in_a_process, args=(device, 1000 + i, start, out)) for i in range(6)]
+    for p in procs:
+        p.start()
+    start.set()
+    told = dict(out.get(timeout=30) for _ in procs)
+    for p in procs:
+        p.join(10)
+    assert len(told) == 6 and len(set(told.values())) == 1, told
+    owner = probe.namespace_owner(namespace_id("raced"))
+    assert owner in told and set(told.values()) == {owner}
+    assert probe.claim_namespace(namespace_id("raced"), 7) == owner          # never replaced
+    probe.close()
+    if kind == "fs":
+        assert sorted(os.listdir(tmp_path / "card" / "namespaces")) == [namespace_id("raced").hex()]
