@@ -158,7 +158,7 @@ class _Keyed(Message, kw_only=True):
 def _same_length(name: str, values: Optional[list], n: int, what: str = "keys") -> None:
     """A list that must hold one entry per key (``n`` of them), when it is given."""
     if values is not None and len(values) != n:
-        raise ValueError(f"{name} holds {len(values)} entries for {n} {what}")
+        raise ValueError(f"{name} and {what} differ in length ({len(values)} for {n})")
 
 
 class Exist(_Keyed, **_op("EXIST")):
