@@ -4,8 +4,9 @@ Every message is one msgpack map with ``v`` (protocol version), ``op`` (the mess
 type) and, for requests, ``id`` (chosen by the client, echoed in every reply). Data
 never travels here: it moves through the ring, and messages only name ring offsets.
 Both ends use the types below (``msgspec`` structs): a frame is decoded and checked —
-field types and bounds included — in one place, ``decode_request``, and a bad frame
-fails there with one code.
+field types and bounds included, and every list that holds one entry per key (``marks``,
+``at``) against the keys — in one place, ``decode_request``, and a bad frame fails there
+with one code (BAD_MESSAGE), before the gateway acts on it.
 
 Requests (client → gateway, ZeroMQ)::
 
@@ -35,9 +36,11 @@ Door requests (client → gateway, Unix socket, ``adpkv_core.door``)::
 
 ``session`` is the token a process got at the gateway's door: nothing but PING is
 served without one. HELLO binds the connection to it; an engine belongs to the uid
-of the session that attached it first. HELLO's reply carries the session's ``proof`` (a
-second random the door handed out with the token, never sent by the client): only the
-gateway behind the door knows it, so a process that took the control port cannot pass for
+of the session that attached it first, a key namespace to the uid that first named it
+(EXIST, GET, PUT, DELETE; or the owners the gateway's configuration names): a request naming
+keys of another user's namespace is FORBIDDEN whole. HELLO's reply carries the session's
+``proof`` (a second random the door handed out with the token, never sent by the client): only
+the gateway behind the door knows it, so a process that took the control port cannot pass for
 the gateway. ``hits``/``stored``/``existed`` are bytes with
 one 0/1 byte per key. A ``BATCH`` names objects ``first .. first+count-1`` of the
 request at ring ``offset`` with ``stride`` bytes between them.
@@ -73,7 +76,7 @@ COLLECTIVE_MISMATCH = "COLLECTIVE_MISMATCH"  # ranks sent different parts for on
 CLEAN_REFUSED = "CLEAN_REFUSED"      # shared_storage: nothing was deleted
 DRAIN_REFUSED = "DRAIN_REFUSED"      # the card cannot be drained now (see the message); nothing changed
 BAD_REGION = "BAD_REGION"            # a region that cannot be used, or a range outside it
-FORBIDDEN = "FORBIDDEN"              # no session, another user's engine, or not an operator
+FORBIDDEN = "FORBIDDEN"              # no session, another user's engine or key namespace, or not an operator
 CARD_ERROR = "CARD_ERROR"            # the cards did not answer a metadata request
 NO_RESOURCES = "NO_RESOURCES"        # the gateway is out of descriptors or memory for this now; try later
 INTERNAL = "INTERNAL"                # a bug in the gateway; never an answer to bad input
@@ -149,11 +152,25 @@ class Ping(Message, **_op("PING")):
     """Liveness; served without a session."""
 
 
-class Exist(Message, **_op("EXIST")):
-    """Which keys are stored; ``lock`` pins the hits against eviction."""
+class _Keyed(Message, kw_only=True):
+    """A request about objects: ``keys``, and optionally one dialog mark per key."""
 
     keys: Keys
     marks: Marks = None
+
+    def __post_init__(self):
+        _same_length("marks", self.marks, len(self.keys))
+
+
+def _same_length(name: str, values: Optional[list], n: int, what: str = "keys") -> None:
+    """A list that must hold one entry per key (``n`` of them), when it is given."""
+    if values is not None and len(values) != n:
+        raise ValueError(f"{name} and {what} differ in length ({len(values)} for {n})")
+
+
+class Exist(_Keyed, **_op("EXIST")):
+    """Which keys are stored; ``lock`` pins the hits against eviction."""
+
     lock: bool = False
 
 
@@ -169,9 +186,7 @@ class Piece(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=
     length: Annotated[int, Meta(ge=1)]
 
 
-class _Data(Message, kw_only=True):
-    keys: Keys
-    marks: Marks = None
+class _Data(_Keyed, kw_only=True):
     obj: ObjectBytes
     tag: Optional[Name] = None
     region: Optional[Annotated[int, Meta(ge=0)]] = None
@@ -181,20 +196,23 @@ class _Data(Message, kw_only=True):
     pieces: Optional[Annotated[list[Piece], Meta(min_length=1, max_length=MAX_PIECES)]] = None
 
     def __post_init__(self):
-        if self.marks is not None and len(self.marks) != len(self.keys):
-            raise ValueError("marks and keys differ in length")
+        super().__post_init__()
         if self.pieces is not None:
             if self.region is not None or self.tag is not None:
                 raise ValueError("a scattered request names its regions in its pieces (no region, no tag)")
             if sum(p.length for p in self.pieces) != self.obj:
                 raise ValueError("the pieces' lengths do not add up to the object size")
-            if self.at is None or len(self.at) != len(self.keys) * len(self.pieces):
-                raise ValueError("at must hold one offset per piece of every key")
+            if self.at is None:
+                raise ValueError("a scattered request needs at: one offset per piece of every key")
+            _same_length("at", self.at, len(self.keys) * len(self.pieces), "pieces of every key")
         elif self.region is not None:
             if self.tag is not None:
                 raise ValueError("a request into a region is one rank's own (no tag)")
-            if self.at is None or len(self.at) != len(self.keys):
-                raise ValueError("at and keys differ in length")
+            if self.at is None:
+                raise ValueError("a request into a region needs at: one offset per key")
+            _same_length("at", self.at, len(self.keys))
+        elif self.at is not None:
+            raise ValueError("at names places in a region: it needs region or pieces")
 
 
 class Get(_Data, **_op("GET")):
@@ -232,13 +250,8 @@ class Filled(Message, **_op("FILLED")):
     ok: bool = True
 
 
-class Delete(Message, **_op("DELETE")):
-    keys: Keys
-    marks: Marks = None
-
-    def __post_init__(self):
-        if self.marks is not None and len(self.marks) != len(self.keys):
-            raise ValueError("marks and keys differ in length")
+class Delete(_Keyed, **_op("DELETE")):
+    """Remove objects (every fragment of each)."""
 
 
 class Clean(Message, **_op("CLEAN")):

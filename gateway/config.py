@@ -15,6 +15,7 @@ import yaml
 
 from adpkv_core.settings import parse_bool
 
+from .namespaces import parse_owners
 from .quotas import parse_quotas
 
 
@@ -57,6 +58,7 @@ class GatewayConfig:
     fsync: bool = False                      # fs card: fsync each object before it becomes visible
     card_group: str = ""                     # fs card: share files with this group (0640/0750; else 0600/0700)
     namespace_quotas: dict = dataclasses.field(default_factory=dict)  # fs cards: namespace -> bytes per card
+    namespace_owners: dict = dataclasses.field(default_factory=dict)  # namespace -> the uids it belongs to
     engine_timeout_s: float = 5.0            # a rank silent this long is detached
     log_level: str = "INFO"
 
@@ -107,6 +109,7 @@ class GatewayConfig:
         if self.card_group and not self.card_group.strip():
             raise ValueError("card_group must name a group (or be empty)")
         self.namespace_quotas = parse_quotas(self.namespace_quotas)
+        self.namespace_owners = parse_owners(self.namespace_owners)
         if self.shared_storage and int(self.start_clean):
             raise ValueError("start_clean: 1 with shared_storage: true would delete other deployments' "
                              "keys; refusing to start")
@@ -188,6 +191,8 @@ HELP: dict[str, str] = {
     "card_group": "fs card: share its files with this group (0640/0750; empty: 0600/0700, owner only)",
     "namespace_quotas": "fs cards: bytes each key namespace may hold per card, NAME=BYTES[,NAME=BYTES] "
                         "(YAML: a mapping); over it a namespace evicts its own least recently used objects",
+    "namespace_owners": "the users (names or uids) a key namespace belongs to, NAME=USER[+USER...][,NAME=...] "
+                        "(YAML: {name: [users]}); a namespace not named belongs to the uid that first used it",
 }
 
 
@@ -223,6 +228,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, nargs="+", default=None, metavar="DEV", help=text)
         elif name == "namespace_quotas":
             parser.add_argument(flag, default=None, metavar="NAME=BYTES,...", help=text)
+        elif name == "namespace_owners":
+            parser.add_argument(flag, default=None, metavar="NAME=USER+USER,...", help=text)
         elif f.type in ("bool", bool):
             parser.add_argument(flag, default=None, type=_bool_flag(name), metavar="BOOL", help=text)
         else:

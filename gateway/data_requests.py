@@ -2,11 +2,13 @@
 
 Contract (``DataRequests``, one per gateway, on the loop's thread only):
 
-- ``on_data(identity, peer, msg)``: one rank's GET or PUT. A bad request raises
-  ``ProtocolError`` before any job exists (the loop answers ERROR; nothing changed): from a
-  lookup peer (no rank), of no key, an object whose ring stride is over half the ring
-  (TOO_LARGE), a region or piece its session did not register or a place outside its region
-  (BAD_REGION).
+- ``check(identity, peer, msg)``: refuses a bad GET or PUT with ``ProtocolError`` before
+  anything is done for it (the loop answers ERROR; nothing changed): from a lookup peer (no
+  rank), of no key, an object whose ring stride is over half the ring (TOO_LARGE), a region
+  or piece its session did not register or a place outside its region (BAD_REGION). It
+  returns what ``on_data`` needs of a region or scattered request (its target and places).
+- ``on_data(identity, peer, msg, placed)``: one rank's GET or PUT that passed ``check``
+  (``placed``: what it returned), once the gateway let its session use the keys' namespaces.
 - A region request (``region``) or a scattered one (``pieces``) is a job of its rank at once,
   and so is a request without ``tag`` or any request of a one-rank engine.
 - A tagged request of a multi-rank engine is its rank's part of a collective: it waits until
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 from adpkv_core import protocol as P
 from adpkv_core.ring import max_parallel_ios, object_stride
@@ -56,14 +58,14 @@ class DataRequests:
         # tag -> rank -> (its connection, its request): the parts of collectives not complete yet
         self.collectives: dict[str, dict[int, tuple[bytes, P.Message]]] = {}
 
-    def on_data(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put]) -> None:
-        """One rank's GET or PUT (see the module's contract)."""
+    def check(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put]) -> Optional[tuple]:
+        """Refuse a bad GET or PUT (see the module's contract); ``(target, places)`` of a region
+        or scattered request, None for one through the ring."""
         if peer.rank is None:
             raise P.ProtocolError(P.BAD_MESSAGE, f"a lookup peer cannot {msg.op}; attach as a rank")
         if not msg.keys:         # a job of no object never finishes: no answer, and CLEAN refused for good
             raise P.ProtocolError(P.BAD_MESSAGE, f"{msg.op} names no key")
-        keys, marks, obj, tag, region = msg.keys, msg.marks, msg.obj, msg.tag, msg.region
-        unlock = isinstance(msg, P.Get) and msg.unlock
+        obj, region = msg.obj, msg.region
         stride = object_stride(obj)
         if obj not in self.object_sizes_logged and len(self.object_sizes_logged) < 8:
             self.object_sizes_logged.add(obj)
@@ -72,18 +74,25 @@ class DataRequests:
         if stride > self.max_batch_bytes:
             raise P.ProtocolError(P.TOO_LARGE, f"an object of {obj} bytes does not fit half the ring "
                                   f"({self.max_batch_bytes} bytes); raise shared_memory_size")
-        if msg.pieces is not None or region is not None:
-            regions = self.sessions_by_peer[identity].regions
-            if msg.pieces is not None:
-                if any(piece.region >= len(regions) for piece in msg.pieces):
-                    raise P.ProtocolError(P.BAD_REGION, "a piece names a region this session did not register")
-                target = Scatter([regions[p.region] for p in msg.pieces], [p.length for p in msg.pieces])
-                places = target.places(msg.at, len(keys))
-            else:
-                if region >= len(regions):
-                    raise P.ProtocolError(P.BAD_REGION, f"region {region} is not registered by this session")
-                target = regions[region]
-                places = target.places(msg.at, obj)
+        if msg.pieces is None and region is None:
+            return None
+        regions = self.sessions_by_peer[identity].regions
+        if msg.pieces is not None:
+            if any(piece.region >= len(regions) for piece in msg.pieces):
+                raise P.ProtocolError(P.BAD_REGION, "a piece names a region this session did not register")
+            target = Scatter([regions[p.region] for p in msg.pieces], [p.length for p in msg.pieces])
+            return target, target.places(msg.at, len(msg.keys))
+        if region >= len(regions):
+            raise P.ProtocolError(P.BAD_REGION, f"region {region} is not registered by this session")
+        return regions[region], regions[region].places(msg.at, obj)
+
+    def on_data(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put], placed: Optional[tuple]) -> None:
+        """One rank's GET or PUT that passed ``check`` (see the module's contract)."""
+        keys, marks, obj, tag = msg.keys, msg.marks, msg.obj, msg.tag
+        unlock = isinstance(msg, P.Get) and msg.unlock
+        stride = object_stride(obj)
+        if placed is not None:
+            target, places = placed
             job = DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock)
             job.region, job.places = target, places
             job.region_by = msg.write_by if isinstance(msg, P.Get) else msg.read_by

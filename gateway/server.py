@@ -8,7 +8,9 @@ PUT become jobs in ``data_requests.py`` and run batch by batch in ``transfers.py
 
 Who may do what: a control-port request is served only on a session from the
 door (``gateway/door.py``); an engine belongs to the uid that attached it first,
-and only an operator cleans.
+a key namespace to the uid that first named it (``gateway/namespaces.py``: every
+request that names keys is checked against it before any card is asked), and only
+an operator cleans.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .health import HealthMonitor
 from .layout_change import LayoutChange
 from . import stats
 from .metrics import GatewayMetrics
+from .namespaces import KEEP_CLAIMS_S, NamespaceOwners
 from .store import ObjectStore
 from .transfers import Transfers
 
@@ -112,6 +115,11 @@ class Gateway:
             self.counters = collections.Counter()
             self.data_requests = DataRequests(self.engines, self.sessions_by_peer, self.transfers, self.counters,
                                               self._send)
+            self.namespaces = NamespaceOwners(config.namespace_owners, self._cards_in_service)
+            # requests that name keys, in the order they came: (identity, peer, request, what
+            # DataRequests.check found); the first waits while its namespaces' owners are looked up
+            self.keyed_waiting: "collections.deque[tuple]" = collections.deque()
+            self.next_keep_claims = 0.0
             self.stopping = False
             self.layout_change.start(engine_busy=lambda: bool(self.transfers.jobs))
             undo.callback(self.layout_change.stop)
@@ -186,6 +194,9 @@ class Gateway:
     def _tick(self) -> None:
         for ident in self.engines.expired():
             self._detach(ident, f"no message for {self.config.engine_timeout_s:.0f} s")
+        if time.monotonic() >= self.next_keep_claims:
+            self.next_keep_claims = time.monotonic() + KEEP_CLAIMS_S
+            self._run(self.pool, self.namespaces.keep_claims, lambda _: None, lambda exc: None)
         if (self.config.status_file or self.config.metrics_port) and not self.status_writing:
             self.status_writing = True
             self._collect_stats(self._write_status)
@@ -255,15 +266,24 @@ class Gateway:
             peer = self.engines.seen(identity)
             if peer is None and not isinstance(msg, (P.Hello, P.Ping, P.Stats, P.Clean, P.Drain)):
                 raise P.ProtocolError(P.NOT_ATTACHED, f"{msg.op} before HELLO")
-            self._handlers[type(msg)](self, identity, peer, msg)
+            if isinstance(msg, KEYED):
+                self._on_keyed(identity, peer, msg)
+            else:
+                self._handlers[type(msg)](self, identity, peer, msg)
         except zmq.ZMQError:
             raise
-        except P.ProtocolError as exc:
+        except Exception as exc:
+            self._refuse(identity, req_id, exc)
+
+    def _refuse(self, identity: bytes, req_id, exc: Exception) -> None:
+        """The ERROR reply to a request that raised ``exc``: its code for a ProtocolError,
+        INTERNAL for anything else (a bug must not take the gateway down for everyone)."""
+        if isinstance(exc, P.ProtocolError):
             self.counters["bad_requests"] += 1
             logger.warning("Refused a request from %s: %s", identity.hex(), exc)
             self._send(identity, P.error(req_id, exc.code, exc.message))
-        except Exception as exc:  # a bug must not take the gateway down for everyone
-            logger.exception("Internal error on a request")
+        else:
+            logger.error("Internal error on a request", exc_info=exc)
             self._send(identity, P.error(req_id, P.INTERNAL, str(exc)))
 
     def _session(self, identity: bytes, msg: Union[P.Hello, P.Stats, P.Clean]) -> Session:
@@ -397,10 +417,66 @@ class Gateway:
         self._run(self.pool, work, then,
                   lambda exc: self._send(identity, P.error(msg.id, P.CARD_ERROR, f"the cards did not answer: {exc}")))
 
-    # ================================================================ data requests
-    def _on_data(self, identity, peer: Peer, msg: Union[P.Get, P.Put]):
-        self.data_requests.on_data(identity, peer, msg)
+    # ================================================================ requests that name keys
+    def _on_keyed(self, identity: bytes, peer: Peer, msg: Keyed) -> None:
+        """EXIST, UNLOCK, DELETE, GET, PUT: served in the order they came, each once its
+        session's uid may use every namespace its keys name (``namespaces``), else refused
+        whole with FORBIDDEN before any card is asked about an object. A bad GET or PUT is
+        refused first (``DataRequests.check``), so nothing is claimed for it."""
+        placed = self.data_requests.check(identity, peer, msg) if isinstance(msg, (P.Get, P.Put)) else None
+        self.keyed_waiting.append((identity, peer, msg, placed))
+        if len(self.keyed_waiting) == 1:
+            self._serve_keyed()
 
+    def _serve_keyed(self, settled=None) -> None:
+        """Serve the waiting requests that name keys, in order, up to one whose namespaces'
+        owners the cards must be asked first (``_owners_found`` goes on from there).
+        ``settled``: what the cards just said for the first one."""
+        while self.keyed_waiting:
+            waiting = self.keyed_waiting.popleft()
+            identity, peer, msg, placed = waiting
+            if self.engines.peers.get(identity) is not peer:
+                settled = None                      # it detached meanwhile: no answer is owed
+                continue
+            try:
+                uid = self.sessions_by_peer[identity].uid
+                foreign, unknown = self.namespaces.check(uid, msg.keys, settled)
+                settled = None
+                if foreign is None and unknown:
+                    claim = not isinstance(msg, P.Unlock)
+                    self._run(self.pool, functools.partial(self.namespaces.resolve, unknown, uid, claim),
+                              self._owners_found, self._owners_unknown)
+                    self.keyed_waiting.appendleft(waiting)     # first again, until its owners are known
+                    return
+                if foreign is not None:
+                    raise P.ProtocolError(P.FORBIDDEN, f"{msg.op} names keys of namespace id:{foreign.hex()}, which "
+                                          "belongs to another user; nothing was done")
+                if isinstance(msg, (P.Get, P.Put)):
+                    self.data_requests.on_data(identity, peer, msg, placed)
+                else:
+                    self._handlers[type(msg)](self, identity, peer, msg)
+            except zmq.ZMQError:
+                raise
+            except Exception as exc:
+                self._refuse(identity, msg.id, exc)
+
+    def _owners_found(self, found) -> None:
+        self.namespaces.learn(found)
+        self._serve_keyed(found)
+
+    def _owners_unknown(self, exc: BaseException) -> None:
+        identity, peer, msg, _ = self.keyed_waiting.popleft()
+        if self.engines.peers.get(identity) is peer:
+            self._send(identity, P.error(msg.id, P.CARD_ERROR, f"the cards did not answer who owns the key "
+                                         f"namespaces of this {msg.op}: {exc}"))
+        self._serve_keyed()
+
+    def _cards_in_service(self) -> list:
+        """The cards in service, by serial (claims are made in this order: ``namespaces``)."""
+        return sorted((c for c, on in zip(self.store.cards, self.store.active) if on and c.serial),
+                      key=lambda c: c.serial)
+
+    # ================================================================ data requests
     def _on_ack(self, identity, peer, msg: Union[P.Release, P.Filled]):
         self.transfers.ack(identity, msg)
 
@@ -465,9 +541,13 @@ class Gateway:
 
     _handlers = {
         P.Hello: _on_hello, P.Bye: _on_bye, P.Ping: _on_ping, P.Exist: _on_exist, P.Unlock: _on_unlock,
-        P.Delete: _on_delete, P.Clean: _on_clean, P.Drain: _on_drain, P.Stats: _on_stats, P.Get: _on_data,
-        P.Put: _on_data, P.Release: _on_ack, P.Filled: _on_ack,
-    }
+        P.Delete: _on_delete, P.Clean: _on_clean, P.Drain: _on_drain, P.Stats: _on_stats,
+        P.Release: _on_ack, P.Filled: _on_ack,
+    }    # EXIST, UNLOCK and DELETE through _on_keyed; GET and PUT through it to DataRequests
+
+
+Keyed = Union[P.Exist, P.Unlock, P.Delete, P.Get, P.Put]
+KEYED = (P.Exist, P.Unlock, P.Delete, P.Get, P.Put)     # the requests that name keys: _on_keyed
 
 
 def _remove_legacy_ring(port: int) -> None:

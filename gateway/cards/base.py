@@ -63,6 +63,19 @@ def is_head(fkey: bytes) -> bool:
     return fkey[-2:] == b"\0\0"
 
 
+def claim_record(uid: int) -> bytes:
+    """How a card records the owner of a namespace: its uid in decimal, one line."""
+    return b"%d\n" % uid
+
+
+def parse_claim(data: bytes, what: str) -> int:
+    """The uid of a claim record (``claim_record``); CardError for anything else."""
+    text = data.strip()
+    if not text.isdigit() or len(text) > 10 or data != claim_record(int(text)):
+        raise CardError(f"{what}: the claim record {data[:32]!r} is not an owner's uid")
+    return int(text)
+
+
 class Card(abc.ABC):
     """One storage backend instance with a stable serial number."""
 
@@ -176,6 +189,29 @@ class Card(abc.ABC):
     @abc.abstractmethod
     def check(self) -> bool:
         """Health probe: the card answers and still has the same serial."""
+
+    # ------------------------------------------------------------------ namespace claims
+    # Who owns a key namespace is recorded on the cards themselves (``adpkv_gateway.namespaces``
+    # decides what a claim means), so that it survives restarts of the gateway and is the same
+    # for every gateway on a shared card. ``nsid`` is the 8-byte namespace id keys carry.
+
+    @abc.abstractmethod
+    def namespace_owner(self, nsid: bytes) -> Optional[int]:
+        """The uid recorded on this card as the owner of namespace ``nsid``, None when none
+        is. Raises ``CardIOError`` when the card cannot answer now, ``CardError`` when a
+        record is there but is not an owner this gateway wrote (damaged or planted)."""
+
+    @abc.abstractmethod
+    def claim_namespace(self, nsid: bytes, uid: int) -> int:
+        """Record ``uid`` as the owner of namespace ``nsid`` unless an owner is recorded
+        already; the owner recorded now (``uid``, or the one before). Atomic: of gateways
+        claiming at once on a shared card exactly one wins, and a record is never replaced.
+        Durable before it returns, where the card can make it so. Raises as
+        ``namespace_owner``."""
+
+    def keep_claims(self) -> None:
+        """Keep the claim records from the card's own eviction (a Redis server evicts by
+        its ``maxmemory-policy``, claims as any key): called every few seconds."""
 
     def close(self) -> None:
         """Release resources."""

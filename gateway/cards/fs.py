@@ -4,6 +4,7 @@ Layout::
 
     DIR/adpkv-card.json          serial number and format of the card
     DIR/db007/<fragment key hex> one file per fragment: a 4 KiB header, then the payload
+    DIR/namespaces/<16 hex>      the owner (uid) of a key namespace (``claim_namespace``)
 
 The header carries the fragment's key, payload length, the object's size (head
 fragment) and xxh3 checksums of the payload and of itself, so a truncated,
@@ -21,6 +22,7 @@ straight between the file and the ring. Files are 0600 and directories 0700
 
 from __future__ import annotations
 
+import errno
 import grp
 import json
 import logging
@@ -35,7 +37,7 @@ from typing import Callable, Optional
 from .. import progress
 from ..quotas import TenantUsage
 
-from .base import Card, CardError, CardUsage, is_head, object_key
+from .base import Card, CardError, CardIOError, CardUsage, claim_record, is_head, object_key, parse_claim
 from .fs_index import Entry, FsIndex, unlink_all
 from .objfile import (ALIGN, HEADER_BYTES, REGION_WRITE_FAILED, FdSlice, FileRead, Scratch, copy_object_file,
                       read_object_file, write_object_file)
@@ -46,6 +48,8 @@ FORMAT = 1
 CARD_FILE = "adpkv-card.json"
 CARD_FILE_TMP = ".adpkv-card.json.tmp"
 LEFTOVERS = (CARD_FILE + ".tmp", CARD_FILE_TMP, ".odirect-probe")   # of the card's own atomic writes
+CLAIMS_DIR = "namespaces"      # one file per claimed key namespace (Card.claim_namespace)
+CLAIM_LEFTOVER_S = 600         # a claim's temporary file older than this was left by a crash
 
 
 def _group_id(name: str) -> int:
@@ -79,6 +83,8 @@ class FsCard(Card):
         self._scratch = Scratch()
         self._tmp_seq = 0
         self._dir_fds: dict[int, int] = {}             # db -> directory fd (fsync: true)
+        self._claims_fd: Optional[int] = None          # DIR/namespaces, opened at the first claim lookup
+        self._claims_lock = threading.Lock()
         self._db_paths = [os.path.join(self.root, f"db{db:03d}", "") for db in range(num_dbs)]   # db -> "DIR/dbNNN/"
         # objects, their files, LRU, bytes used and quotas (fs_index: its contract)
         self.index = FsIndex(self.root, self._path, capacity_bytes, eviction_watermark, eviction_ratio,
@@ -362,7 +368,123 @@ class FsCard(Card):
         except (OSError, ValueError):
             return False
 
+    # ------------------------------------------------------------------ namespace claims
+    def _claims_dir(self) -> int:
+        """The descriptor of ``DIR/namespaces`` (made on first use, mode as the databases'),
+        checked to be a directory of the gateway's own user that nobody else may write;
+        CardError when it is not (nothing in it is then believed), CardIOError when it cannot
+        be opened or made now (a full or failing disk)."""
+        with self._claims_lock:
+            if self._claims_fd is not None:
+                return self._claims_fd
+            try:
+                root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    try:
+                        os.mkdir(CLAIMS_DIR, self.dir_mode, dir_fd=root)
+                        made = True
+                    except FileExistsError:
+                        made = False
+                    fd = os.open(CLAIMS_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
+                    if made:
+                        os.fsync(root)
+                finally:
+                    os.close(root)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):      # a symlink or a file in its place
+                    raise CardError(f"fs card {self.root}: {CLAIMS_DIR} is not a directory: {exc}") from None
+                raise CardIOError(f"fs card {self.root}: cannot open {CLAIMS_DIR}/: {exc}") from None
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                os.close(fd)
+                raise CardError(f"fs card {self.root}: {CLAIMS_DIR}/ belongs to uid {st.st_uid} or is writable by "
+                                f"others (mode {stat.S_IMODE(st.st_mode):04o}); its claims are not believed")
+            try:
+                if stat.S_IMODE(st.st_mode) != self.dir_mode:
+                    os.fchmod(fd, self.dir_mode)
+                if self.gid >= 0 and st.st_gid != self.gid:
+                    os.fchown(fd, -1, self.gid)
+            except PermissionError as exc:
+                logger.warning("fs card %s: cannot set the mode or group of %s/: %s", self.root, CLAIMS_DIR, exc)
+            self._claims_fd = fd
+            self._remove_claim_leftovers(fd)
+            return fd
+
+    def _remove_claim_leftovers(self, dfd: int) -> None:
+        """Remove the temporary files of claims interrupted by a crash (hidden names; only old
+        ones: a gateway on another host sharing the card may be writing a new one now)."""
+        for name in os.listdir(dfd):
+            if not name.startswith("."):
+                continue
+            try:
+                if time.time() - os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mtime > CLAIM_LEFTOVER_S:
+                    os.unlink(name, dir_fd=dfd)
+            except OSError:
+                pass
+
+    def namespace_owner(self, nsid: bytes) -> Optional[int]:
+        """``DIR/namespaces/<16 hex digits>``: the owner's uid in decimal, one line."""
+        dfd = self._claims_dir()
+        try:
+            fd = os.open(nsid.hex(), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CardError(f"fs card {self.root}: the claim of namespace {nsid.hex()} is a symlink") from None
+            raise CardIOError(f"fs card {self.root}: cannot read the claim of namespace {nsid.hex()}: {exc}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise CardError(f"fs card {self.root}: the claim of namespace {nsid.hex()} is not a file of the "
+                                f"gateway's user")
+            data = os.read(fd, 32)
+        except OSError as exc:
+            raise CardIOError(f"fs card {self.root}: cannot read the claim of namespace {nsid.hex()}: {exc}") from None
+        finally:
+            os.close(fd)
+        return parse_claim(data, f"fs card {self.root}: namespace {nsid.hex()}")
+
+    def claim_namespace(self, nsid: bytes, uid: int) -> int:
+        """Written to a temporary file (``O_EXCL``, fsynced), then hard-linked to its name:
+        ``link`` fails on a name that exists, so a claim appears whole or not at all and
+        never replaces one; the directory is fsynced after."""
+        owner = self.namespace_owner(nsid)
+        if owner is not None:
+            return owner
+        dfd = self._claims_dir()
+        name = nsid.hex()
+        tmp = f".{name}.{uuid.uuid4().hex}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode,
+                         dir_fd=dfd)
+            try:
+                self._own_file(fd)
+                data = claim_record(uid)
+                if os.write(fd, data) != len(data):
+                    raise OSError(errno.ENOSPC, "short write")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                os.fsync(dfd)
+            except FileExistsError:
+                pass                    # claimed meanwhile (another thread or gateway): theirs stands
+            finally:
+                os.unlink(tmp, dir_fd=dfd)
+        except OSError as exc:
+            raise CardIOError(f"fs card {self.root}: cannot record the claim of namespace {name}: {exc}") from None
+        owner = self.namespace_owner(nsid)
+        if owner is None:
+            raise CardIOError(f"fs card {self.root}: the claim of namespace {name} vanished")
+        return owner
+
     def close(self) -> None:
+        with self._claims_lock:
+            if self._claims_fd is not None:
+                os.close(self._claims_fd)
+                self._claims_fd = None
         fds, self._dir_fds = self._dir_fds, {}
         for fd in fds.values():
             try:

@@ -17,13 +17,15 @@ import uuid
 from typing import Optional
 
 from . import objfmt
-from .base import Card, CardIOError, CardUnavailable, CardUsage, is_head
+from .base import Card, CardIOError, CardUnavailable, CardUsage, claim_record, is_head, parse_claim
 from .resp_conn import RespConnection, RespError, ThreadConnections
 
 logger = logging.getLogger("adpkv.gateway.resp")
 
 SERIAL_KEY = b"adpkv:card:serial"
 LAYOUT_KEY = b"adpkv:card:layout"          # the key layout recorded on the card (gateway/layout_record.py)
+OWNERS_KEY = b"adpkv:card:owners"      # hash: namespace id (16 hex) -> owner's uid (claim_namespace)
+RESERVED_KEYS = (SERIAL_KEY, LAYOUT_KEY, OWNERS_KEY)   # the card's own keys: not objects (usage leaves them out)
 KEY_PREFIX = b"adpkv:"
 _TRANSPORT = (OSError, ConnectionError, socket.timeout)
 
@@ -160,12 +162,44 @@ class RespCard(Card):
             info = c.command(b"INFO", b"memory").decode()
             fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
             return (int(fields.get("used_memory", 0)), int(fields.get("maxmemory", 0)),
-                    max(0, int(c.command(b"DBSIZE")) - int(c.command(b"EXISTS", SERIAL_KEY, LAYOUT_KEY))))
+                    max(0, int(c.command(b"DBSIZE")) - int(c.command(b"EXISTS", *RESERVED_KEYS))))
         try:
             used, cap, objects = self._io(run)
         except (CardIOError, RespError, ValueError):
             return CardUsage(0, 0, 0)
         return CardUsage(used, cap, objects)
+
+    # ------------------------------------------------------------------ namespace claims
+    def namespace_owner(self, nsid: bytes) -> Optional[int]:
+        """A field of the hash ``adpkv:card:owners`` (no object key can be that: theirs are
+        ``adpkv:<3 digits>:...``; CLEAN does not match it)."""
+        return self._owner(self._claim_io(lambda c: c.command(b"HGET", OWNERS_KEY, nsid.hex().encode())), nsid)
+
+    def claim_namespace(self, nsid: bytes, uid: int) -> int:
+        """``HSETNX`` (the first claim wins, atomically on the server), then the field as it is."""
+        field = nsid.hex().encode()
+
+        def run(c: RespConnection):
+            c.command(b"HSETNX", OWNERS_KEY, field, claim_record(uid))
+            return c.command(b"HGET", OWNERS_KEY, field)
+        return self._owner(self._claim_io(run), nsid, missing_is_error=True)
+
+    def keep_claims(self) -> None:
+        """Read the hash, so that an LRU/LFU ``maxmemory-policy`` counts it as in use."""
+        self._claim_io(lambda c: c.command(b"HLEN", OWNERS_KEY))
+
+    def _claim_io(self, fn):
+        try:
+            return self._io(fn)
+        except RespError as exc:          # a refusal (OOM, a key of another type): no answer now
+            raise CardIOError(f"resp card {self.device}: {exc}") from None
+
+    def _owner(self, value, nsid: bytes, missing_is_error: bool = False) -> Optional[int]:
+        if value is None:
+            if missing_is_error:
+                raise CardIOError(f"resp card {self.device}: the claim of namespace {nsid.hex()} vanished")
+            return None
+        return parse_claim(value, f"resp card {self.device}: namespace {nsid.hex()}")
 
     def close(self) -> None:
         self.reset_connections()

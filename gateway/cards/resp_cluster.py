@@ -49,7 +49,8 @@ from typing import Optional
 import xxhash
 
 from . import objfmt
-from .base import Card, CardIOError, CardUnavailable, CardUsage, NodeIOError, is_head, object_key
+from .base import (Card, CardIOError, CardUnavailable, CardUsage, NodeIOError, claim_record, is_head, object_key,
+                   parse_claim)
 from .cluster_map import TRANSPORT_ERRORS, Addr, SlotMap, is_retryable, key_slot, parse_cluster_url
 from .cluster_route import ClusterRouting
 from .resp_conn import RespConnection, RespError, ThreadConnections
@@ -58,6 +59,7 @@ logger = logging.getLogger("adpkv.gateway.resp_cluster")
 
 SCHEMES = ("redis+cluster://", "rediss+cluster://")
 SERIAL_KEY = b"adpkv:card:serial"
+OWNERS_KEY = b"adpkv:card:owners"      # hash: namespace id (16 hex) -> owner's uid (claim_namespace)
 KEY_PREFIX = b"adpkv:{"
 READ_WINDOW_BYTES = 1 << 20   # values in flight per node in a batched read (2 GETs at least)
 _TRANSPORT = TRANSPORT_ERRORS
@@ -353,6 +355,39 @@ class ClusterCard(ClusterRouting, Card):
             cap += int(fields.get("maxmemory", 0))
             objects += size
         return CardUsage(used, cap, max(0, objects - 1))
+
+    # ------------------------------------------------------------------ namespace claims
+    def namespace_owner(self, nsid: bytes) -> Optional[int]:
+        """A field of the hash ``adpkv:card:owners``, on the primary of its slot (no object
+        key can be that: theirs start ``adpkv:{``, which CLEAN matches and it does not)."""
+        value = self._claim_io(lambda c: c.command(b"HGET", OWNERS_KEY, nsid.hex().encode()))
+        return None if value is None else parse_claim(value, f"cluster card {self.device}: namespace {nsid.hex()}")
+
+    def claim_namespace(self, nsid: bytes, uid: int) -> int:
+        """``HSETNX`` (the first claim wins, atomically on the primary), then the field as it
+        is. Replication is asynchronous: a claim the primary took just before it died may be
+        lost with it (as any write), then the next request naming the namespace claims again;
+        with ``wait_ms`` a new claim waits (``WAIT 1``) for a replica, as objects do."""
+        field = nsid.hex().encode()
+
+        def run(c: RespConnection):
+            if c.command(b"HSETNX", OWNERS_KEY, field, claim_record(uid)) == 1 and self.wait_ms > 0:
+                c.command(b"WAIT", b"1", str(self.wait_ms).encode())
+            return c.command(b"HGET", OWNERS_KEY, field)
+        value = self._claim_io(run)
+        if value is None:
+            raise CardIOError(f"cluster card {self.device}: the claim of namespace {nsid.hex()} vanished")
+        return parse_claim(value, f"cluster card {self.device}: namespace {nsid.hex()}")
+
+    def keep_claims(self) -> None:
+        """Read the hash, so that an LRU/LFU ``maxmemory-policy`` counts it as in use."""
+        self._claim_io(lambda c: c.command(b"HLEN", OWNERS_KEY))
+
+    def _claim_io(self, fn):
+        try:
+            return self._run(OWNERS_KEY, fn)
+        except RespError as exc:          # a refusal (OOM, a key of another type): no answer now
+            raise CardIOError(f"cluster card {self.device}: {exc}") from None
 
     def close(self) -> None:
         self.reset_connections()

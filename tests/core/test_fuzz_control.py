@@ -9,7 +9,14 @@ function of their key, three fuzz peers throw a few thousand frames at the contr
 - ``lookup``: attached as a lookup peer of ``fuzz-engine`` (HELLO role=lookup);
 - ``rank``: attached as rank 1 of ``fuzz-engine``, with a region of its own: its data
   requests get BATCHes, which it acknowledges well and badly (the wrong op, twice, a
-  mistyped ``ok`` or ``batch``), and its RELEASE/FILLED name the engine's batches.
+  mistyped ``ok`` or ``batch``), and its RELEASE/FILLED name the engine's batches;
+- ``foreign``: a door session of another user (uid 65534, ``ForeignDoor``), never attached
+  (the engine is root's; a HELLO for it is FORBIDDEN, for another ENGINE_BUSY), which may
+  also ask CLEAN and STATS with its own token.
+
+Every peer's key lists hold, one time in five, a key of a namespace uid 65534 owns
+(``fuzz-foreign``: it stored probe objects there before the engine attached): every request
+naming such a key must be refused (an ERROR, never a BATCH), whatever else is wrong with it.
 
 The structured part is Hypothesis (messages built from the op vocabulary with field
 values good, out of bounds and of the wrong type); the raw part is a plain seeded loop
@@ -21,8 +28,9 @@ two) with offsets and sizes out of bounds, against an exact oracle.
 
 Asserted: the gateway stays alive and answers every frame that gets an answer (a
 correct RELEASE/FILLED gets none; a tagged request waits for its collective until it
-fails), no reply is INTERNAL and the log has no internal error, the door keeps no
-descriptor it refused, and every byte the engine stored comes back exact.
+fails), no reply is INTERNAL or CARD_ERROR and the log has no internal error, the door keeps
+no descriptor it refused, every byte the engine stored comes back exact, and the foreign
+namespace holds what it held before (objects and bytes), its probe objects byte-exact.
 
 Seed: ``ADPKV_FUZZ_SEED`` (an integer, or ``random``); the default is fixed, so the
 normal test run is repeatable. ``ADPKV_FUZZ_SCALE`` multiplies the frame counts.
@@ -50,9 +58,12 @@ from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, setti
 
 from adpkv_core import protocol as P
 from adpkv_core.door import DoorSession, door_path
-from adpkv_core.keys import KEY_BYTES
+from adpkv_core.keys import KEY_BYTES, namespace_id
+from adpkv_gateway import control
 
+from .adversary import read_back, store_own
 from .rankproc import make_keys
+from .test_security import NOBODY, as_nobody
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,6 +73,8 @@ STRUCTURED_EXAMPLES = int(4000 * SCALE)
 RAW_FRAMES = int(3000 * SCALE)
 DOOR_PACKETS = int(1000 * SCALE)
 ENGINE = "fuzz-engine"
+FOREIGN_NS = "fuzz-foreign"            # uid 65534's: every request naming one of its keys is refused
+KEYED_OPS = ("EXIST", "UNLOCK", "DELETE", "GET", "PUT")
 WORLD = 2
 RING = 64 << 20
 REGION_BYTES = 1 << 20
@@ -153,12 +166,58 @@ def _read_line(proc, deadline: float) -> str:
 
 
 # ====================================================================== control-port peers
-class Peer:
-    """A DEALER with a door session; ``role`` says what it should stay attached as."""
+class ForeignDoor:
+    """A door session of uid 65534 held by this (root) process: a forked child drops to 65534,
+    connects to the door and hands the connected socket back (``SCM_RIGHTS``). The gateway
+    knows a connection by the credentials of its ``connect`` (``SO_PEERCRED``), so this
+    session, and the control port with its token, act as uid 65534."""
 
-    def __init__(self, port: int, name: str, ctx):
+    def __init__(self, path: str):
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        pid = os.fork()
+        if pid == 0:                       # the child: nothing but these calls, then _exit
+            code = 1
+            try:
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                door = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                door.connect(path)
+                socket.send_fds(child, [b"door"], [door.fileno()])
+                code = 0
+            finally:
+                os._exit(code)
+        child.close()
+        parent.settimeout(ANSWER_S)
+        try:
+            _, fds, _, _ = socket.recv_fds(parent, 16, 1)
+        finally:
+            parent.close()
+            status = os.waitpid(pid, 0)[1]
+        assert status == 0 and len(fds) == 1, (status, fds)
+        self.sock = socket.socket(fileno=fds[0])
+        self.sock.settimeout(ANSWER_S)
+        self.sock.send(msgpack.packb({"v": 1, "op": "SESSION", "id": 1}))
+        data, ring_fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 4)
+        for fd in ring_fds:
+            os.close(fd)
+        reply = msgpack.unpackb(data, raw=False)
+        assert reply.get("op") == "OK", reply
+        self.token = reply["token"]
+
+    def close(self):
+        self.sock.close()
+
+
+class Peer:
+    """A DEALER with a door session (``door``, else one of its own); ``role`` says what it
+    should stay attached as."""
+
+    def __init__(self, port: int, name: str, ctx, door=None):
         self.name = name
-        self.door = DoorSession(door_path(port), 5.0)
+        if door is None:
+            door = DoorSession(door_path(port), 5.0)
+        self.door = door
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
@@ -201,11 +260,13 @@ def _same(a, b) -> bool:
 
 
 class Fuzzer:
-    def __init__(self, port: int, rnd: random.Random):
+    def __init__(self, port: int, rnd: random.Random, foreign_door: ForeignDoor, foreign_keys: list[bytes]):
         self.port = port
         self.rnd = rnd
         self.ctx = zmq.Context()
         self.peers = {name: Peer(port, name, self.ctx) for name in ("anon", "lookup", "rank")}
+        self.peers["foreign"] = Peer(port, "foreign", self.ctx, foreign_door)
+        self.foreign_keys = set(foreign_keys)
         self.ids = itertools.count(1)
         self.counts = collections.Counter()
         self.codes = collections.Counter()
@@ -383,6 +444,7 @@ class Fuzzer:
     def on_batch(self, peer: Peer, batch: dict, op_sent) -> None:
         """Acknowledge a BATCH, sometimes badly first or twice after; always well once."""
         bid = batch["batch"]
+        self.counts["batches"] += 1
         if op_sent not in ("GET", "PUT"):
             # a mutated frame msgpack reads one way and the gateway another (a key twice):
             # a GET batch says what it found, a PUT batch does not
@@ -418,10 +480,12 @@ class Fuzzer:
     # ------------------------------------------------------------------ roles
     def restore(self, peer: Peer) -> None:
         """Put a peer back in its role after a fuzz frame moved it."""
-        if peer.name == "anon" and peer.attached:
+        if peer.name in ("anon", "foreign") and peer.attached:
+            if peer.name == "foreign":
+                self.problem("foreign: uid 65534 attached to the gateway of root's engine")
             reply = self.send_msg(peer, {"v": 1, "op": "BYE", "id": next(self.ids)}, "restore BYE")
             if reply is None or reply.get("op") != "OK":
-                self.problem(f"anon: BYE refused: {reply!r}")
+                self.problem(f"{peer.name}: BYE refused: {reply!r}")
             self.drain(peer)
         elif peer.name in ("lookup", "rank") and not peer.attached:
             hello = {"v": 1, "op": "HELLO", "id": next(self.ids), "session": peer.door.token,
@@ -438,9 +502,9 @@ class Fuzzer:
     def send_structured(self, name: str, msg: dict) -> None:
         peer = self.peers[name]
         msg = dict(msg)
-        if msg.get("op") in ("CLEAN", "DRAIN"):
-            # CLEAN (DRAIN) with a real session would delete (move) the engine's objects: only the
-            # unattached peer sends it, with any session but its own
+        if msg.get("op") in ("CLEAN", "DRAIN") and name != "foreign":
+            # CLEAN (DRAIN) with root's session would delete (move) the engine's objects: only the
+            # unattached peer sends it, with any session but its own (uid 65534 with its own: FORBIDDEN)
             peer = self.peers["anon"]
             if msg.get("session") is TOKEN:
                 msg["session"] = os.urandom(16)
@@ -453,7 +517,22 @@ class Fuzzer:
                 msg[name_] = max(0, self.max_batch + value[1])
         if msg.get("op") in ("GET", "PUT") and isinstance(msg.get("tag"), str):
             msg["id"] = next(self.ids)
-        self.send_msg(peer, msg, corpus=True)
+        keys = msg.get("keys")
+        foreign = msg.get("op") in KEYED_OPS and isinstance(keys, list) and \
+            any(isinstance(k, bytes) and k in self.foreign_keys for k in keys)
+        batches = self.counts["batches"]
+        reply = self.send_msg(peer, msg, corpus=True)
+        if foreign:
+            # refused, whatever else is wrong with it: an ERROR, no BATCH, no waiting
+            self.counts["foreign_key_requests"] += 1
+            if reply is None or reply.get("op") != "ERROR" or self.counts["batches"] != batches:
+                self.problem(f"{peer.name}: a request naming a key of {FOREIGN_NS} was not refused: "
+                             f"{msg!r:.300} -> {reply!r:.200}")
+            elif reply.get("code") == P.FORBIDDEN:
+                self.counts["foreign_key_forbidden"] += 1
+        if peer.name == "foreign" and reply is not None and reply.get("op") == "OK":
+            if msg.get("op") == "CLEAN" or (msg.get("op") == "STATS" and ENGINE in repr(reply)):
+                self.problem(f"foreign: {msg.get('op')} answered {reply!r:.300}")
         self.restore(peer)
 
 
@@ -487,7 +566,16 @@ def weighted(draw, good, bad=ANYTHING, times=3):
     return draw(good) if draw(st.integers(0, times)) < times else draw(bad)
 
 
-def field_strategies(fuzz_keys):
+@st.composite
+def maybe_foreign(draw, key_lists, foreign_keys):
+    """A key list of ``key_lists``, one time in five with a key of ``FOREIGN_NS`` put in."""
+    keys = draw(key_lists)
+    if isinstance(keys, list) and draw(st.integers(0, 4)) == 0:
+        keys.insert(draw(st.integers(0, len(keys))), draw(st.sampled_from(foreign_keys)))
+    return keys
+
+
+def field_strategies(fuzz_keys, foreign_keys):
     return {
         "session": weighted(st.just(TOKEN), st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=40),
                                                       ANYTHING)),
@@ -509,7 +597,8 @@ def field_strategies(fuzz_keys):
         "tag": weighted(st.text(max_size=4), times=2),
         "region": weighted(st.just(0), st.sampled_from([1, -1, 8, 2 ** 63, 2 ** 64 - 1]) | ANYTHING),
         "batch": weighted(st.tuples(st.just(NEAR_BATCH), st.integers(-8, 8)), INTS | ANYTHING, times=2),
-        "keys": weighted(st.lists(st.sampled_from(fuzz_keys), min_size=1, max_size=12),
+        "keys": weighted(maybe_foreign(st.lists(st.sampled_from(fuzz_keys), min_size=1, max_size=12),
+                                       foreign_keys),
                          st.one_of(st.lists(st.binary(max_size=KEY_BYTES + 4), max_size=6),
                                    st.lists(st.sampled_from(fuzz_keys) | ANYTHING, max_size=4),
                                    st.just([]), ANYTHING), times=3),
@@ -520,11 +609,11 @@ GOOD_OBJ = [1, 100, 4096, 65536 + 3, 131072]
 
 
 @st.composite
-def near_valid(draw, fuzz_keys):
+def near_valid(draw, fuzz_keys, foreign_keys):
     """A well-formed request of a random op, then (half the time) one field made bad."""
     op = draw(st.sampled_from(OPS))
     msg = {"v": P.PROTOCOL_VERSION, "op": op, "id": UNIQUE}
-    keys = draw(st.lists(st.sampled_from(fuzz_keys), min_size=1, max_size=12))
+    keys = draw(maybe_foreign(st.lists(st.sampled_from(fuzz_keys), min_size=1, max_size=12), foreign_keys))
     if op == "HELLO":
         msg.update(session=TOKEN, engine=ENGINE, world=WORLD)
         if draw(st.booleans()):
@@ -562,10 +651,10 @@ def near_valid(draw, fuzz_keys):
 
 
 @st.composite
-def messages(draw, strategies, fuzz_keys):
-    name = draw(st.sampled_from(["anon", "lookup", "rank", "rank"]))
+def messages(draw, strategies, fuzz_keys, foreign_keys):
+    name = draw(st.sampled_from(["anon", "lookup", "rank", "rank", "rank", "foreign"]))
     if draw(st.integers(0, 2)) == 0:
-        return name, draw(near_valid(fuzz_keys))
+        return name, draw(near_valid(fuzz_keys, foreign_keys))
     op = draw(weighted(st.sampled_from(OPS),
                        st.one_of(st.sampled_from(["ping", "Get", "", "SESSION", "REGION", "DONE", "BATCH", "OK",
                                                   "ERROR", "HELLO "]), st.text(max_size=12), ANYTHING),
@@ -882,13 +971,29 @@ def door_fuzz(gw, rnd: random.Random, objs: DoorObjects, ring_fd_holder: list, c
 
 
 # ====================================================================== the test
+def _foreign_usage(port: int) -> tuple[int, int]:
+    """(objects, bytes) the cards hold of ``FOREIGN_NS``, from an operator's STATS."""
+    stats = control.request(port, {"op": "STATS"})
+    assert stats is not None and stats["op"] == "OK", stats
+    tid = namespace_id(FOREIGN_NS).hex()
+    rows = [t for t in stats["stats"]["tenants"] if t["id"] == tid]
+    return (rows[0]["objects"], rows[0]["used_bytes"]) if rows else (0, 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: uid 65534 owns the foreign namespace and a door session")
 def test_fuzz_control_port_and_door(start_gateway, tmp_path):
     seed = fuzz_seed()
     print(f"\nadpkv fuzz seed {seed} (ADPKV_FUZZ_SEED={seed} repeats this run)")
     t0 = time.monotonic()
-    gw = start_gateway(shared_memory_size=RING, engine_timeout_s=120)
+    # a door every user may open: uid 65534 stores into a namespace of its own and holds a session
+    gw = start_gateway(shared_memory_size=RING, engine_timeout_s=120, control_socket_mode="0666")
     rnd = random.Random(seed)
     fuzz_keys = make_keys(24, namespace="fuzz-keys", salt=seed.to_bytes(8, "big"))
+    foreign_keys = make_keys(3, namespace=FOREIGN_NS, salt=seed.to_bytes(8, "big"))
+    probe = as_nobody(store_own, gw.port, foreign_keys)
+    assert probe == {"hello": "OK", "put": "DONE", "stored": [1, 1, 1]}, probe
+    foreign_before = _foreign_usage(gw.port)
+    assert foreign_before[0] == 3, foreign_before
 
     # the engine: attached first, so every other engine id is ENGINE_BUSY
     shm = f"/dev/shm/adpkv-fuzz-engine-{uuid.uuid4().hex[:8]}"
@@ -898,15 +1003,15 @@ def test_fuzz_control_port_and_door(start_gateway, tmp_path):
     try:
         line = _read_line(engine, time.monotonic() + 60)
         assert line == "ready", line
-        fz = Fuzzer(gw.port, rnd)
+        fz = Fuzzer(gw.port, rnd, ForeignDoor(door_path(gw.port)), foreign_keys)
         try:
             # ---------------------------------------------------------------- structured
-            strategies = field_strategies(fuzz_keys)
+            strategies = field_strategies(fuzz_keys, foreign_keys)
 
             @hypothesis_seed(seed)
             @settings(max_examples=STRUCTURED_EXAMPLES, database=None, deadline=None, derandomize=False,
                       phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-            @given(messages(strategies, fuzz_keys))
+            @given(messages(strategies, fuzz_keys, foreign_keys))
             def structured(case):
                 fz.send_structured(*case)
 
@@ -917,7 +1022,7 @@ def test_fuzz_control_port_and_door(start_gateway, tmp_path):
                 fz.send_structured(name, msg)
             # ---------------------------------------------------------------- raw bytes
             for _ in range(RAW_FRAMES):
-                peer = fz.peers[rnd.choice(["anon", "lookup", "rank"])]
+                peer = fz.peers[rnd.choice(["anon", "lookup", "rank", "foreign"])]
                 frames, what = raw_frames(rnd, fz.corpus)
                 m = peek(frames[0]) if len(frames) == 1 else None
                 if m is not None and (m["op"] in ("HELLO", "CLEAN") or (m["op"] in ("GET", "PUT") and "tag" in m)):
@@ -961,12 +1066,15 @@ def test_fuzz_control_port_and_door(start_gateway, tmp_path):
             stats = fz.send_msg(check, {"v": 1, "op": "STATS", "id": 2, "session": check.door.token})
             assert stats["op"] == "OK" and stats["stats"]["engine"]["id"] == ENGINE, stats
             check.close()
+            foreign_after = _foreign_usage(gw.port)
         finally:
             fz.close()
         engine.stdin.write("stop\n")
         engine.stdin.flush()
         summary = json.loads(_read_line(engine, time.monotonic() + 120))
         assert engine.wait(timeout=30) == 0
+        # the engine gone, uid 65534 reads its probe objects back: all there, byte-exact
+        probe_back = as_nobody(read_back, gw.port, foreign_keys, 1)
     finally:
         if engine.poll() is None:
             engine.kill()
@@ -982,6 +1090,7 @@ def test_fuzz_control_port_and_door(start_gateway, tmp_path):
         **{k: v for k, v in sorted(fz.counts.items())}, "codes": dict(fz.codes.most_common()),
         "ops": dict(fz.ops_sent.most_common(16)), "engine": summary,
         "log_internal_errors": log.lower().count("internal error"),
+        "foreign_objects_bytes": [foreign_before, foreign_after],
     }
     print("FUZZ-FIGURES " + json.dumps(figures))
     problems = fz.problems + door_problems
@@ -996,6 +1105,11 @@ def test_fuzz_control_port_and_door(start_gateway, tmp_path):
     assert summary["wrong"] == 0 and summary["region_wrong"] == 0, summary
     assert summary["stored"] == summary["hits"] == summary["exist_hits"] == summary["objects"], summary
     assert summary["region_stored"] == summary["region_hits"] == summary["region_objects"], summary
+    # the namespace of another user: refused every time, nothing of it changed
+    assert fz.codes[P.CARD_ERROR] == 0
+    assert fz.counts["foreign_key_forbidden"] >= STRUCTURED_EXAMPLES // 100, fz.counts
+    assert foreign_after == foreign_before, (foreign_before, foreign_after)
+    assert probe_back == {"hello": "OK", "get": "DONE", "hits": [1, 1, 1], "exact": [True] * 3}, probe_back
 
 
 def test_deeply_nested_frames_are_bad_messages(gateway):
