@@ -70,7 +70,8 @@ class Gateway:
             raise SystemExit(f"cannot listen on {config.bind_address}:{config.port}: {exc}") from None
         _remove_legacy_ring(config.port)
         holder: dict = {}
-        cards = open_cards(config, is_pinned=lambda key: holder["store"].is_pinned(key))
+        # a card's scan at start may evict before the store exists: nothing is pinned yet then
+        cards = open_cards(config, is_pinned=lambda key: "store" in holder and holder["store"].is_pinned(key))
         self.store = holder["store"] = ObjectStore(cards, config.storage_slots, config.num_dbs,
                                                    config.key_placement, config.fragment_size,
                                                    config.fragment_spread_across_dbs, config.replicas)
