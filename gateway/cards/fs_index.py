@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
 import os
 import stat
 import threading
@@ -59,6 +60,7 @@ import time
 from typing import Callable, Iterator, Optional
 
 import numpy as np
+import xxhash
 
 from adpkv_core.keys import KEY_BYTES
 
@@ -94,26 +96,24 @@ def unlink_all(paths) -> None:
             pass
 
 
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
+def key_hash(okey: bytes, seed: int) -> int:
+    """The 64-bit hash of an object key that places it in the hash table (xxh3, seeded per
+    process: keys chosen to collide cannot be made without the seed)."""
+    return xxhash.xxh3_64_intdigest(okey, seed)
 
 
-def key_hashes(keys: np.ndarray, seed: np.uint64) -> np.ndarray:
-    """A 64-bit hash of each 28-byte key row (``uint8`` array of shape (n, 28)), seeded per
-    process (splitmix64 finaliser over the key's 64-bit words)."""
-    n = len(keys)
-    words = np.zeros((n, 4), np.uint64)
-    words.view(np.uint8).reshape(n, 32)[:, :KEY_BYTES] = keys
-    h = np.full(n, seed, np.uint64)
-    with np.errstate(over="ignore"):
-        for w in range(4):
-            h ^= words[:, w]
-            h ^= h >> np.uint64(30)
-            h *= _MIX1
-            h ^= h >> np.uint64(27)
-            h *= _MIX2
-            h ^= h >> np.uint64(31)
-    return h
+def _mapped(shape: tuple, dtype) -> np.ndarray:
+    """An array in its own anonymous mapping: its pages take memory only once written, and
+    all of it goes back to the system when the array goes (a heap allocation freed after a
+    table grew would stay in the process's heap)."""
+    nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype, int(np.prod(shape))).reshape(shape)
+
+
+def _free_slots(size: int) -> np.ndarray:
+    slots = _mapped((size,), np.int32)
+    slots.fill(EMPTY)
+    return slots
 
 
 class _Rows:
@@ -130,13 +130,13 @@ class _Rows:
         self.n = 0
         self.capacity = capacity
         for name, dtype, shape in self.COLUMNS:
-            setattr(self, name, np.empty((capacity,) + shape, dtype))
+            setattr(self, name, _mapped((capacity,) + shape, dtype))
 
     def grow(self) -> None:
         self.capacity *= 2
         for name, dtype, shape in self.COLUMNS:
             old = getattr(self, name)
-            new = np.empty((self.capacity,) + shape, dtype)
+            new = _mapped((self.capacity,) + shape, dtype)
             new[:self.n] = old[:self.n]
             setattr(self, name, new)
 
@@ -180,9 +180,9 @@ class FsIndex:
         self.num_dbs = num_dbs
         self.evicted = 0                       # objects evicted (quota or capacity) since start
         self._lock = threading.Lock()
-        self._seed = np.uint64(int.from_bytes(os.urandom(8), "little"))
+        self._seed = int.from_bytes(os.urandom(8), "little")
         self._rows = _Rows()
-        self._slots = np.full(2048, EMPTY, np.int32)
+        self._slots = _free_slots(2048)
         self._mask = len(self._slots) - 1
         self._clock = START_TICK
         self._gen = 0
@@ -206,15 +206,12 @@ class FsIndex:
             self._ns.append(_Namespace(tid, self.quotas.get(tid, 0)))
         return i
 
-    def _hash_one(self, okey: bytes) -> int:
-        return int(key_hashes(np.frombuffer(okey, np.uint8).reshape(1, KEY_BYTES), self._seed)[0])
-
     def _row(self, okey: bytes) -> int:
         """(lock held) The row of an object, or -1."""
         if len(okey) != KEY_BYTES:
             return -1
         slots, keys, mask = self._slots, self._rows.key, self._mask
-        pos = self._hash_one(okey) & mask
+        pos = key_hash(okey, self._seed) & mask
         while True:
             r = int(slots[pos])
             if r == EMPTY:
@@ -223,14 +220,15 @@ class FsIndex:
                 return r
             pos = (pos + 1) & mask
 
-    def _rows_of(self, okeys: np.ndarray) -> np.ndarray:
-        """(lock held) The row of each key (``uint8`` (n, 28)), -1 where it is not indexed."""
+    def _rows_of(self, okeys: np.ndarray, hashes: list[int]) -> np.ndarray:
+        """(lock held) The row of each key (``uint8`` (n, 28), and its ``key_hash``), -1
+        where it is not indexed."""
         n = len(okeys)
         out = np.full(n, -1, np.int64)
         if n == 0 or self._rows.n == 0:
             return out
         slots, keys, mask = self._slots, self._rows.key, self._mask
-        pos = (key_hashes(okeys, self._seed) & np.uint64(mask)).astype(np.int64)
+        pos = (np.array(hashes, np.uint64) & np.uint64(mask)).astype(np.int64)
         todo = np.arange(n)
         while todo.size:
             r = slots[pos[todo]]
@@ -251,7 +249,7 @@ class FsIndex:
             self._rehash(len(self._slots) * 2)
         r = rows.n
         rows.n += 1
-        h = self._hash_one(okey)
+        h = key_hash(okey, self._seed)
         rows.key[r] = np.frombuffer(okey, np.uint8)
         rows.hash[r] = h & 0xFFFFFFFF
         pos = h & self._mask
@@ -263,7 +261,7 @@ class FsIndex:
     def _rehash(self, size: int) -> None:
         """(lock held) A hash table of ``size`` slots for the rows."""
         rows = self._rows
-        slots = np.full(size, EMPTY, np.int32)
+        slots = _free_slots(size)
         mask = size - 1
         home = rows.hash[:rows.n].astype(np.int64) & mask
         pending = np.arange(rows.n)
@@ -342,14 +340,16 @@ class FsIndex:
         return [self.path_of(self._fragment_db(r, i), okey + i.to_bytes(2, "big"))
                 for i in range(int(self._rows.nfrag[r]))]
 
-    @staticmethod
-    def _fkeys_array(fkeys: list[bytes]) -> Optional[tuple[np.ndarray, np.ndarray]]:
-        """(object keys (n, 28), fragment indices) of fragment keys, None unless each is 30 bytes."""
+    def _fkeys_array(self, fkeys: list[bytes]) -> Optional[tuple[np.ndarray, list[int], np.ndarray]]:
+        """(object keys (n, 28), their hashes, fragment indices) of fragment keys, None unless
+        each is 30 bytes."""
         if not all(len(f) == FKEY_BYTES for f in fkeys):
             return None
+        seed, h = self._seed, xxhash.xxh3_64_intdigest
+        hashes = [h(f[:KEY_BYTES], seed) for f in fkeys]
         raw = np.frombuffer(b"".join(fkeys), np.uint8).reshape(len(fkeys), FKEY_BYTES)
         index = raw[:, KEY_BYTES].astype(np.int64) * 256 + raw[:, KEY_BYTES + 1]
-        return np.ascontiguousarray(raw[:, :KEY_BYTES]), index
+        return np.ascontiguousarray(raw[:, :KEY_BYTES]), hashes, index
 
     def _found(self, fkeys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """(lock held) (row of each fragment's object or -1, fragment index), -1 also where the
@@ -359,8 +359,8 @@ class FsIndex:
             rows = np.array([self._row(f[:-2]) if len(f) == FKEY_BYTES else -1 for f in fkeys], np.int64)
             index = np.array([int.from_bytes(f[-2:], "big") for f in fkeys], np.int64)
         else:
-            okeys, index = arrays
-            rows = self._rows_of(okeys)
+            okeys, hashes, index = arrays
+            rows = self._rows_of(okeys, hashes)
         hit = rows >= 0
         hit[hit] = index[hit] < self._rows.nfrag[rows[hit]]
         rows[~hit] = -1
@@ -370,7 +370,13 @@ class FsIndex:
     def locate(self, fkey: bytes) -> Optional[Entry]:
         """The entry of a stored fragment, ``(database, generation)`` (refreshing its object's
         LRU place), or None. Its failed read's verdict goes to ``drop_if`` with it."""
-        return self.locate_many([fkey])[0]
+        i = int.from_bytes(fkey[-2:], "big")
+        with self._lock:
+            r = self._row(object_key(fkey))
+            if r < 0 or i >= int(self._rows.nfrag[r]):
+                return None
+            self._rows.tick[r] = self._tick()
+            return self._fragment_db(r, i), int(self._rows.gen[r])
 
     def locate_many(self, fkeys: list[bytes]) -> list[Optional[Entry]]:
         """``locate`` of many fragments under one lock."""
@@ -597,7 +603,7 @@ class FsIndex:
         with self._lock:
             n = self._rows.n
             self._rows = _Rows()
-            self._slots = np.full(2048, EMPTY, np.int32)
+            self._slots = _free_slots(2048)
             self._mask = len(self._slots) - 1
             self._pending.clear()
             self._queues.clear()
