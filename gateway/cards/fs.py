@@ -46,7 +46,8 @@ logger = logging.getLogger("adpkv.gateway.fs")
 FORMAT = 1
 CARD_FILE = "adpkv-card.json"
 CARD_FILE_TMP = ".adpkv-card.json.tmp"
-LEFTOVERS = (CARD_FILE + ".tmp", CARD_FILE_TMP, ".odirect-probe")   # of the card's own atomic writes
+SNAPSHOT_FILE = ".adpkv-index"   # the index at the last clean stop (FsIndex.save)
+LEFTOVERS = (CARD_FILE + ".tmp", CARD_FILE_TMP, ".odirect-probe", SNAPSHOT_FILE + ".tmp")   # of the card's own atomic writes
 SCAN_FOREGROUND_S = 1.0      # open() waits this long for the scan: a small card serves whole
 
 
@@ -133,8 +134,34 @@ class FsCard(Card):
             self.o_direct = False
         if self._auto_capacity:
             self.index.capacity_bytes = shutil.disk_usage(self.root).free
+        if not self._load_snapshot():
+            self._start_scan()
         logger.info("fs card %s (serial %s): capacity %.1f MiB", self.root, self.serial, self.capacity_bytes / 2**20)
-        self._start_scan()
+
+    def _stamps(self) -> dict[str, int]:
+        """Each database directory's modification time (ns): what a snapshot is checked against."""
+        return {name: os.stat(os.path.join(self.root, name)).st_mtime_ns
+                for name in sorted(os.listdir(self.root)) if name.startswith("db") and name[2:].isdigit()}
+
+    def _load_snapshot(self) -> bool:
+        """The index from the snapshot of the last clean stop, when it still matches the
+        files (``FsIndex.load``); the snapshot is removed either way (a crash after this start
+        must not find it). Whether the index is whole."""
+        path = os.path.join(self.root, SNAPSHOT_FILE)
+        problem = self.index.load(path, self.serial, self._stamps())
+        unlink_all([path])
+        if problem is not None:
+            if problem != "none":
+                logger.warning("fs card %s: index snapshot ignored: %s; scanning the files", self.root, problem)
+            return False
+        used, files = self.index.usage()
+        logger.info("fs card %s: %d objects in %d files, %.1f MiB from the index snapshot",
+                    self.root, self.index.objects(), files, used / 2**20)
+        if self._auto_capacity:
+            self.index.capacity_bytes = shutil.disk_usage(self.root).free + used
+        unlink_all(self.index.trim())
+        self.scanned.set()
+        return True
 
     def _start_scan(self) -> None:
         """Index the card's files on a thread (``FsIndex.scan``); wait ``SCAN_FOREGROUND_S``
@@ -441,7 +468,13 @@ class FsCard(Card):
             return False
 
     def close(self) -> None:
+        """Stop the scan; with the index whole, save its snapshot for the next start."""
         self._stop_scan()
+        if self.scanned.is_set() and self.serial:
+            try:
+                self.index.save(os.path.join(self.root, SNAPSHOT_FILE), self.serial, self._stamps(), self._own_file)
+            except OSError as exc:
+                logger.warning("fs card %s: cannot save the index snapshot: %s", self.root, exc)
         fds, self._dir_fds = self._dir_fds, {}
         for fd in fds.values():
             try:

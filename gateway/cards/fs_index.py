@@ -44,6 +44,12 @@ Contract (``FsIndex``):
   object with ``drop_if(fkey, entry)``, which does nothing once any fragment of the object
   was stored again (a new generation): a stale verdict never removes a newer,
   acknowledged store.
+- **Snapshot.** ``save`` writes the table to a file at a clean stop (``FsCard.close``, once
+  the scan had ended), with the card's serial and the modification time of each database
+  directory; ``load`` takes it instead of a scan only when it is whole (its checksum),
+  this card's, and every directory's time is still the recorded one (a file created,
+  renamed or removed in a directory since changes it): a snapshot older than the files
+  is never used. Anything else is ignored with one line, and the card scans.
 - **Paths.** The index stores databases, not paths: ``path_of(db, fragment key)`` is the
   card's.
 """
@@ -51,6 +57,7 @@ Contract (``FsIndex``):
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import mmap
 import os
@@ -78,6 +85,8 @@ FKEY_BYTES = KEY_BYTES + 2
 EMPTY = -1                     # a free slot of the hash table
 START_TICK = 1 << 31           # the clock at start; scanned objects get older ticks (by file age)
 MIN_QUEUE = 256                # eviction queue: at least this many rows, or 1/32 of them
+SNAPSHOT_MAGIC = b"ADPKVIDX"
+SNAPSHOT_FORMAT = 1
 
 Entry = tuple[int, int]        # what ``locate`` hands out: (database, write generation)
 
@@ -108,6 +117,11 @@ def _mapped(shape: tuple, dtype) -> np.ndarray:
     table grew would stay in the process's heap)."""
     nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
     return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype, int(np.prod(shape))).reshape(shape)
+
+
+def _bytes_of(column: np.ndarray) -> memoryview:
+    """The bytes of a contiguous piece of a column (a view: no copy)."""
+    return memoryview(column.reshape(-1).view(np.uint8))
 
 
 def _free_slots(size: int) -> np.ndarray:
@@ -713,6 +727,100 @@ class FsIndex:
                     self.evicted += n
                     logger.info("fs card %s was past its watermark; %d objects evicted", self.root, n)
         return victims
+
+    # ------------------------------------------------------------------ snapshot
+    def save(self, path: str, serial: str, stamps: dict[str, int], own_file: Callable[[int], None]) -> None:
+        """Write the table to ``path`` (through a temporary file, renamed into place):
+        ``serial`` the card's, ``stamps`` each database directory's modification time (ns)."""
+        with self._lock:
+            if self._pending or self._scanning:
+                logger.info("fs card %s: writes in flight or a scan unfinished: no index snapshot", self.root)
+                return
+            rows = self._rows
+            head = json.dumps({"serial": serial, "rows": rows.n, "num_dbs": self.num_dbs, "stamps": stamps,
+                               "namespaces": [ns.tid.hex() for ns in self._ns], "gen": self._gen,
+                               "clock": self._clock, "seed": self._seed, "columns": [c[0] for c in _Rows.COLUMNS]}).encode()
+            tmp = path + ".tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                own_file(fd)
+                digest = xxhash.xxh3_64()
+                with os.fdopen(os.dup(fd), "wb") as out:
+                    for piece in [SNAPSHOT_MAGIC, SNAPSHOT_FORMAT.to_bytes(4, "little"),
+                                  len(head).to_bytes(4, "little"), head] + \
+                            [_bytes_of(getattr(rows, c[0])[:rows.n]) for c in _Rows.COLUMNS]:
+                        out.write(piece)
+                        digest.update(piece)
+                    out.write(digest.intdigest().to_bytes(8, "little"))
+                    out.flush()
+                    os.fsync(out.fileno())
+            except BaseException:
+                os.close(fd)
+                unlink_all([tmp])
+                raise
+            os.close(fd)
+            os.rename(tmp, path)
+        logger.info("fs card %s: index of %d objects saved", self.root, rows.n)
+
+    def load(self, path: str, serial: str, stamps: dict[str, int]) -> Optional[str]:
+        """Take the table from a snapshot ``save`` wrote. None when it did; else why not (no
+        snapshot, not whole, another card's, older than the files), the index unchanged."""
+        try:
+            with open(path, "rb", buffering=0) as src:
+                if os.fstat(src.fileno()).st_uid != os.geteuid():
+                    return "not the gateway's own file"
+                got = src.read(16)
+                if len(got) < 16 or got[:8] != SNAPSHOT_MAGIC:
+                    return "not an index snapshot"
+                if int.from_bytes(got[8:12], "little") != SNAPSHOT_FORMAT:
+                    return "of another format"
+                raw = src.read(int.from_bytes(got[12:16], "little"))
+                digest = xxhash.xxh3_64(got)
+                digest.update(raw)
+                head = json.loads(raw)
+                if head.get("serial") != serial:
+                    return f"of another card ({head.get('serial')})"
+                if head.get("stamps") != stamps or head.get("num_dbs") != self.num_dbs:
+                    return "older than the files (a database directory changed since)"
+                if head.get("columns") != [c[0] for c in _Rows.COLUMNS]:
+                    return "of another layout"
+                n = int(head["rows"])
+                rows = _Rows(max(1024, 1 << max(0, n - 1).bit_length()))
+                for name, _, _ in _Rows.COLUMNS:
+                    view = _bytes_of(getattr(rows, name)[:n])
+                    if src.readinto(view) != len(view):
+                        return "truncated"
+                    digest.update(view)
+                if src.read(8) != digest.intdigest().to_bytes(8, "little") or src.read(1):
+                    return "damaged (checksum)"
+        except FileNotFoundError:
+            return "none"
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"unreadable ({exc})"
+        rows.n = n
+        with self._lock:
+            self._rows = rows
+            self._ns, self._ns_of = [], {}
+            for tid in head["namespaces"]:
+                self._namespace(bytes.fromhex(tid))
+            for tid in self.quotas:
+                self._namespace(tid)
+            ns = rows.ns[:n]
+            used = np.bincount(ns, weights=rows.disk[:n], minlength=len(self._ns))
+            count = np.bincount(ns, minlength=len(self._ns))
+            for i, t in enumerate(self._ns):
+                t.used, t.objects = int(used[i]), int(count[i])
+            self._used = int(rows.disk[:n].sum())
+            self._files = int(rows.nfrag[:n].sum())
+            self._seed = int(head["seed"])         # the rows' hashes were made with it
+            self._gen = int(head["gen"])
+            self._clock = max(int(head["clock"]), START_TICK)
+            self._queues.clear()
+            size = 2048
+            while 2 * n > size:
+                size *= 2
+            self._rehash(size)
+        return None
 
     # ------------------------------------------------------------------ the scan at start
     def index_scanned(self, okey: bytes, parts: dict[bytes, tuple[int, int]], total: int, flen: int,

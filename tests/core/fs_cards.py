@@ -27,6 +27,7 @@ def build_card(root: str, keys: list[bytes], size: int = 1024, num_dbs: int = 16
     card = FsCard(root, num_dbs=num_dbs)
     card.open()
     card.close()
+    os.unlink(os.path.join(root, ".adpkv-index"))   # the empty card's snapshot: older than what follows
     scratch = Scratch()
     for key in keys:
         fkey = fragment_key(key, 0)

@@ -196,3 +196,88 @@ def test_a_large_card_serves_at_once_and_is_whole_after_its_scan(start_gateway, 
     assert _usage(gw.port) == (on_disk_bytes, on_disk_files), "usage must equal the files on disk"
     assert sum(stored) <= len(rewritten)
     client.close()
+
+
+def _since(gw, mark: int) -> str:
+    return gw.log()[mark:]
+
+
+def test_a_snapshot_spares_the_scan_and_is_never_used_once_older_than_the_files(start_gateway, tmp_path):
+    """A clean stop saves the index; the next start takes it instead of a scan. A snapshot
+    older than the files (objects stored and deleted after it), a truncated one, another
+    card's, and the temporary file a kill -9 leaves in the middle of its write are each
+    ignored with one line: the card scans and finds exactly what is on disk."""
+    size = 1024
+    root = str(tmp_path / "card")
+    keys = card_keys(3000)
+    build_card(root, keys)
+    gw = start_gateway(card_dirs=[root])
+    _wait_scanned(gw)
+    gw.stop()
+    snap = os.path.join(root, ".adpkv-index")
+    assert os.path.exists(snap), "a clean stop saves the index"
+    old = open(snap, "rb").read()
+
+    mark = len(gw.log())
+    gw.start()
+    text = _since(gw, mark)
+    assert "3000 objects in 3000 files, 14.6 MiB from the index snapshot" in text, text
+    assert "indexed in" not in text and not _indexing(gw.port)
+    client = _client(gw.port, "snap")
+    assert all(client.exist(keys).result())
+    fresh = card_keys(100, start=3000)
+    assert all(_put(client, fresh, size, payload_of))
+    gone = keys[:100]
+    assert client.delete(gone).result() == 100
+    client.close()
+    gw.restart(hard=True)                     # no snapshot of this run
+    gw.stop(); open(snap, "wb").write(old)    # the first snapshot again: older than the files
+    mark = len(gw.log())
+    gw.start()
+    _wait_scanned(gw)
+    text = _since(gw, mark)
+    assert text.count("index snapshot ignored") == 1 and "older than the files" in text, text
+    client = _client(gw.port, "snap2")
+    assert client.exist(gone).result() == [False] * 100, "a deleted object came back from an old snapshot"
+    assert all(client.exist(keys[100:] + fresh).result())
+    assert all(_get_checked(client, keys[100:200] + fresh, size, lambda k: (payload_of(k, size),)))
+    client.close()
+    assert _usage(gw.port) == files_on_disk(root)
+
+    gw.stop()
+    whole = open(snap, "rb").read()
+    open(snap, "wb").write(whole[:len(whole) // 2])
+    mark = len(gw.log())
+    gw.start()
+    _wait_scanned(gw)
+    text = _since(gw, mark)
+    assert text.count("index snapshot ignored: truncated") == 1, text
+    assert _usage(gw.port) == files_on_disk(root)
+
+    other = str(tmp_path / "other")
+    build_card(other, card_keys(10, "other"))
+    gw_other = start_gateway(card_dirs=[other])
+    _wait_scanned(gw_other)
+    gw_other.stop()
+    gw.stop()
+    open(snap, "wb").write(open(os.path.join(other, ".adpkv-index"), "rb").read())
+    mark = len(gw.log())
+    gw.start()
+    _wait_scanned(gw)
+    text = _since(gw, mark)
+    assert text.count("index snapshot ignored: of another card") == 1, text
+    assert _usage(gw.port) == files_on_disk(root)
+
+    gw.stop()
+    os.rename(snap, snap + ".tmp")            # a kill -9 in the middle of the write: never renamed
+    with open(snap + ".tmp", "r+b") as f:
+        f.truncate(len(whole) // 3)
+    mark = len(gw.log())
+    gw.start()
+    _wait_scanned(gw)
+    assert not os.path.exists(snap + ".tmp"), "the leftover of an interrupted snapshot is removed"
+    assert "index snapshot ignored" not in _since(gw, mark)
+    client = _client(gw.port, "snap3")
+    assert all(client.exist(keys[100:] + fresh).result()) and not any(client.exist(gone).result())
+    client.close()
+    assert _usage(gw.port) == files_on_disk(root)
