@@ -87,6 +87,7 @@ START_TICK = 1 << 31           # the clock at start; scanned objects get older t
 MIN_QUEUE = 256                # eviction queue: at least this many rows, or 1/32 of them
 SNAPSHOT_MAGIC = b"ADPKVIDX"
 SNAPSHOT_FORMAT = 1
+HASH_NAME = "xor-multiply-4w+fmix64"   # ``key_hash``: a snapshot's rows were hashed with it
 
 Entry = tuple[int, int]        # what ``locate`` hands out: (database, write generation)
 
@@ -105,10 +106,40 @@ def unlink_all(paths) -> None:
             pass
 
 
+_M = (1 << 64) - 1
+_C1, _C2, _C3 = 0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
+
+
 def key_hash(okey: bytes, seed: int) -> int:
-    """The 64-bit hash of an object key that places it in the hash table (xxh3, seeded per
-    process: keys chosen to collide cannot be made without the seed)."""
-    return xxhash.xxh3_64_intdigest(okey, seed)
+    """The 64-bit hash of a 28-byte object key that places it in the hash table: its four
+    little-endian words (the last zero-padded) folded into the per-process ``seed`` by
+    xor-multiply, then murmur3's finaliser (keys chosen to collide cannot be made without the
+    seed). ``key_hashes`` is the same over many keys at once."""
+    h = seed
+    for at in (0, 8, 16, 24):
+        h = ((h ^ int.from_bytes(okey[at:at + 8], "little")) * _C1) & _M
+    h ^= h >> 33
+    h = (h * _C2) & _M
+    h ^= h >> 33
+    h = (h * _C3) & _M
+    return h ^ (h >> 33)
+
+
+def key_hashes(okeys: np.ndarray, seed: int) -> np.ndarray:
+    """``key_hash`` of each row of ``okeys`` (``uint8``, shape (n, 28)), as ``uint64``."""
+    n = len(okeys)
+    words = np.zeros((n, 4), np.uint64)
+    words.view(np.uint8).reshape(n, 32)[:, :KEY_BYTES] = okeys
+    h = np.full(n, seed, np.uint64)
+    with np.errstate(over="ignore"):
+        for w in range(4):
+            h = (h ^ words[:, w]) * np.uint64(_C1)
+        h ^= h >> np.uint64(33)
+        h *= np.uint64(_C2)
+        h ^= h >> np.uint64(33)
+        h *= np.uint64(_C3)
+        h ^= h >> np.uint64(33)
+    return h
 
 
 def _mapped(shape: tuple, dtype) -> np.ndarray:
@@ -234,15 +265,14 @@ class FsIndex:
                 return r
             pos = (pos + 1) & mask
 
-    def _rows_of(self, okeys: np.ndarray, hashes: list[int]) -> np.ndarray:
-        """(lock held) The row of each key (``uint8`` (n, 28), and its ``key_hash``), -1
-        where it is not indexed."""
+    def _rows_of(self, okeys: np.ndarray) -> np.ndarray:
+        """(lock held) The row of each key (``uint8`` (n, 28)), -1 where it is not indexed."""
         n = len(okeys)
         out = np.full(n, -1, np.int64)
         if n == 0 or self._rows.n == 0:
             return out
         slots, keys, mask = self._slots, self._rows.key, self._mask
-        pos = (np.array(hashes, np.uint64) & np.uint64(mask)).astype(np.int64)
+        pos = (key_hashes(okeys, self._seed) & np.uint64(mask)).astype(np.int64)
         todo = np.arange(n)
         while todo.size:
             r = slots[pos[todo]]
@@ -354,16 +384,14 @@ class FsIndex:
         return [self.path_of(self._fragment_db(r, i), okey + i.to_bytes(2, "big"))
                 for i in range(int(self._rows.nfrag[r]))]
 
-    def _fkeys_array(self, fkeys: list[bytes]) -> Optional[tuple[np.ndarray, list[int], np.ndarray]]:
-        """(object keys (n, 28), their hashes, fragment indices) of fragment keys, None unless
-        each is 30 bytes."""
-        if not all(len(f) == FKEY_BYTES for f in fkeys):
+    @staticmethod
+    def _fkeys_array(fkeys: list[bytes]) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """(object keys (n, 28), fragment indices) of fragment keys, None unless each is 30 bytes."""
+        if set(map(len, fkeys)) != {FKEY_BYTES}:
             return None
-        seed, h = self._seed, xxhash.xxh3_64_intdigest
-        hashes = [h(f[:KEY_BYTES], seed) for f in fkeys]
         raw = np.frombuffer(b"".join(fkeys), np.uint8).reshape(len(fkeys), FKEY_BYTES)
         index = raw[:, KEY_BYTES].astype(np.int64) * 256 + raw[:, KEY_BYTES + 1]
-        return np.ascontiguousarray(raw[:, :KEY_BYTES]), hashes, index
+        return np.ascontiguousarray(raw[:, :KEY_BYTES]), index
 
     def _found(self, fkeys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """(lock held) (row of each fragment's object or -1, fragment index), -1 also where the
@@ -373,8 +401,8 @@ class FsIndex:
             rows = np.array([self._row(f[:-2]) if len(f) == FKEY_BYTES else -1 for f in fkeys], np.int64)
             index = np.array([int.from_bytes(f[-2:], "big") for f in fkeys], np.int64)
         else:
-            okeys, hashes, index = arrays
-            rows = self._rows_of(okeys, hashes)
+            okeys, index = arrays
+            rows = self._rows_of(okeys)
         hit = rows >= 0
         hit[hit] = index[hit] < self._rows.nfrag[rows[hit]]
         rows[~hit] = -1
@@ -739,7 +767,7 @@ class FsIndex:
             rows = self._rows
             head = json.dumps({"serial": serial, "rows": rows.n, "num_dbs": self.num_dbs, "stamps": stamps,
                                "namespaces": [ns.tid.hex() for ns in self._ns], "gen": self._gen,
-                               "clock": self._clock, "seed": self._seed, "columns": [c[0] for c in _Rows.COLUMNS]}).encode()
+                               "clock": self._clock, "seed": self._seed, "hash": HASH_NAME, "columns": [c[0] for c in _Rows.COLUMNS]}).encode()
             tmp = path + ".tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
@@ -782,7 +810,7 @@ class FsIndex:
                     return f"of another card ({head.get('serial')})"
                 if head.get("stamps") != stamps or head.get("num_dbs") != self.num_dbs:
                     return "older than the files (a database directory changed since)"
-                if head.get("columns") != [c[0] for c in _Rows.COLUMNS]:
+                if head.get("columns") != [c[0] for c in _Rows.COLUMNS] or head.get("hash") != HASH_NAME:
                     return "of another layout"
                 n = int(head["rows"])
                 rows = _Rows(max(1024, 1 << max(0, n - 1).bit_length()))
