@@ -687,15 +687,17 @@ class FsIndex:
         skipped: list[tuple[bytes, int]] = []
         evicted = 0
         size = 0                                   # the last refill's size (0: none yet)
+        fruitful = True                            # the last refill gave victims (or there was none)
         rows = self._rows
         while more():
             if not queue:
                 count = rows.n if ns_index < 0 else self._ns[ns_index].objects
-                if size >= count:
-                    break                          # every row was queued: the rest is pinned
-                size = min(count, max(MIN_QUEUE, rows.n // 32, 2 * size))
+                if not fruitful and size >= count:
+                    break                          # every row was queued and none could go: pinned
+                size = min(count, max(MIN_QUEUE, rows.n // 32) if fruitful else 2 * size)
                 queue.extend(self._oldest(ns_index, size))
                 skipped.clear()                    # the refill queued them again
+                fruitful = False
                 if not queue:
                     break
             okey, tick = queue.popleft()
@@ -707,6 +709,7 @@ class FsIndex:
                 continue
             ns = self._ns[int(rows.ns[r])]
             victims.extend(self._take(okey, r))
+            fruitful = True
             if self._scanning:
                 self._gone.add(okey)
             if ns_index < 0:

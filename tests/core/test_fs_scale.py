@@ -281,3 +281,23 @@ def test_a_snapshot_spares_the_scan_and_is_never_used_once_older_than_the_files(
     assert all(client.exist(keys[100:] + fresh).result()) and not any(client.exist(gone).result())
     client.close()
     assert _usage(gw.port) == files_on_disk(root)
+
+
+def test_a_trim_evicts_down_to_the_watermark_past_its_first_queue():
+    """A card whose capacity is now a tenth of what it holds (a restart with a lower
+    capacity): the trim evicts down to ``watermark - ratio`` in LRU order, though that takes
+    many refills of the eviction queue; pinned objects stay."""
+    keys = card_keys(5000, "trim")
+    pinned = set(keys[:300])
+    index = FsIndex("/nowhere", lambda db, fkey: f"/nowhere/{db}/{fkey.hex()}", capacity_bytes=1 << 40,
+                    is_pinned=lambda key: key in pinned)
+    for key in keys:
+        fkey = fragment_key(key, 0)
+        index.reserve(key, fkey, ON_DISK)
+        index.commit(fkey, 0, 1024, ON_DISK, 1024)
+    index.capacity_bytes = 500 * ON_DISK
+    victims = index.trim()
+    assert index.objects() == int(500 * 0.85) and len(victims) == 5000 - index.objects()
+    assert index.usage()[0] == index.objects() * ON_DISK
+    assert all(index.locate(fragment_key(k, 0)) is not None for k in keys[:300]), "a pinned object was evicted"
+    assert all(index.locate(fragment_key(k, 0)) is not None for k in keys[-(425 - 300):]), "the newest must stay"
