@@ -18,6 +18,7 @@ import random
 import time
 
 import numpy as np
+import pytest
 
 from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
@@ -283,12 +284,13 @@ def test_a_snapshot_spares_the_scan_and_is_never_used_once_older_than_the_files(
     assert _usage(gw.port) == files_on_disk(root)
 
 
-def test_a_trim_evicts_down_to_the_watermark_past_its_first_queue():
+@pytest.mark.parametrize("pins", [0, 300])
+def test_a_trim_evicts_down_to_the_watermark_past_its_first_queue(pins):
     """A card whose capacity is now a tenth of what it holds (a restart with a lower
     capacity): the trim evicts down to ``watermark - ratio`` in LRU order, though that takes
     many refills of the eviction queue; pinned objects stay."""
     keys = card_keys(5000, "trim")
-    pinned = set(keys[:300])
+    pinned = set(keys[:pins])
     index = FsIndex("/nowhere", lambda db, fkey: f"/nowhere/{db}/{fkey.hex()}", capacity_bytes=1 << 40,
                     is_pinned=lambda key: key in pinned)
     for key in keys:
@@ -299,5 +301,5 @@ def test_a_trim_evicts_down_to_the_watermark_past_its_first_queue():
     victims = index.trim()
     assert index.objects() == int(500 * 0.85) and len(victims) == 5000 - index.objects()
     assert index.usage()[0] == index.objects() * ON_DISK
-    assert all(index.locate(fragment_key(k, 0)) is not None for k in keys[:300]), "a pinned object was evicted"
-    assert all(index.locate(fragment_key(k, 0)) is not None for k in keys[-(425 - 300):]), "the newest must stay"
+    assert all(index.locate(fragment_key(k, 0)) is not None for k in keys[:pins]), "a pinned object was evicted"
+    assert all(index.locate(fragment_key(k, 0)) is not None for k in keys[-(425 - pins):]), "the newest must stay"
