@@ -168,7 +168,7 @@ class _Rows:
     COLUMNS = (("key", np.uint8, (KEY_BYTES,)), ("disk", np.uint64, ()), ("total", np.uint64, ()),
                ("flen", np.uint32, ()), ("nfrag", np.uint16, ()), ("db0", np.uint16, ()),
                ("dbmod", np.uint16, ()), ("gen", np.uint32, ()), ("tick", np.uint32, ()),
-               ("ns", np.uint16, ()), ("hash", np.uint32, ()))
+               ("ns", np.uint16, ()))
     BYTES = sum(np.dtype(t).itemsize * (s[0] if s else 1) for _, t, s in COLUMNS)
 
     def __init__(self, capacity: int = 1024):
@@ -293,10 +293,8 @@ class FsIndex:
             self._rehash(len(self._slots) * 2)
         r = rows.n
         rows.n += 1
-        h = key_hash(okey, self._seed)
         rows.key[r] = np.frombuffer(okey, np.uint8)
-        rows.hash[r] = h & 0xFFFFFFFF
-        pos = h & self._mask
+        pos = key_hash(okey, self._seed) & self._mask
         while self._slots[pos] != EMPTY:
             pos = (pos + 1) & self._mask
         self._slots[pos] = r
@@ -307,7 +305,7 @@ class FsIndex:
         rows = self._rows
         slots = _free_slots(size)
         mask = size - 1
-        home = rows.hash[:rows.n].astype(np.int64) & mask
+        home = (key_hashes(rows.key[:rows.n], self._seed) & np.uint64(mask)).astype(np.int64)
         pending = np.arange(rows.n)
         pos = home.copy()
         while pending.size:
@@ -336,7 +334,7 @@ class FsIndex:
             s = int(slots[j])
             if s == EMPTY:
                 break
-            home = int(rows.hash[s]) & mask
+            home = self._home(s)
             if (i <= j and (home <= i or home > j)) or (i > j and home <= i and home > j):
                 slots[i] = s
                 i = j
@@ -347,8 +345,12 @@ class FsIndex:
             rows.move(last, r)
         rows.n -= 1
 
+    def _home(self, r: int) -> int:
+        """(lock held) Row ``r``'s own slot (where its probe starts)."""
+        return key_hash(self._rows.key[r].tobytes(), self._seed) & self._mask
+
     def _slot_of(self, r: int) -> int:
-        pos = int(self._rows.hash[r]) & self._mask
+        pos = self._home(r)
         while int(self._slots[pos]) != r:
             pos = (pos + 1) & self._mask
         return pos
