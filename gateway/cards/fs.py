@@ -48,7 +48,7 @@ CARD_FILE = "adpkv-card.json"
 CARD_FILE_TMP = ".adpkv-card.json.tmp"
 SNAPSHOT_FILE = ".adpkv-index"   # the index at the last clean stop (FsIndex.save)
 LEFTOVERS = (CARD_FILE + ".tmp", CARD_FILE_TMP, ".odirect-probe", SNAPSHOT_FILE + ".tmp")   # of the card's own atomic writes
-SCAN_FOREGROUND_S = 1.0      # open() waits this long for the scan: a small card serves whole
+SCAN_FOREGROUND_S = 0.5      # open() waits this long for the scan: a small card serves whole
 
 
 def _group_id(name: str) -> int:
