@@ -59,7 +59,7 @@ def rss_anon(pid: int) -> int:
 
 def scanning(port: int) -> bool:
     work = control.request(port, {"op": "STATS"}, timeout_s=30)["stats"].get("work", [])
-    return any("indexing" in w.get("what", "") for w in work)
+    return any("indexing" in w.get("what", "") or "checking" in w.get("what", "") for w in work)
 
 
 def spawn(root: str, log: str, **settings) -> tuple[GatewayProcess, float, float]:

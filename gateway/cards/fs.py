@@ -134,8 +134,7 @@ class FsCard(Card):
             self.o_direct = False
         if self._auto_capacity:
             self.index.capacity_bytes = shutil.disk_usage(self.root).free
-        if not self._load_snapshot():
-            self._start_scan()
+        self._start_scan(self._load_snapshot())
         logger.info("fs card %s (serial %s): capacity %.1f MiB", self.root, self.serial, self.capacity_bytes / 2**20)
 
     def _stamps(self) -> dict[str, int]:
@@ -146,7 +145,8 @@ class FsCard(Card):
     def _load_snapshot(self) -> bool:
         """The index from the snapshot of the last clean stop, when it still matches the
         files (``FsIndex.load``); the snapshot is removed either way (a crash after this start
-        must not find it). Whether the index is whole."""
+        must not find it). Whether it was taken (then each object's files are checked against
+        it in the background, ``FsIndex.verify``, instead of a scan)."""
         path = os.path.join(self.root, SNAPSHOT_FILE)
         problem = self.index.load(path, self.serial, self._stamps())
         unlink_all([path])
@@ -157,27 +157,29 @@ class FsCard(Card):
         used, files = self.index.usage()
         logger.info("fs card %s: %d objects in %d files, %.1f MiB from the index snapshot",
                     self.root, self.index.objects(), files, used / 2**20)
-        if self._auto_capacity:
-            self.index.capacity_bytes = shutil.disk_usage(self.root).free + used
-        unlink_all(self.index.trim())
-        self.scanned.set()
         return True
 
-    def _start_scan(self) -> None:
-        """Index the card's files on a thread (``FsIndex.scan``); wait ``SCAN_FOREGROUND_S``
-        for it, then serve while it runs."""
+    def _start_scan(self, from_snapshot: bool) -> None:
+        """Index the card's files on a thread (``FsIndex.scan``), or check the snapshot's
+        index against them (``FsIndex.verify``); wait ``SCAN_FOREGROUND_S`` for it, then serve
+        while it runs."""
         self.index.begin_scan()
         started = time.time()
-        self._scan_thread = threading.Thread(target=self._scan, args=(started,), name="adpkv-fs-scan", daemon=True)
+        self._scan_thread = threading.Thread(target=self._scan, args=(started, from_snapshot), name="adpkv-fs-scan",
+                                             daemon=True)
         self._scan_thread.start()
         self.scanned.wait(SCAN_FOREGROUND_S)
         if not self.scanned.is_set():
             logger.info("fs card %s: serving while its files are indexed", self.root)
 
-    def _scan(self, started: float) -> None:
+    def _scan(self, started: float, from_snapshot: bool) -> None:
         try:
-            count = self._listed = sum(1 for _ in self._walk())
-            if self.index.scan(self._walk, count, self._own_file, started, self._scan_stop) is None:
+            if from_snapshot:
+                done = self.index.verify(self._own_file, started, self._scan_stop)
+            else:
+                count = self._listed = sum(1 for _ in self._walk())
+                done = self.index.scan(self._walk, count, self._own_file, started, self._scan_stop)
+            if done is None:
                 return
             self.index.end_scan()
             if self._auto_capacity:

@@ -236,6 +236,7 @@ class FsIndex:
         self._pending: dict[bytes, dict[bytes, tuple[int, int]]] = {}   # okey -> fkey -> (db, on disk)
         self._queues: dict[int, collections.deque] = {}                # namespace (-1: all) -> oldest rows
         self._scanning = False
+        self.saved_at = 0.0                    # when the snapshot ``load`` took was saved (wall clock)
         self._gone: set[bytes] = set()         # objects deleted or evicted while the scan runs
         self._ns: list[_Namespace] = []
         self._ns_of: dict[bytes, int] = {}
@@ -432,7 +433,9 @@ class FsIndex:
             if not hit.any():
                 return [None] * len(fkeys)
             r = rows[hit]
-            self._rows.tick[r] = self._tick()
+            first = self._tick()                   # one tick a key, in the batch's order
+            self._clock = min(first + len(r) - 1, 0xFFFFFFFF)
+            self._rows.tick[r] = np.minimum(first + np.arange(len(r), dtype=np.int64), 0xFFFFFFFF)
             dbmod = self._rows.dbmod[r].astype(np.int64)
             db = self._rows.db0[r].astype(np.int64)
             spread = dbmod > 0
@@ -772,7 +775,8 @@ class FsIndex:
             rows = self._rows
             head = json.dumps({"serial": serial, "rows": rows.n, "num_dbs": self.num_dbs, "stamps": stamps,
                                "namespaces": [ns.tid.hex() for ns in self._ns], "gen": self._gen,
-                               "clock": self._clock, "seed": self._seed, "hash": HASH_NAME, "columns": [c[0] for c in _Rows.COLUMNS]}).encode()
+                               "clock": self._clock, "seed": self._seed, "hash": HASH_NAME,
+                               "saved": time.time(), "columns": [c[0] for c in _Rows.COLUMNS]}).encode()
             tmp = path + ".tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
@@ -849,6 +853,7 @@ class FsIndex:
             self._gen = int(head["gen"])
             self._clock = max(int(head["clock"]), START_TICK)
             self._queues.clear()
+            self.saved_at = float(head["saved"])
             size = 2048
             while 2 * n > size:
                 size *= 2
@@ -885,6 +890,68 @@ class FsIndex:
         with self._lock:
             self._scanning = False
             self._gone.clear()
+
+    def verify(self, own_file: Callable[[int], None], started: float, stop: threading.Event) -> Optional[int]:
+        """After ``load``: check each indexed object's files against the snapshot (one
+        ``lstat`` each: the size its row gives, not changed since the snapshot was saved).
+        An object whose file differs is judged again from its files (its head's header, as
+        the scan does): indexed anew when sound, removed when broken, dropped from the index
+        when gone. Runs while the card serves, as the scan (``begin_scan``). How many objects
+        it changed, or None when ``stop`` was set first."""
+        with self._lock:
+            n = self._rows.n
+            keys = _mapped((n, KEY_BYTES), np.uint8)
+            keys[:] = self._rows.key[:n]
+        header = memoryview(bytearray(objfmt.HEADER_CORE))
+        changed = 0
+        with progress.track(f"fs card {self.root}: checking the index snapshot", n, "objects", log=logger) as shown:
+            for j in range(n):
+                if stop.is_set():
+                    return None
+                shown.advance()
+                okey = keys[j].tobytes()
+                with self._lock:
+                    r = self._row(okey)
+                    files = [] if r < 0 else [(self._fragment_db(r, i), self._fragment_size(r, i))
+                                              for i in range(int(self._rows.nfrag[r]))]
+                    gen, tick = (int(self._rows.gen[r]), int(self._rows.tick[r])) if r >= 0 else (-1, -1)
+                if not files:
+                    continue
+                mtime = self._files_match(okey, files)
+                if mtime is not None:
+                    with self._lock:               # its LRU place by age, as a scan gives it (unless used since)
+                        r = self._row(okey)
+                        if r >= 0 and int(self._rows.gen[r]) == gen and int(self._rows.tick[r]) == tick:
+                            self._rows.tick[r] = _tick_of_age(time.time() - mtime)
+                    continue
+                changed += 1
+                with self._lock:
+                    r = self._row(okey)
+                    if r < 0 or int(self._rows.gen[r]) != gen:
+                        continue                   # stored or dropped since: not the snapshot's any more
+                    self._take(okey, r)
+                db = files[0][0]
+                found = self._scan_object(db, okey, self.path_of(db, okey + HEAD_SUFFIX), header, own_file,
+                                          started)
+                if found is not None and not isinstance(found, str):
+                    self.index_scanned(okey, *found, now=time.time())
+        logger.info("fs card %s: index snapshot checked against the files, %d objects changed since", self.root,
+                    changed)
+        return changed
+
+    def _files_match(self, okey: bytes, files: list[tuple[int, int]]) -> Optional[float]:
+        """The newest mtime of an object's files when they are still as the snapshot has them
+        (size, not changed since it was saved), else None."""
+        newest = 0.0
+        for i, (db, size) in enumerate(files):
+            try:
+                st = os.lstat(self.path_of(db, okey + i.to_bytes(2, "big")))
+            except OSError:
+                return None
+            if st.st_size != size or st.st_mtime > self.saved_at or not stat.S_ISREG(st.st_mode):
+                return None
+            newest = max(newest, st.st_mtime)
+        return newest
 
     def scan(self, walk: Callable[[], Iterator[tuple[int, str, str]]], count: int,
              own_file: Callable[[int], None], started: float, stop: threading.Event) -> Optional[int]:
