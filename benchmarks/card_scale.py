@@ -30,7 +30,6 @@ import collections
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
