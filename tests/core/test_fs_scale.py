@@ -303,3 +303,15 @@ def test_a_trim_evicts_down_to_the_watermark_past_its_first_queue(pins):
     assert index.usage()[0] == index.objects() * ON_DISK
     assert all(index.locate(fragment_key(k, 0)) is not None for k in keys[:pins]), "a pinned object was evicted"
     assert all(index.locate(fragment_key(k, 0)) is not None for k in keys[-(425 - pins):]), "the newest must stay"
+
+
+def test_clean_reports_objects_not_fragment_files(start_gateway):
+    """Issue 28: CLEAN of objects of 4 fragments each reports the objects (it counted files)."""
+    gw = start_gateway(fragment_size=16 * 1024)
+    keys = card_keys(10, "clean")
+    client = _client(gw.port, "clean")
+    assert all(_put(client, keys, 64 * 1024, payload_of))
+    client.close()
+    assert _usage(gw.port)[1] == 40
+    assert control.request(gw.port, {"op": "CLEAN"}, timeout_s=60)["deleted"] == 10
+    assert _usage(gw.port) == (0, 0) and files_on_disk(gw.card_dirs[0]) == (0, 0)
