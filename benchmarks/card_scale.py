@@ -114,6 +114,15 @@ def one_count(base: str, n: int, size: int, rounds: int, trace_len: int, empty_r
     build_card(root, keys, size)
     built = time.monotonic() - t
     gw, served, scanned = spawn(root, os.path.join(base, f"gw{n}.log"))
+    try:
+        return measure(gw, root, keys, n, size, rounds, trace_len, empty_rss, built, served, scanned)
+    finally:
+        if gw.alive():
+            gw.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def measure(gw, root, keys, n, size, rounds, trace_len, empty_rss, built, served, scanned) -> dict:
     out = {"objects": n, "build_s": round(built, 1), "serve_s": round(served, 2), "scan_s": round(scanned, 1),
            "rss_b": round((rss_anon(gw.proc.pid) - empty_rss) / n, 1)}
     client = client_of(gw.port, "scale")
@@ -169,7 +178,6 @@ def one_count(base: str, n: int, size: int, rounds: int, trace_len: int, empty_r
     lru_hits, lru_evicted = exact_lru(trace, start, capacity)
     out.update(hit=round(hits / len(trace), 4), lru_hit=round(lru_hits / len(trace), 4),
                evict=round(evicted / len(trace), 4), lru_evict=round(lru_evicted / len(trace), 4))
-    shutil.rmtree(root, ignore_errors=True)
     return out
 
 

@@ -90,7 +90,6 @@ class FsCard(Card):
         self._scan_thread: Optional[threading.Thread] = None
         self._scan_stop = threading.Event()
         self.scanned = threading.Event()               # the scan at start has indexed every file
-        self._listed = 0                               # entries in the databases when the scan began
 
     # ------------------------------------------------------------------ setup
     def open(self) -> None:
@@ -177,8 +176,7 @@ class FsCard(Card):
             if from_snapshot:
                 done = self.index.verify(self._own_file, started, self._scan_stop)
             else:
-                count = self._listed = sum(1 for _ in self._walk())
-                done = self.index.scan(self._walk, count, self._own_file, started, self._scan_stop)
+                done = self.index.scan(self._walk, self._own_file, started, self._scan_stop)
             if done is None:
                 return
             self.index.end_scan()
@@ -427,7 +425,7 @@ class FsCard(Card):
         indexed goes too); how many objects (head files) were removed."""
         whole = self.scanned.is_set()
         self._stop_scan()
-        files = self.index.usage()[1] if whole else max(self.index.usage()[1], self._listed)
+        files = self.index.usage()[1] if whole else max(self.index.usage()[1], self.index.listed)
         self.index.drop_all()
         objects = 0
         with progress.track(f"fs card {self.root}: cleaning", files, "files", log=logger) as shown:

@@ -237,6 +237,7 @@ class FsIndex:
         self._queues: dict[int, collections.deque] = {}                # namespace (-1: all) -> oldest rows
         self._scanning = False
         self.saved_at = 0.0                    # when the snapshot ``load`` took was saved (wall clock)
+        self.listed = 0                        # entries the scan found in the databases
         self._gone: set[bytes] = set()         # objects deleted or evicted while the scan runs
         self._ns: list[_Namespace] = []
         self._ns_of: dict[bytes, int] = {}
@@ -953,11 +954,11 @@ class FsIndex:
             newest = max(newest, st.st_mtime)
         return newest
 
-    def scan(self, walk: Callable[[], Iterator[tuple[int, str, str]]], count: int,
+    def scan(self, walk: Callable[[], Iterator[tuple[int, str, str]]],
              own_file: Callable[[int], None], started: float, stop: threading.Event) -> Optional[int]:
-        """Index the files ``walk()`` yields as (database, directory, name), ``count`` of
-        them (for progress), checking each head's header against its size and its object's
-        fragments against the size it records. A file older than ``started`` (the card's
+        """Index the files ``walk()`` yields as (database, directory, name) (walked twice: a
+        count for the progress, ``listed``, then the work), checking each head's header
+        against its size and its object's fragments against the size it records. A file older than ``started`` (the card's
         open, wall clock) that does not match (truncated, corrupt), or a fragment whose head
         is missing, is removed; so is every file of an object whose fragments do not add up
         to the size its head records. Leftovers of interrupted writes (dot files) older than
@@ -966,7 +967,8 @@ class FsIndex:
         t0 = time.monotonic()
         header = memoryview(bytearray(objfmt.HEADER_CORE))
         indexed = bad = 0
-        with progress.track(f"fs card {self.root}: indexing", count, "files", log=logger) as shown:
+        with progress.track(f"fs card {self.root}: indexing", 0, "files", log=logger) as shown:
+            shown.total = self.listed = sum(1 for _ in walk())
             for db, directory, name in walk():
                 if stop.is_set():
                     return None
