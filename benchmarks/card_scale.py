@@ -58,7 +58,7 @@ def rss_anon(pid: int) -> int:
 
 def scanning(port: int) -> bool:
     work = control.request(port, {"op": "STATS"}, timeout_s=30)["stats"].get("work", [])
-    return any("indexing" in w.get("what", "") or "checking" in w.get("what", "") for w in work)
+    return any(w in x.get("what", "") for x in work for w in ("indexing", "checking", "trimming"))
 
 
 def spawn(root: str, log: str, **settings) -> tuple[GatewayProcess, float, float]:
@@ -150,6 +150,7 @@ def measure(gw, root, keys, n, size, rounds, trace_len, empty_rss, built, served
     out["snap_s"] = round(time.monotonic() - t0, 2)
     gw.stop()
 
+    print(json.dumps(out), flush=True)        # the figures so far
     # the skewed trace, on a tenth of the card's room
     capacity = max(1000, n // 10)
     gw.settings["capacity_bytes"] = capacity * (HEADER + size)

@@ -182,7 +182,13 @@ class FsCard(Card):
             self.index.end_scan()
             if self._auto_capacity:
                 self.index.capacity_bytes = shutil.disk_usage(self.root).free + self.index.usage()[0]
-            unlink_all(self.index.trim())
+            victims = self.index.trim()
+            with progress.track(f"fs card {self.root}: trimming", len(victims), "files", log=logger) as shown:
+                for path in victims:
+                    if self._scan_stop.is_set():
+                        break            # out of the index already: a later scan finds them again
+                    unlink_all((path,))
+                    shown.advance()
         except Exception:                              # the card serves on; what is not indexed is a miss
             logger.exception("fs card %s: the scan of its files failed", self.root)
         finally:

@@ -130,7 +130,7 @@ def _other(key: bytes, size: int) -> bytes:
 
 def _indexing(port) -> bool:
     work = control.request(port, {"op": "STATS"}, timeout_s=10)["stats"].get("work", [])
-    return any("indexing" in w.get("what", "") or "checking" in w.get("what", "") for w in work)
+    return any(w in x.get("what", "") for x in work for w in ("indexing", "checking", "trimming"))
 
 
 def _wait_scanned(gw, timeout_s=300):
