@@ -197,15 +197,15 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    counts = [r["objects"] for r in rows]
     figs = [("rss_b", "RssAnon B / object"), ("serve_s", "start to serving, s"), ("scan_s", "start to end of scan, s"),
             ("exist16k_p50_ms", "EXIST 16k keys p50, ms"), ("get_obj_s", "GET hot objects / s"),
             ("hit", "Zipf hit ratio (dashed: exact LRU)")]
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     for ax, (name, title) in zip(axes.flat, figs):
-        ax.plot(counts, [r[name] for r in rows], "o-")
+        have = [r for r in rows if name in r]          # a point whose trace did not run has no hit ratio
+        ax.plot([r["objects"] for r in have], [r[name] for r in have], "o-")
         if name == "hit":
-            ax.plot(counts, [r["lru_hit"] for r in rows], "x--")
+            ax.plot([r["objects"] for r in have], [r["lru_hit"] for r in have], "x--")
         ax.set_xscale("log")
         ax.set_title(title)
         ax.set_xlabel("objects on the card")
