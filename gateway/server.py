@@ -136,7 +136,8 @@ class Gateway:
         """Open the cards (closed by ``undo`` when the start fails later), check the key
         layout, and build the store, its health monitor (not started) and its metrics."""
         holder: dict = {}
-        cards = open_cards(config, is_pinned=lambda key: holder["store"].is_pinned(key))
+        # a card's scan at start may evict before the store exists: nothing is pinned yet then
+        cards = open_cards(config, is_pinned=lambda key: "store" in holder and holder["store"].is_pinned(key))
         for card in cards:
             undo.callback(card.close)
         self.store = holder["store"] = ObjectStore(cards, config.storage_slots, config.num_dbs,

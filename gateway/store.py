@@ -410,6 +410,16 @@ class ObjectStore:
                 return [f and r in (0, object_bytes) for f, r in zip(found, recorded)]
             sizes = recorded if object_bytes is None else \
                 [object_bytes if r in (0, object_bytes) else None for r in recorded]
+            frag = self.fragment_size
+            if frag <= 0 or all(size is None or size <= frag for size in sizes):
+                # every object there is one fragment (the usual case): its head alone, one batch
+                there = [i for i, size in enumerate(sizes) if size is not None]
+                found = c.contains_many([heads[i] for i in there], [sizes[i] or None for i in there],
+                                        [tags[i] for i in there]) if there else []
+                whole = [False] * len(keys)
+                for i, hit in zip(there, found):
+                    whole[i] = hit
+                return whole
             items: list[tuple[int, bytes]] = []
             lengths: list[Optional[int]] = []
             item_tags: list[bytes] = []

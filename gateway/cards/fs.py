@@ -12,8 +12,9 @@ corrupt or foreign file is a miss. Writes go to a temporary file that is renamed
 into place (atomic against a crash of the gateway; with ``fsync`` the file and
 then its directory are fsynced, so also against power loss). The index (object
 → its fragment files and sizes, in LRU order of objects; ``fs_index``, with its
-contract) is rebuilt from the directory at start, checking every file's header
-against its size. An object
+contract) is rebuilt from the directory at start by a scan that checks every
+file's header against its size; the card serves while it runs (``SCAN_FOREGROUND_S``:
+a small card is indexed whole before it serves). An object
 lives and dies whole: eviction, delete and a failed read drop all its fragment
 files (head first). With ``o_direct`` the page cache is bypassed and I/O goes
 straight between the file and the ring. Files are 0600 and directories 0700
@@ -38,7 +39,7 @@ from .. import progress
 from ..quotas import TenantUsage
 
 from .base import Card, CardError, CardIOError, CardUsage, claim_record, is_head, object_key, parse_claim
-from .fs_index import Entry, FsIndex, unlink_all
+from .fs_index import FKEY_BYTES, Entry, FsIndex, unlink_all
 from .objfile import (ALIGN, HEADER_BYTES, REGION_WRITE_FAILED, FdSlice, FileRead, Scratch, copy_object_file,
                       read_object_file, write_object_file)
 
@@ -47,7 +48,9 @@ logger = logging.getLogger("adpkv.gateway.fs")
 FORMAT = 1
 CARD_FILE = "adpkv-card.json"
 CARD_FILE_TMP = ".adpkv-card.json.tmp"
-LEFTOVERS = (CARD_FILE + ".tmp", CARD_FILE_TMP, ".odirect-probe")   # of the card's own atomic writes
+SNAPSHOT_FILE = ".adpkv-index"   # the index at the last clean stop (FsIndex.save)
+LEFTOVERS = (CARD_FILE + ".tmp", CARD_FILE_TMP, ".odirect-probe", SNAPSHOT_FILE + ".tmp")   # of the card's own atomic writes
+SCAN_FOREGROUND_S = 0.5      # open() waits this long for the scan: a small card serves whole
 CLAIMS_DIR = "namespaces"      # one file per claimed key namespace (Card.claim_namespace)
 CLAIM_LEFTOVER_S = 600         # a claim's temporary file older than this was left by a crash
 
@@ -88,7 +91,11 @@ class FsCard(Card):
         self._db_paths = [os.path.join(self.root, f"db{db:03d}", "") for db in range(num_dbs)]   # db -> "DIR/dbNNN/"
         # objects, their files, LRU, bytes used and quotas (fs_index: its contract)
         self.index = FsIndex(self.root, self._path, capacity_bytes, eviction_watermark, eviction_ratio,
-                             is_pinned, quotas)
+                             is_pinned, quotas, num_dbs)
+        self._auto_capacity = capacity_bytes <= 0      # the free space at start (learnt again after the scan)
+        self._scan_thread: Optional[threading.Thread] = None
+        self._scan_stop = threading.Event()
+        self.scanned = threading.Event()               # the scan at start has indexed every file
 
     # ------------------------------------------------------------------ setup
     def open(self) -> None:
@@ -130,11 +137,81 @@ class FsCard(Card):
         if self.o_direct and not self._probe_o_direct():
             logger.warning("fs card %s: the file system refuses O_DIRECT; using the page cache", self.root)
             self.o_direct = False
-        self.index.rebuild(self._own_file)
-        unlink_all(self.index.trim_to_quotas())
-        if self.index.capacity_bytes <= 0:
-            self.index.capacity_bytes = shutil.disk_usage(self.root).free + self.index.usage()[0]
+        if self._auto_capacity:
+            self.index.capacity_bytes = shutil.disk_usage(self.root).free
+        self._start_scan(self._load_snapshot())
         logger.info("fs card %s (serial %s): capacity %.1f MiB", self.root, self.serial, self.capacity_bytes / 2**20)
+
+    def _stamps(self) -> dict[str, int]:
+        """Each database directory's modification time (ns): what a snapshot is checked against."""
+        return {name: os.stat(os.path.join(self.root, name)).st_mtime_ns
+                for name in sorted(os.listdir(self.root)) if name.startswith("db") and name[2:].isdigit()}
+
+    def _load_snapshot(self) -> bool:
+        """The index from the snapshot of the last clean stop, when it still matches the
+        files (``FsIndex.load``); the snapshot is removed either way (a crash after this start
+        must not find it). Whether it was taken (then each object's files are checked against
+        it in the background, ``FsIndex.verify``, instead of a scan)."""
+        path = os.path.join(self.root, SNAPSHOT_FILE)
+        problem = self.index.load(path, self.serial, self._stamps())
+        unlink_all([path])
+        if problem is not None:
+            if problem != "none":
+                logger.warning("fs card %s: index snapshot ignored: %s; scanning the files", self.root, problem)
+            return False
+        used, files = self.index.usage()
+        logger.info("fs card %s: %d objects in %d files, %.1f MiB from the index snapshot",
+                    self.root, self.index.objects(), files, used / 2**20)
+        return True
+
+    def _start_scan(self, from_snapshot: bool) -> None:
+        """Index the card's files on a thread (``FsIndex.scan``), or check the snapshot's
+        index against them (``FsIndex.verify``); wait ``SCAN_FOREGROUND_S`` for it, then serve
+        while it runs."""
+        self.index.begin_scan()
+        started = time.time()
+        self._scan_thread = threading.Thread(target=self._scan, args=(started, from_snapshot), name="adpkv-fs-scan",
+                                             daemon=True)
+        self._scan_thread.start()
+        self.scanned.wait(SCAN_FOREGROUND_S)
+        if not self.scanned.is_set():
+            logger.info("fs card %s: serving while its files are indexed", self.root)
+
+    def _scan(self, started: float, from_snapshot: bool) -> None:
+        try:
+            if from_snapshot:
+                done = self.index.verify(self._own_file, started, self._scan_stop)
+            else:
+                done = self.index.scan(self._walk, self._own_file, started, self._scan_stop)
+            if done is None:
+                return
+            self.index.end_scan()
+            if self._auto_capacity:
+                self.index.capacity_bytes = shutil.disk_usage(self.root).free + self.index.usage()[0]
+            victims = self.index.trim()
+            with progress.track(f"fs card {self.root}: trimming", len(victims), "files", log=logger) as shown:
+                for path in victims:
+                    if self._scan_stop.is_set():
+                        break            # out of the index already: a later scan finds them again
+                    unlink_all((path,))
+                    shown.advance()
+        except Exception:                              # the card serves on; what is not indexed is a miss
+            logger.exception("fs card %s: the scan of its files failed", self.root)
+        finally:
+            self.scanned.set()
+
+    def _walk(self):
+        """(database, directory, name) of every entry of the card's databases."""
+        for name in sorted(os.listdir(self.root)):
+            if not (name.startswith("db") and name[2:].isdigit()):
+                continue
+            directory = os.path.join(self.root, name)
+            try:
+                with os.scandir(directory) as entries:
+                    for entry in entries:
+                        yield int(name[2:]), directory, entry.name
+            except OSError as exc:
+                logger.warning("fs card %s: cannot list %s: %s", self.root, directory, exc)
 
     def _remove_leftovers(self) -> None:
         """Remove what an interrupted atomic write of the card itself left in its directory
@@ -280,6 +357,10 @@ class FsCard(Card):
     def write(self, db: int, fkey: bytes, buf, object_bytes: int = 0, tag: bytes = b"") -> bool:
         """``buf``: a memoryview, or an ``FdSlice`` of a client's region (``write_from_fd``)."""
         n = len(buf)
+        if len(fkey) != FKEY_BYTES:
+            logger.warning("fs card %s: %r is no fragment key (%d bytes, not %d); not storing",
+                           self.root, fkey[:8], len(fkey), FKEY_BYTES)
+            return False
         on_disk = HEADER_BYTES + (-(-n // ALIGN) * ALIGN if self.o_direct else n)
         okey = object_key(fkey)
         head = is_head(fkey)
@@ -309,9 +390,7 @@ class FsCard(Card):
             unlink_all([tmp])
             self.index.unreserve(okey, on_disk)
             return False
-        stale = self.index.commit(fkey, db, on_disk, object_bytes)
-        if stale:
-            unlink_all([stale])
+        unlink_all(self.index.commit(fkey, db, n, on_disk, object_bytes))
         return True
 
     def _drop_object(self, okey: bytes) -> bool:
@@ -321,6 +400,15 @@ class FsCard(Card):
             return False
         unlink_all(paths)
         return True
+
+    def _drop_unindexed(self, db: int, fkey: bytes) -> bool:
+        """While the scan runs: remove a fragment's file the index does not know yet (the
+        scan will not index its object: ``FsIndex.drop`` remembered it). Whether it was there."""
+        try:
+            os.unlink(self._path(db, fkey))
+            return True
+        except OSError:
+            return False
 
     # ------------------------------------------------------------------ admin
     @property
@@ -340,16 +428,39 @@ class FsCard(Card):
 
     def delete(self, db: int, fkey: bytes, tag: bytes = b"") -> bool:
         """Remove the fragment's whole object; True if any of it was stored."""
-        return self._drop_object(object_key(fkey))
+        if self._drop_object(object_key(fkey)):
+            return True
+        return not self.scanned.is_set() and self._drop_unindexed(db, fkey)
 
     def clean(self) -> int:
-        paths = self.index.drop_all()
-        with progress.track(f"fs card {self.root}: cleaning", len(paths), "files", log=logger) as shown:
-            for path in paths:
-                unlink_all((path,))
+        """Remove every object file (the scan at start stopped first: whatever it had not
+        indexed goes too); how many objects (head files) were removed."""
+        whole = self.scanned.is_set()
+        self._stop_scan()
+        files = self.index.usage()[1] if whole else max(self.index.usage()[1], self.index.listed)
+        self.index.drop_all()
+        objects = 0
+        with progress.track(f"fs card {self.root}: cleaning", files, "files", log=logger) as shown:
+            for _, directory, name in self._walk():
+                if name.startswith(".") or len(name) != 2 * FKEY_BYTES:
+                    continue
+                try:
+                    os.unlink(os.path.join(directory, name))
+                except OSError:
+                    continue
+                objects += name.endswith("0000")
                 shown.advance()
-        logger.info("fs card %s: cleaned, %d objects removed", self.root, len(paths))
-        return len(paths)
+        self.index.end_scan()
+        self.scanned.set()
+        logger.info("fs card %s: cleaned, %d objects removed", self.root, objects)
+        return objects
+
+    def _stop_scan(self) -> None:
+        thread, self._scan_thread = self._scan_thread, None
+        if thread is not None:
+            self._scan_stop.set()
+            thread.join()
+            self._scan_stop.clear()
 
     def usage(self) -> CardUsage:
         used, files = self.index.usage()
@@ -481,10 +592,18 @@ class FsCard(Card):
         return owner
 
     def close(self) -> None:
+        """Close the claims directory, stop the scan; with the index whole, save its snapshot
+        for the next start."""
         with self._claims_lock:
             if self._claims_fd is not None:
                 os.close(self._claims_fd)
                 self._claims_fd = None
+        self._stop_scan()
+        if self.scanned.is_set() and self.serial:
+            try:
+                self.index.save(os.path.join(self.root, SNAPSHOT_FILE), self.serial, self._stamps(), self._own_file)
+            except OSError as exc:
+                logger.warning("fs card %s: cannot save the index snapshot: %s", self.root, exc)
         fds, self._dir_fds = self._dir_fds, {}
         for fd in fds.values():
             try:

@@ -2,28 +2,54 @@
 
 Contract (``FsIndex``):
 
-- **What it holds.** One entry per object: its fragment files (fragment key -> database,
-  bytes on disk) and the object size its head records (0: unknown). Objects are kept in
-  least-recently-used order, card-wide and per namespace (``TenantBook``: bytes, LRU and
-  quota of each namespace).
+- **What it holds.** One row per whole object (its head is in place) in a compact table of
+  numpy columns (``_Rows``: the 28-byte key, bytes on disk, the size its head records, the
+  head's payload length, fragment count, databases, write generation, last use, namespace:
+  64 bytes) found through an open-addressing hash table of row numbers (linear probing, at
+  most half full: 8 to 16 bytes an object). A row is exact: the full key is compared, so a
+  lookup never hits another object. Fragments are not rows: fragment ``i`` of an object
+  has the length ``fragment_extents(size, head length)`` gives it and lives in database
+  ``db0`` (or ``(db0 + i) % dbmod`` when its fragments are spread). Fragments written
+  before their head (a write in flight) are kept apart (``_pending``) until the head
+  commits them; they are not found by lookups.
 - **Accounting.** ``used`` is the bytes on disk of every indexed file plus the bytes reserved
   by writes in flight; ``files`` counts indexed files. A write ``reserve``s its bytes first
   (which may evict whole objects), then ``commit``s its file once it is renamed into place,
   or ``unreserve``s them when it failed.
 - **Eviction.** Whole objects only, least recently used first, never the object being
-  written nor a pinned one (``is_pinned(object key[:KEY_BYTES])``). A namespace over its
-  quota evicts its own objects first and is refused when that is not enough; the card past
-  ``watermark`` of its capacity evicts any namespace's objects down to
+  written nor a pinned one (``is_pinned(object key)``). Each use stamps the object's row
+  with a clock (``tick``, one step per lookup batch or write); the victims are taken from
+  a queue of the oldest rows, refilled by one ``argpartition`` of the ticks when it runs
+  dry (a queue of at least 1/32 of the objects: O(victims) amortised). A queued row used
+  since it was queued is skipped, and any row not queued is newer than every queued one,
+  so victims go in exact LRU order (ties: the same batch). A namespace over its quota
+  evicts its own objects first (its own queue) and is refused when that is not enough;
+  the card past ``watermark`` of its capacity evicts any namespace's objects down to
   ``watermark - ratio``.
+- **The scan at start.** ``scan`` indexes the files already on the card; the card runs it
+  on a thread while it serves (``FsCard.open``). A lookup of an object the scan has not
+  reached is a miss. The scan never indexes an object that was committed, deleted or
+  evicted since the card opened (``index_scanned`` checks under the lock; deletions and
+  evictions during the scan are remembered in ``_gone`` until it ends), so a PUT racing the
+  scan is counted once and a deleted object does not come back. It judges (and removes)
+  only files older than the card's start: a newer file is one of this gateway's writes.
+  Once it has indexed everything, ``trim`` brings the card within its capacity and every
+  namespace within its quota.
 - **Locking and I/O.** Every method takes the index's own lock; none touches a file except
-  ``rebuild`` (the scan of the directory at start, before the card serves). A method that
-  drops objects returns their files' paths (head first) and the caller unlinks them after
-  the lock is released: an object leaves the index before its files go, so a reader that
-  still holds a path finds the file gone ("missing", a miss), never another object's bytes.
-- **Verdicts.** ``locate`` hands out a fragment's entry (a tuple made by each ``commit``,
-  compared by identity); a failed read drops the object with ``drop_if(fkey, entry)``, which
-  does nothing once the fragment was stored again (evicted and re-stored, or moved to another
-  database): a stale verdict never removes a newer, acknowledged store.
+  the scan. A method that drops objects returns their files' paths (head first) and the
+  caller unlinks them after the lock is released: an object leaves the index before its
+  files go, so a reader that still holds a path finds the file gone ("missing", a miss),
+  never another object's bytes.
+- **Verdicts.** ``locate`` hands out ``(database, generation)``; a failed read drops the
+  object with ``drop_if(fkey, entry)``, which does nothing once any fragment of the object
+  was stored again (a new generation): a stale verdict never removes a newer,
+  acknowledged store.
+- **Snapshot.** ``save`` writes the table to a file at a clean stop (``FsCard.close``, once
+  the scan had ended), with the card's serial and the modification time of each database
+  directory; ``load`` takes it instead of a scan only when it is whole (its checksum),
+  this card's, and every directory's time is still the recorded one (a file created,
+  renamed or removed in a directory since changes it): a snapshot older than the files
+  is never used. Anything else is ignored with one line, and the card scans.
 - **Paths.** The index stores databases, not paths: ``path_of(db, fragment key)`` is the
   card's.
 """
@@ -31,18 +57,23 @@ Contract (``FsIndex``):
 from __future__ import annotations
 
 import collections
+import json
 import logging
+import mmap
 import os
 import stat
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import xxhash
 
 from adpkv_core.keys import KEY_BYTES
 
 from .. import progress
 from ..fragments import fragment_extents
-from ..quotas import TenantBook, TenantUsage, tenant_of
+from ..quotas import TenantUsage, tenant_of
 from . import objfmt
 from .base import is_head, object_key
 from .objfile import ALIGN, HEADER_BYTES
@@ -50,6 +81,15 @@ from .objfile import ALIGN, HEADER_BYTES
 logger = logging.getLogger("adpkv.gateway.fs")
 
 HEAD_SUFFIX = b"\0\0"
+FKEY_BYTES = KEY_BYTES + 2
+EMPTY = -1                     # a free slot of the hash table
+START_TICK = 1 << 31           # the clock at start; scanned objects get older ticks (by file age)
+MIN_QUEUE = 256                # eviction queue: at least this many rows, or 1/32 of them
+SNAPSHOT_MAGIC = b"ADPKVIDX"
+SNAPSHOT_FORMAT = 1
+HASH_NAME = "xor-multiply-4w+fmix64"   # ``key_hash``: a snapshot's rows were hashed with it
+
+Entry = tuple[int, int]        # what ``locate`` hands out: (database, write generation)
 
 
 def sizes_on_disk(n: int) -> tuple[int, int]:
@@ -66,17 +106,107 @@ def unlink_all(paths) -> None:
             pass
 
 
-Entry = tuple[int, int]      # a fragment's file: (database, bytes on disk); a new tuple each commit
+_M = (1 << 64) - 1
+_C1, _C2, _C3 = 0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
 
 
-class _Object:
-    """The fragment files of one object in the index."""
+def key_hash(okey: bytes, seed: int) -> int:
+    """The 64-bit hash of a 28-byte object key that places it in the hash table: its four
+    little-endian words (the last zero-padded) folded into the per-process ``seed`` by
+    xor-multiply, then murmur3's finaliser (keys chosen to collide cannot be made without the
+    seed). ``key_hashes`` is the same over many keys at once."""
+    h = seed
+    for at in (0, 8, 16, 24):
+        h = ((h ^ int.from_bytes(okey[at:at + 8], "little")) * _C1) & _M
+    h ^= h >> 33
+    h = (h * _C2) & _M
+    h ^= h >> 33
+    h = (h * _C3) & _M
+    return h ^ (h >> 33)
 
-    __slots__ = ("parts", "total")
 
-    def __init__(self):
-        self.parts: dict[bytes, Entry] = {}               # fragment key -> (db, bytes on disk)
-        self.total = 0                                   # object size its head records (0: unknown)
+def key_hashes(okeys: np.ndarray, seed: int) -> np.ndarray:
+    """``key_hash`` of each row of ``okeys`` (``uint8``, shape (n, 28)), as ``uint64``."""
+    n = len(okeys)
+    words = np.zeros((n, 4), np.uint64)
+    words.view(np.uint8).reshape(n, 32)[:, :KEY_BYTES] = okeys
+    h = np.full(n, seed, np.uint64)
+    with np.errstate(over="ignore"):
+        for w in range(4):
+            h = (h ^ words[:, w]) * np.uint64(_C1)
+        h ^= h >> np.uint64(33)
+        h *= np.uint64(_C2)
+        h ^= h >> np.uint64(33)
+        h *= np.uint64(_C3)
+        h ^= h >> np.uint64(33)
+    return h
+
+
+def _mapped(shape: tuple, dtype) -> np.ndarray:
+    """An array in its own anonymous mapping: its pages take memory only once written, and
+    all of it goes back to the system when the array goes (a heap allocation freed after a
+    table grew would stay in the process's heap)."""
+    nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype, int(np.prod(shape))).reshape(shape)
+
+
+def _bytes_of(column: np.ndarray) -> memoryview:
+    """The bytes of a contiguous piece of a column (a view: no copy)."""
+    return memoryview(column.reshape(-1).view(np.uint8))
+
+
+def _free_slots(size: int) -> np.ndarray:
+    slots = _mapped((size,), np.int32)
+    slots.fill(EMPTY)
+    return slots
+
+
+class _Rows:
+    """The columns of the object table; rows ``0 .. n-1`` are objects (dense: a removed row
+    is replaced by the last one)."""
+
+    COLUMNS = (("key", np.uint8, (KEY_BYTES,)), ("disk", np.uint64, ()), ("total", np.uint64, ()),
+               ("flen", np.uint32, ()), ("nfrag", np.uint16, ()), ("db0", np.uint16, ()),
+               ("dbmod", np.uint16, ()), ("gen", np.uint32, ()), ("tick", np.uint32, ()),
+               ("ns", np.uint16, ()))
+    BYTES = sum(np.dtype(t).itemsize * (s[0] if s else 1) for _, t, s in COLUMNS)
+
+    def __init__(self, capacity: int = 1024):
+        self.n = 0
+        self.capacity = capacity
+        for name, dtype, shape in self.COLUMNS:
+            setattr(self, name, _mapped((capacity,) + shape, dtype))
+
+    def grow(self) -> None:
+        self.capacity *= 2
+        for name, dtype, shape in self.COLUMNS:
+            old = getattr(self, name)
+            new = _mapped((self.capacity,) + shape, dtype)
+            new[:self.n] = old[:self.n]
+            setattr(self, name, new)
+
+    def move(self, src: int, dst: int) -> None:
+        for name, _, _ in self.COLUMNS:
+            col = getattr(self, name)
+            col[dst] = col[src]
+
+
+class _Namespace:
+    """What one namespace holds on the card."""
+
+    __slots__ = ("tid", "used", "objects", "quota", "evicted", "capacity_evicted")
+
+    def __init__(self, tid: bytes, quota: int):
+        self.tid = tid
+        self.used = 0
+        self.objects = 0
+        self.quota = quota
+        self.evicted = 0
+        self.capacity_evicted = 0
+
+    def over_by(self, nbytes: int) -> int:
+        """How many bytes it must free to take ``nbytes`` more (0: none, or no quota)."""
+        return max(0, self.used + nbytes - self.quota) if self.quota else 0
 
 
 class FsIndex:
@@ -85,70 +215,266 @@ class FsIndex:
     def __init__(self, root: str, path_of: Callable[[int, bytes], str], capacity_bytes: int = 0,
                  watermark: float = 0.95, ratio: float = 0.10,
                  is_pinned: Callable[[bytes], bool] = lambda key: False,
-                 quotas: Optional[dict[bytes, int]] = None):
+                 quotas: Optional[dict[bytes, int]] = None, num_dbs: int = 16):
         self.root = root                       # for log lines
         self.path_of = path_of
         self.capacity_bytes = capacity_bytes
         self.watermark = watermark
         self.ratio = ratio
         self.is_pinned = is_pinned
+        self.num_dbs = num_dbs
         self.evicted = 0                       # objects evicted (quota or capacity) since start
         self._lock = threading.Lock()
-        self._objects: "collections.OrderedDict[bytes, _Object]" = collections.OrderedDict()
+        self._seed = int.from_bytes(os.urandom(8), "little")
+        self._rows = _Rows()
+        self._slots = _free_slots(2048)
+        self._mask = len(self._slots) - 1
+        self._clock = START_TICK
+        self._gen = 0
         self._files = 0
         self._used = 0
-        self._tenants = TenantBook(quotas)
+        self._pending: dict[bytes, dict[bytes, tuple[int, int]]] = {}   # okey -> fkey -> (db, on disk)
+        self._queues: dict[int, collections.deque] = {}                # namespace (-1: all) -> oldest rows
+        self._scanning = False
+        self.saved_at = 0.0                    # when the snapshot ``load`` took was saved (wall clock)
+        self.listed = 0                        # entries the scan found in the databases
+        self._gone: set[bytes] = set()         # objects deleted or evicted while the scan runs
+        self._ns: list[_Namespace] = []
+        self._ns_of: dict[bytes, int] = {}
+        self.quotas = dict(quotas or {})
+        for tid in self.quotas:
+            self._namespace(tid)
+
+    # ------------------------------------------------------------------ the table
+    def _namespace(self, tid: bytes) -> int:
+        i = self._ns_of.get(tid)
+        if i is None:
+            i = self._ns_of[tid] = len(self._ns)
+            self._ns.append(_Namespace(tid, self.quotas.get(tid, 0)))
+        return i
+
+    def _row(self, okey: bytes) -> int:
+        """(lock held) The row of an object, or -1."""
+        if len(okey) != KEY_BYTES:
+            return -1
+        slots, keys, mask = self._slots, self._rows.key, self._mask
+        pos = key_hash(okey, self._seed) & mask
+        while True:
+            r = int(slots[pos])
+            if r == EMPTY:
+                return -1
+            if keys[r].tobytes() == okey:
+                return r
+            pos = (pos + 1) & mask
+
+    def _rows_of(self, okeys: np.ndarray) -> np.ndarray:
+        """(lock held) The row of each key (``uint8`` (n, 28)), -1 where it is not indexed."""
+        n = len(okeys)
+        out = np.full(n, -1, np.int64)
+        if n == 0 or self._rows.n == 0:
+            return out
+        slots, keys, mask = self._slots, self._rows.key, self._mask
+        pos = (key_hashes(okeys, self._seed) & np.uint64(mask)).astype(np.int64)
+        todo = np.arange(n)
+        while todo.size:
+            r = slots[pos[todo]]
+            occupied = r != EMPTY
+            todo, r = todo[occupied], r[occupied]
+            same = (keys[r] == okeys[todo]).all(axis=1)
+            out[todo[same]] = r[same]
+            todo = todo[~same]
+            pos[todo] = (pos[todo] + 1) & mask
+        return out
+
+    def _insert(self, okey: bytes) -> int:
+        """(lock held) A new row for an object not indexed; its key and hash set."""
+        rows = self._rows
+        if rows.n == rows.capacity:
+            rows.grow()
+        if 2 * (rows.n + 1) > len(self._slots):
+            self._rehash(len(self._slots) * 2)
+        r = rows.n
+        rows.n += 1
+        rows.key[r] = np.frombuffer(okey, np.uint8)
+        pos = key_hash(okey, self._seed) & self._mask
+        while self._slots[pos] != EMPTY:
+            pos = (pos + 1) & self._mask
+        self._slots[pos] = r
+        return r
+
+    def _rehash(self, size: int) -> None:
+        """(lock held) A hash table of ``size`` slots for the rows."""
+        rows = self._rows
+        slots = _free_slots(size)
+        mask = size - 1
+        home = (key_hashes(rows.key[:rows.n], self._seed) & np.uint64(mask)).astype(np.int64)
+        pending = np.arange(rows.n)
+        pos = home.copy()
+        while pending.size:
+            # place every row whose slot is free and claimed by it alone; the rest probe on
+            p = pos[pending]
+            free = slots[p] == EMPTY
+            cand, cp = pending[free], p[free]
+            _, first = np.unique(cp, return_index=True)
+            won = cand[first]
+            slots[pos[won]] = won
+            placed = np.zeros(rows.n, bool)
+            placed[won] = True
+            pending = pending[~placed[pending]]
+            lost = pending[slots[pos[pending]] != EMPTY]
+            pos[lost] = (pos[lost] + 1) & mask
+        self._slots, self._mask = slots, mask
+
+    def _remove_row(self, r: int) -> None:
+        """(lock held) Take row ``r`` out of the table (its slot freed by backward shift, the
+        last row moved into its place)."""
+        rows, slots, mask = self._rows, self._slots, self._mask
+        i = self._slot_of(r)
+        j = i
+        while True:                                  # backward-shift deletion (linear probing)
+            j = (j + 1) & mask
+            s = int(slots[j])
+            if s == EMPTY:
+                break
+            home = self._home(s)
+            if (i <= j and (home <= i or home > j)) or (i > j and home <= i and home > j):
+                slots[i] = s
+                i = j
+        slots[i] = EMPTY
+        last = rows.n - 1
+        if r != last:
+            slots[self._slot_of(last)] = r
+            rows.move(last, r)
+        rows.n -= 1
+
+    def _home(self, r: int) -> int:
+        """(lock held) Row ``r``'s own slot (where its probe starts)."""
+        return key_hash(self._rows.key[r].tobytes(), self._seed) & self._mask
+
+    def _slot_of(self, r: int) -> int:
+        pos = self._home(r)
+        while int(self._slots[pos]) != r:
+            pos = (pos + 1) & self._mask
+        return pos
+
+    def _tick(self) -> int:
+        self._clock = min(self._clock + 1, 0xFFFFFFFF)
+        return self._clock
+
+    def _next_gen(self) -> int:
+        self._gen = (self._gen + 1) & 0xFFFFFFFF
+        return self._gen
+
+    # ------------------------------------------------------------------ a row's fragments
+    def _fragment_db(self, r: int, i: int) -> int:
+        rows = self._rows
+        dbmod = int(rows.dbmod[r])
+        return int(rows.db0[r]) if dbmod == 0 else (int(rows.db0[r]) + i) % dbmod
+
+    def _fragment_size(self, r: int, i: int) -> int:
+        """(lock held) The bytes on disk of fragment ``i`` of row ``r`` (O_DIRECT padding as
+        the object's files have it)."""
+        rows = self._rows
+        nfrag, flen, total, disk = int(rows.nfrag[r]), int(rows.flen[r]), int(rows.total[r]), int(rows.disk[r])
+        if nfrag == 1:
+            return disk
+        payload = flen if i < nfrag - 1 else total - flen * (nfrag - 1)
+        padded = disk != nfrag * HEADER_BYTES + total
+        return sizes_on_disk(payload)[1 if padded else 0]
+
+    def _paths(self, r: int) -> list[str]:
+        """(lock held) The files of row ``r``, head first."""
+        okey = self._rows.key[r].tobytes()
+        return [self.path_of(self._fragment_db(r, i), okey + i.to_bytes(2, "big"))
+                for i in range(int(self._rows.nfrag[r]))]
+
+    @staticmethod
+    def _fkeys_array(fkeys: list[bytes]) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """(object keys (n, 28), fragment indices) of fragment keys, None unless each is 30 bytes."""
+        if set(map(len, fkeys)) != {FKEY_BYTES}:
+            return None
+        raw = np.frombuffer(b"".join(fkeys), np.uint8).reshape(len(fkeys), FKEY_BYTES)
+        index = raw[:, KEY_BYTES].astype(np.int64) * 256 + raw[:, KEY_BYTES + 1]
+        return np.ascontiguousarray(raw[:, :KEY_BYTES]), index
+
+    def _found(self, fkeys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """(lock held) (row of each fragment's object or -1, fragment index), -1 also where the
+        object has no such fragment."""
+        arrays = self._fkeys_array(fkeys)
+        if arrays is None:
+            rows = np.array([self._row(f[:-2]) if len(f) == FKEY_BYTES else -1 for f in fkeys], np.int64)
+            index = np.array([int.from_bytes(f[-2:], "big") for f in fkeys], np.int64)
+        else:
+            okeys, index = arrays
+            rows = self._rows_of(okeys)
+        hit = rows >= 0
+        hit[hit] = index[hit] < self._rows.nfrag[rows[hit]]
+        rows[~hit] = -1
+        return rows, index
 
     # ------------------------------------------------------------------ lookups
     def locate(self, fkey: bytes) -> Optional[Entry]:
-        """The index entry of a stored fragment, ``(database, bytes on disk)`` (refreshing its
-        object's LRU place), or None. The entry is the file the caller is handed: its failed
-        read's verdict goes to ``drop_if`` with it."""
-        okey = object_key(fkey)
+        """The entry of a stored fragment, ``(database, generation)`` (refreshing its object's
+        LRU place), or None. Its failed read's verdict goes to ``drop_if`` with it."""
+        i = int.from_bytes(fkey[-2:], "big")
         with self._lock:
-            obj = self._objects.get(okey)
-            entry = obj.parts.get(fkey) if obj is not None else None
-            if entry is None:
+            r = self._row(object_key(fkey))
+            if r < 0 or i >= int(self._rows.nfrag[r]):
                 return None
-            self._objects.move_to_end(okey)
-            self._tenants.enter(okey)
-        return entry
+            self._rows.tick[r] = self._tick()
+            return self._fragment_db(r, i), int(self._rows.gen[r])
 
     def locate_many(self, fkeys: list[bytes]) -> list[Optional[Entry]]:
         """``locate`` of many fragments under one lock."""
-        out: list[Optional[Entry]] = []
+        if not fkeys:
+            return []
         with self._lock:
-            objects, enter = self._objects, self._tenants.enter
-            for fkey in fkeys:
-                okey = fkey[:-2]                            # object_key
-                obj = objects.get(okey)
-                entry = obj.parts.get(fkey) if obj is not None else None
-                if entry is None:
-                    out.append(None)
-                    continue
-                objects.move_to_end(okey)
-                enter(okey)
-                out.append(entry)
+            rows, index = self._found(fkeys)
+            hit = rows >= 0
+            if not hit.any():
+                return [None] * len(fkeys)
+            r = rows[hit]
+            first = self._tick()                   # one tick a key, in the batch's order
+            self._clock = min(first + len(r) - 1, 0xFFFFFFFF)
+            self._rows.tick[r] = np.minimum(first + np.arange(len(r), dtype=np.int64), 0xFFFFFFFF)
+            dbmod = self._rows.dbmod[r].astype(np.int64)
+            db = self._rows.db0[r].astype(np.int64)
+            spread = dbmod > 0
+            db[spread] = (db[spread] + index[hit][spread]) % dbmod[spread]
+            gens = self._rows.gen[r]
+        out: list[Optional[Entry]] = [None] * len(fkeys)
+        for k, d, g in zip(np.flatnonzero(hit).tolist(), db.tolist(), gens.tolist()):
+            out[k] = (d, g)
         return out
 
     def contains_many(self, fkeys: list[bytes], lengths: Optional[list[Optional[int]]] = None) -> list[bool]:
         """Whether each fragment is indexed (with ``lengths``: holding that many payload bytes)."""
-        out = []
+        if not fkeys:
+            return []
         with self._lock:
-            for k, fkey in enumerate(fkeys):
-                obj = self._objects.get(object_key(fkey))
-                entry = obj.parts.get(fkey) if obj is not None else None
-                n = lengths[k] if lengths is not None else None
-                out.append(entry is not None and (n is None or entry[1] in sizes_on_disk(n)))
-        return out
+            rows, index = self._found(fkeys)
+            hit = rows >= 0
+            if lengths is not None and hit.any():
+                r, i = rows[hit], index[hit]
+                nfrag = self._rows.nfrag[r].astype(np.int64)
+                flen = self._rows.flen[r].astype(np.int64)
+                total = self._rows.total[r].astype(np.int64)
+                payload = np.where((nfrag == 1) | (i < nfrag - 1), flen, total - flen * (nfrag - 1))
+                want = np.array([-1 if n is None else n for n in lengths], np.int64)[hit]
+                hit[hit] = (want < 0) | (want == payload)
+        return hit.tolist()
 
     def object_sizes(self, heads: list[bytes]) -> list[Optional[int]]:
         """The object size each head fragment records (0: none), None where it is not indexed."""
-        out: list[Optional[int]] = []
+        if not heads:
+            return []
         with self._lock:
-            for fkey in heads:
-                obj = self._objects.get(object_key(fkey))
-                out.append(obj.total if obj is not None and fkey in obj.parts else None)
+            rows, index = self._found(heads)
+            hit = (rows >= 0) & (index == 0)
+            totals = self._rows.total[rows[hit]].tolist()
+        out: list[Optional[int]] = [None] * len(heads)
+        for k, t in zip(np.flatnonzero(hit).tolist(), totals):
+            out[k] = t
         return out
 
     def usage(self) -> tuple[int, int]:
@@ -156,9 +482,15 @@ class FsIndex:
         with self._lock:
             return self._used, self._files
 
+    def objects(self) -> int:
+        with self._lock:
+            return self._rows.n
+
     def tenant_usage(self) -> list[TenantUsage]:
         with self._lock:
-            return self._tenants.usage()
+            return sorted((TenantUsage(t.tid.hex(), t.used, t.objects, t.quota, t.evicted, t.capacity_evicted)
+                           for t in self._ns if t.tid in self.quotas or t.used or t.objects or t.evicted
+                           or t.capacity_evicted), key=lambda u: u.tenant)
 
     # ------------------------------------------------------------------ writes
     def reserve(self, okey: bytes, fkey: bytes, nbytes: int) -> tuple[bool, list[str]]:
@@ -166,219 +498,585 @@ class FsIndex:
         (whole) if needed. (whether it may be written, files of the evicted objects)."""
         victims: list[str] = []
         with self._lock:
-            obj = self._objects.get(okey)
-            old = obj.parts.get(fkey) if obj is not None else None
-            freed_by_overwrite = old[1] if old else 0
-            tid = tenant_of(okey)
-            evicted = self._evict_own(tid, nbytes - freed_by_overwrite, okey, victims)
-            if self._tenants.over_by(tid, nbytes - freed_by_overwrite):
+            freed = self._file_size(okey, fkey)
+            ns = self._ns[self._namespace(tenant_of(okey))]
+            evicted = 0
+            if ns.over_by(nbytes - freed):
+                evicted = self._evict(self._ns_of[ns.tid], lambda: ns.over_by(nbytes - freed) > 0, okey, victims)
+            if ns.over_by(nbytes - freed):
                 self.evicted += evicted
                 logger.warning("fs card %s: namespace id %s is at its quota (the rest pinned): not storing",
-                               self.root, tid.hex())
+                               self.root, ns.tid.hex())
                 return False, victims
-            return self._reserve_capacity(okey, nbytes, freed_by_overwrite, victims, evicted), victims
+            high = self.capacity_bytes * self.watermark
+            if self._used + nbytes - freed > high:
+                target = self.capacity_bytes * (self.watermark - self.ratio) - nbytes + freed
+                evicted += self._evict(-1, lambda: self._used > target, okey, victims)
+            self.evicted += evicted
+            if self._used + nbytes - freed > self.capacity_bytes:
+                logger.warning("fs card %s is full (%d of %d bytes, the rest pinned): not storing",
+                               self.root, self._used, self.capacity_bytes)
+                return False, victims
+            self._used += nbytes
+            ns.used += nbytes
+        return True, victims
+
+    def _file_size(self, okey: bytes, fkey: bytes) -> int:
+        """(lock held) The bytes on disk of the fragment's indexed file (0: none)."""
+        part = self._pending.get(okey, {}).get(fkey)
+        if part is not None:
+            return part[1]
+        r = self._row(okey)
+        i = int.from_bytes(fkey[-2:], "big")
+        return self._fragment_size(r, i) if r >= 0 and i < int(self._rows.nfrag[r]) else 0
 
     def unreserve(self, okey: bytes, nbytes: int) -> None:
         """A reserved write did not happen."""
         with self._lock:
             self._used -= nbytes
-            self._tenants.charge(okey, -nbytes)
+            self._ns[self._namespace(tenant_of(okey))].used -= nbytes
 
-    def commit(self, fkey: bytes, db: int, on_disk: int, object_bytes: int) -> Optional[str]:
-        """A reserved file of ``on_disk`` bytes is in place in database ``db``: index it (its
-        object last in the LRU). ``object_bytes``: the size a head records. The path of the
-        fragment's previous file when it was in another database (to be removed), else None."""
+    def commit(self, fkey: bytes, db: int, payload: int, on_disk: int, object_bytes: int) -> list[str]:
+        """A reserved file of ``on_disk`` bytes holding ``payload`` bytes is in place in
+        database ``db``. A fragment other than the head waits for its head; the head makes
+        the object whole: indexed (last in the LRU), with ``object_bytes`` the size it
+        records. Returns the files to remove: an earlier version's files the new one does not
+        reuse (another database, fragments past the new count), or, when the head finds
+        fragments missing (the object cannot be read whole), the object's own files."""
         okey = object_key(fkey)
-        stale = None
         with self._lock:
-            obj = self._objects.get(okey)
-            if obj is None:
-                obj = self._objects[okey] = _Object()
-            else:
-                self._objects.move_to_end(okey)
-            self._tenants.enter(okey)
-            old = obj.parts.pop(fkey, None)
-            if old is not None:
+            if self._scanning:
+                self._gone.discard(okey)
+            r = self._row(okey)
+            if not is_head(fkey):
+                parts = self._pending.setdefault(okey, {})
+                old = parts.get(fkey)
+                parts[fkey] = (db, on_disk)
+                if r >= 0:
+                    self._rows.gen[r] = self._next_gen()    # a fragment of the indexed object changed
+                if old is None:
+                    return []
                 self._used -= old[1]
-                self._tenants.charge(okey, -old[1])
-                if old[0] != db:
-                    stale = self.path_of(old[0], fkey)
-            else:
-                self._files += 1
-            obj.parts[fkey] = (db, on_disk)
-            if is_head(fkey):
-                obj.total = object_bytes
+                self._ns[self._namespace(tenant_of(okey))].used -= old[1]
+                return [self.path_of(old[0], fkey)] if old[0] != db else []
+            return self._commit_head(okey, fkey, r, db, payload, on_disk, object_bytes)
+
+    def _commit_head(self, okey: bytes, fkey: bytes, r: int, db: int, payload: int, on_disk: int,
+                     object_bytes: int) -> list[str]:
+        parts = self._pending.pop(okey, {})
+        parts[fkey] = (db, on_disk)
+        nfrag = len(fragment_extents(object_bytes, payload)) if object_bytes > payload else 1
+        ns_index = self._namespace(tenant_of(okey))
+        ns = self._ns[ns_index]
+        stale: list[str] = []
+        kept = 0
+        if r >= 0:                                   # an earlier version of the object
+            for i in range(int(self._rows.nfrag[r])):
+                fk = okey + i.to_bytes(2, "big")
+                old_db = self._fragment_db(r, i)
+                if fk in parts:
+                    if parts[fk][0] != old_db:
+                        stale.append(self.path_of(old_db, fk))
+                elif i < nfrag:
+                    parts[fk] = (old_db, self._fragment_size(r, i))
+                    kept += parts[fk][1]
+                else:
+                    stale.append(self.path_of(old_db, fk))
+            old_disk = int(self._rows.disk[r])
+            self._used -= old_disk - kept
+            ns.used -= old_disk - kept
+            self._files -= int(self._rows.nfrag[r])
+            ns.objects -= 1
+            self._remove_row(r)
+        disk = sum(size for _, size in parts.values())
+        dbs = [parts.get(okey + i.to_bytes(2, "big"), (None,))[0] for i in range(nfrag)]
+        dbmod = self._layout(dbs)
+        if dbmod is None or len(parts) != nfrag:
+            logger.warning("fs card %s: object %s lacks fragments or has them out of place; removing it",
+                           self.root, okey.hex())
+            self._used -= disk
+            ns.used -= disk
+            return stale + [self.path_of(d, fk) for fk, (d, _) in parts.items()]
+        r = self._insert(okey)
+        self._set_row(r, disk, object_bytes, payload, nfrag, dbs[0], dbmod, self._tick(), ns_index)
         return stale
+
+    def _layout(self, dbs: list[Optional[int]]) -> Optional[int]:
+        """The ``dbmod`` of an object whose fragments are in ``dbs`` (0: all in the first),
+        or None when they are not where a gateway puts them (or one is missing)."""
+        if None in dbs:
+            return None
+        if all(d == dbs[0] for d in dbs):
+            return 0
+        for mod in (self.num_dbs, max(dbs) + 1):
+            if all(d == (dbs[0] + i) % mod for i, d in enumerate(dbs)):
+                return mod
+        return None
+
+    def _set_row(self, r: int, disk: int, total: int, flen: int, nfrag: int, db0: int, dbmod: int,
+                 tick: int, ns_index: int) -> None:
+        rows = self._rows
+        rows.disk[r], rows.total[r], rows.flen[r], rows.nfrag[r] = disk, total, flen, nfrag
+        rows.db0[r], rows.dbmod[r], rows.gen[r], rows.tick[r], rows.ns[r] = db0, dbmod, self._next_gen(), tick, ns_index
+        self._files += nfrag
+        ns = self._ns[ns_index]
+        ns.objects += 1
 
     # ------------------------------------------------------------------ removal
     def drop(self, okey: bytes) -> Optional[list[str]]:
-        """Take an object out of the index; its files (head first), or None if not indexed."""
+        """Take an object out of the index (and its fragments in flight); its files (head
+        first), or None if none was indexed."""
         with self._lock:
-            return self._take(okey)
+            if self._scanning:
+                self._gone.add(okey)
+            return self._take(okey, self._row(okey))
 
     def drop_if(self, fkey: bytes, entry: Entry) -> Optional[list[str]]:
-        """``drop`` of the fragment's object only while the index still holds ``entry`` (what
-        ``locate`` handed a reader) for it: a read's verdict is about that file. None when the
-        object is gone or the fragment was stored again since (a newer, acknowledged file:
-        the object stays)."""
+        """``drop`` of the fragment's object only while it is still the generation ``entry``
+        (what ``locate`` handed a reader) names: a read's verdict is about that file. None
+        when the object is gone or was stored again since (a newer, acknowledged file: the
+        object stays)."""
         okey = object_key(fkey)
         with self._lock:
-            obj = self._objects.get(okey)
-            if obj is None or obj.parts.get(fkey) is not entry:
+            r = self._row(okey)
+            if r < 0 or int(self._rows.gen[r]) != entry[1]:
                 return None
-            return self._take(okey)
+            if self._scanning:
+                self._gone.add(okey)
+            return self._take(okey, r)
 
-    def drop_all(self) -> list[str]:
-        """Empty the index (quotas and eviction counts stay); every file it held."""
+    def drop_all(self) -> int:
+        """Empty the index (quotas and eviction counts stay); how many objects it held. The
+        caller removes the files (``FsCard.clean`` walks the databases)."""
         with self._lock:
-            paths = [self.path_of(db, fkey) for obj in self._objects.values() for fkey, (db, _) in obj.parts.items()]
-            self._objects.clear()
-            self._tenants.clear()
+            n = self._rows.n
+            self._rows = _Rows()
+            self._slots = _free_slots(2048)
+            self._mask = len(self._slots) - 1
+            self._pending.clear()
+            self._queues.clear()
+            for ns in self._ns:
+                ns.used = ns.objects = 0
             self._used = self._files = 0
-        return paths
+        return n
 
-    def trim_to_quotas(self) -> list[str]:
-        """Bring every namespace within its quota (quotas lowered since the card was written):
-        its own least recently used objects go (nothing is pinned before serving). Their files."""
-        victims: list[str] = []
-        with self._lock:
-            for tid in self._tenants.quotas:
-                n = self._evict_own(tid, 0, b"", victims, pins=False)
-                if n:
-                    self.evicted += n
-                    logger.info("fs card %s: namespace id %s was over its quota; %d objects evicted",
-                                self.root, tid.hex(), n)
-        return victims
-
-    def _take(self, okey: bytes) -> Optional[list[str]]:
-        """(lock held) Take an object out of the index; its files, head first."""
-        obj = self._objects.pop(okey, None)
-        if obj is None:
+    def _take(self, okey: bytes, r: int) -> Optional[list[str]]:
+        """(lock held) Take an object (row ``r``, -1: none) and its fragments in flight out of
+        the index; its files, head first, or None when neither was there."""
+        parts = self._pending.pop(okey, None)
+        if r < 0 and parts is None:
             return None
-        self._tenants.forget(okey, sum(size for _, size in obj.parts.values()))
-        paths = []
-        for fkey, (db, size) in obj.parts.items():
+        ns = self._ns[self._namespace(tenant_of(okey))]
+        paths: list[str] = []
+        if r >= 0:
+            paths = self._paths(r)
+            disk = int(self._rows.disk[r])
+            self._used -= disk
+            ns.used -= disk
+            ns.objects -= 1
+            self._files -= int(self._rows.nfrag[r])
+            self._remove_row(r)
+        for fk, (d, size) in (parts or {}).items():
             self._used -= size
-            self._files -= 1
-            path = self.path_of(db, fkey)
-            if is_head(fkey):
-                paths.insert(0, path)
-            else:
+            ns.used -= size
+            path = self.path_of(d, fk)
+            if path not in paths:
                 paths.append(path)
         return paths
 
-    def _evict_own(self, tid: bytes, nbytes: int, keep: bytes, victims: list[str], pins: bool = True) -> int:
-        """(lock held) Evict namespace ``tid``'s least recently used objects (never ``keep``
-        nor a pinned one) until it can take ``nbytes`` more within its quota; their files go
-        to ``victims``. How many objects were evicted."""
+    def _evict(self, ns_index: int, more: Callable[[], bool], keep: bytes, victims: list[str],
+               pins: bool = True) -> int:
+        """(lock held) Evict least recently used objects (of namespace ``ns_index``; -1: any)
+        while ``more()``, never ``keep`` nor (with ``pins``) a pinned one; their files go to
+        ``victims``. How many were evicted."""
+        queue = self._queues.setdefault(ns_index, collections.deque())
+        skipped: list[tuple[bytes, int]] = []
         evicted = 0
-        if not self._tenants.over_by(tid, nbytes):
-            return 0
-        for key in self._tenants.oldest(tid):
-            if not self._tenants.over_by(tid, nbytes):
-                break
-            if key == keep or (pins and self.is_pinned(key[:KEY_BYTES])):
+        size = 0                                   # the last refill's size (0: none yet)
+        fruitful = True                            # the last refill gave victims (or there was none)
+        rows = self._rows
+        while more():
+            if not queue:
+                count = rows.n if ns_index < 0 else self._ns[ns_index].objects
+                if not fruitful and size >= count:
+                    break                          # every row was queued and none could go: pinned
+                size = min(count, max(MIN_QUEUE, rows.n // 32) if fruitful else 2 * size)
+                queue.extend(self._oldest(ns_index, size))
+                skipped.clear()                    # the refill queued them again
+                fruitful = False
+                if not queue:
+                    break
+            okey, tick = queue.popleft()
+            r = self._row(okey)
+            if r < 0 or int(rows.tick[r]) != tick:
+                continue                           # gone, or used since it was queued
+            if okey == keep or (pins and self.is_pinned(okey)):
+                skipped.append((okey, tick))
                 continue
-            paths = self._take(key)
-            if paths is not None:
-                victims.extend(paths)
-                self._tenants.count_eviction(tid)
-                evicted += 1
+            ns = self._ns[int(rows.ns[r])]
+            victims.extend(self._take(okey, r))
+            fruitful = True
+            if self._scanning:
+                self._gone.add(okey)
+            if ns_index < 0:
+                ns.capacity_evicted += 1
+            else:
+                ns.evicted += 1
+            evicted += 1
+        queue.extendleft(reversed(skipped))        # still the oldest
         return evicted
 
-    def _reserve_capacity(self, okey: bytes, nbytes: int, freed_by_overwrite: int, victims: list[str],
-                          evicted: int) -> bool:
-        """(lock held) The card's own capacity: evict least recently used objects of any
-        namespace past the watermark, down to (watermark - ratio)."""
-        high = self.capacity_bytes * self.watermark
-        ok = True
-        if self._used + nbytes - freed_by_overwrite > high:
-            target = self.capacity_bytes * (self.watermark - self.ratio) - nbytes + freed_by_overwrite
-            for key in list(self._objects.keys()):
-                if self._used <= target:
-                    break
-                if key == okey or self.is_pinned(key[:KEY_BYTES]):
-                    continue
-                victims.extend(self._take(key))
-                self._tenants.count_eviction(tenant_of(key), over_quota=False)
-                evicted += 1
-            if self._used + nbytes - freed_by_overwrite > self.capacity_bytes:
-                logger.warning("fs card %s is full (%d of %d bytes, the rest pinned): not storing",
-                               self.root, self._used, self.capacity_bytes)
-                ok = False
-        if ok:
-            self._used += nbytes
-            self._tenants.charge(okey, nbytes)
-        self.evicted += evicted
-        return ok
+    def _oldest(self, ns_index: int, k: int) -> list[tuple[bytes, int]]:
+        """(lock held) The ``k`` least recently used rows (of a namespace; -1: any), oldest
+        first, as (key, tick)."""
+        rows = self._rows
+        ticks = rows.tick[:rows.n]
+        if ns_index < 0:
+            idx = np.arange(rows.n)
+        else:
+            idx = np.flatnonzero(rows.ns[:rows.n] == ns_index)
+            ticks = ticks[idx]
+        if len(idx) > k:
+            part = np.argpartition(ticks, k - 1)[:k]
+            idx, ticks = idx[part], ticks[part]
+        order = np.argsort(ticks, kind="stable")
+        idx, ticks = idx[order], ticks[order]
+        keys = rows.key[idx]
+        return [(keys[j].tobytes(), t) for j, t in enumerate(ticks.tolist())]
 
-    # ------------------------------------------------------------------ rebuild at start
-    def rebuild(self, own_file: Callable[[int], None]) -> None:
-        """Index every object file under ``root``'s ``dbNNN`` directories (oldest first),
-        checking each file's header against its size. A file that does not match (truncated,
-        corrupt) is removed, and so is every file of an object whose head records a size its
-        fragments do not add up to, or that has no head (a fragmented write cut short).
-        Leftovers of interrupted writes (dot files) go. ``own_file(fd)`` gives each file the
-        card's mode and group."""
+    def trim(self, pins: bool = True) -> list[str]:
+        """Bring every namespace within its quota and the card within its watermark (after
+        the scan, or quotas lowered since the card was written): least recently used objects
+        go. Their files."""
+        victims: list[str] = []
+        with self._lock:
+            for i, ns in enumerate(self._ns):
+                if ns.quota and ns.over_by(0):
+                    n = self._evict(i, lambda ns=ns: ns.over_by(0) > 0, b"", victims, pins)
+                    if n:
+                        self.evicted += n
+                        logger.info("fs card %s: namespace id %s was over its quota; %d objects evicted",
+                                    self.root, ns.tid.hex(), n)
+            if self.capacity_bytes and self._used > self.capacity_bytes * self.watermark:
+                target = self.capacity_bytes * (self.watermark - self.ratio)
+                n = self._evict(-1, lambda: self._used > target, b"", victims, pins)
+                if n:
+                    self.evicted += n
+                    logger.info("fs card %s was past its watermark; %d objects evicted", self.root, n)
+        return victims
+
+    # ------------------------------------------------------------------ snapshot
+    def save(self, path: str, serial: str, stamps: dict[str, int], own_file: Callable[[int], None]) -> None:
+        """Write the table to ``path`` (through a temporary file, renamed into place):
+        ``serial`` the card's, ``stamps`` each database directory's modification time (ns)."""
+        with self._lock:
+            if self._pending or self._scanning:
+                logger.info("fs card %s: writes in flight or a scan unfinished: no index snapshot", self.root)
+                return
+            rows = self._rows
+            head = json.dumps({"serial": serial, "rows": rows.n, "num_dbs": self.num_dbs, "stamps": stamps,
+                               "namespaces": [ns.tid.hex() for ns in self._ns], "gen": self._gen,
+                               "clock": self._clock, "seed": self._seed, "hash": HASH_NAME,
+                               "saved": time.time(), "columns": [c[0] for c in _Rows.COLUMNS]}).encode()
+            tmp = path + ".tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                own_file(fd)
+                digest = xxhash.xxh3_64()
+                with os.fdopen(os.dup(fd), "wb") as out:
+                    for piece in [SNAPSHOT_MAGIC, SNAPSHOT_FORMAT.to_bytes(4, "little"),
+                                  len(head).to_bytes(4, "little"), head] + \
+                            [_bytes_of(getattr(rows, c[0])[:rows.n]) for c in _Rows.COLUMNS]:
+                        out.write(piece)
+                        digest.update(piece)
+                    out.write(digest.intdigest().to_bytes(8, "little"))
+                    out.flush()
+                    os.fsync(out.fileno())
+            except BaseException:
+                os.close(fd)
+                unlink_all([tmp])
+                raise
+            os.close(fd)
+            os.rename(tmp, path)
+        logger.info("fs card %s: index of %d objects saved", self.root, rows.n)
+
+    def load(self, path: str, serial: str, stamps: dict[str, int]) -> Optional[str]:
+        """Take the table from a snapshot ``save`` wrote. None when it did; else why not (no
+        snapshot, not whole, another card's, older than the files), the index unchanged."""
+        try:
+            with open(path, "rb", buffering=0) as src:
+                if os.fstat(src.fileno()).st_uid != os.geteuid():
+                    return "not the gateway's own file"
+                got = src.read(16)
+                if len(got) < 16 or got[:8] != SNAPSHOT_MAGIC:
+                    return "not an index snapshot"
+                if int.from_bytes(got[8:12], "little") != SNAPSHOT_FORMAT:
+                    return "of another format"
+                raw = src.read(int.from_bytes(got[12:16], "little"))
+                digest = xxhash.xxh3_64(got)
+                digest.update(raw)
+                head = json.loads(raw)
+                if head.get("serial") != serial:
+                    return f"of another card ({head.get('serial')})"
+                if head.get("stamps") != stamps or head.get("num_dbs") != self.num_dbs:
+                    return "older than the files (a database directory changed since)"
+                if head.get("columns") != [c[0] for c in _Rows.COLUMNS] or head.get("hash") != HASH_NAME:
+                    return "of another layout"
+                n = int(head["rows"])
+                rows = _Rows(max(1024, 1 << max(0, n - 1).bit_length()))
+                for name, _, _ in _Rows.COLUMNS:
+                    view = _bytes_of(getattr(rows, name)[:n])
+                    if src.readinto(view) != len(view):
+                        return "truncated"
+                    digest.update(view)
+                if src.read(8) != digest.intdigest().to_bytes(8, "little") or src.read(1):
+                    return "damaged (checksum)"
+        except FileNotFoundError:
+            return "none"
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"unreadable ({exc})"
+        rows.n = n
+        with self._lock:
+            self._rows = rows
+            self._ns, self._ns_of = [], {}
+            for tid in head["namespaces"]:
+                self._namespace(bytes.fromhex(tid))
+            for tid in self.quotas:
+                self._namespace(tid)
+            ns = rows.ns[:n]
+            used = np.bincount(ns, weights=rows.disk[:n], minlength=len(self._ns))
+            count = np.bincount(ns, minlength=len(self._ns))
+            for i, t in enumerate(self._ns):
+                t.used, t.objects = int(used[i]), int(count[i])
+            self._used = int(rows.disk[:n].sum())
+            self._files = int(rows.nfrag[:n].sum())
+            self._seed = int(head["seed"])         # the rows' hashes were made with it
+            self._gen = int(head["gen"])
+            self._clock = max(int(head["clock"]), START_TICK)
+            self._queues.clear()
+            self.saved_at = float(head["saved"])
+            size = 2048
+            while 2 * n > size:
+                size *= 2
+            self._rehash(size)
+        return None
+
+    # ------------------------------------------------------------------ the scan at start
+    def index_scanned(self, okey: bytes, parts: dict[bytes, tuple[int, int]], total: int, flen: int,
+                      mtime: float, now: float) -> bool:
+        """Index an object the scan found whole: ``parts`` fragment key -> (db, bytes on disk),
+        ``total`` the size its head records, ``flen`` its head's payload length, ``mtime``
+        its newest file's. Nothing when the object was committed, deleted or evicted since
+        the card opened. Whether it was indexed."""
+        dbs = [parts[okey + i.to_bytes(2, "big")][0] for i in range(len(parts))]
+        with self._lock:
+            if okey in self._gone or okey in self._pending or self._row(okey) >= 0:
+                return False
+            dbmod = self._layout(dbs)
+            if dbmod is None:
+                return False
+            disk = sum(size for _, size in parts.values())
+            ns_index = self._namespace(tenant_of(okey))
+            r = self._insert(okey)
+            self._set_row(r, disk, total, flen, len(parts), dbs[0], dbmod, _tick_of_age(now - mtime), ns_index)
+            self._used += disk
+            self._ns[ns_index].used += disk
+        return True
+
+    def begin_scan(self) -> None:
+        with self._lock:
+            self._scanning = True
+
+    def end_scan(self) -> None:
+        with self._lock:
+            self._scanning = False
+            self._gone.clear()
+
+    def verify(self, own_file: Callable[[int], None], started: float, stop: threading.Event) -> Optional[int]:
+        """After ``load``: check each indexed object's files against the snapshot (one
+        ``lstat`` each: the size its row gives, not changed since the snapshot was saved).
+        An object whose file differs is judged again from its files (its head's header, as
+        the scan does): indexed anew when sound, removed when broken, dropped from the index
+        when gone. Runs while the card serves, as the scan (``begin_scan``). How many objects
+        it changed, or None when ``stop`` was set first."""
+        with self._lock:
+            n = self._rows.n
+            keys = _mapped((n, KEY_BYTES), np.uint8)
+            keys[:] = self._rows.key[:n]
+        header = memoryview(bytearray(objfmt.HEADER_CORE))
+        changed = 0
+        with progress.track(f"fs card {self.root}: checking the index snapshot", n, "objects", log=logger) as shown:
+            for j in range(n):
+                if stop.is_set():
+                    return None
+                shown.advance()
+                okey = keys[j].tobytes()
+                with self._lock:
+                    r = self._row(okey)
+                    files = [] if r < 0 else [(self._fragment_db(r, i), self._fragment_size(r, i))
+                                              for i in range(int(self._rows.nfrag[r]))]
+                    gen, tick = (int(self._rows.gen[r]), int(self._rows.tick[r])) if r >= 0 else (-1, -1)
+                if not files:
+                    continue
+                mtime = self._files_match(okey, files)
+                if mtime is not None:
+                    with self._lock:               # its LRU place by age, as a scan gives it (unless used since)
+                        r = self._row(okey)
+                        if r >= 0 and int(self._rows.gen[r]) == gen and int(self._rows.tick[r]) == tick:
+                            self._rows.tick[r] = _tick_of_age(time.time() - mtime)
+                    continue
+                changed += 1
+                with self._lock:
+                    r = self._row(okey)
+                    if r < 0 or int(self._rows.gen[r]) != gen:
+                        continue                   # stored or dropped since: not the snapshot's any more
+                    self._take(okey, r)
+                db = files[0][0]
+                found = self._scan_object(db, okey, self.path_of(db, okey + HEAD_SUFFIX), header, own_file,
+                                          started)
+                if found is not None and not isinstance(found, str):
+                    self.index_scanned(okey, *found, now=time.time())
+        logger.info("fs card %s: index snapshot checked against the files, %d objects changed since", self.root,
+                    changed)
+        return changed
+
+    def _files_match(self, okey: bytes, files: list[tuple[int, int]]) -> Optional[float]:
+        """The newest mtime of an object's files when they are still as the snapshot has them
+        (size, not changed since it was saved), else None."""
+        newest = 0.0
+        for i, (db, size) in enumerate(files):
+            try:
+                st = os.lstat(self.path_of(db, okey + i.to_bytes(2, "big")))
+            except OSError:
+                return None
+            if st.st_size != size or st.st_mtime > self.saved_at or not stat.S_ISREG(st.st_mode):
+                return None
+            newest = max(newest, st.st_mtime)
+        return newest
+
+    def scan(self, walk: Callable[[], Iterator[tuple[int, str, str]]],
+             own_file: Callable[[int], None], started: float, stop: threading.Event) -> Optional[int]:
+        """Index the files ``walk()`` yields as (database, directory, name) (walked twice: a
+        count for the progress, ``listed``, then the work), checking each head's header
+        against its size and its object's fragments against the size it records. A file older than ``started`` (the card's
+        open, wall clock) that does not match (truncated, corrupt), or a fragment whose head
+        is missing, is removed; so is every file of an object whose fragments do not add up
+        to the size its head records. Leftovers of interrupted writes (dot files) older than
+        ``started`` go. ``own_file(fd)`` gives each file the card's mode and group. Returns
+        how many objects it indexed, or None when ``stop`` was set first."""
         t0 = time.monotonic()
         header = memoryview(bytearray(objfmt.HEADER_CORE))
-        groups: dict[bytes, dict[bytes, tuple]] = collections.defaultdict(dict)
-        bad = 0
-        listing = [(int(name[2:]), os.path.join(self.root, name), os.listdir(os.path.join(self.root, name)))
-                   for name in sorted(os.listdir(self.root)) if name.startswith("db") and name[2:].isdigit()]
-        with progress.track(f"fs card {self.root}: indexing", sum(len(names) for _, _, names in listing),
-                            "files", log=logger) as shown:
-            for db, directory, names in listing:
-                for name in names:
-                    shown.advance()
-                    path = os.path.join(directory, name)
-                    if name.startswith("."):
+        indexed = bad = 0
+        with progress.track(f"fs card {self.root}: indexing", 0, "files", log=logger) as shown:
+            shown.total = self.listed = sum(1 for _ in walk())
+            for db, directory, name in walk():
+                if stop.is_set():
+                    return None
+                shown.advance()
+                path = os.path.join(directory, name)
+                if name.startswith("."):
+                    if _older(path, started):
                         unlink_all([path])  # a temp file of a write that never finished
-                        continue
-                    try:
-                        fkey = bytes.fromhex(name)
-                    except ValueError:
-                        continue
-                    if len(fkey) <= 2:
-                        continue
-                    try:
-                        info = _scan_file(path, fkey, header, own_file)
-                    except OSError:
-                        continue
-                    if isinstance(info, str):
-                        logger.warning("fs card %s: %s is %s; removing it", self.root, path, info)
+                    continue
+                try:
+                    fkey = bytes.fromhex(name)
+                except ValueError:
+                    continue
+                if len(fkey) != FKEY_BYTES:
+                    continue
+                okey = object_key(fkey)
+                if not is_head(fkey):
+                    if not self._has_head(okey, fkey, db) and okey not in self._pending and _older(path, started):
+                        # no head: a fragmented write cut short (the head goes last); it can never be read
+                        logger.warning("fs card %s: %s has no head fragment; removing it", self.root, path)
                         unlink_all([path])
                         bad += 1
-                        continue
-                    groups[object_key(fkey)][fkey] = (db,) + info
-        entries = []
-        for okey, parts in groups.items():
-            head = parts.get(okey + HEAD_SUFFIX)
-            if head is None or (head[4] and not _complete(okey, parts, head)):
-                # no head: a fragmented write cut short (the head goes last); it can never be read
-                logger.warning("fs card %s: object %s lacks fragments; removing it", self.root, okey.hex())
-                unlink_all([self.path_of(p[0], fk) for fk, p in parts.items()])
-                bad += 1
-                continue
-            entries.append((max(p[2] for p in parts.values()), okey, parts, head[4]))
-        entries.sort(key=lambda e: e[0])
-        with self._lock:
-            self._objects.clear()
-            self._tenants.clear()
-            self._used = self._files = 0
-            for _, okey, parts, total in entries:
-                obj = _Object()
-                obj.total = total
-                for fkey, (db, size, _, _, _) in parts.items():
-                    obj.parts[fkey] = (db, size)
-                    self._used += size
-                    self._tenants.charge(okey, size)
-                    self._files += 1
-                self._objects[okey] = obj
-                self._tenants.enter(okey)
+                    continue
+                found = self._scan_object(db, okey, path, header, own_file, started)
+                if found is None:
+                    continue
+                if isinstance(found, str):
+                    bad += 1
+                    continue
+                parts, total, flen, mtime = found
+                indexed += self.index_scanned(okey, parts, total, flen, mtime, time.time())
+        used, files = self.usage()
         logger.info("fs card %s: %d objects in %d files, %.1f MiB indexed in %.2f s%s",
-                    self.root, len(entries), self._files, self._used / 2**20,
-                    time.monotonic() - t0, f"; {bad} broken removed" if bad else "")
+                    self.root, indexed, files, used / 2**20, time.monotonic() - t0,
+                    f"; {bad} broken removed" if bad else "")
+        return indexed
+
+    def _has_head(self, okey: bytes, fkey: bytes, db: int) -> bool:
+        """Whether the head of the object whose fragment ``fkey`` is in ``db`` is where a
+        gateway puts it (spread: ``index`` databases back; else the same database)."""
+        back = (db - int.from_bytes(fkey[-2:], "big")) % self.num_dbs
+        return any(os.path.lexists(self.path_of(d, okey + HEAD_SUFFIX)) for d in {back, db})
+
+    def _scan_object(self, db: int, okey: bytes, path: str, header: memoryview,
+                     own_file: Callable[[int], None], started: float):
+        """(parts, total, head length, newest mtime) of a whole object whose head is ``path``,
+        None when it cannot be judged now (gone, unreadable, newer than the start), or a
+        string when it was broken and removed."""
+        try:
+            info = _scan_file(path, okey + HEAD_SUFFIX, header, own_file)
+        except OSError:
+            return None
+        if isinstance(info, str):
+            if not _older(path, started):
+                return None
+            logger.warning("fs card %s: %s is %s; removing it", self.root, path, info)
+            unlink_all([path])
+            return info
+        size, mtime, flen, total = info
+        parts = {okey + HEAD_SUFFIX: (db, size)}
+        if total <= flen:
+            return parts, total, flen, mtime
+        try:
+            extents = fragment_extents(total, flen)
+        except ValueError:
+            extents = []
+        problem = None if extents else "a head of impossible size"
+        spread_ok = all_here = True
+        for i, (_, length) in enumerate(extents[1:], 1):
+            fkey = okey + i.to_bytes(2, "big")
+            got = None
+            for d in ((db + i) % self.num_dbs, db) if spread_ok else (db,):
+                try:
+                    got = _scan_file(self.path_of(d, fkey), fkey, header, own_file)
+                except OSError:
+                    continue
+                if d != db:
+                    all_here = False
+                break
+            if got is None or isinstance(got, str) or got[2] != length:
+                problem = "missing fragments"
+                break
+            parts[fkey] = (d, got[0])
+            mtime = max(mtime, got[1])
+        if problem is None:
+            return parts, total, flen, mtime
+        if mtime >= started or okey in self._pending:
+            return None
+        logger.warning("fs card %s: object %s lacks fragments; removing it", self.root, okey.hex())
+        unlink_all([self.path_of(d, fk) for fk, (d, _) in parts.items()])
+        return problem
+
+
+def _tick_of_age(age_s: float) -> int:
+    """The LRU tick of a file last written ``age_s`` ago: older than any use since the start,
+    by milliseconds for 12 days, then by seconds."""
+    ms = int(max(age_s, 0.0) * 1000)
+    fine = 1 << 30
+    return START_TICK - 1 - (ms if ms < fine else min(fine + (ms - fine) // 1000, START_TICK - 2))
+
+
+def _older(path: str, started: float) -> bool:
+    """Whether the file was last changed before ``started`` (wall clock): not a write of
+    this gateway's."""
+    try:
+        return os.lstat(path).st_mtime < started
+    except OSError:
+        return False
 
 
 def _scan_file(path: str, fkey: bytes, header: memoryview, own_file: Callable[[int], None]):
@@ -399,16 +1097,3 @@ def _scan_file(path: str, fkey: bytes, header: memoryview, own_file: Callable[[i
     if st.st_size not in sizes_on_disk(parsed[0]):
         return f"truncated ({st.st_size} bytes for a payload of {parsed[0]})"
     return st.st_size, st.st_mtime, parsed[0], parsed[1]
-
-
-def _complete(okey: bytes, parts: dict, head: tuple) -> bool:
-    """Whether the fragments of an object add up to the size its head records."""
-    try:
-        extents = fragment_extents(head[4], head[3])
-    except ValueError:
-        return False
-    for i, (_, length) in enumerate(extents):
-        p = parts.get(okey + i.to_bytes(2, "big"))
-        if p is None or p[3] != length:
-            return False
-    return True

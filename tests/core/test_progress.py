@@ -223,6 +223,10 @@ def test_a_long_index_rebuild_writes_plain_lines_in_the_log(tmp_path):
                 time.sleep(0.1)
             os.kill(gw.proc.pid, signal.SIGCONT)
         up = gw._wait_until_up(60)
+        deadline = time.monotonic() + 60          # the scan goes on while the gateway serves
+        while up and b"indexed in" not in open(log_path, "rb").read():
+            assert time.monotonic() < deadline, gw.log()
+            time.sleep(0.05)
         gw.stop()
         assert up, gw.log()
         if caught:

@@ -177,7 +177,7 @@ def test_fs_card_read_hashed_in_pieces_is_exact_and_catches_damage(tmp_path, siz
     card = FsCard(str(tmp_path / "card"), num_dbs=2)
     card.open()
     data = bytearray(os.urandom(size))
-    key = b"k" * 28
+    key = b"k" * 28 + b"\0\0"                     # a head fragment key (object key + index 0)
     assert card.write(0, key, memoryview(data))
     out = bytearray(size)
     assert card.read(0, key, memoryview(out)) and out == data

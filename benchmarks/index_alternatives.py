@@ -1,0 +1,90 @@
+"""The fs card's index structures measured side by side: bytes an object and lookup time.
+
+In one process, for ``--n`` single-fragment objects (28-byte keys), each structure filled
+as the card fills it (reserve + commit per object), then looked up: one key at a time
+(``locate``) and 16,384 at a time (``contains_many`` + ``object_sizes``, what an EXIST
+costs the card). Memory is the growth of the process's anonymous memory (``RssAnon``)
+while it is filled, an object. Structures:
+
+- ``numpy``: ``FsIndex`` as the card has it (a table of numpy columns, open addressing);
+- ``dicts``: the index before it (``--old``: a copy of the earlier ``fs_index.py``: an
+  ``OrderedDict`` of objects, a dict of fragments each, a ``TenantBook`` LRU);
+- ``dict``: the least a Python mapping costs: ``{key: (db, size, gen)}`` alone, no LRU.
+
+    python benchmarks/index_alternatives.py --n 1000000 [--old /tmp/old_fs_index.py]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+
+from adpkv_core.keys import KeyBuilder
+from adpkv_gateway.fragments import fragment_key
+
+
+def rss_anon() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(name: str, make, n: int, keys: list[bytes]) -> dict:
+    fkeys = [fragment_key(k, 0) for k in keys]
+    before = rss_anon()
+    index = make()
+    t = time.perf_counter()
+    if name == "dict":
+        for i, f in enumerate(fkeys):
+            index[f] = (0, 5120, i)
+    else:
+        for k, f in zip(keys, fkeys):
+            index.reserve(k, f, 5120)
+            index.commit(f, 0, 1024, 5120, 1024) if name == "numpy" else index.commit(f, 0, 5120, 1024)
+    fill_us = (time.perf_counter() - t) / n * 1e6
+    per_object = (rss_anon() - before) / n
+    probe = fkeys[:: max(1, n // 20000)][:20000]
+    t = time.perf_counter()
+    for f in probe:
+        index.get(f) if name == "dict" else index.locate(f)
+    locate_ns = (time.perf_counter() - t) / len(probe) * 1e9
+    batch = fkeys[: min(n, 16384)]
+    t = time.perf_counter()
+    for _ in range(5):
+        if name == "dict":
+            [f in index for f in batch]
+        else:
+            index.contains_many(batch, [1024] * len(batch))
+            index.object_sizes(batch)
+    batch_ns = (time.perf_counter() - t) / 5 / len(batch) * 1e9
+    return {"structure": name, "objects": n, "bytes_per_object": round(per_object, 1),
+            "fill_us": round(fill_us, 2), "locate_ns": round(locate_ns), "exist16k_ns_per_key": round(batch_ns)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=200000)
+    ap.add_argument("--structure", default="numpy", choices=["numpy", "dicts", "dict"])
+    ap.add_argument("--old", default="", help="the earlier fs_index.py (for --structure dicts)")
+    args = ap.parse_args()
+    keys = KeyBuilder("alt").keys([i.to_bytes(8, "big") for i in range(args.n)])
+    if args.structure == "numpy":
+        from adpkv_gateway.cards.fs_index import FsIndex
+        make = lambda: FsIndex("/x", lambda db, f: "/x", capacity_bytes=1 << 50)   # noqa: E731
+    elif args.structure == "dicts":
+        spec = importlib.util.spec_from_file_location("adpkv_gateway.cards.old_fs_index", args.old)
+        old = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = old
+        spec.loader.exec_module(old)
+        make = lambda: old.FsIndex("/x", lambda db, f: "/x", capacity_bytes=1 << 50)   # noqa: E731
+    else:
+        make = dict
+    print(json.dumps(measure(args.structure, make, args.n, keys)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Large fs cards built fast: object files written straight into a card's databases with the
+card's own writer (``objfile.write_object_file``), as a gateway would have left them, without
+a gateway or the card's index (a PUT costs a round trip and an index commit each)."""
+
+from __future__ import annotations
+
+import os
+
+from adpkv_core.keys import KeyBuilder
+from adpkv_gateway.cards.fs import FsCard
+from adpkv_gateway.cards.objfile import Scratch, write_object_file
+from adpkv_gateway.fragments import fragment_db, fragment_key
+
+
+def payload_of(key: bytes, size: int) -> bytes:
+    """The bytes stored under ``key``: its own key repeated (a hit of another key is seen)."""
+    return (key * (size // len(key) + 1))[:size]
+
+
+def card_keys(n: int, namespace: str = "scale", start: int = 0) -> list[bytes]:
+    return KeyBuilder(namespace).keys([i.to_bytes(8, "big") for i in range(start, start + n)])
+
+
+def build_card(root: str, keys: list[bytes], size: int = 1024, num_dbs: int = 16) -> None:
+    """A card at ``root`` (made by ``FsCard.open``) holding one single-fragment object of
+    ``size`` bytes per key, in the database a gateway with ``num_dbs`` puts it."""
+    card = FsCard(root, num_dbs=num_dbs)
+    card.open()
+    card.close()
+    os.unlink(os.path.join(root, ".adpkv-index"))   # the empty card's snapshot: older than what follows
+    scratch = Scratch()
+    for key in keys:
+        fkey = fragment_key(key, 0)
+        path = os.path.join(root, f"db{fragment_db(key, 0, num_dbs):03d}", fkey.hex())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            write_object_file(fd, fkey, memoryview(payload_of(key, size)), size, False, scratch)
+        finally:
+            os.close(fd)
+
+
+def files_on_disk(root: str) -> tuple[int, int]:
+    """(bytes, files) of the object files under a card's databases."""
+    nbytes = files = 0
+    for d in os.listdir(root):
+        if d.startswith("db"):
+            for entry in os.scandir(os.path.join(root, d)):
+                if not entry.name.startswith("."):
+                    nbytes += entry.stat().st_size
+                    files += 1
+    return nbytes, files
