@@ -24,8 +24,12 @@ Contract (``FsIndex``):
   compared by identity); a failed read drops the object with ``drop_if(fkey, entry)``, which
   does nothing once the fragment was stored again (evicted and re-stored, or moved to another
   database): a stale verdict never removes a newer, acknowledged store.
-- **Paths.** The index stores databases, not paths: ``path_of(db, fragment key)`` is the
-  card's.
+- **Files.** The index stores databases, not paths: ``path_of(db, fragment key)`` is the
+  card's reference of a file (``fs_files.FileRef``: its database's descriptor and name),
+  what the methods that drop objects return, for ``fs_files.unlink_all``.
+- **Writes.** Each object records its head's write id (``commit``; ``heads``), and
+  ``rebuild`` removes an object whose fragments carry different write ids (an overwrite
+  cut short by a crash: a torn object).
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from .. import progress
 from ..fragments import fragment_extents
 from ..quotas import TenantBook, TenantUsage, tenant_of
 from . import objfmt
-from .base import is_head, object_key
+from .base import Head, is_head, object_key
+from .fs_files import READ_FLAGS, FileRef, unlink_all
 from .objfile import ALIGN, HEADER_BYTES
 
 logger = logging.getLogger("adpkv.gateway.fs")
@@ -57,26 +62,18 @@ def sizes_on_disk(n: int) -> tuple[int, int]:
     return HEADER_BYTES + n, HEADER_BYTES + -(-n // ALIGN) * ALIGN
 
 
-def unlink_all(paths) -> None:
-    """Remove files, ignoring those already gone."""
-    for path in paths:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
 Entry = tuple[int, int]      # a fragment's file: (database, bytes on disk); a new tuple each commit
 
 
 class _Object:
     """The fragment files of one object in the index."""
 
-    __slots__ = ("parts", "total")
+    __slots__ = ("parts", "total", "write_id")
 
     def __init__(self):
         self.parts: dict[bytes, Entry] = {}               # fragment key -> (db, bytes on disk)
         self.total = 0                                   # object size its head records (0: unknown)
+        self.write_id = 0                                # the write id its head carries
 
 
 class FsIndex:
@@ -142,13 +139,13 @@ class FsIndex:
                 out.append(entry is not None and (n is None or entry[1] in sizes_on_disk(n)))
         return out
 
-    def object_sizes(self, heads: list[bytes]) -> list[Optional[int]]:
-        """The object size each head fragment records (0: none), None where it is not indexed."""
-        out: list[Optional[int]] = []
+    def heads(self, heads: list[bytes]) -> list[Optional[Head]]:
+        """What each head fragment records (object size, write id), None where it is not indexed."""
+        out: list[Optional[Head]] = []
         with self._lock:
             for fkey in heads:
                 obj = self._objects.get(object_key(fkey))
-                out.append(obj.total if obj is not None and fkey in obj.parts else None)
+                out.append(Head(obj.total, obj.write_id) if obj is not None and fkey in obj.parts else None)
         return out
 
     def usage(self) -> tuple[int, int]:
@@ -184,9 +181,9 @@ class FsIndex:
             self._used -= nbytes
             self._tenants.charge(okey, -nbytes)
 
-    def commit(self, fkey: bytes, db: int, on_disk: int, object_bytes: int) -> Optional[str]:
+    def commit(self, fkey: bytes, db: int, on_disk: int, object_bytes: int, write_id: int = 0) -> Optional[FileRef]:
         """A reserved file of ``on_disk`` bytes is in place in database ``db``: index it (its
-        object last in the LRU). ``object_bytes``: the size a head records. The path of the
+        object last in the LRU). ``object_bytes`` and ``write_id``: what a head records. The
         fragment's previous file when it was in another database (to be removed), else None."""
         okey = object_key(fkey)
         stale = None
@@ -208,6 +205,7 @@ class FsIndex:
             obj.parts[fkey] = (db, on_disk)
             if is_head(fkey):
                 obj.total = object_bytes
+                obj.write_id = write_id
         return stale
 
     # ------------------------------------------------------------------ removal
@@ -313,27 +311,29 @@ class FsIndex:
         return ok
 
     # ------------------------------------------------------------------ rebuild at start
-    def rebuild(self, own_file: Callable[[int], None]) -> None:
-        """Index every object file under ``root``'s ``dbNNN`` directories (oldest first),
-        checking each file's header against its size. A file that does not match (truncated,
-        corrupt) is removed, and so is every file of an object whose head records a size its
-        fragments do not add up to, or that has no head (a fragmented write cut short).
-        Leftovers of interrupted writes (dot files) go. ``own_file(fd)`` gives each file the
-        card's mode and group."""
+    def rebuild(self, db_dirs: dict[int, tuple[int, str]], own_file: Callable[[int], None]) -> None:
+        """Index every object file of the databases ``db_dirs`` (db -> its directory's
+        descriptor, checked by the card, and its path for messages; oldest first), checking
+        each file's header against its size. A file that does not match (truncated, corrupt,
+        not a regular file) is removed, and so is every file of an object whose head records
+        a size its fragments do not add up to, whose fragments carry other write ids than
+        its head (an overwrite cut short), or that has no head (a fragmented write cut
+        short). Leftovers of interrupted writes (dot files) go. Every file is opened and
+        removed relative to its directory's descriptor, without following a symlink.
+        ``own_file(fd)`` gives each file the card's mode and group."""
         t0 = time.monotonic()
         header = memoryview(bytearray(objfmt.HEADER_CORE))
         groups: dict[bytes, dict[bytes, tuple]] = collections.defaultdict(dict)
         bad = 0
-        listing = [(int(name[2:]), os.path.join(self.root, name), os.listdir(os.path.join(self.root, name)))
-                   for name in sorted(os.listdir(self.root)) if name.startswith("db") and name[2:].isdigit()]
-        with progress.track(f"fs card {self.root}: indexing", sum(len(names) for _, _, names in listing),
+        listing = [(db, fd, directory, os.listdir(fd)) for db, (fd, directory) in sorted(db_dirs.items())]
+        with progress.track(f"fs card {self.root}: indexing", sum(len(names) for *_, names in listing),
                             "files", log=logger) as shown:
-            for db, directory, names in listing:
+            for db, dir_fd, directory, names in listing:
                 for name in names:
                     shown.advance()
                     path = os.path.join(directory, name)
                     if name.startswith("."):
-                        unlink_all([path])  # a temp file of a write that never finished
+                        unlink_all([FileRef(dir_fd, name)])  # a temp file of a write that never finished
                         continue
                     try:
                         fkey = bytes.fromhex(name)
@@ -342,34 +342,36 @@ class FsIndex:
                     if len(fkey) <= 2:
                         continue
                     try:
-                        info = _scan_file(path, fkey, header, own_file)
+                        info = _scan_file(dir_fd, name, fkey, header, own_file)
                     except OSError:
-                        continue
+                        info = "not a file of the card (a symlink?)"
                     if isinstance(info, str):
                         logger.warning("fs card %s: %s is %s; removing it", self.root, path, info)
-                        unlink_all([path])
+                        unlink_all([FileRef(dir_fd, name)])
                         bad += 1
                         continue
                     groups[object_key(fkey)][fkey] = (db,) + info
         entries = []
         for okey, parts in groups.items():
             head = parts.get(okey + HEAD_SUFFIX)
-            if head is None or (head[4] and not _complete(okey, parts, head)):
+            torn = head is not None and any(p[5] != head[5] for p in parts.values())
+            if head is None or torn or (head[4] and not _complete(okey, parts, head)):
                 # no head: a fragmented write cut short (the head goes last); it can never be read
-                logger.warning("fs card %s: object %s lacks fragments; removing it", self.root, okey.hex())
+                logger.warning("fs card %s: object %s %s; removing it", self.root, okey.hex(),
+                               "is torn (fragments of different writes)" if torn else "lacks fragments")
                 unlink_all([self.path_of(p[0], fk) for fk, p in parts.items()])
                 bad += 1
                 continue
-            entries.append((max(p[2] for p in parts.values()), okey, parts, head[4]))
+            entries.append((max(p[2] for p in parts.values()), okey, parts, head[4], head[5]))
         entries.sort(key=lambda e: e[0])
         with self._lock:
             self._objects.clear()
             self._tenants.clear()
             self._used = self._files = 0
-            for _, okey, parts, total in entries:
+            for _, okey, parts, total, write_id in entries:
                 obj = _Object()
-                obj.total = total
-                for fkey, (db, size, _, _, _) in parts.items():
+                obj.total, obj.write_id = total, write_id
+                for fkey, (db, size, *_) in parts.items():
                     obj.parts[fkey] = (db, size)
                     self._used += size
                     self._tenants.charge(okey, size)
@@ -381,11 +383,11 @@ class FsIndex:
                     time.monotonic() - t0, f"; {bad} broken removed" if bad else "")
 
 
-def _scan_file(path: str, fkey: bytes, header: memoryview, own_file: Callable[[int], None]):
-    """(size on disk, mtime, payload length, recorded object size) of a sound object
-    file, or what is wrong with it ("bad header", "truncated ..."); gives the file
-    the card's mode."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+def _scan_file(dir_fd: int, name: str, fkey: bytes, header: memoryview, own_file: Callable[[int], None]):
+    """(size on disk, mtime, payload length, recorded object size, write id) of a sound
+    object file, or what is wrong with it ("bad header", "truncated ..."); gives the file
+    the card's mode. Raises ``OSError`` for a name that is no file (a symlink: ELOOP)."""
+    fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         got = os.preadv(fd, [header], 0)
@@ -398,7 +400,7 @@ def _scan_file(path: str, fkey: bytes, header: memoryview, own_file: Callable[[i
         return "bad header"
     if st.st_size not in sizes_on_disk(parsed[0]):
         return f"truncated ({st.st_size} bytes for a payload of {parsed[0]})"
-    return st.st_size, st.st_mtime, parsed[0], parsed[1]
+    return st.st_size, st.st_mtime, parsed.payload_len, parsed.object_bytes, parsed.write_id
 
 
 def _complete(okey: bytes, parts: dict, head: tuple) -> bool:
