@@ -113,7 +113,7 @@ class FsCard(Card):
         self._remove_leftovers()
         names = os.listdir(self._root_fd)
         if CARD_FILE in names:
-            meta = self._read_card_file()
+            meta = self._read_card_file(own=True)
             self.serial = str(meta["serial"])
             if meta.get("format") != FORMAT:
                 raise CardError(f"fs card {self.root} was written in format {meta.get('format')}; this gateway "
@@ -160,9 +160,9 @@ class FsCard(Card):
             except OSError as exc:
                 raise CardError(f"fs card {self.root}: cannot remove the leftover {name}: {exc}") from None
 
-    def _read_card_file(self) -> dict:
+    def _read_card_file(self, own: bool = False) -> dict:
         """``adpkv-card.json``, opened without following a symlink and checked to be the
-        gateway's own file."""
+        gateway's own file (``own``: given the card's mode and group, at open)."""
         path = os.path.join(self.root, CARD_FILE)
         try:
             fd = os.open(CARD_FILE, READ_FLAGS, dir_fd=self._root_fd)
@@ -172,7 +172,8 @@ class FsCard(Card):
             check_file(fd, path)
             with os.fdopen(fd, encoding="utf-8", closefd=False) as fh:
                 meta = json.load(fh)
-            self._own_file(fd)
+            if own:
+                self._own_file(fd)
             str(meta["serial"])
             return meta
         except (OSError, ValueError, KeyError, TypeError) as exc:
