@@ -9,7 +9,10 @@ writable (FAIL, and nothing else checked, if not); its file system and free spac
 FAIL; capacity 0 with under ``LOW_FREE_BYTES`` free: WARN); ``  o_direct`` (a probe file
 ``PROBE_NAME``-<pid> written with O_DIRECT and removed; refused while ``o_direct`` is set:
 WARN); ``  permissions`` (the card directory, its card file and first db directories:
-any access for others is a FAIL). ``fstype(path)`` is the file system type of the mount
+any access for others is a FAIL); ``  ownership`` (the card directory, its card file and
+every db directory, without following links: a symlink, one owned by another user than
+the doctor's, or one writable by group or others is a FAIL, as the gateway refuses them,
+``fs_files.not_own``). ``fstype(path)`` is the file system type of the mount
 holding ``path``. Nothing here writes but the probe file, which is always removed.
 """
 
@@ -21,6 +24,7 @@ import stat
 from typing import TYPE_CHECKING, Optional
 
 from .cards.fs import CARD_FILE
+from .cards.fs_files import not_own
 from .doctor_report import FAIL, OK, WARN, Finding
 
 if TYPE_CHECKING:
@@ -120,7 +124,36 @@ def card(h: Host, device: str, stats: Optional[dict]) -> list[Finding]:
     else:
         out.append(Finding("  o_direct", OK, f"refused ({refused}); o_direct is off"))
     out += _card_permissions(h, root)
+    out += _card_ownership(root)
     return out
+
+
+def _card_ownership(root: str) -> list[Finding]:
+    """The gateway's refusal of a card someone else could tamper with, as a finding."""
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        return []
+    uid = os.geteuid()
+    bad = []
+    reason = not_own(st, uid, directory=True)
+    if reason:
+        bad.append(f"{root}: {reason}")
+    elif stat.S_ISDIR(st.st_mode):
+        for n in sorted(os.listdir(root)):
+            if n == CARD_FILE or (n.startswith("db") and n[2:].isdigit()):
+                try:
+                    reason = not_own(os.lstat(os.path.join(root, n)), uid, directory=n != CARD_FILE)
+                except OSError:
+                    continue
+                if reason:
+                    bad.append(f"{n}: {reason}")
+    if bad:
+        return [Finding("  ownership", FAIL, "the gateway refuses this card: " + "; ".join(bad[:4]) +
+                        (f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""),
+                        f"another user could swap its files: remove it, or give it to uid {uid} "
+                        "(chown -R, chmod go-w) if its contents are known good")]
+    return [Finding("  ownership", OK, f"owned by uid {uid}, no symlinks, writable by no one else")]
 
 
 def _card_permissions(h: Host, root: str) -> list[Finding]:

@@ -29,12 +29,15 @@ from typing import Optional, Sequence
 
 from adpkv_core.ring import Ring
 
+from .cards.base import Read
+from .cards.fs_files import verdict_of
 from .cards.objfile import FileRead, Scratch, read_object_file
 
 logger = logging.getLogger("adpkv.gateway")
 
 _rings: dict[int, Ring] = {}          # a reader's mappings of engine rings, by ring number
 _scratch: Optional[Scratch] = None
+_dirs: dict[str, int] = {}          # a FileRead's dir_ref -> this process's descriptor of that directory
 
 
 def _init() -> None:
@@ -54,16 +57,31 @@ def _ring_of(number: int, path: str, size: int, oldest_live: int) -> Ring:
     return ring
 
 
+def _dir_fd(ref: str) -> int:
+    """This process's descriptor of a card database's directory, opened once through the
+    gateway's own checked descriptor (``/proc/<gateway>/fd/<n>``: that very directory,
+    whatever now sits at its path)."""
+    fd = _dirs.get(ref)
+    if fd is None:
+        fd = _dirs[ref] = os.open(ref, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    return fd
+
+
+NO_WRITE_ID = 0     # in ``ReadTask.write_ids``: any write (write ids are never 0)
+
+
 class ReadTask:
     """A reader process's share of a GET batch: the fs card's ``FileRead``s (``process_reads``:
-    path, fragment key, O_DIRECT) and the ring extents they go to, packed into flat fields (two
-    lists, two arrays) that pickle as such, not as an object per read."""
+    directory, fragment key, expected write id, O_DIRECT) and the ring extents they go to,
+    packed into flat fields (two lists, three arrays) that pickle as such, not as an object
+    per read."""
 
-    __slots__ = ("paths", "fkeys", "offsets", "lengths", "o_direct", "ring")
+    __slots__ = ("dirs", "fkeys", "write_ids", "offsets", "lengths", "o_direct", "ring")
 
-    def __init__(self, paths: list[str], fkeys: list[bytes], offsets: array, lengths: array, o_direct: bool,
-                 ring: tuple[int, str, int, int]):
-        self.paths, self.fkeys, self.offsets, self.lengths, self.o_direct = paths, fkeys, offsets, lengths, o_direct
+    def __init__(self, dirs: list[str], fkeys: list[bytes], write_ids: array, offsets: array, lengths: array,
+                 o_direct: bool, ring: tuple[int, str, int, int]):
+        self.dirs, self.fkeys, self.write_ids = dirs, fkeys, write_ids
+        self.offsets, self.lengths, self.o_direct = offsets, lengths, o_direct
         self.ring = ring        # (number, path to the gateway's descriptor, size, oldest ring still live)
 
     @classmethod
@@ -72,31 +90,40 @@ class ReadTask:
         """The reads of one card (one ``o_direct``), read ``k`` into bytes ``offsets[k]``
         .. ``+ lengths[k]`` of ``ring`` (a ``ring_alloc.EngineRing``: the asking engine's);
         ``oldest_live``: the number of the oldest ring the gateway still holds."""
-        return cls([r.path for r in reads], [r.fkey for r in reads], array("q", offsets), array("q", lengths),
-                   reads[0].o_direct if reads else False,
+        return cls([r.dir_ref for r in reads], [r.fkey for r in reads],
+                   array("Q", [NO_WRITE_ID if r.write_id is None else r.write_id for r in reads]),
+                   array("q", offsets), array("q", lengths), reads[0].o_direct if reads else False,
                    (ring.number, f"/proc/{os.getpid()}/fd/{ring.ring.fd}", ring.ring.size, oldest_live))
 
     def __reduce__(self):
-        return ReadTask, (self.paths, self.fkeys, self.offsets, self.lengths, self.o_direct, self.ring)
+        return ReadTask, (self.dirs, self.fkeys, self.write_ids, self.offsets, self.lengths, self.o_direct,
+                          self.ring)
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.fkeys)
 
 
-def read_task(task: ReadTask) -> tuple[list[tuple[int, str]], array]:
-    """Run a ``ReadTask`` in a reader process: ``(problems, seconds)``, ``problems`` the
-    ``(k, what is wrong)`` of each read that failed (``read_object_file``'s words; none when all
-    went well), ``seconds`` each read's duration."""
-    problems: list[tuple[int, str]] = []
-    seconds = array("d", bytes(8 * len(task.paths)))
+def read_task(task: ReadTask) -> tuple[list[tuple[int, Read]], array]:
+    """Run a ``ReadTask`` in a reader process: ``(misses, seconds)``, ``misses`` the
+    ``(k, verdict)`` of each read that was no hit (none when all went well), ``seconds``
+    each read's duration."""
+    misses: list[tuple[int, Read]] = []
+    seconds = array("d", bytes(8 * len(task.fkeys)))
     buf, o_direct, scratch, clock = _ring_of(*task.ring).buf, task.o_direct, _scratch, time.monotonic
-    for k, (path, fkey, offset, length) in enumerate(zip(task.paths, task.fkeys, task.offsets, task.lengths)):
+    for k, (ref, fkey, write_id, offset, length) in enumerate(zip(task.dirs, task.fkeys, task.write_ids,
+                                                                  task.offsets, task.lengths)):
         t0 = clock()
-        problem = read_object_file(path, fkey, buf[offset:offset + length], o_direct, scratch)
+        try:
+            verdict = read_object_file(_dir_fd(ref), fkey.hex(), fkey, buf[offset:offset + length], o_direct,
+                                       scratch, None if write_id == NO_WRITE_ID else write_id)
+        except OSError as exc:              # the directory could not be opened (EMFILE, ...)
+            verdict = verdict_of(exc)
+            if verdict.drops:
+                verdict = Read.TRANSIENT    # about the directory, not the object
         seconds[k] = clock() - t0
-        if problem is not None:
-            problems.append((k, problem))
-    return problems, seconds
+        if verdict is not Read.HIT:
+            misses.append((k, verdict))
+    return misses, seconds
 
 
 def _serve(tasks, task_lock, results, result_lock) -> None:

@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 from prometheus_client.core import GaugeMetricFamily
 
 from . import metrics
-from .cards.base import Card, CardIOError
+from .cards.base import Card, CardIOError, Read
 from .fragments import fragment_db, fragment_key
 from .status import PREFIX
 from .store import ObjectStore
@@ -190,22 +190,25 @@ class Mover:
         card = store.cards[old]
         head = (fragment_db(key, 0, store.num_dbs, store.spread), key + HEAD_SUFFIX)
         try:
-            size, = card.object_sizes([head], [tag])
+            recorded, = card.heads([head], [tag])
         except CardIOError:
             self.failed += 1
             return False
+        size = recorded.size if recorded is not None else 0
         if not size:
             return True                   # gone (or a head without a size: read as one fragment, left)
         if store.is_pinned(key):
             self.hit(key, mark, old)      # an engine holds it: later
             return False
-        if not all(store._whole(t, [key], size, [tag])[0] for t in targets):
+        if not all(store._whole(t, [key], size, [tag])[0] is not None for t in targets):
             buf = bytearray(size)
             view = memoryview(buf)
             for frag in store._frags(old, key, size, tag):
-                ok, transport_ok = store._read(frag, view[frag.offset:frag.offset + frag.length])
-                if not ok:
-                    if transport_ok:      # missing or corrupt on the old card: evidence about it
+                # every fragment of the write its head names (another write's: a writer in progress)
+                verdict = store._read(frag._replace(write_id=recorded.write_id),
+                                      view[frag.offset:frag.offset + frag.length])
+                if verdict is not Read.HIT:
+                    if verdict.drops:     # missing or corrupt on the old card: evidence about it
                         store._remove_object(old, key, size, tag)
                         return True
                     self.failed += 1
@@ -229,7 +232,7 @@ class Mover:
         back = bytearray(len(obj))
         view = memoryview(back)
         for frag in frags:
-            if not store._read(frag, view[frag.offset:frag.offset + frag.length])[0]:
+            if store._read(frag, view[frag.offset:frag.offset + frag.length]) is not Read.HIT:
                 return False
         return back == obj
 

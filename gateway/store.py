@@ -7,9 +7,17 @@ transport failures to the health monitor.
 
 An object lives and dies whole: it is present on a card only when every fragment
 is there at its size (the head records the object's size for lookups that do not
-know it); a read that finds a fragment missing or corrupt removes the whole object
-from that card (the next PUT stores it again) and reads the fragment from the next
-replica; a write that fails halfway removes what it wrote.
+know it); a read whose verdict is evidence about the object (``Read.drops``: missing,
+corrupt) removes the whole object from that card (the next PUT stores it again) and
+reads the fragment from the next replica; any other miss (transient, I/O error,
+another write's fragment) removes nothing; a write that fails halfway removes what it
+wrote.
+
+One writer's bytes: every write of an object draws a write id that all its fragments
+carry; a lookup (``holders``) learns the head's, and every fragment is read against it,
+so a hit is one write's whole object. Writes of one object (on one card) through this
+gateway are serialized (``_write_locks``), so two racing writers leave the later one's
+whole object, never a mix of both.
 """
 
 from __future__ import annotations
@@ -18,12 +26,14 @@ import collections
 import functools
 import logging
 import threading
+import zlib
 from typing import Callable, Collection, NamedTuple, Optional, Sequence
 
 from .fragments import db_hash, fragment_db, fragment_dbs, fragment_extents, fragment_key
 from .card_stats import CardStats
 
-from .cards.base import Card, CardIOError, NodeIOError, object_key
+from .cards.base import Card, CardIOError, NodeIOError, Read, object_key
+from .cards.objfmt import new_write_id
 from .placement import Placement, key_layout_fingerprint
 
 logger = logging.getLogger("adpkv.gateway.store")
@@ -48,6 +58,7 @@ class Fragment(NamedTuple):
     object_bytes: int = 0                 # size of the whole object
     others: tuple[int, ...] = ()          # replica cards to read it from when ``card`` misses
     slot_tag: bytes = b""                 # its object's slot tag (``ObjectStore.slot_tag``), given to the card
+    write_id: Optional[int] = None        # the write its head named at lookup: every fragment must be of it
 
 
 _fragment = functools.partial(tuple.__new__, Fragment)     # Fragment(*fields) without its Python __new__
@@ -55,14 +66,17 @@ _fragment = functools.partial(tuple.__new__, Fragment)     # Fragment(*fields) w
 
 class Holder(int):
     """The card index ``holders`` found an object on (what the server hands back to
-    ``read_plans``), carrying the other replica cards a read may fall back on."""
+    ``read_plans``), carrying the other replica cards a read may fall back on and the write
+    id the object's head carries there (its fragments are read against it)."""
 
     others: tuple[int, ...] = ()
+    write_id: Optional[int] = None
 
     @classmethod
-    def of(cls, card: int, others: Sequence[int]) -> "Holder":
+    def of(cls, card: int, others: tuple[int, ...], write_id: Optional[int]) -> "Holder":
         h = cls(card)
-        h.others = tuple(others)
+        h.others = others
+        h.write_id = write_id
         return h
 
 
@@ -86,6 +100,9 @@ class PreviousPlacement:
             if c is not None and active[c]:
                 out.append(c)
         return out
+
+
+WRITE_LOCKS = 4096          # stripes of the per-object write serialization
 
 
 class ObjectStore:
@@ -113,6 +130,8 @@ class ObjectStore:
         self.previous: Optional[PreviousPlacement] = None
         self.on_previous_hit: Callable[[bytes, int, int], None] = lambda key, mark, card: None
         self.left_out: frozenset[str] = frozenset()       # serials of drained cards: read, never placed on
+        # writes of one object to one card run one after the other (striped by object key)
+        self._write_locks = [threading.Lock() for _ in range(WRITE_LOCKS)]
         self.rebuild_placement()
 
     def rebuild_placement(self) -> None:
@@ -173,10 +192,12 @@ class ObjectStore:
             if card is None:
                 continue
             c, others, key = int(card), getattr(card, "others", ()), keys[j]
+            write_id = getattr(card, "write_id", None)
             tag = tags[j] if tags else b""
             h = db_hash(key)                                  # once per object
             for suffix, step, off, ln in cut:
-                add((j, _fragment((c, (h + step) % dbs, key + suffix, off, ln, object_bytes, others, tag))))
+                add((j, _fragment((c, (h + step) % dbs, key + suffix, off, ln, object_bytes, others, tag,
+                                   write_id))))
         return out
 
     def write_plans(self, key: bytes, mark: int, object_bytes: int) -> list[list[Fragment]]:
@@ -186,10 +207,32 @@ class ObjectStore:
 
     # ------------------------------------------------------------------ I/O (thread pool)
     def read(self, frag: Fragment, buf: memoryview) -> bool:
-        return self._read(frag, buf)[0]
+        return self._read(frag, buf) is Read.HIT
 
-    def _card_call(self, frag: Fragment, write: bool, call: Callable[[Card], bool]) -> tuple[bool, bool]:
-        """``(ok, transport ok)`` of one card call on one fragment, timed and accounted: the
+    def _card_read(self, frag: Fragment, call: Callable[[Card], Read]) -> Read:
+        """The verdict of one card read of one fragment, timed and accounted: the card's
+        statistics, and its health (``Read.IO_ERROR`` is a strike; a failed node of a
+        cluster is ``TRANSIENT``, no strike). A card that raises anything else answers
+        ``TRANSIENT``: nothing is concluded about the object."""
+        card = self.cards[frag.card]
+        token = self.stats[frag.card].begin()
+        try:
+            verdict = call(card)
+        except NodeIOError as exc:
+            verdict = Read.TRANSIENT
+            _log_io_error(exc)
+        except CardIOError as exc:
+            verdict = Read.IO_ERROR
+            _log_io_error(exc)
+        except Exception:
+            logger.exception("read from card %s failed", card.serial)
+            verdict = Read.TRANSIENT
+        seconds = self.stats[frag.card].end(token, False, verdict is Read.HIT, frag.length)
+        self.on_io(frag.card, not verdict.strike, seconds)
+        return verdict
+
+    def _card_write(self, frag: Fragment, call: Callable[[Card], bool]) -> tuple[bool, bool]:
+        """``(ok, transport ok)`` of one card write of one fragment, timed and accounted: the
         card's statistics, and its health (a transport failure is a strike, unless only one
         node of a cluster failed)."""
         card = self.cards[frag.card]
@@ -201,27 +244,33 @@ class ObjectStore:
             transport_ok, strike = False, not isinstance(exc, NodeIOError)
             _log_io_error(exc)
         except Exception:
-            logger.exception("%s card %s failed", "write to" if write else "read from", card.serial)
-        seconds = self.stats[frag.card].end(token, write, ok, frag.length)
+            logger.exception("write to card %s failed", card.serial)
+        seconds = self.stats[frag.card].end(token, True, ok, frag.length)
         self.on_io(frag.card, transport_ok or not strike, seconds)
         return ok, transport_ok
 
-    def _read(self, frag: Fragment, buf: memoryview) -> tuple[bool, bool]:
-        """(read ok, transport ok) of one fragment."""
-        return self._card_call(frag, False, lambda card: card.read(frag.db, frag.fkey, buf, frag.slot_tag))
+    def _read(self, frag: Fragment, buf: memoryview) -> Read:
+        """The verdict of one fragment's read."""
+        return self._card_read(frag, lambda card: card.read(frag.db, frag.fkey, buf, frag.slot_tag, frag.write_id))
 
     def read_to_fds(self, items, write_by: Optional[float] = None) -> list[tuple[int, bool]]:
         """Read ``(j, fragment, descriptor, offset)`` items straight into a client's buffer
-        (``Card.read_to_fd``, nothing written at or after ``write_by``); ``(j, ok)`` each, with
-        statistics and health as ``read_many``."""
-        return [(j, self._card_call(frag, False, lambda card, f=frag, d=fd, o=offset:
-                                    card.read_to_fd(f.db, f.fkey, f.length, d, o, write_by))[0])
-                for j, frag, fd, offset in items]
+        (``Card.read_to_fd``, nothing written at or after ``write_by``); ``(j, hit)`` each,
+        with statistics, health and removal of what the verdict shows broken as
+        ``read_many``."""
+        out = []
+        for j, frag, fd, offset in items:
+            verdict = self._card_read(frag, lambda card, f=frag, d=fd, o=offset:
+                                      card.read_to_fd(f.db, f.fkey, f.length, d, o, write_by, f.write_id))
+            if verdict.drops:
+                self._remove_broken(frag.card, object_key(frag.fkey), frag.object_bytes, frag.slot_tag)
+            out.append((j, verdict is Read.HIT))
+        return out
 
-    def _read_batched(self, items) -> list[tuple[bool, bool]]:
-        """(read ok, transport ok) of each ``(j, fragment, view)`` item: the fragments of a
-        card with ``batched_reads`` in one ``Card.read_many`` call, the others one by one."""
-        res: list[tuple[bool, bool]] = [(False, True)] * len(items)
+    def _read_batched(self, items) -> list[Read]:
+        """The verdict of each ``(j, fragment, view)`` item: the fragments of a card with
+        ``batched_reads`` in one ``Card.read_many`` call, the others one by one."""
+        res: list[Read] = [Read.TRANSIENT] * len(items)
         by_card: dict[int, list[int]] = collections.defaultdict(list)
         for i, (_, frag, view) in enumerate(items):
             if self.cards[frag.card].batched_reads:
@@ -232,25 +281,24 @@ class ObjectStore:
             card, stats = self.cards[c], self.stats[c]
             token = stats.begin()
             try:
-                got = card.read_many([(items[i][1].db, items[i][1].fkey, items[i][2], items[i][1].slot_tag)
-                                      for i in idx])
+                got = card.read_many([(items[i][1].db, items[i][1].fkey, items[i][2], items[i][1].slot_tag,
+                                       items[i][1].write_id) for i in idx])
             except CardIOError as exc:
                 got = [exc] * len(idx)
             except Exception:
                 logger.exception("read from card %s failed", card.serial)
-                got = [False] * len(idx)
+                got = [Read.TRANSIENT] * len(idx)
             share = stats.finish(token) / len(idx)      # timed as a whole: each its share
             logged = False
             for i, r in zip(idx, got):
-                ok, transport_ok, strike = r is True, True, True
                 if isinstance(r, CardIOError):
-                    transport_ok, strike = False, not isinstance(r, NodeIOError)
                     if not logged:
                         _log_io_error(r)
                         logged = True
-                stats.record(False, ok, len(items[i][2]), share)
-                self.on_io(c, transport_ok or not strike, share)
-                res[i] = (ok, transport_ok)
+                    r = Read.TRANSIENT if isinstance(r, NodeIOError) else Read.IO_ERROR
+                stats.record(False, r is Read.HIT, len(items[i][2]), share)
+                self.on_io(c, not r.strike, share)
+                res[i] = r
         return res
 
     def read_many(self, items) -> list[tuple[int, bool]]:
@@ -260,21 +308,22 @@ class ObjectStore:
         a card is removed from that card, whole."""
         out = []
         broken: dict[tuple[int, bytes], tuple[int, bytes]] = {}
-        for (j, frag, view), (ok, transport_ok) in zip(items, self._read_batched(items)):
-            if not ok and frag.object_bytes:
-                if transport_ok:
+        for (j, frag, view), verdict in zip(items, self._read_batched(items)):
+            if verdict is not Read.HIT and frag.object_bytes:
+                if verdict.drops:
                     broken[(frag.card, object_key(frag.fkey))] = (frag.object_bytes, frag.slot_tag)
                 for alt in frag.others:
                     if not self.active[alt]:
                         continue
-                    ok, transport_ok = self._read(frag._replace(card=alt, others=()), view)
-                    if ok:
+                    # the same write id: the replicas of one write share it
+                    verdict = self._read(frag._replace(card=alt, others=()), view)
+                    if verdict is Read.HIT:
                         break
-                    if transport_ok:
+                    if verdict.drops:
                         broken[(alt, object_key(frag.fkey))] = (frag.object_bytes, frag.slot_tag)
-            out.append((j, ok))
+            out.append((j, verdict is Read.HIT))
         for (card, key), (object_bytes, tag) in broken.items():
-            self._remove_object(card, key, object_bytes, tag)
+            self._remove_broken(card, key, object_bytes, tag)
         return out
 
     def read_from_replicas(self, items) -> list[tuple[int, bool]]:
@@ -283,6 +332,12 @@ class ObjectStore:
         out = [(j, False) for j, frag, _ in items if not frag.others]
         return out + self.read_many([(j, frag._replace(card=frag.others[0], others=frag.others[1:]), view)
                                      for j, frag, view in items if frag.others])
+
+    def _remove_broken(self, card: int, key: bytes, object_bytes: int, tag: bytes) -> None:
+        """A read's verdict showed an object broken on a card: remove it whole, unless the
+        card already did (``Card.drops_itself``: it knows whether the verdict is stale)."""
+        if not self.cards[card].drops_itself:
+            self._remove_object(card, key, object_bytes, tag)
 
     def _remove_object(self, card: int, key: bytes, object_bytes: int, tag: bytes = b"") -> None:
         """Remove every fragment of an object from one card (what is left of it)."""
@@ -297,32 +352,46 @@ class ObjectStore:
         return [(j, self.write_replicas(plans, view)) for j, plans, view in items]
 
     def write_replicas(self, plans: Sequence[Sequence[Fragment]], obj: memoryview) -> bool:
-        """Write one object to every replica; True if at least one holds all of it."""
-        return any([self._write_object(frags, len(obj), lambda card, f: card.write(
+        """Write one object to every replica (one write id for all); True if at least one holds
+        all of it."""
+        write_id = new_write_id()
+        return any([self._write_object(frags, len(obj), write_id, lambda card, f: card.write(
             f.db, f.fkey, obj[f.offset:f.offset + f.length], object_bytes=len(obj) if f.offset == 0 else 0,
-            tag=f.slot_tag)) for frags in plans])
+            tag=f.slot_tag, write_id=write_id)) for frags in plans])
 
     def write_from_fds(self, items, read_by: Optional[float] = None) -> list[tuple[int, bool]]:
         """Write ``(j, replica plans, descriptor, offset, object bytes)`` items straight from a
         client's buffer (``Card.write_from_fd``: every card of the plans has
         ``direct_writes``), nothing read at or after ``read_by``; ``(j, ok)`` for each, as
         ``write_many``."""
-        return [(j, any([self._write_object(frags, n, lambda card, f, fd=fd, at=at, n=n: card.write_from_fd(
-            f.db, f.fkey, f.length, fd, at + f.offset, object_bytes=n if f.offset == 0 else 0, tag=f.slot_tag,
-            read_by=read_by)) for frags in plans]))
-            for j, plans, fd, at, n in items]
+        out = []
+        for j, plans, fd, at, n in items:
+            write_id = new_write_id()
+            out.append((j, any([self._write_object(frags, n, write_id, lambda card, f, fd=fd, at=at, n=n:
+                                                   card.write_from_fd(f.db, f.fkey, f.length, fd, at + f.offset,
+                                                                      object_bytes=n if f.offset == 0 else 0,
+                                                                      tag=f.slot_tag, read_by=read_by,
+                                                                      write_id=write_id))
+                                for frags in plans])))
+        return out
 
-    def _write_object(self, frags: Sequence[Fragment], object_bytes: int,
+    def _write_object(self, frags: Sequence[Fragment], object_bytes: int, write_id: int,
                       put: Callable[[Card, Fragment], bool]) -> bool:
-        """Write an object's fragments (``put(card, fragment)``), head last (it records the
-        object's size); one that fails removes what was written, so no part of the object
-        is left behind."""
-        for frag in frags:
-            ok, transport_ok = self._card_call(frag, True, lambda card, f=frag: put(card, f))
-            if not ok:
-                if transport_ok:
-                    self._remove_object(frag.card, object_key(frag.fkey), object_bytes, frag.slot_tag)
-                return False
+        """Write an object's fragments (``put(card, fragment)``, all stamped ``write_id``), head
+        last (it records the object's size and its presence makes the object whole), while
+        no other write of this object to this card runs through this gateway; one that fails
+        removes what was written, so no part of the object is left behind."""
+        if not frags:
+            return True
+        first = frags[0]
+        lock = self._write_locks[zlib.crc32(object_key(first.fkey), first.card) % WRITE_LOCKS]
+        with lock:
+            for frag in frags:
+                ok, transport_ok = self._card_write(frag, lambda card, f=frag: put(card, f))
+                if not ok:
+                    if transport_ok:
+                        self._remove_object(frag.card, object_key(frag.fkey), object_bytes, frag.slot_tag)
+                    return False
         return True
 
     # ------------------------------------------------------------------ metadata
@@ -336,8 +405,9 @@ class ObjectStore:
         """For each object, the first of its replica cards in service that holds all of it
         (every fragment, at the sizes ``object_bytes`` gives, or else the size its head
         records), or None: where a read of it goes. The card comes as a ``Holder`` that
-        also names the other replica cards, for ``read_plans``. Runs on the pool for a batch
-        at once: each slot's cards in service found once, one ``Holder`` per card and slot."""
+        also names the other replica cards and the write id of the object's head there,
+        for ``read_plans``. Runs on the pool for a batch at once: each slot's cards in
+        service found once."""
         n = len(keys)
         out: list[Optional[int]] = [None] * n
         slot, rankings = self.placement.slot, self.placement.rankings
@@ -358,16 +428,11 @@ class ObjectStore:
                     by_card[candidates[i][r]].append(i)
             if not by_card:
                 break
-            holder: dict[int, Holder] = {}                # id of a slot's cards -> the Holder at round r
             for card, idx in by_card.items():
                 found = self._whole(card, [keys[i] for i in idx], object_bytes, [tags[i] for i in idx])
-                for i, hit in zip(idx, found):
-                    if hit:
-                        cands = candidates[i]
-                        h = holder.get(id(cands))
-                        if h is None:
-                            h = holder[id(cands)] = Holder.of(card, cands[r + 1:])
-                        out[i] = h
+                for i, write_id in zip(idx, found):
+                    if write_id is not None:
+                        out[i] = Holder.of(card, tuple(candidates[i][r + 1:]), write_id)
             pending = [i for i in pending if out[i] is None]
         prev = self.previous
         if pending and prev is not None:
@@ -386,15 +451,16 @@ class ObjectStore:
                     by_card[c].append(i)
                     break
         for card, idx in by_card.items():
-            for i, hit in zip(idx, self._whole(card, [keys[i] for i in idx], object_bytes, [tags[i] for i in idx])):
-                if hit:
-                    out[i] = Holder.of(card, ())
+            for i, write_id in zip(idx, self._whole(card, [keys[i] for i in idx], object_bytes,
+                                                    [tags[i] for i in idx])):
+                if write_id is not None:
+                    out[i] = Holder.of(card, (), write_id)
                     self.on_previous_hit(keys[i], marks[i] if marks else 0, card)
 
     def _whole(self, card: int, keys: Sequence[bytes], object_bytes: Optional[int],
-               tags: Sequence[bytes]) -> list[bool]:
-        """Whether each object has all its fragments on ``card`` (a card that fails to
-        answer holds none of them)."""
+               tags: Sequence[bytes]) -> list[Optional[int]]:
+        """For each object, the write id its head carries when it has all its fragments on
+        ``card``, else None (a card that fails to answer holds none of them)."""
         c = self.cards[card]
         cuts: dict[int, list[tuple[int, int]]] = {}       # object size -> its fragment extents
         try:
@@ -403,11 +469,13 @@ class ObjectStore:
             # The size each head records: a head that records another size is another object (a
             # GET at a smaller size must not take a larger object's first fragments); 0: a head
             # written before sizes were recorded.
-            recorded = c.object_sizes(heads, list(tags))
+            recorded_heads = c.heads(heads, list(tags))
+            recorded = [None if h is None else h.size for h in recorded_heads]
             if object_bytes and len(fragment_extents(object_bytes, self.fragment_size)) == 1:
                 # one fragment an object (the usual case): one item each, no spans
                 found = c.contains_many(heads, [object_bytes] * len(keys), list(tags))
-                return [f and r in (0, object_bytes) for f, r in zip(found, recorded)]
+                return [h.write_id if f and r in (0, object_bytes) else None
+                        for f, r, h in zip(found, recorded, recorded_heads)]
             sizes = recorded if object_bytes is None else \
                 [object_bytes if r in (0, object_bytes) else None for r in recorded]
             frag = self.fragment_size
@@ -416,9 +484,10 @@ class ObjectStore:
                 there = [i for i, size in enumerate(sizes) if size is not None]
                 found = c.contains_many([heads[i] for i in there], [sizes[i] or None for i in there],
                                         [tags[i] for i in there]) if there else []
-                whole = [False] * len(keys)
+                whole: list[Optional[int]] = [None] * len(keys)
                 for i, hit in zip(there, found):
-                    whole[i] = hit
+                    if hit:
+                        whole[i] = recorded_heads[i].write_id
                 return whole
             items: list[tuple[int, bytes]] = []
             lengths: list[Optional[int]] = []
@@ -444,8 +513,8 @@ class ObjectStore:
         except CardIOError as exc:
             _log_io_error(exc)
             self.on_io(card, isinstance(exc, NodeIOError), 0.0)
-            return [False] * len(keys)
-        return [b > a and all(found[a:b]) for a, b in spans]
+            return [None] * len(keys)
+        return [h.write_id if b > a and all(found[a:b]) else None for (a, b), h in zip(spans, recorded_heads)]
 
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]]) -> int:
         """Remove objects (all their fragments) from their replica cards (and, during a card-set

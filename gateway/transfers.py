@@ -379,7 +379,8 @@ class Transfers:
         for read in reads:
             by_card[read[1].card].append(read)
         for card, group in by_card.items():
-            tasks = self.store.cards[card].process_reads([frag.fkey for _, frag, _ in group])
+            tasks = self.store.cards[card].process_reads([frag.fkey for _, frag, _ in group],
+                                                         [frag.write_id for _, frag, _ in group])
             if False in tasks or None in tasks:
                 kept = []
                 for read, task in zip(group, tasks):
@@ -405,19 +406,19 @@ class Transfers:
     def _process_reads_done(self, batch: Batch, card: int, part: list, files: list, task: "io_procs.ReadTask",
                             result: tuple) -> None:
         """An I/O process ran ``task`` (``part``'s reads of one card, the card's ``files``):
-        its failed reads' ``(k, problem)`` and every read's seconds, accounted as the thread
+        its missed reads' ``(k, verdict)`` and every read's seconds, accounted as the thread
         path does (the card's statistics and health strikes at once for the task; the card's
-        own bookkeeping for each failed read). A read that failed goes to the object's next
+        own bookkeeping for each verdict). A read that missed goes to the object's next
         replica on the pool, as ``store.read_many`` does there."""
-        problems, seconds = result
+        misses, seconds = result
         store = self.store
-        lost = sum(task.lengths[k] for k, _ in problems)
-        store.stats[card].record_reads(seconds, sum(task.lengths) - lost, len(problems))
-        store.on_ios(card, seconds, {k for k, problem in problems if problem.startswith("I/O error")})
+        lost = sum(task.lengths[k] for k, _ in misses)
+        store.stats[card].record_reads(seconds, sum(task.lengths) - lost, len(misses))
+        store.on_ios(card, seconds, {k for k, verdict in misses if verdict.strike})
         done, again = [], []
-        for k, problem in problems:
+        for k, verdict in misses:
             j, frag, offset = part[k]
-            store.cards[card].process_read_result(files[k], problem)
+            store.cards[card].process_read_result(files[k], verdict)
             if frag.others:
                 again.append((j, frag, batch.job.ring.ring.slot(offset, frag.length)))
             else:

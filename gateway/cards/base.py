@@ -2,9 +2,18 @@
 
 A card stores fragments (the unit of storage, see ``adpkv_gateway.fragments``) in
 ``num_dbs`` databases. Only the gateway talks to cards. Every method may be
-called from many I/O threads at once. A read that cannot return exactly the
-bytes that were written (missing, truncated, corrupt, foreign) returns False:
-a miss, never wrong data.
+called from many I/O threads at once. A read answers a ``Read`` verdict: ``HIT``
+only when the bytes are exactly those written by the write its caller expects;
+anything else is a miss, never wrong data, and the verdict says whether it is
+evidence about the object itself (which drops the object) or not (which drops
+nothing).
+
+Whole objects under racing writers: every write of an object stamps a random
+``write_id`` into the header of each of its fragments (the head, written last,
+too). A lookup learns the head's write id (``heads``) and every fragment read is
+checked against it: a fragment of another write (a writer in progress, or an
+object torn by two writers of different gateways) is ``Read.CHANGED``, a miss
+that removes nothing. So a hit is always one write's whole object.
 
 A fragment key is its object's key followed by a 2-byte fragment index
 (``adpkv_gateway.fragments.fragment_key``); fragment 0, the head, is written last
@@ -24,7 +33,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Optional
+import enum
+from typing import NamedTuple, Optional
 
 
 @dataclasses.dataclass
@@ -51,6 +61,45 @@ class NodeIOError(CardIOError):
     """A transport failure of one node of a card made of several (a Redis Cluster): the
     fragment is unavailable for now, a miss that removes nothing, but the card as a whole
     answers, so it is no strike against the card's health."""
+
+
+class Read(enum.Enum):
+    """The verdict of one fragment read. Only evidence about the object itself (``drops``)
+    ever removes an object; ``IO_ERROR`` is also a strike against the card's health."""
+
+    HIT = "hit"                              # the fragment, whole, of the expected write
+    ABSENT = "missing"                       # not stored (no such file or key)
+    TRUNCATED = "truncated"                  # shorter than its header says
+    BAD_HEADER = "bad header"                # not a header of this key and size (or an older format's)
+    BAD_CHECKSUM = "checksum mismatch"       # the payload is not what its header's checksum says
+    FOREIGN = "not a file of the card"       # a symlink or other non-regular file at the fragment's name
+    CHANGED = "of another write"             # another write of the object than the one looked up (a writer
+                                             # in progress, a torn object) or stored again since: no drop
+    TRANSIENT = "not readable now"           # EMFILE, ENFILE, ENOMEM, EAGAIN, EINTR, EACCES, a busy server or
+                                             # one node of a cluster away: says nothing about the object
+    IO_ERROR = "I/O error"                   # EIO, a lost connection, a timeout: a strike, no drop
+    UNDELIVERED = "not delivered"            # the client's buffer refused the bytes (or it gave up)
+
+    @property
+    def drops(self) -> bool:
+        """Whether this verdict is evidence about the object itself: the object goes, whole."""
+        return self in _DROPS
+
+    @property
+    def strike(self) -> bool:
+        """Whether this verdict counts against the card's health."""
+        return self is Read.IO_ERROR
+
+
+_DROPS = frozenset((Read.ABSENT, Read.TRUNCATED, Read.BAD_HEADER, Read.BAD_CHECKSUM, Read.FOREIGN))
+
+
+class Head(NamedTuple):
+    """What an object's head fragment records: the whole object's size (0: not recorded)
+    and the write id stamped in every fragment of the write that stored it."""
+
+    size: int
+    write_id: int
 
 
 def object_key(fkey: bytes) -> bytes:
@@ -83,6 +132,7 @@ class Card(abc.ABC):
     direct_reads: bool = False   # read_to_fd works: a client's region is filled without the ring
     direct_writes: bool = False  # write_from_fd works: a client's region is stored without the ring
     batched_reads: bool = False  # read_many does better than a loop over read (the store uses it)
+    drops_itself: bool = False   # a read whose verdict ``drops`` has already removed the object on the card
 
     def __init__(self, device: str):
         self.device = device
@@ -93,26 +143,32 @@ class Card(abc.ABC):
         """Connect/prepare the card and learn (or assign) its serial; raises CardError."""
 
     @abc.abstractmethod
-    def read(self, db: int, fkey: bytes, buf: memoryview, tag: bytes = b"") -> bool:
-        """Fill ``buf`` (exactly its length) with the fragment; False on any miss."""
+    def read(self, db: int, fkey: bytes, buf: memoryview, tag: bytes = b"",
+             write_id: Optional[int] = None) -> Read:
+        """Fill ``buf`` (exactly its length) with the fragment; its verdict (``HIT`` only when
+        the fragment is whole and, with ``write_id``, of that write). May raise
+        ``CardIOError`` (a transport failure)."""
 
-    def read_many(self, items: list[tuple[int, bytes, memoryview, bytes]]) -> list:
-        """Read ``(db, fragment key, buf, slot tag)`` items, each as ``read`` does; for each:
-        True, False (a miss), or the ``CardIOError`` that failed it (a transport failure:
-        nothing may be concluded about the fragment). Cards with ``batched_reads`` do it in
-        fewer round trips (the cluster card: one pipeline per node, all nodes at once)."""
+    def read_many(self, items: list[tuple[int, bytes, memoryview, bytes, Optional[int]]]) -> list:
+        """Read ``(db, fragment key, buf, slot tag, write id)`` items, each as ``read`` does;
+        for each: its ``Read`` verdict, or the ``CardIOError`` that failed it (a transport
+        failure: nothing may be concluded about the fragment). Cards with ``batched_reads``
+        do it in fewer round trips (the cluster card: one pipeline per node, all at once)."""
         out: list = []
-        for db, fkey, buf, tag in items:
+        for db, fkey, buf, tag, write_id in items:
             try:
-                out.append(self.read(db, fkey, buf, tag))
+                out.append(self.read(db, fkey, buf, tag, write_id))
             except CardIOError as exc:
                 out.append(exc)
         return out
 
     @abc.abstractmethod
-    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"") -> bool:
+    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"",
+              write_id: int = 0) -> bool:
         """Store ``buf`` atomically under ``fkey``; False if it could not be stored.
-        ``object_bytes``: the size of the whole object, recorded in its head fragment."""
+        ``object_bytes``: the size of the whole object, recorded in its head fragment;
+        ``write_id``: the write's id, stamped in the fragment's header (every fragment of one
+        write of an object carries the same)."""
 
     @abc.abstractmethod
     def contains_many(self, items: list[tuple[int, bytes]],
@@ -123,10 +179,15 @@ class Card(abc.ABC):
         many payload bytes (None: any)."""
 
     @abc.abstractmethod
+    def heads(self, heads: list[tuple[int, bytes]], tags: Optional[list[bytes]] = None) -> list[Optional[Head]]:
+        """For each ``(db, head fragment key)``: what its head records (``Head``), None for no
+        head (or none this card can read)."""
+
     def object_sizes(self, heads: list[tuple[int, bytes]],
                      tags: Optional[list[bytes]] = None) -> list[Optional[int]]:
-        """For each ``(db, head fragment key)``: the object size its head records, 0 for a
-        head that records none (written before sizes were recorded), None for no head."""
+        """For each ``(db, head fragment key)``: the object size its head records, None for
+        no head."""
+        return [None if h is None else h.size for h in self.heads(heads, tags)]
 
     @abc.abstractmethod
     def delete(self, db: int, fkey: bytes, tag: bytes = b"") -> bool:
@@ -137,16 +198,17 @@ class Card(abc.ABC):
         return sum(self.delete(db, fkey, tags[i] if tags else b"") for i, (db, fkey) in enumerate(items))
 
     def read_to_fd(self, db: int, fkey: bytes, length: int, out_fd: int, out_offset: int,
-                   write_by: Optional[float] = None) -> Optional[bool]:
+                   write_by: Optional[float] = None, write_id: Optional[int] = None) -> Read:
         """Copy the fragment (``length`` bytes) into a client's buffer by descriptor, at
         ``out_offset``, without the ring and without touching the buffer from user space;
-        False on any miss (or when the buffer took less, or ``write_by``, monotonic, came
-        before a write into it: the client gave up, nothing more is written). None: this card
-        cannot (the gateway then reads into the ring and copies from there)."""
-        return None
+        its verdict as ``read`` (``UNDELIVERED`` when the buffer took less, or ``write_by``,
+        monotonic, came before a write into it: the client gave up, nothing more is
+        written). Only cards with ``direct_reads``."""
+        raise NotImplementedError(f"{type(self).__name__} has no direct reads")
 
     def write_from_fd(self, db: int, fkey: bytes, length: int, in_fd: int, in_offset: int,
-                      object_bytes: int = 0, tag: bytes = b"", read_by: Optional[float] = None) -> bool:
+                      object_bytes: int = 0, tag: bytes = b"", read_by: Optional[float] = None,
+                      write_id: int = 0) -> bool:
         """``write`` of the ``length`` bytes at ``in_offset`` of a client's buffer, read by
         descriptor (``pread``) straight into the card's object, without the ring; the checksum
         is of exactly the bytes stored. False when it could not be stored: the buffer is
@@ -155,17 +217,18 @@ class Card(abc.ABC):
         behind. Only cards with ``direct_writes``."""
         raise NotImplementedError(f"{type(self).__name__} has no direct writes")
 
-    def process_reads(self, fkeys: list[bytes]) -> list:
-        """For each fragment, an ``objfile.FileRead`` that an I/O process can do (the gateway
-        packs them into ``io_procs.ReadTask``s), False when the card knows it is not stored,
-        or None when this card's reads cannot run in another process. Called
-        with a GET batch's fragments at once, on the gateway's loop (a card with an index looks
-        them all up under one lock)."""
+    def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list:
+        """For each fragment (expected of the write ``write_ids`` names), an
+        ``objfile.FileRead`` that an I/O process can do (the gateway packs them into
+        ``io_procs.ReadTask``s), False when the card knows it is not stored, or None when this
+        card's reads cannot run in another process. Called with a GET batch's fragments at
+        once, on the gateway's loop (a card with an index looks them all up under one lock)."""
         return [None] * len(fkeys)
 
-    def process_read_result(self, task, problem: Optional[str]) -> bool:
-        """Account for the outcome of a ``process_reads`` task (in the gateway's process)."""
-        return problem is None
+    def process_read_result(self, task, verdict: Read) -> Read:
+        """Account for the verdict of a ``process_reads`` task (in the gateway's process): the
+        verdict the gateway acts on."""
+        return verdict
 
     def details(self) -> dict:
         """Extra facts for STATS and the status file, cached by the card (no I/O: called on

@@ -19,6 +19,13 @@ lives and dies whole: eviction, delete and a failed read drop all its fragment
 files (head first). With ``o_direct`` the page cache is bypassed and I/O goes
 straight between the file and the ring. Files are 0600 and directories 0700
 (0640/0750 and the ``card_group`` group when one is set).
+
+Safety (``fs_files``): the card directory and every ``dbNNN`` must be the gateway's own
+(owned by its uid, writable by nobody else) or the card is refused; every file is
+reached relative to a checked directory descriptor with ``O_NOFOLLOW``, temporary files
+are created with ``O_EXCL``, modes are set on descriptors. Only evidence about an object
+(its file gone, a bad header, checksum or size) drops it; a transient failure (EMFILE,
+ENOMEM, ...) or an I/O error is a miss that removes nothing (``base.Read``).
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ import grp
 import json
 import logging
 import os
-import shutil
 import stat
 import threading
 import time
@@ -38,18 +44,22 @@ from typing import Callable, Optional
 from .. import progress
 from ..quotas import TenantUsage
 
-from .base import Card, CardError, CardIOError, CardUsage, claim_record, is_head, object_key, parse_claim
-from .fs_index import FKEY_BYTES, Entry, FsIndex, unlink_all
-from .objfile import (ALIGN, HEADER_BYTES, REGION_WRITE_FAILED, FdSlice, FileRead, Scratch, copy_object_file,
-                      read_object_file, write_object_file)
+from .base import Card, CardError, CardIOError, CardUsage, Head, Read, claim_record, is_head, object_key, parse_claim
+from .fs_files import (CREATE_FLAGS, READ_FLAGS, FileRef, check_file, open_dir, open_root, own_dir, unlink_all,
+                       verdict_of)
+from .fs_index import FKEY_BYTES, Entry, FsIndex
+from .objfile import (ALIGN, HEADER_BYTES, FdSlice, FileRead, Scratch, copy_object_file, read_object_file,
+                      write_object_file)
 
 logger = logging.getLogger("adpkv.gateway.fs")
 
-FORMAT = 1
+FORMAT = 2          # 2: object headers carry write ids (objfmt format 2); 1: before
 CARD_FILE = "adpkv-card.json"
 CARD_FILE_TMP = ".adpkv-card.json.tmp"
+PROBE = ".odirect-probe"
 SNAPSHOT_FILE = ".adpkv-index"   # the index at the last clean stop (FsIndex.save)
-LEFTOVERS = (CARD_FILE + ".tmp", CARD_FILE_TMP, ".odirect-probe", SNAPSHOT_FILE + ".tmp")   # of the card's own atomic writes
+LEFTOVERS = (CARD_FILE + ".tmp", CARD_FILE_TMP, PROBE, SNAPSHOT_FILE + ".tmp")   # of the card's own atomic writes
+TRANSIENT_LOG_S = 10.0       # transient read failures (EMFILE, ...) are logged at most this often
 SCAN_FOREGROUND_S = 0.5      # open() waits this long for the scan: a small card serves whole
 CLAIMS_DIR = "namespaces"      # one file per claimed key namespace (Card.claim_namespace)
 CLAIM_LEFTOVER_S = 600         # a claim's temporary file older than this was left by a crash
@@ -68,6 +78,7 @@ class FsCard(Card):
     kind = "fs"
     direct_reads = True
     direct_writes = True
+    drops_itself = True
 
     def __init__(self, device: str, num_dbs: int = 16, capacity_bytes: int = 0,
                  eviction_watermark: float = 0.95, eviction_ratio: float = 0.10,
@@ -85,12 +96,15 @@ class FsCard(Card):
         self._lock = threading.Lock()                  # the temporary names' sequence
         self._scratch = Scratch()
         self._tmp_seq = 0
-        self._dir_fds: dict[int, int] = {}             # db -> directory fd (fsync: true)
+        self._tmp_tag = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        self._root_fd = -1                             # the card's directory, checked (fs_files)
+        self._db_fds: dict[int, int] = {}              # db -> its directory's descriptor, checked
+        self._db_refs: dict[int, str] = {}             # db -> that descriptor as an I/O process opens it
+        self._transient_logged = 0.0
         self._claims_fd: Optional[int] = None          # DIR/namespaces, opened at the first claim lookup
         self._claims_lock = threading.Lock()
-        self._db_paths = [os.path.join(self.root, f"db{db:03d}", "") for db in range(num_dbs)]   # db -> "DIR/dbNNN/"
         # objects, their files, LRU, bytes used and quotas (fs_index: its contract)
-        self.index = FsIndex(self.root, self._path, capacity_bytes, eviction_watermark, eviction_ratio,
+        self.index = FsIndex(self.root, self._ref, capacity_bytes, eviction_watermark, eviction_ratio,
                              is_pinned, quotas, num_dbs)
         self._auto_capacity = capacity_bytes <= 0      # the free space at start (learnt again after the scan)
         self._scan_thread: Optional[threading.Thread] = None
@@ -99,62 +113,68 @@ class FsCard(Card):
 
     # ------------------------------------------------------------------ setup
     def open(self) -> None:
+        """Open the card's directory and its databases, each checked to be the gateway's own
+        (``fs_files.own_dir``; a ``CardError`` names one that is not) and reached by
+        descriptor from then on; read or create ``adpkv-card.json``; index the objects."""
         if self.card_group:
             self.gid = _group_id(self.card_group)
         try:
-            os.makedirs(self.root, exist_ok=True)
-            self._own_dir(self.root)
+            self._root_fd = open_root(self.root, self.dir_mode)
+            own_dir(self._root_fd, self.root, self.dir_mode, self.gid)
         except OSError as exc:
             raise CardError(f"fs card {self.root}: cannot create the directory: {exc}") from None
         self._remove_leftovers()
-        meta_path = os.path.join(self.root, CARD_FILE)
-        if os.path.exists(meta_path):
-            try:
-                with open(meta_path, encoding="utf-8") as fh:
-                    meta = json.load(fh)
-                    self._own_file(fh.fileno())
-                self.serial = str(meta["serial"])
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise CardError(f"fs card {self.root}: unreadable {CARD_FILE}: {exc}") from None
+        names = os.listdir(self._root_fd)
+        if CARD_FILE in names:
+            meta = self._read_card_file(own=True)
+            self.serial = str(meta["serial"])
             if meta.get("format") != FORMAT:
-                raise CardError(f"fs card {self.root}: format {meta.get('format')} is not {FORMAT}")
+                raise CardError(f"fs card {self.root} was written in format {meta.get('format')}; this gateway "
+                                f"reads format {FORMAT} only (object headers with write ids). Its objects are a "
+                                "cache the engines store again: give the card an empty directory, or remove this "
+                                "one's contents")
         else:
-            if any(not n.startswith(".") for n in os.listdir(self.root)):
+            if any(not n.startswith(".") for n in names):
                 raise CardError(f"fs card {self.root}: the directory holds other files and no {CARD_FILE}; "
                                 "give the card an empty or new directory")
             self.serial = "FS" + uuid.uuid4().hex[:14].upper()
-            self._write_card_file(meta_path)
+            self._write_card_file()
         try:
-            for db in range(self.num_dbs):
-                os.makedirs(self._db_dir(db), exist_ok=True)
-                self._own_dir(self._db_dir(db))
+            present = {int(n[2:]) for n in names if n.startswith("db") and n[2:].isdigit() and len(n) == 5}
+            for db in sorted(present | set(range(self.num_dbs))):
+                path = self._db_dir(db)
+                fd = self._db_fds[db] = open_dir(self._root_fd, f"db{db:03d}", path, self.dir_mode, create=True)
+                own_dir(fd, path, self.dir_mode, self.gid)
+                self._db_refs[db] = f"/proc/{os.getpid()}/fd/{fd}"
             if self.fsync:
-                self._fsync_dir(self.root)
-                for db in range(self.num_dbs):
-                    self._dir_fds[db] = os.open(self._db_dir(db), os.O_RDONLY | os.O_DIRECTORY)
+                os.fsync(self._root_fd)
         except OSError as exc:
             raise CardError(f"fs card {self.root}: cannot prepare its databases: {exc}") from None
         if self.o_direct and not self._probe_o_direct():
             logger.warning("fs card %s: the file system refuses O_DIRECT; using the page cache", self.root)
             self.o_direct = False
         if self._auto_capacity:
-            self.index.capacity_bytes = shutil.disk_usage(self.root).free
+            self.index.capacity_bytes = self._free_bytes()
         self._start_scan(self._load_snapshot())
         logger.info("fs card %s (serial %s): capacity %.1f MiB", self.root, self.serial, self.capacity_bytes / 2**20)
 
     def _stamps(self) -> dict[str, int]:
-        """Each database directory's modification time (ns): what a snapshot is checked against."""
-        return {name: os.stat(os.path.join(self.root, name)).st_mtime_ns
-                for name in sorted(os.listdir(self.root)) if name.startswith("db") and name[2:].isdigit()}
+        """Each database directory's modification time (ns, by its checked descriptor): what a
+        snapshot is checked against."""
+        return {f"db{db:03d}": os.fstat(fd).st_mtime_ns for db, fd in sorted(self._db_fds.items())}
+
+    def _free_bytes(self) -> int:
+        """The bytes free for the gateway on the card's file system."""
+        vfs = os.statvfs(self._root_fd)
+        return vfs.f_bavail * vfs.f_frsize
 
     def _load_snapshot(self) -> bool:
         """The index from the snapshot of the last clean stop, when it still matches the
         files (``FsIndex.load``); the snapshot is removed either way (a crash after this start
         must not find it). Whether it was taken (then each object's files are checked against
         it in the background, ``FsIndex.verify``, instead of a scan)."""
-        path = os.path.join(self.root, SNAPSHOT_FILE)
-        problem = self.index.load(path, self.serial, self._stamps())
-        unlink_all([path])
+        problem = self.index.load(self._root_fd, SNAPSHOT_FILE, self.serial, self._stamps())
+        unlink_all([FileRef(self._root_fd, SNAPSHOT_FILE)])
         if problem is not None:
             if problem != "none":
                 logger.warning("fs card %s: index snapshot ignored: %s; scanning the files", self.root, problem)
@@ -187,13 +207,13 @@ class FsCard(Card):
                 return
             self.index.end_scan()
             if self._auto_capacity:
-                self.index.capacity_bytes = shutil.disk_usage(self.root).free + self.index.usage()[0]
+                self.index.capacity_bytes = self._free_bytes() + self.index.usage()[0]
             victims = self.index.trim()
             with progress.track(f"fs card {self.root}: trimming", len(victims), "files", log=logger) as shown:
-                for path in victims:
+                for ref in victims:
                     if self._scan_stop.is_set():
                         break            # out of the index already: a later scan finds them again
-                    unlink_all((path,))
+                    unlink_all((ref,))
                     shown.advance()
         except Exception:                              # the card serves on; what is not indexed is a miss
             logger.exception("fs card %s: the scan of its files failed", self.root)
@@ -201,35 +221,53 @@ class FsCard(Card):
             self.scanned.set()
 
     def _walk(self):
-        """(database, directory, name) of every entry of the card's databases."""
-        for name in sorted(os.listdir(self.root)):
-            if not (name.startswith("db") and name[2:].isdigit()):
-                continue
-            directory = os.path.join(self.root, name)
+        """(database, its directory's checked descriptor, name) of every entry of the card's
+        databases (listed by descriptor)."""
+        for db, fd in sorted(self._db_fds.items()):
             try:
-                with os.scandir(directory) as entries:
-                    for entry in entries:
-                        yield int(name[2:]), directory, entry.name
+                for name in os.listdir(fd):
+                    yield db, fd, name
             except OSError as exc:
-                logger.warning("fs card %s: cannot list %s: %s", self.root, directory, exc)
+                logger.warning("fs card %s: cannot list %s: %s", self.root, self._db_dir(db), exc)
 
     def _remove_leftovers(self) -> None:
         """Remove what an interrupted atomic write of the card itself left in its directory
-        (a crash during the first start): never a reason to refuse the card."""
+        (a crash during the first start; by descriptor, a symlink as a link): never a reason
+        to refuse the card."""
         for name in LEFTOVERS:
             try:
-                os.unlink(os.path.join(self.root, name))
+                os.unlink(name, dir_fd=self._root_fd)
                 logger.info("fs card %s: removed %s left by an interrupted start", self.root, name)
             except FileNotFoundError:
                 pass
             except OSError as exc:
                 raise CardError(f"fs card {self.root}: cannot remove the leftover {name}: {exc}") from None
 
-    def _write_card_file(self, meta_path: str) -> None:
-        """Create ``adpkv-card.json`` atomically and durably (file, then directory, fsynced)."""
-        tmp = os.path.join(self.root, CARD_FILE_TMP)
+    def _read_card_file(self, own: bool = False) -> dict:
+        """``adpkv-card.json``, opened without following a symlink and checked to be the
+        gateway's own file (``own``: given the card's mode and group, at open)."""
+        path = os.path.join(self.root, CARD_FILE)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.file_mode)
+            fd = os.open(CARD_FILE, READ_FLAGS, dir_fd=self._root_fd)
+        except OSError as exc:
+            raise CardError(f"fs card {self.root}: unreadable {CARD_FILE} (a symlink is refused): {exc}") from None
+        try:
+            check_file(fd, path)
+            with os.fdopen(fd, encoding="utf-8", closefd=False) as fh:
+                meta = json.load(fh)
+            if own:
+                self._own_file(fd)
+            str(meta["serial"])
+            return meta
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CardError(f"fs card {self.root}: unreadable {CARD_FILE}: {exc}") from None
+        finally:
+            os.close(fd)
+
+    def _write_card_file(self) -> None:
+        """Create ``adpkv-card.json`` atomically and durably (file, then directory, fsynced)."""
+        try:
+            fd = os.open(CARD_FILE_TMP, CREATE_FLAGS, self.file_mode, dir_fd=self._root_fd)
             try:
                 self._own_file(fd)
                 data = json.dumps({"serial": self.serial, "format": FORMAT, "created": time.time()}).encode()
@@ -238,13 +276,13 @@ class FsCard(Card):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, meta_path)
-            self._fsync_dir(self.root)
+            os.rename(CARD_FILE_TMP, CARD_FILE, src_dir_fd=self._root_fd, dst_dir_fd=self._root_fd)
+            os.fsync(self._root_fd)
         except OSError as exc:
             raise CardError(f"fs card {self.root}: cannot write {CARD_FILE}: {exc}") from None
 
     def _own_file(self, fd: int) -> None:
-        """Give a file of the card its mode (whatever the umask) and group."""
+        """Give a file of the card its mode (whatever the umask) and group, on its descriptor."""
         st = os.fstat(fd)
         try:
             if stat.S_IMODE(st.st_mode) != self.file_mode:
@@ -254,35 +292,16 @@ class FsCard(Card):
         except PermissionError as exc:
             logger.warning("fs card %s: cannot set the mode or group of a file: %s", self.root, exc)
 
-    def _own_dir(self, path: str) -> None:
-        st = os.stat(path)
-        try:
-            if stat.S_IMODE(st.st_mode) & 0o777 != self.dir_mode:
-                os.chmod(path, self.dir_mode | (stat.S_IMODE(st.st_mode) & ~0o777 & 0o7000))
-            if self.gid >= 0 and st.st_gid != self.gid:
-                os.chown(path, -1, self.gid)
-        except PermissionError as exc:
-            logger.warning("fs card %s: cannot set the mode or group of %s: %s", self.root, path, exc)
-
-    @staticmethod
-    def _fsync_dir(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def _db_dir(self, db: int) -> str:
         return os.path.join(self.root, f"db{db:03d}")
 
-    def _path(self, db: int, fkey: bytes) -> str:
-        dirs = self._db_paths           # a database past num_dbs: a card written with more of them
-        return (dirs[db] if db < len(dirs) else os.path.join(self.root, f"db{db:03d}", "")) + fkey.hex()
+    def _ref(self, db: int, fkey: bytes) -> FileRef:
+        """The file of a fragment: its database's descriptor and its name."""
+        return FileRef(self._db_fds[db], fkey.hex())
 
     def _probe_o_direct(self) -> bool:
-        probe = os.path.join(self.root, ".odirect-probe")
         try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+            fd = os.open(PROBE, CREATE_FLAGS | os.O_DIRECT, 0o600, dir_fd=self._root_fd)
             try:
                 os.pwrite(fd, self._scratch.header, 0)
             finally:
@@ -291,71 +310,79 @@ class FsCard(Card):
         except OSError:
             return False
         finally:
-            try:
-                os.unlink(probe)
-            except OSError:
-                pass
+            unlink_all([FileRef(self._root_fd, PROBE)])
 
     # ------------------------------------------------------------------ data
-    def read(self, db: int, fkey: bytes, buf: memoryview, tag: bytes = b"") -> bool:
+    def read(self, db: int, fkey: bytes, buf: memoryview, tag: bytes = b"",
+             write_id: Optional[int] = None) -> Read:
         entry = self.index.locate(fkey)
         if entry is None:
-            return False
-        path = self._path(entry[0], fkey)
-        return self.read_result(fkey, path, read_object_file(path, fkey, buf, self.o_direct, self._scratch), entry)
+            return Read.ABSENT
+        verdict = read_object_file(self._db_fds[entry[0]], fkey.hex(), fkey, buf, self.o_direct, self._scratch,
+                                   write_id)
+        return self.read_result(fkey, verdict, entry)
 
     def locate(self, fkey: bytes) -> Optional[str]:
-        """The file of a stored fragment (refreshing its object's LRU place), or None."""
+        """The path of a stored fragment's file (refreshing its object's LRU place), or None:
+        for messages and tests; the card itself reaches files by descriptor."""
         entry = self.index.locate(fkey)
-        return None if entry is None else self._path(entry[0], fkey)
+        return None if entry is None else os.path.join(self._db_dir(entry[0]), fkey.hex())
 
-    def process_reads(self, fkeys: list[bytes]) -> list:
+    def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list:
         """``locate`` of many fragments under one lock (each object's LRU place refreshed once
         per fragment, as ``locate``), a ``FileRead`` each (carrying the index entry it was
         handed, for ``read_result``) or False where it is not stored."""
-        path, o_direct = self._path, self.o_direct
-        return [False if e is None else FileRead(path(e[0], fkey), fkey, o_direct, e)
-                for fkey, e in zip(fkeys, self.index.locate_many(fkeys))]
+        refs, o_direct = self._db_refs, self.o_direct
+        return [False if e is None else FileRead(refs[e[0]], fkey, o_direct, w, e)
+                for fkey, w, e in zip(fkeys, write_ids, self.index.locate_many(fkeys))]
 
-    def process_read_result(self, task, problem: Optional[str]) -> bool:
-        return self.read_result(task.fkey, task.path, problem, task.entry)
+    def process_read_result(self, task, verdict: Read) -> Read:
+        return self.read_result(task.fkey, verdict, task.entry)
 
     def read_to_fd(self, db: int, fkey: bytes, length: int, out_fd: int, out_offset: int,
-                   write_by: Optional[float] = None) -> bool:
+                   write_by: Optional[float] = None, write_id: Optional[int] = None) -> Read:
         entry = self.index.locate(fkey)
         if entry is None:
-            return False
-        path = self._path(entry[0], fkey)
-        problem = copy_object_file(path, fkey, length, out_fd, out_offset, self._scratch, write_by)
-        if problem == REGION_WRITE_FAILED:
-            return False          # the client's buffer refused the bytes; the object is fine
-        return self.read_result(fkey, path, problem, entry)
+            return Read.ABSENT
+        verdict = copy_object_file(self._db_fds[entry[0]], fkey.hex(), fkey, length, out_fd, out_offset,
+                                   self._scratch, write_by, write_id)
+        return self.read_result(fkey, verdict, entry)
 
-    def read_result(self, fkey: bytes, path: str, problem: Optional[str], entry: Entry) -> bool:
-        """Account for the outcome of ``read_object_file`` (here or in an I/O process) of the
-        file the index handed out as ``entry``: a missing or bad fragment drops its whole
-        object, so the next PUT stores it again; unless the fragment was stored again since
-        (the verdict is stale: the newer, acknowledged object stays)."""
-        if problem is None:
-            return True
-        if problem.startswith("I/O error"):
-            logger.warning("fs card %s: read of %s failed: %s", self.root, path, problem)
-            return False
-        paths = self.index.drop_if(fkey, entry)
-        if paths is None:
+    def read_result(self, fkey: bytes, verdict: Read, entry: Entry) -> Read:
+        """Account for the verdict of a read (here or in an I/O process) of the file the index
+        handed out as ``entry``: evidence about the object (``Read.drops``: a missing or bad
+        fragment) drops its whole object, so the next PUT stores it again, unless the
+        fragment was stored again since (the verdict is stale: the newer, acknowledged
+        object stays; ``CHANGED``). Any other miss (transient, I/O error, another write's
+        fragment, a client that did not take the bytes) drops nothing."""
+        if verdict is Read.HIT or verdict is Read.UNDELIVERED or verdict is Read.CHANGED:
+            return verdict
+        path = os.path.join(self._db_dir(entry[0]), fkey.hex())
+        if not verdict.drops:
+            now = time.monotonic()
+            if verdict.strike or now - self._transient_logged >= TRANSIENT_LOG_S:
+                self._transient_logged = now
+                logger.warning("fs card %s: %s is %s: a miss, nothing removed", self.root, path, verdict.value)
+            return verdict
+        refs = self.index.drop_if(fkey, entry)
+        if refs is None:
             logger.debug("fs card %s: %s was %s, but its object is gone or stored again since; "
-                         "the stale verdict is ignored", self.root, path, problem)
-            return False
-        logger.warning("fs card %s: %s is %s; the object is a miss and is removed", self.root, path, problem)
-        unlink_all(paths)
-        return False
+                         "the stale verdict is ignored", self.root, path, verdict.value)
+            return Read.CHANGED
+        logger.warning("fs card %s: %s is %s; the object is a miss and is removed", self.root, path, verdict.value)
+        unlink_all(refs)
+        return verdict
 
     def write_from_fd(self, db: int, fkey: bytes, length: int, in_fd: int, in_offset: int,
-                      object_bytes: int = 0, tag: bytes = b"", read_by: Optional[float] = None) -> bool:
-        return self.write(db, fkey, FdSlice(in_fd, in_offset, length, read_by), object_bytes, tag)
+                      object_bytes: int = 0, tag: bytes = b"", read_by: Optional[float] = None,
+                      write_id: int = 0) -> bool:
+        return self.write(db, fkey, FdSlice(in_fd, in_offset, length, read_by), object_bytes, tag, write_id)
 
-    def write(self, db: int, fkey: bytes, buf, object_bytes: int = 0, tag: bytes = b"") -> bool:
-        """``buf``: a memoryview, or an ``FdSlice`` of a client's region (``write_from_fd``)."""
+    def write(self, db: int, fkey: bytes, buf, object_bytes: int = 0, tag: bytes = b"", write_id: int = 0) -> bool:
+        """``buf``: a memoryview, or an ``FdSlice`` of a client's region (``write_from_fd``).
+        The file is created under a new temporary name (``O_EXCL | O_NOFOLLOW``: nothing
+        placed there is followed or reused) in the database's directory, by descriptor, and
+        renamed into place there."""
         n = len(buf)
         if len(fkey) != FKEY_BYTES:
             logger.warning("fs card %s: %r is no fragment key (%d bytes, not %d); not storing",
@@ -368,44 +395,47 @@ class FsCard(Card):
         unlink_all(victims)
         if not ok:
             return False
-        final = self._path(db, fkey)
+        dir_fd = self._db_fds[db]
+        final = fkey.hex()
         with self._lock:
             self._tmp_seq += 1
-            tmp = os.path.join(self._db_dir(db), f".{fkey.hex()}.{os.getpid()}.{self._tmp_seq}")
+            tmp = f".{final}.{self._tmp_tag}.{self._tmp_seq}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.o_direct else 0),
-                         self.file_mode)
+            fd = os.open(tmp, CREATE_FLAGS | (os.O_DIRECT if self.o_direct else 0), self.file_mode, dir_fd=dir_fd)
             try:
                 self._own_file(fd)
-                write_object_file(fd, fkey, buf, object_bytes if head else 0, self.o_direct, self._scratch)
+                write_object_file(fd, fkey, buf, object_bytes if head else 0, self.o_direct, self._scratch, write_id)
                 if self.fsync:
                     os.fsync(fd)
+            except BaseException:
+                unlink_all([FileRef(dir_fd, tmp)])
+                raise
             finally:
                 os.close(fd)
-            os.rename(tmp, final)
+            os.rename(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             if self.fsync:
-                os.fsync(self._dir_fds[db])
+                os.fsync(dir_fd)
         except OSError as exc:
-            logger.warning("fs card %s: write of %s failed: %s", self.root, final, exc)
-            unlink_all([tmp])
+            logger.warning("fs card %s: write of %s failed: %s", self.root, os.path.join(self._db_dir(db), final),
+                           exc)
             self.index.unreserve(okey, on_disk)
             return False
-        unlink_all(self.index.commit(fkey, db, n, on_disk, object_bytes))
+        unlink_all(self.index.commit(fkey, db, n, on_disk, object_bytes, write_id))
         return True
 
     def _drop_object(self, okey: bytes) -> bool:
         """Forget every fragment of an object and remove its files (head first)."""
-        paths = self.index.drop(okey)
-        if paths is None:
+        refs = self.index.drop(okey)
+        if refs is None:
             return False
-        unlink_all(paths)
+        unlink_all(refs)
         return True
 
     def _drop_unindexed(self, db: int, fkey: bytes) -> bool:
         """While the scan runs: remove a fragment's file the index does not know yet (the
         scan will not index its object: ``FsIndex.drop`` remembered it). Whether it was there."""
         try:
-            os.unlink(self._path(db, fkey))
+            os.unlink(fkey.hex(), dir_fd=self._db_fds[db])
             return True
         except OSError:
             return False
@@ -423,8 +453,8 @@ class FsCard(Card):
     def contains_many(self, items, lengths=None, tags=None):
         return self.index.contains_many([fkey for _, fkey in items], lengths)
 
-    def object_sizes(self, heads, tags=None):
-        return self.index.object_sizes([fkey for _, fkey in heads])
+    def heads(self, heads, tags=None) -> list[Optional[Head]]:
+        return self.index.heads([fkey for _, fkey in heads])
 
     def delete(self, db: int, fkey: bytes, tag: bytes = b"") -> bool:
         """Remove the fragment's whole object; True if any of it was stored."""
@@ -441,11 +471,11 @@ class FsCard(Card):
         self.index.drop_all()
         objects = 0
         with progress.track(f"fs card {self.root}: cleaning", files, "files", log=logger) as shown:
-            for _, directory, name in self._walk():
+            for _, dir_fd, name in self._walk():
                 if name.startswith(".") or len(name) != 2 * FKEY_BYTES:
                     continue
                 try:
-                    os.unlink(os.path.join(directory, name))
+                    os.unlink(name, dir_fd=dir_fd)
                 except OSError:
                     continue
                 objects += name.endswith("0000")
@@ -473,10 +503,12 @@ class FsCard(Card):
         return self.index.tenant_usage()
 
     def check(self) -> bool:
+        """The card's directory (by its descriptor) still holds its own card file, and the
+        gateway may write to it."""
         try:
-            with open(os.path.join(self.root, CARD_FILE), encoding="utf-8") as fh:
-                return json.load(fh).get("serial") == self.serial and os.access(self.root, os.W_OK)
-        except (OSError, ValueError):
+            return self._read_card_file().get("serial") == self.serial and \
+                os.access(".", os.W_OK, dir_fd=self._root_fd)
+        except (CardError, OSError):
             return False
 
     # ------------------------------------------------------------------ namespace claims
@@ -488,19 +520,16 @@ class FsCard(Card):
         with self._claims_lock:
             if self._claims_fd is not None:
                 return self._claims_fd
+            root = self._root_fd          # the card's own directory, checked at open (fs_files)
             try:
-                root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 try:
-                    try:
-                        os.mkdir(CLAIMS_DIR, self.dir_mode, dir_fd=root)
-                        made = True
-                    except FileExistsError:
-                        made = False
-                    fd = os.open(CLAIMS_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
-                    if made:
-                        os.fsync(root)
-                finally:
-                    os.close(root)
+                    os.mkdir(CLAIMS_DIR, self.dir_mode, dir_fd=root)
+                    made = True
+                except FileExistsError:
+                    made = False
+                fd = os.open(CLAIMS_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
+                if made:
+                    os.fsync(root)
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):      # a symlink or a file in its place
                     raise CardError(f"fs card {self.root}: {CLAIMS_DIR} is not a directory: {exc}") from None
@@ -593,20 +622,22 @@ class FsCard(Card):
 
     def close(self) -> None:
         """Close the claims directory, stop the scan; with the index whole, save its snapshot
-        for the next start."""
+        for the next start; close the directories."""
         with self._claims_lock:
             if self._claims_fd is not None:
                 os.close(self._claims_fd)
                 self._claims_fd = None
         self._stop_scan()
-        if self.scanned.is_set() and self.serial:
+        if self.scanned.is_set() and self.serial and self._root_fd >= 0:
             try:
-                self.index.save(os.path.join(self.root, SNAPSHOT_FILE), self.serial, self._stamps(), self._own_file)
+                self.index.save(self._root_fd, SNAPSHOT_FILE, self.serial, self._stamps(), self._own_file)
             except OSError as exc:
                 logger.warning("fs card %s: cannot save the index snapshot: %s", self.root, exc)
-        fds, self._dir_fds = self._dir_fds, {}
-        for fd in fds.values():
+        fds, self._db_fds, self._db_refs = list(self._db_fds.values()) + [self._root_fd], {}, {}
+        self._root_fd = -1
+        for fd in fds:
             try:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
             except OSError:
                 pass

@@ -4,8 +4,8 @@ Contract (``FsIndex``):
 
 - **What it holds.** One row per whole object (its head is in place) in a compact table of
   numpy columns (``_Rows``: the 28-byte key, bytes on disk, the size its head records, the
-  head's payload length, fragment count, databases, write generation, last use, namespace:
-  64 bytes) found through an open-addressing hash table of row numbers (linear probing, at
+  head's payload length, fragment count, databases, write generation, the head's write id,
+  last use, namespace: 72 bytes) found through an open-addressing hash table of row numbers (linear probing, at
   most half full: 8 to 16 bytes an object). A row is exact: the full key is compared, so a
   lookup never hits another object. Fragments are not rows: fragment ``i`` of an object
   has the length ``fragment_extents(size, head length)`` gives it and lives in database
@@ -36,27 +36,36 @@ Contract (``FsIndex``):
   Once it has indexed everything, ``trim`` brings the card within its capacity and every
   namespace within its quota.
 - **Locking and I/O.** Every method takes the index's own lock; none touches a file except
-  the scan. A method that drops objects returns their files' paths (head first) and the
+  the scan. A method that drops objects returns their files (head first) and the
   caller unlinks them after the lock is released: an object leaves the index before its
-  files go, so a reader that still holds a path finds the file gone ("missing", a miss),
-  never another object's bytes.
+  files go, so a reader that still holds a reference finds the file gone ("missing", a
+  miss), never another object's bytes.
 - **Verdicts.** ``locate`` hands out ``(database, generation)``; a failed read drops the
   object with ``drop_if(fkey, entry)``, which does nothing once any fragment of the object
   was stored again (a new generation): a stale verdict never removes a newer,
   acknowledged store.
-- **Snapshot.** ``save`` writes the table to a file at a clean stop (``FsCard.close``, once
-  the scan had ended), with the card's serial and the modification time of each database
-  directory; ``load`` takes it instead of a scan only when it is whole (its checksum),
-  this card's, and every directory's time is still the recorded one (a file created,
-  renamed or removed in a directory since changes it): a snapshot older than the files
-  is never used. Anything else is ignored with one line, and the card scans.
-- **Paths.** The index stores databases, not paths: ``path_of(db, fragment key)`` is the
-  card's.
+- **Writes.** Each row records its head's write id (``commit``; ``heads``: the id every
+  fragment read is checked against), and the scan removes an object whose fragments carry
+  other write ids than its head (an overwrite cut short by a crash: a torn object), when
+  its files are older than the start.
+- **Snapshot.** ``save`` writes the table (write ids too) to a file at a clean stop
+  (``FsCard.close``, once the scan had ended), with the card's serial and the modification
+  time of each database directory; ``load`` takes it instead of a scan only when it is
+  whole (its checksum), this card's, of this format and columns (a snapshot of an index
+  without write ids is ignored), and every directory's time is still the recorded one (a
+  file created, renamed or removed in a directory since changes it): a snapshot older than
+  the files is never used. Anything else is ignored with one line, and the card scans.
+- **Files.** The index stores databases, not paths: ``path_of(db, fragment key)`` is the
+  card's reference of a file (``fs_files.FileRef``: its database's checked descriptor and
+  the name), what the methods that drop objects return, for ``fs_files.unlink_all``; the
+  scan and the snapshot's check reach every file relative to those descriptors, following
+  no symlink.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import logging
 import mmap
@@ -75,7 +84,8 @@ from .. import progress
 from ..fragments import fragment_extents
 from ..quotas import TenantUsage, tenant_of
 from . import objfmt
-from .base import is_head, object_key
+from .base import Head, is_head, object_key
+from .fs_files import READ_FLAGS, FileRef, unlink_all
 from .objfile import ALIGN, HEADER_BYTES
 
 logger = logging.getLogger("adpkv.gateway.fs")
@@ -86,7 +96,7 @@ EMPTY = -1                     # a free slot of the hash table
 START_TICK = 1 << 31           # the clock at start; scanned objects get older ticks (by file age)
 MIN_QUEUE = 256                # eviction queue: at least this many rows, or 1/32 of them
 SNAPSHOT_MAGIC = b"ADPKVIDX"
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2            # 2: rows carry write ids; a format 1 snapshot is ignored (the card scans)
 HASH_NAME = "xor-multiply-4w+fmix64"   # ``key_hash``: a snapshot's rows were hashed with it
 
 Entry = tuple[int, int]        # what ``locate`` hands out: (database, write generation)
@@ -95,15 +105,6 @@ Entry = tuple[int, int]        # what ``locate`` hands out: (database, write gen
 def sizes_on_disk(n: int) -> tuple[int, int]:
     """The sizes a file of ``n`` payload bytes may have (page cache, O_DIRECT padding)."""
     return HEADER_BYTES + n, HEADER_BYTES + -(-n // ALIGN) * ALIGN
-
-
-def unlink_all(paths) -> None:
-    """Remove files, ignoring those already gone."""
-    for path in paths:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 _M = (1 << 64) - 1
@@ -167,8 +168,8 @@ class _Rows:
 
     COLUMNS = (("key", np.uint8, (KEY_BYTES,)), ("disk", np.uint64, ()), ("total", np.uint64, ()),
                ("flen", np.uint32, ()), ("nfrag", np.uint16, ()), ("db0", np.uint16, ()),
-               ("dbmod", np.uint16, ()), ("gen", np.uint32, ()), ("tick", np.uint32, ()),
-               ("ns", np.uint16, ()))
+               ("dbmod", np.uint16, ()), ("gen", np.uint32, ()), ("wid", np.uint64, ()),
+               ("tick", np.uint32, ()), ("ns", np.uint16, ()))
     BYTES = sum(np.dtype(t).itemsize * (s[0] if s else 1) for _, t, s in COLUMNS)
 
     def __init__(self, capacity: int = 1024):
@@ -212,7 +213,7 @@ class _Namespace:
 class FsIndex:
     """The in-memory index of one fs card (see the module's contract)."""
 
-    def __init__(self, root: str, path_of: Callable[[int, bytes], str], capacity_bytes: int = 0,
+    def __init__(self, root: str, path_of: Callable[[int, bytes], FileRef], capacity_bytes: int = 0,
                  watermark: float = 0.95, ratio: float = 0.10,
                  is_pinned: Callable[[bytes], bool] = lambda key: False,
                  quotas: Optional[dict[bytes, int]] = None, num_dbs: int = 16):
@@ -382,7 +383,7 @@ class FsIndex:
         padded = disk != nfrag * HEADER_BYTES + total
         return sizes_on_disk(payload)[1 if padded else 0]
 
-    def _paths(self, r: int) -> list[str]:
+    def _paths(self, r: int) -> list[FileRef]:
         """(lock held) The files of row ``r``, head first."""
         okey = self._rows.key[r].tobytes()
         return [self.path_of(self._fragment_db(r, i), okey + i.to_bytes(2, "big"))
@@ -464,17 +465,18 @@ class FsIndex:
                 hit[hit] = (want < 0) | (want == payload)
         return hit.tolist()
 
-    def object_sizes(self, heads: list[bytes]) -> list[Optional[int]]:
-        """The object size each head fragment records (0: none), None where it is not indexed."""
+    def heads(self, heads: list[bytes]) -> list[Optional[Head]]:
+        """What each head fragment records (object size, write id), None where it is not indexed."""
         if not heads:
             return []
         with self._lock:
             rows, index = self._found(heads)
             hit = (rows >= 0) & (index == 0)
             totals = self._rows.total[rows[hit]].tolist()
-        out: list[Optional[int]] = [None] * len(heads)
-        for k, t in zip(np.flatnonzero(hit).tolist(), totals):
-            out[k] = t
+            wids = self._rows.wid[rows[hit]].tolist()
+        out: list[Optional[Head]] = [None] * len(heads)
+        for k, t, w in zip(np.flatnonzero(hit).tolist(), totals, wids):
+            out[k] = Head(t, w)
         return out
 
     def usage(self) -> tuple[int, int]:
@@ -493,10 +495,10 @@ class FsIndex:
                            or t.capacity_evicted), key=lambda u: u.tenant)
 
     # ------------------------------------------------------------------ writes
-    def reserve(self, okey: bytes, fkey: bytes, nbytes: int) -> tuple[bool, list[str]]:
+    def reserve(self, okey: bytes, fkey: bytes, nbytes: int) -> tuple[bool, list[FileRef]]:
         """Account ``nbytes`` for a new file of ``fkey``, evicting least recently used objects
         (whole) if needed. (whether it may be written, files of the evicted objects)."""
-        victims: list[str] = []
+        victims: list[FileRef] = []
         with self._lock:
             freed = self._file_size(okey, fkey)
             ns = self._ns[self._namespace(tenant_of(okey))]
@@ -536,13 +538,15 @@ class FsIndex:
             self._used -= nbytes
             self._ns[self._namespace(tenant_of(okey))].used -= nbytes
 
-    def commit(self, fkey: bytes, db: int, payload: int, on_disk: int, object_bytes: int) -> list[str]:
+    def commit(self, fkey: bytes, db: int, payload: int, on_disk: int, object_bytes: int,
+               write_id: int = 0) -> list[FileRef]:
         """A reserved file of ``on_disk`` bytes holding ``payload`` bytes is in place in
         database ``db``. A fragment other than the head waits for its head; the head makes
         the object whole: indexed (last in the LRU), with ``object_bytes`` the size it
-        records. Returns the files to remove: an earlier version's files the new one does not
-        reuse (another database, fragments past the new count), or, when the head finds
-        fragments missing (the object cannot be read whole), the object's own files."""
+        records and ``write_id`` its write's id. Returns the files to remove: an earlier
+        version's files the new one does not reuse (another database, fragments past the new
+        count), or, when the head finds fragments missing (the object cannot be read whole),
+        the object's own files."""
         okey = object_key(fkey)
         with self._lock:
             if self._scanning:
@@ -559,16 +563,16 @@ class FsIndex:
                 self._used -= old[1]
                 self._ns[self._namespace(tenant_of(okey))].used -= old[1]
                 return [self.path_of(old[0], fkey)] if old[0] != db else []
-            return self._commit_head(okey, fkey, r, db, payload, on_disk, object_bytes)
+            return self._commit_head(okey, fkey, r, db, payload, on_disk, object_bytes, write_id)
 
     def _commit_head(self, okey: bytes, fkey: bytes, r: int, db: int, payload: int, on_disk: int,
-                     object_bytes: int) -> list[str]:
+                     object_bytes: int, write_id: int) -> list[FileRef]:
         parts = self._pending.pop(okey, {})
         parts[fkey] = (db, on_disk)
         nfrag = len(fragment_extents(object_bytes, payload)) if object_bytes > payload else 1
         ns_index = self._namespace(tenant_of(okey))
         ns = self._ns[ns_index]
-        stale: list[str] = []
+        stale: list[FileRef] = []
         kept = 0
         if r >= 0:                                   # an earlier version of the object
             for i in range(int(self._rows.nfrag[r])):
@@ -598,7 +602,7 @@ class FsIndex:
             ns.used -= disk
             return stale + [self.path_of(d, fk) for fk, (d, _) in parts.items()]
         r = self._insert(okey)
-        self._set_row(r, disk, object_bytes, payload, nfrag, dbs[0], dbmod, self._tick(), ns_index)
+        self._set_row(r, disk, object_bytes, payload, nfrag, dbs[0], dbmod, write_id, self._tick(), ns_index)
         return stale
 
     def _layout(self, dbs: list[Optional[int]]) -> Optional[int]:
@@ -614,16 +618,17 @@ class FsIndex:
         return None
 
     def _set_row(self, r: int, disk: int, total: int, flen: int, nfrag: int, db0: int, dbmod: int,
-                 tick: int, ns_index: int) -> None:
+                 write_id: int, tick: int, ns_index: int) -> None:
         rows = self._rows
         rows.disk[r], rows.total[r], rows.flen[r], rows.nfrag[r] = disk, total, flen, nfrag
+        rows.wid[r] = write_id
         rows.db0[r], rows.dbmod[r], rows.gen[r], rows.tick[r], rows.ns[r] = db0, dbmod, self._next_gen(), tick, ns_index
         self._files += nfrag
         ns = self._ns[ns_index]
         ns.objects += 1
 
     # ------------------------------------------------------------------ removal
-    def drop(self, okey: bytes) -> Optional[list[str]]:
+    def drop(self, okey: bytes) -> Optional[list[FileRef]]:
         """Take an object out of the index (and its fragments in flight); its files (head
         first), or None if none was indexed."""
         with self._lock:
@@ -631,7 +636,7 @@ class FsIndex:
                 self._gone.add(okey)
             return self._take(okey, self._row(okey))
 
-    def drop_if(self, fkey: bytes, entry: Entry) -> Optional[list[str]]:
+    def drop_if(self, fkey: bytes, entry: Entry) -> Optional[list[FileRef]]:
         """``drop`` of the fragment's object only while it is still the generation ``entry``
         (what ``locate`` handed a reader) names: a read's verdict is about that file. None
         when the object is gone or was stored again since (a newer, acknowledged file: the
@@ -660,14 +665,14 @@ class FsIndex:
             self._used = self._files = 0
         return n
 
-    def _take(self, okey: bytes, r: int) -> Optional[list[str]]:
+    def _take(self, okey: bytes, r: int) -> Optional[list[FileRef]]:
         """(lock held) Take an object (row ``r``, -1: none) and its fragments in flight out of
         the index; its files, head first, or None when neither was there."""
         parts = self._pending.pop(okey, None)
         if r < 0 and parts is None:
             return None
         ns = self._ns[self._namespace(tenant_of(okey))]
-        paths: list[str] = []
+        paths: list[FileRef] = []
         if r >= 0:
             paths = self._paths(r)
             disk = int(self._rows.disk[r])
@@ -684,7 +689,7 @@ class FsIndex:
                 paths.append(path)
         return paths
 
-    def _evict(self, ns_index: int, more: Callable[[], bool], keep: bytes, victims: list[str],
+    def _evict(self, ns_index: int, more: Callable[[], bool], keep: bytes, victims: list[FileRef],
                pins: bool = True) -> int:
         """(lock held) Evict least recently used objects (of namespace ``ns_index``; -1: any)
         while ``more()``, never ``keep`` nor (with ``pins``) a pinned one; their files go to
@@ -744,11 +749,11 @@ class FsIndex:
         keys = rows.key[idx]
         return [(keys[j].tobytes(), t) for j, t in enumerate(ticks.tolist())]
 
-    def trim(self, pins: bool = True) -> list[str]:
+    def trim(self, pins: bool = True) -> list[FileRef]:
         """Bring every namespace within its quota and the card within its watermark (after
         the scan, or quotas lowered since the card was written): least recently used objects
         go. Their files."""
-        victims: list[str] = []
+        victims: list[FileRef] = []
         with self._lock:
             for i, ns in enumerate(self._ns):
                 if ns.quota and ns.over_by(0):
@@ -766,8 +771,10 @@ class FsIndex:
         return victims
 
     # ------------------------------------------------------------------ snapshot
-    def save(self, path: str, serial: str, stamps: dict[str, int], own_file: Callable[[int], None]) -> None:
-        """Write the table to ``path`` (through a temporary file, renamed into place):
+    def save(self, dir_fd: int, name: str, serial: str, stamps: dict[str, int],
+             own_file: Callable[[int], None]) -> None:
+        """Write the table to file ``name`` of the directory ``dir_fd`` (through a temporary
+        file created there with ``O_EXCL | O_NOFOLLOW``, renamed into place):
         ``serial`` the card's, ``stamps`` each database directory's modification time (ns)."""
         with self._lock:
             if self._pending or self._scanning:
@@ -778,8 +785,9 @@ class FsIndex:
                                "namespaces": [ns.tid.hex() for ns in self._ns], "gen": self._gen,
                                "clock": self._clock, "seed": self._seed, "hash": HASH_NAME,
                                "saved": time.time(), "columns": [c[0] for c in _Rows.COLUMNS]}).encode()
-            tmp = path + ".tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            tmp = name + ".tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=dir_fd)
             try:
                 own_file(fd)
                 digest = xxhash.xxh3_64()
@@ -794,17 +802,18 @@ class FsIndex:
                     os.fsync(out.fileno())
             except BaseException:
                 os.close(fd)
-                unlink_all([tmp])
+                unlink_all([FileRef(dir_fd, tmp)])
                 raise
             os.close(fd)
-            os.rename(tmp, path)
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         logger.info("fs card %s: index of %d objects saved", self.root, rows.n)
 
-    def load(self, path: str, serial: str, stamps: dict[str, int]) -> Optional[str]:
-        """Take the table from a snapshot ``save`` wrote. None when it did; else why not (no
+    def load(self, dir_fd: int, name: str, serial: str, stamps: dict[str, int]) -> Optional[str]:
+        """Take the table from a snapshot ``save`` wrote (file ``name`` of the directory
+        ``dir_fd``, opened without following a symlink). None when it did; else why not (no
         snapshot, not whole, another card's, older than the files), the index unchanged."""
         try:
-            with open(path, "rb", buffering=0) as src:
+            with open(os.open(name, READ_FLAGS, dir_fd=dir_fd), "rb", buffering=0) as src:
                 if os.fstat(src.fileno()).st_uid != os.geteuid():
                     return "not the gateway's own file"
                 got = src.read(16)
@@ -863,10 +872,10 @@ class FsIndex:
 
     # ------------------------------------------------------------------ the scan at start
     def index_scanned(self, okey: bytes, parts: dict[bytes, tuple[int, int]], total: int, flen: int,
-                      mtime: float, now: float) -> bool:
+                      write_id: int, mtime: float, now: float) -> bool:
         """Index an object the scan found whole: ``parts`` fragment key -> (db, bytes on disk),
-        ``total`` the size its head records, ``flen`` its head's payload length, ``mtime``
-        its newest file's. Nothing when the object was committed, deleted or evicted since
+        ``total`` the size its head records, ``flen`` its head's payload length, ``write_id``
+        the write id of all its fragments, ``mtime`` its newest file's. Nothing when the object was committed, deleted or evicted since
         the card opened. Whether it was indexed."""
         dbs = [parts[okey + i.to_bytes(2, "big")][0] for i in range(len(parts))]
         with self._lock:
@@ -878,7 +887,8 @@ class FsIndex:
             disk = sum(size for _, size in parts.values())
             ns_index = self._namespace(tenant_of(okey))
             r = self._insert(okey)
-            self._set_row(r, disk, total, flen, len(parts), dbs[0], dbmod, _tick_of_age(now - mtime), ns_index)
+            self._set_row(r, disk, total, flen, len(parts), dbs[0], dbmod, write_id, _tick_of_age(now - mtime),
+                          ns_index)
             self._used += disk
             self._ns[ns_index].used += disk
         return True
@@ -932,8 +942,7 @@ class FsIndex:
                         continue                   # stored or dropped since: not the snapshot's any more
                     self._take(okey, r)
                 db = files[0][0]
-                found = self._scan_object(db, okey, self.path_of(db, okey + HEAD_SUFFIX), header, own_file,
-                                          started)
+                found = self._scan_object(db, okey, header, own_file, started)
                 if found is not None and not isinstance(found, str):
                     self.index_scanned(okey, *found, now=time.time())
         logger.info("fs card %s: index snapshot checked against the files, %d objects changed since", self.root,
@@ -946,7 +955,8 @@ class FsIndex:
         newest = 0.0
         for i, (db, size) in enumerate(files):
             try:
-                st = os.lstat(self.path_of(db, okey + i.to_bytes(2, "big")))
+                dir_fd, name = self.path_of(db, okey + i.to_bytes(2, "big"))
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except OSError:
                 return None
             if st.st_size != size or st.st_mtime > self.saved_at or not stat.S_ISREG(st.st_mode):
@@ -954,14 +964,16 @@ class FsIndex:
             newest = max(newest, st.st_mtime)
         return newest
 
-    def scan(self, walk: Callable[[], Iterator[tuple[int, str, str]]],
+    def scan(self, walk: Callable[[], Iterator[tuple[int, int, str]]],
              own_file: Callable[[int], None], started: float, stop: threading.Event) -> Optional[int]:
-        """Index the files ``walk()`` yields as (database, directory, name) (walked twice: a
+        """Index the files ``walk()`` yields as (database, its directory's descriptor, name) (walked twice: a
         count for the progress, ``listed``, then the work), checking each head's header
         against its size and its object's fragments against the size it records. A file older than ``started`` (the card's
         open, wall clock) that does not match (truncated, corrupt), or a fragment whose head
         is missing, is removed; so is every file of an object whose fragments do not add up
-        to the size its head records. Leftovers of interrupted writes (dot files) older than
+        to the size its head records, or whose fragments carry other write ids than its head
+        (a torn object: an overwrite cut short). Every file is opened, checked and removed
+        relative to its database's descriptor, following no symlink. Leftovers of interrupted writes (dot files) older than
         ``started`` go. ``own_file(fd)`` gives each file the card's mode and group. Returns
         how many objects it indexed, or None when ``stop`` was set first."""
         t0 = time.monotonic()
@@ -969,14 +981,15 @@ class FsIndex:
         indexed = bad = 0
         with progress.track(f"fs card {self.root}: indexing", 0, "files", log=logger) as shown:
             shown.total = self.listed = sum(1 for _ in walk())
-            for db, directory, name in walk():
+            for db, dir_fd, name in walk():
                 if stop.is_set():
                     return None
                 shown.advance()
-                path = os.path.join(directory, name)
+                ref = FileRef(dir_fd, name)
+                path = self._where(db, name)
                 if name.startswith("."):
-                    if _older(path, started):
-                        unlink_all([path])  # a temp file of a write that never finished
+                    if _older(ref, started):
+                        unlink_all([ref])  # a temp file of a write that never finished
                     continue
                 try:
                     fkey = bytes.fromhex(name)
@@ -986,20 +999,19 @@ class FsIndex:
                     continue
                 okey = object_key(fkey)
                 if not is_head(fkey):
-                    if not self._has_head(okey, fkey, db) and okey not in self._pending and _older(path, started):
+                    if not self._has_head(okey, fkey, db) and okey not in self._pending and _older(ref, started):
                         # no head: a fragmented write cut short (the head goes last); it can never be read
                         logger.warning("fs card %s: %s has no head fragment; removing it", self.root, path)
-                        unlink_all([path])
+                        unlink_all([ref])
                         bad += 1
                     continue
-                found = self._scan_object(db, okey, path, header, own_file, started)
+                found = self._scan_object(db, okey, header, own_file, started)
                 if found is None:
                     continue
                 if isinstance(found, str):
                     bad += 1
                     continue
-                parts, total, flen, mtime = found
-                indexed += self.index_scanned(okey, parts, total, flen, mtime, time.time())
+                indexed += self.index_scanned(okey, *found, now=time.time())
         used, files = self.usage()
         logger.info("fs card %s: %d objects in %d files, %.1f MiB indexed in %.2f s%s",
                     self.root, indexed, files, used / 2**20, time.monotonic() - t0,
@@ -1010,54 +1022,66 @@ class FsIndex:
         """Whether the head of the object whose fragment ``fkey`` is in ``db`` is where a
         gateway puts it (spread: ``index`` databases back; else the same database)."""
         back = (db - int.from_bytes(fkey[-2:], "big")) % self.num_dbs
-        return any(os.path.lexists(self.path_of(d, okey + HEAD_SUFFIX)) for d in {back, db})
+        return any(_exists(self.path_of(d, okey + HEAD_SUFFIX)) for d in {back, db})
 
-    def _scan_object(self, db: int, okey: bytes, path: str, header: memoryview,
-                     own_file: Callable[[int], None], started: float):
-        """(parts, total, head length, newest mtime) of a whole object whose head is ``path``,
-        None when it cannot be judged now (gone, unreadable, newer than the start), or a
-        string when it was broken and removed."""
+    def _where(self, db: int, name: str) -> str:
+        """The path of a file of database ``db``, for messages."""
+        return os.path.join(self.root, f"db{db:03d}", name)
+
+    def _scan_object(self, db: int, okey: bytes, header: memoryview, own_file: Callable[[int], None],
+                     started: float):
+        """(parts, total, head length, write id, newest mtime) of a whole object whose head is
+        in database ``db``, None when it cannot be judged now (gone, unreadable, newer than the
+        start, a write in flight), or a string when it was broken (a bad head, missing
+        fragments, fragments of another write than its head's: torn) and removed."""
+        head_ref = self.path_of(db, okey + HEAD_SUFFIX)
+        path = self._where(db, head_ref.name)
         try:
-            info = _scan_file(path, okey + HEAD_SUFFIX, header, own_file)
-        except OSError:
-            return None
+            info = _scan_file(head_ref.dir_fd, head_ref.name, okey + HEAD_SUFFIX, header, own_file)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP or not _older(head_ref, started):
+                return None
+            info = "not a file of the card (a symlink)"
         if isinstance(info, str):
-            if not _older(path, started):
+            if not _older(head_ref, started):
                 return None
             logger.warning("fs card %s: %s is %s; removing it", self.root, path, info)
-            unlink_all([path])
+            unlink_all([head_ref])
             return info
-        size, mtime, flen, total = info
+        size, mtime, flen, total, write_id = info
         parts = {okey + HEAD_SUFFIX: (db, size)}
         if total <= flen:
-            return parts, total, flen, mtime
+            return parts, total, flen, write_id, mtime
         try:
             extents = fragment_extents(total, flen)
         except ValueError:
             extents = []
         problem = None if extents else "a head of impossible size"
-        spread_ok = all_here = True
+        spread_ok = True
         for i, (_, length) in enumerate(extents[1:], 1):
             fkey = okey + i.to_bytes(2, "big")
             got = None
             for d in ((db + i) % self.num_dbs, db) if spread_ok else (db,):
+                ref = self.path_of(d, fkey)
                 try:
-                    got = _scan_file(self.path_of(d, fkey), fkey, header, own_file)
+                    got = _scan_file(ref.dir_fd, ref.name, fkey, header, own_file)
                 except OSError:
                     continue
-                if d != db:
-                    all_here = False
                 break
             if got is None or isinstance(got, str) or got[2] != length:
                 problem = "missing fragments"
                 break
             parts[fkey] = (d, got[0])
             mtime = max(mtime, got[1])
+            if got[4] != write_id:
+                problem = "torn (fragments of different writes)"
+                break
         if problem is None:
-            return parts, total, flen, mtime
+            return parts, total, flen, write_id, mtime
         if mtime >= started or okey in self._pending:
             return None
-        logger.warning("fs card %s: object %s lacks fragments; removing it", self.root, okey.hex())
+        logger.warning("fs card %s: object %s is %s; removing it", self.root, okey.hex(),
+                       problem if problem.startswith("torn") else f"lacking fragments ({problem})")
         unlink_all([self.path_of(d, fk) for fk, (d, _) in parts.items()])
         return problem
 
@@ -1070,20 +1094,29 @@ def _tick_of_age(age_s: float) -> int:
     return START_TICK - 1 - (ms if ms < fine else min(fine + (ms - fine) // 1000, START_TICK - 2))
 
 
-def _older(path: str, started: float) -> bool:
+def _older(ref: FileRef, started: float) -> bool:
     """Whether the file was last changed before ``started`` (wall clock): not a write of
     this gateway's."""
     try:
-        return os.lstat(path).st_mtime < started
+        return os.stat(ref.name, dir_fd=ref.dir_fd, follow_symlinks=False).st_mtime < started
     except OSError:
         return False
 
 
-def _scan_file(path: str, fkey: bytes, header: memoryview, own_file: Callable[[int], None]):
-    """(size on disk, mtime, payload length, recorded object size) of a sound object
-    file, or what is wrong with it ("bad header", "truncated ..."); gives the file
-    the card's mode."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+def _exists(ref: FileRef) -> bool:
+    """Whether a name is in its directory (a symlink too)."""
+    try:
+        os.stat(ref.name, dir_fd=ref.dir_fd, follow_symlinks=False)
+        return True
+    except OSError:
+        return False
+
+
+def _scan_file(dir_fd: int, name: str, fkey: bytes, header: memoryview, own_file: Callable[[int], None]):
+    """(size on disk, mtime, payload length, recorded object size, write id) of a sound
+    object file, or what is wrong with it ("bad header", "truncated ..."); gives the file
+    the card's mode. Raises ``OSError`` for a name that is no file (a symlink: ELOOP)."""
+    fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         got = os.preadv(fd, [header], 0)
@@ -1094,6 +1127,6 @@ def _scan_file(path: str, fkey: bytes, header: memoryview, own_file: Callable[[i
     parsed = objfmt.read_header(header[:got], fkey) if stat.S_ISREG(st.st_mode) else None
     if parsed is None:
         return "bad header"
-    if st.st_size not in sizes_on_disk(parsed[0]):
-        return f"truncated ({st.st_size} bytes for a payload of {parsed[0]})"
-    return st.st_size, st.st_mtime, parsed[0], parsed[1]
+    if st.st_size not in sizes_on_disk(parsed.payload_len):
+        return f"truncated ({st.st_size} bytes for a payload of {parsed.payload_len})"
+    return st.st_size, st.st_mtime, parsed.payload_len, parsed.object_bytes, parsed.write_id

@@ -2,10 +2,13 @@
 region), reading it, checked, and copying it into a client's region.
 
 A file is a 4 KiB header (``objfmt``, padded to one aligned block), then the payload. A
-read returns None when the bytes are right, else what is wrong ("missing", "truncated",
-"bad header", "checksum mismatch", "I/O error: ..."): the card turns that into a miss and
-its bookkeeping. These functions run in the gateway's I/O threads and in its I/O processes
-(``FileRead``) alike, each with its per-thread ``Scratch`` buffers.
+file is named by its directory's descriptor and its name (``fs_files``: opened with
+``O_NOFOLLOW``, never by a path). A read answers a ``Read`` verdict: ``HIT`` when the
+bytes are right (and of the expected write), else what is wrong; a failed open or read is
+judged by its errno (``fs_files.verdict_of``: only ENOENT says the file is gone). The card
+turns that into a miss and its bookkeeping. These functions run in the gateway's I/O
+threads and in its I/O processes (``FileRead``) alike, each with its per-thread
+``Scratch`` buffers.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Optional
 
 from ..checksum import Xxh3Stream, xxh3_64
 from . import objfmt
+from .base import Read
+from .fs_files import READ_FLAGS, verdict_of
 
 HEADER_BYTES = 4096          # the object header (objfmt), padded to one aligned block
 ALIGN = 4096
@@ -87,19 +92,19 @@ def _read_hashed(fd: int, header: memoryview, buf: memoryview, hasher: Xxh3Strea
     return (HEADER_BYTES + pos if pos else min(got, HEADER_BYTES)), hasher.digest()
 
 
-def read_object_file(path: str, fkey: bytes, buf: memoryview, o_direct: bool, scratch: Scratch,
-                     shared: bool = True) -> Optional[str]:
-    """Read the payload of one object file into ``buf`` (exactly its length), checking
-    header and checksum. None when the bytes are right, else what is wrong: "missing",
-    "truncated", "bad header", "checksum mismatch" or "I/O error: ...". Runs in the
-    gateway's I/O threads and in its I/O processes alike. ``shared``: ``buf`` is memory
-    others may write (a ring slot): a checksum that fails there is checked again on a
-    private read of the file before the object is called corrupt."""
+def read_object_file(dir_fd: int, name: str, fkey: bytes, buf: memoryview, o_direct: bool, scratch: Scratch,
+                     write_id: Optional[int] = None, shared: bool = True) -> Read:
+    """Read the payload of object file ``name`` (in the directory ``dir_fd``) into ``buf``
+    (exactly its length), checking header (with ``write_id``: of that write) and
+    checksum: its verdict. Runs in the gateway's I/O threads and in its I/O processes
+    alike. ``shared``: ``buf`` is memory others may write (a ring slot): a checksum that
+    fails there is checked again on a private read of the file before the object is
+    called corrupt."""
     n = len(buf)
     try:
-        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))
-    except OSError:
-        return "missing"
+        fd = os.open(name, READ_FLAGS | (os.O_DIRECT if o_direct else 0), dir_fd=dir_fd)
+    except OSError as exc:
+        return verdict_of(exc)
     header = memoryview(scratch.header)
     digest = tail = None
     try:
@@ -109,13 +114,14 @@ def read_object_file(path: str, fkey: bytes, buf: memoryview, o_direct: bool, sc
         else:
             got, digest = _read_hashed(fd, header, buf, scratch.hasher)
     except OSError as exc:
-        return f"I/O error: {exc}"
+        return verdict_of(exc)
     finally:
         os.close(fd)
     if got < HEADER_BYTES + n:
-        return "truncated"
-    if not objfmt.check_header(header, fkey, n):
-        return "bad header"
+        return Read.TRUNCATED
+    verdict = objfmt.check_header(header, fkey, n, write_id)
+    if verdict is not Read.HIT:
+        return verdict
     if tail is not None:
         src, dst_off, length = tail
         buf[dst_off:dst_off + length] = src[:length]
@@ -128,25 +134,21 @@ def read_object_file(path: str, fkey: bytes, buf: memoryview, o_direct: bool, sc
         # they were read. Only the file's own bytes, checked in private memory, can say the
         # object is corrupt; when they check, they are what lands in ``buf``.
         private = scratch.bounce_of(n)
-        problem = read_object_file(path, fkey, private, False, scratch, shared=False)
-        if problem is None:
+        verdict = read_object_file(dir_fd, name, fkey, private, False, scratch, write_id, shared=False)
+        if verdict is Read.HIT:
             buf[:] = private
-        return problem
-    if not digest_ok:
-        return "checksum mismatch"
-    return None
+        return verdict
+    return Read.HIT if digest_ok else Read.BAD_CHECKSUM
 
 
-REGION_WRITE_FAILED = "region write failed"    # the client's buffer, not the card: no strike
-
-
-def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: int,
-                     scratch: Scratch, write_by: Optional[float] = None) -> Optional[str]:
-    """Copy the payload of one object file to ``out_fd`` at ``out_offset`` (a client's region)
-    with ``pwrite``, checking header and checksum on the way; None when the bytes are right,
-    else what is wrong (as ``read_object_file``; ``REGION_WRITE_FAILED`` when the destination
-    took less than it was given, or when ``write_by`` (monotonic: the client gave up on the
-    request) came before one of the writes into it; nothing more is written then).
+def copy_object_file(dir_fd: int, name: str, fkey: bytes, n: int, out_fd: int, out_offset: int,
+                     scratch: Scratch, write_by: Optional[float] = None, write_id: Optional[int] = None) -> Read:
+    """Copy the payload of object file ``name`` (in ``dir_fd``) to ``out_fd`` at
+    ``out_offset`` (a client's region) with ``pwrite``, checking header (with ``write_id``:
+    of that write) and checksum on the way: the verdict as ``read_object_file``'s
+    (``UNDELIVERED`` when the destination took less than it was given, or when ``write_by``
+    (monotonic: the client gave up on the request) came before one of the writes into it;
+    nothing more is written then).
 
     A cached file of up to ``WHOLE_CACHED`` bytes is read whole into a per-thread buffer that
     stays in the CPU cache, checked there and written with one ``pwrite`` (``_copy_whole``):
@@ -162,57 +164,58 @@ def copy_object_file(path: str, fkey: bytes, n: int, out_fd: int, out_offset: in
     read since the gateway started) is read with O_DIRECT instead (``_copy_uncached``): one
     disk read of the whole file, not the page cache's readahead piece by piece."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return "missing"
+        fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        return verdict_of(exc)
     header = memoryview(scratch.header)
     piece = scratch.bounce_of(READ_PIECE)
     hasher = scratch.hasher
     try:
         if n <= WHOLE_MAX and page_cached(fd) is False:
-            problem = _copy_uncached(path, fkey, n, out_fd, out_offset, scratch, write_by)
-            if problem is not _NO_DIRECT_IO:
-                return problem
+            verdict = _copy_uncached(dir_fd, name, fkey, n, out_fd, out_offset, scratch, write_by, write_id)
+            if verdict is not None:
+                return verdict
         if n <= WHOLE_CACHED:
-            return _copy_whole(fd, fkey, n, out_fd, out_offset, scratch, write_by)
+            return _copy_whole(fd, fkey, n, out_fd, out_offset, scratch, write_by, write_id)
         if os.preadv(fd, [header], 0) < HEADER_BYTES:
-            return "truncated"
-        if not objfmt.check_header(header, fkey, n):
-            return "bad header"
+            return Read.TRUNCATED
+        verdict = objfmt.check_header(header, fkey, n, write_id)
+        if verdict is not Read.HIT:
+            return verdict
         hasher.reset()
         for pos in range(0, n, READ_PIECE):
             k = min(READ_PIECE, n - pos)
             if os.preadv(fd, [piece[:k]], HEADER_BYTES + pos) != k:
-                return "truncated"
+                return Read.TRUNCATED
             hasher.update(piece[:k])
             if write_by is not None and time.monotonic() >= write_by:
-                return REGION_WRITE_FAILED
+                return Read.UNDELIVERED
             try:
                 written = os.pwrite(out_fd, piece[:k], out_offset + pos)
             except OSError:
                 written = -1
             if written != k:
-                return REGION_WRITE_FAILED
+                return Read.UNDELIVERED
     except OSError as exc:
-        return f"I/O error: {exc}"
+        return verdict_of(exc)
     finally:
         os.close(fd)
-    return None if hasher.digest() == objfmt.payload_checksum(header) else "checksum mismatch"
+    return Read.HIT if hasher.digest() == objfmt.payload_checksum(header) else Read.BAD_CHECKSUM
 
 
 WHOLE_CACHED = 2 << 20          # cached objects up to this size are read, checked and written whole
 
 
 def _copy_whole(fd: int, fkey: bytes, n: int, out_fd: int, out_offset: int, scratch: Scratch,
-                write_by: Optional[float]) -> Optional[str]:
+                write_by: Optional[float], write_id: Optional[int]) -> Read:
     """``copy_object_file`` of a cached file of up to ``WHOLE_CACHED`` bytes: header and payload
     in one read into the per-thread buffer (it stays in the CPU cache), checked there, then
     one ``pwrite``: nothing lands before the checksum is known, and three system calls an
     object instead of two a piece."""
     buf = scratch.bounce_of(HEADER_BYTES + n)
     if os.preadv(fd, [buf], 0) < HEADER_BYTES + n:
-        return "truncated"
-    return _check_and_land(buf[:HEADER_BYTES], buf[HEADER_BYTES:], fkey, n, out_fd, out_offset, write_by)
+        return Read.TRUNCATED
+    return _check_and_land(buf[:HEADER_BYTES], buf[HEADER_BYTES:], fkey, n, out_fd, out_offset, write_by, write_id)
 
 
 WHOLE_MAX = 16 << 20            # objects up to this size move in one I/O: an uncached read, a store from a region
@@ -244,51 +247,49 @@ def page_cached(fd: int) -> Optional[bool]:
             _SYS_CACHESTAT = None          # an older kernel: never ask again
         return None
     return stat.nr_cache > 0
-_NO_DIRECT_IO = "no O_DIRECT"   # the file system refuses O_DIRECT: read through the page cache
 
 
-def _copy_uncached(path: str, fkey: bytes, n: int, out_fd: int, out_offset: int, scratch: Scratch,
-                   write_by: Optional[float]) -> Optional[str]:
+def _copy_uncached(dir_fd: int, name: str, fkey: bytes, n: int, out_fd: int, out_offset: int, scratch: Scratch,
+                   write_by: Optional[float], write_id: Optional[int]) -> Optional[Read]:
     """``copy_object_file`` of a file that is not in the page cache: header and payload in one
     O_DIRECT read into the per-thread bounce buffer (the disk's DMA, no page-cache copy),
     checked there, then one ``pwrite`` to the destination: nothing lands before the checksum
-    is known. ``_NO_DIRECT_IO`` when the file system refuses O_DIRECT."""
+    is known. None when the file system refuses O_DIRECT (read it through the page cache)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except FileNotFoundError:
-        return "missing"
-    except OSError:
-        return _NO_DIRECT_IO
+        fd = os.open(name, READ_FLAGS | os.O_DIRECT, dir_fd=dir_fd)
+    except OSError as exc:
+        return None if exc.errno == errno.EINVAL else verdict_of(exc)
     buf = scratch.bounce_of(HEADER_BYTES + -(-n // ALIGN) * ALIGN)
     try:
         got = os.preadv(fd, [buf], 0)
     except OSError as exc:
-        return _NO_DIRECT_IO if exc.errno == errno.EINVAL else f"I/O error: {exc}"
+        return None if exc.errno == errno.EINVAL else verdict_of(exc)
     finally:
         os.close(fd)
     if got < HEADER_BYTES + n:
-        return "truncated"
+        return Read.TRUNCATED
     return _check_and_land(buf[:HEADER_BYTES], buf[HEADER_BYTES:HEADER_BYTES + n], fkey, n, out_fd, out_offset,
-                           write_by)
+                           write_by, write_id)
 
 
 def _check_and_land(header: memoryview, payload: memoryview, fkey: bytes, n: int, out_fd: int, out_offset: int,
-                    write_by: Optional[float]) -> Optional[str]:
-    """Check a whole object read into a buffer (its header names ``fkey`` and ``n`` bytes, the
-    payload matches its checksum), then write the payload into the client's buffer in one
-    ``pwrite``, unless the client gave up (``write_by``): the problem, or None when it landed.
-    Nothing lands before the whole object is checked."""
-    if not objfmt.check_header(header, fkey, n):
-        return "bad header"
+                    write_by: Optional[float], write_id: Optional[int]) -> Read:
+    """Check a whole object read into a buffer (its header names ``fkey``, ``n`` bytes and
+    ``write_id``, the payload matches its checksum), then write the payload into the
+    client's buffer in one ``pwrite``, unless the client gave up (``write_by``): the
+    verdict (``HIT`` when it landed). Nothing lands before the whole object is checked."""
+    verdict = objfmt.check_header(header, fkey, n, write_id)
+    if verdict is not Read.HIT:
+        return verdict
     if not objfmt.payload_ok(header, payload):
-        return "checksum mismatch"
+        return Read.BAD_CHECKSUM
     if write_by is not None and time.monotonic() >= write_by:
-        return REGION_WRITE_FAILED
+        return Read.UNDELIVERED
     try:
         written = os.pwrite(out_fd, payload, out_offset)
     except OSError:
         written = -1
-    return None if written == n else REGION_WRITE_FAILED
+    return Read.HIT if written == n else Read.UNDELIVERED
 
 
 class FdSlice:
@@ -306,9 +307,10 @@ class FdSlice:
 
 
 def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct: bool,
-                      scratch: Scratch) -> None:
-    """Write one object file (header, then the payload) into ``fd``, a new file opened for
-    writing (with O_DIRECT when ``o_direct``; its payload then padded to ``ALIGN``). Raises
+                      scratch: Scratch, write_id: int = 0) -> None:
+    """Write one object file (header, then the payload; the header carries ``write_id``)
+    into ``fd``, a new file opened for writing (with O_DIRECT when ``o_direct``; its payload
+    then padded to ``ALIGN``). Raises
     ``OSError`` when the file is not whole.
 
     ``payload`` is a memoryview (the ring: one ``pwritev`` of header and payload) or an
@@ -323,7 +325,7 @@ def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct
     header = memoryview(scratch.header)
     if not isinstance(payload, FdSlice):
         n = len(payload)
-        objfmt.fill_header(header, fkey, payload, object_bytes)
+        objfmt.fill_header(header, fkey, payload, object_bytes, write_id)
         iov, _ = payload_iov(payload, n, o_direct, scratch, for_write=True)
         if os.pwritev(fd, [header] + iov, 0) != HEADER_BYTES + sum(len(v) for v in iov):
             raise OSError("short write")
@@ -340,7 +342,7 @@ def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct
             raise OSError("read from the region after its client gave up on the store")
         if out > n:
             buf[n:out] = bytes(out - n)
-        objfmt.fill_header_of(header, fkey, n, xxh3_64(buf[:n]), object_bytes)
+        objfmt.fill_header_of(header, fkey, n, xxh3_64(buf[:n]), object_bytes, write_id)
         if os.pwritev(fd, [header, buf[:out]], 0) != HEADER_BYTES + out:
             raise OSError("short write")
         return
@@ -360,20 +362,23 @@ def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct
             raise OSError("short write")
     if payload.read_by is not None and time.monotonic() >= payload.read_by:
         raise OSError("read from the region after its client gave up on the store")
-    objfmt.fill_header_of(header, fkey, n, hasher.digest(), object_bytes)
+    objfmt.fill_header_of(header, fkey, n, hasher.digest(), object_bytes, write_id)
     if os.pwrite(fd, header, 0) != HEADER_BYTES:
         raise OSError("short write")
 
 
 class FileRead:
-    """A read of one object file that an I/O process does (``Card.process_reads``): which
-    file, its fragment key, O_DIRECT or not, and ``entry``, the card's index entry of the
-    file (it stays in the gateway's process: the card's ``process_read_result`` applies a
-    failed read's verdict only while the index still holds that entry). The gateway packs a
-    batch's reads into ``io_procs.ReadTask``s (path, key, O_DIRECT); the reader calls
+    """A read of one object file that an I/O process does (``Card.process_reads``): its
+    directory as the reader opens it (``dir_ref``: ``/proc/<gateway>/fd/<the card's
+    descriptor of the database>``, the very directory the card checked, reached through the
+    gateway's descriptor, not by a path), its fragment key (the file's name is its hex),
+    O_DIRECT or not, the write id expected (None: any), and ``entry``, the card's index
+    entry of the file (it stays in the gateway's process: the card's ``process_read_result``
+    applies a failed read's verdict only while the index still holds that entry). The
+    gateway packs a batch's reads into ``io_procs.ReadTask``s; the reader calls
     ``read_object_file``."""
 
-    __slots__ = ("path", "fkey", "o_direct", "entry")
+    __slots__ = ("dir_ref", "fkey", "o_direct", "write_id", "entry")
 
-    def __init__(self, path: str, fkey: bytes, o_direct: bool, entry: tuple[int, int]):
-        self.path, self.fkey, self.o_direct, self.entry = path, fkey, o_direct, entry
+    def __init__(self, dir_ref: str, fkey: bytes, o_direct: bool, write_id: Optional[int], entry: tuple[int, int]):
+        self.dir_ref, self.fkey, self.o_direct, self.write_id, self.entry = dir_ref, fkey, o_direct, write_id, entry

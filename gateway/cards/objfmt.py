@@ -1,52 +1,75 @@
 """The self-describing object header every card stores in front of a fragment.
 
 96 bytes: magic, format, key length, payload length, xxh3-64 of the payload,
-the fragment's full key, the size of the whole object (recorded in an object's
-head fragment, fragment 0; 0 in the other fragments and in heads written before
-it was recorded) and an xxh3-64 of the header itself. A reader that checks it
-never returns a truncated, corrupt or foreign object; the recorded object size
-lets a card tell whether all fragments of an object are there.
+the fragment's full key, the write id (a random 64-bit number drawn for each
+write of an object, the same in all of its fragments), the size of the whole
+object (recorded in an object's head fragment, fragment 0; 0 in the other
+fragments) and an xxh3-64 of the header itself. A reader that checks it never
+returns a truncated, corrupt or foreign object, nor a fragment of another write
+of the object than the head it looked up (``cards.base``: whole objects); the
+recorded object size lets a card tell whether all fragments of an object are there.
+
+Format 2 added the write id. A header of format 1 (written before) is a bad header:
+the fs card refuses a card written in format 1 (``fs.FORMAT``); a key-value card's
+format-1 values read as misses and are replaced by the next PUT.
 """
 
 from __future__ import annotations
 
+import os
 import struct
+from typing import NamedTuple, Optional
 
 import xxhash
 
-from typing import Optional
-
 from ..checksum import xxh3_64
+from .base import Head, Read
 
 MAGIC = b"ADPKVOBJ"
-FORMAT = 1
+FORMAT = 2
 HEADER_CORE = 96
 _HEAD = struct.Struct(">8sHHQQ")           # 28 bytes
 _SUM_AT = HEADER_CORE - 8
 _OBJECT_AT = _SUM_AT - 8                   # u64: size of the whole object (head fragment only)
-MAX_KEY = _OBJECT_AT - _HEAD.size          # 52 bytes (fragment keys are 30)
+_WRITE_AT = _OBJECT_AT - 8                 # u64: the write id
+MAX_KEY = _WRITE_AT - _HEAD.size           # 44 bytes (fragment keys are 30)
 
 
-def fill_header(header, fkey: bytes, payload, object_bytes: int = 0) -> None:
+class Parsed(NamedTuple):
+    """A valid header's fields."""
+
+    payload_len: int
+    object_bytes: int      # the whole object's size (head fragment; 0 in the others)
+    write_id: int
+
+
+def new_write_id() -> int:
+    """A fresh write id: random, never 0."""
+    return int.from_bytes(os.urandom(8), "big") or 1
+
+
+def fill_header(header, fkey: bytes, payload, object_bytes: int = 0, write_id: int = 0) -> None:
     """Write the header of ``payload`` stored under ``fkey`` into ``header[:HEADER_CORE]``;
-    ``object_bytes`` is the size of the whole object when ``fkey`` is its head fragment."""
-    fill_header_of(header, fkey, len(payload), xxh3_64(payload), object_bytes)
+    ``object_bytes`` is the size of the whole object when ``fkey`` is its head fragment,
+    ``write_id`` the id of the write (see the module)."""
+    fill_header_of(header, fkey, len(payload), xxh3_64(payload), object_bytes, write_id)
 
 
-def fill_header_of(header, fkey: bytes, payload_len: int, payload_sum: int, object_bytes: int = 0) -> None:
+def fill_header_of(header, fkey: bytes, payload_len: int, payload_sum: int, object_bytes: int = 0,
+                   write_id: int = 0) -> None:
     """``fill_header`` for a payload hashed on the way (``payload_sum``: its xxh3-64)."""
     if len(fkey) > MAX_KEY:
         raise ValueError("fragment key too long")
     header[:HEADER_CORE] = bytes(HEADER_CORE)
     _HEAD.pack_into(header, 0, MAGIC, FORMAT, len(fkey), payload_len, payload_sum)
     header[_HEAD.size:_HEAD.size + len(fkey)] = fkey
-    struct.pack_into(">Q", header, _OBJECT_AT, object_bytes)
+    struct.pack_into(">QQ", header, _WRITE_AT, write_id, object_bytes)
     struct.pack_into(">Q", header, _SUM_AT, xxhash.xxh3_64_intdigest(memoryview(header)[:_SUM_AT]))
 
 
-def read_header(header, fkey: bytes) -> Optional[tuple[int, int]]:
-    """``(payload length, object size)`` of a valid header of ``fkey`` (object size 0:
-    not recorded), or None when ``header`` is short, corrupt or another key's."""
+def read_header(header, fkey: bytes) -> Optional[Parsed]:
+    """The fields of a valid header of ``fkey``, or None when ``header`` is short, corrupt,
+    of another format or another key's."""
     if len(header) < HEADER_CORE:
         return None
     magic, fmt, klen, plen, _ = _HEAD.unpack_from(header)
@@ -56,13 +79,18 @@ def read_header(header, fkey: bytes) -> Optional[tuple[int, int]]:
         return None
     if bytes(header[_HEAD.size:_HEAD.size + klen]) != fkey:
         return None
-    return plen, struct.unpack_from(">Q", header, _OBJECT_AT)[0]
+    return Parsed(plen, *struct.unpack_from(">QQ", header, _WRITE_AT)[::-1])
 
 
-def check_header(header, fkey: bytes, payload_len: int) -> bool:
-    """Whether ``header`` describes ``payload_len`` bytes stored under ``fkey``."""
+def check_header(header, fkey: bytes, payload_len: int, write_id: Optional[int] = None) -> Read:
+    """Whether ``header`` describes ``payload_len`` bytes stored under ``fkey`` (``HIT``),
+    and with ``write_id`` by that write (else ``CHANGED``); ``BAD_HEADER`` otherwise."""
     parsed = read_header(header, fkey)
-    return parsed is not None and parsed[0] == payload_len
+    if parsed is None or parsed.payload_len != payload_len:
+        return Read.BAD_HEADER
+    if write_id is not None and parsed.write_id != write_id:
+        return Read.CHANGED
+    return Read.HIT
 
 
 # A key-value card (resp, cluster) stores a fragment as one value: the header core, then the
@@ -78,22 +106,26 @@ def value_holds(strlen_reply, payload_len: int | None) -> bool:
     return strlen_reply > HEADER_CORE if payload_len is None else strlen_reply == HEADER_CORE + payload_len
 
 
-def recorded_size(header_reply, fkey: bytes) -> int | None:
-    """The object size a head fragment's header records (a GETRANGE of ``HEADER_RANGE``), or
-    None when it is not ``fkey``'s header."""
+def recorded_head(header_reply, fkey: bytes) -> Head | None:
+    """What a head fragment's header records (a GETRANGE of ``HEADER_RANGE``), or None when
+    it is not ``fkey``'s header."""
     parsed = read_header(header_reply, fkey) if isinstance(header_reply, bytes) else None
-    return None if parsed is None else parsed[1]
+    return None if parsed is None else Head(parsed.object_bytes, parsed.write_id)
 
 
-def value_problem(got: int, header, fkey: bytes, payload) -> str | None:
-    """What is wrong with a value a key-value card returned (``got`` bytes read into
-    ``header[:HEADER_CORE]`` and ``payload``) as the fragment ``fkey``, or None when it is
-    that fragment whole: its header's key and length, and its checksum."""
-    if got != HEADER_CORE + len(payload) or not check_header(header, fkey, len(payload)):
-        return "holds a foreign or resized object"
-    if not payload_ok(header, payload):
-        return "fails its checksum"
-    return None
+def value_verdict(got: Optional[int], header, fkey: bytes, payload, write_id: Optional[int]) -> Read:
+    """The verdict on a value a key-value card returned (``got`` bytes read into
+    ``header[:HEADER_CORE]`` and ``payload``; None: no such key) as the fragment ``fkey`` of
+    the write ``write_id`` (None: any): ``HIT`` when it is that fragment whole (its
+    header's key, length and write id, and its checksum)."""
+    if got is None:
+        return Read.ABSENT
+    if got != HEADER_CORE + len(payload):
+        return Read.BAD_HEADER
+    verdict = check_header(header, fkey, len(payload), write_id)
+    if verdict is not Read.HIT:
+        return verdict
+    return Read.HIT if payload_ok(header, payload) else Read.BAD_CHECKSUM
 
 
 def payload_ok(header, payload) -> bool:

@@ -17,7 +17,7 @@ import uuid
 from typing import Optional
 
 from . import objfmt
-from .base import Card, CardIOError, CardUnavailable, CardUsage, claim_record, is_head, parse_claim
+from .base import Card, CardIOError, CardUnavailable, CardUsage, Head, Read, claim_record, is_head, parse_claim
 from .resp_conn import RespConnection, RespError, ThreadConnections
 
 logger = logging.getLogger("adpkv.gateway.resp")
@@ -95,19 +95,26 @@ class RespCard(Card):
         self._conns.reset()
 
     # ------------------------------------------------------------------ data
-    def read(self, db: int, fkey: bytes, buf: memoryview, tag: bytes = b"") -> bool:
+    def read(self, db: int, fkey: bytes, buf: memoryview, tag: bytes = b"",
+             write_id: Optional[int] = None) -> Read:
+        """The GET's verdict; a transport failure raises ``CardIOError``, an error reply of the
+        server (busy, loading, out of memory) is ``TRANSIENT``: neither says anything about
+        the object."""
         header = self._header_buf()
-        n = self._io(lambda c: c.get_into(self._key(db, fkey), header, buf))
-        if n is None:
-            return False
-        problem = objfmt.value_problem(n, header, fkey, buf)
-        if problem is not None:
-            logger.warning("resp card %s: %s %s; a miss", self.device, fkey.hex(), problem)
-        return problem is None
+        try:
+            n = self._io(lambda c: c.get_into(self._key(db, fkey), header, buf))
+        except RespError as exc:
+            logger.warning("resp card %s: GET %s: %s; a miss, nothing removed", self.device, fkey.hex(), exc)
+            return Read.TRANSIENT
+        verdict = objfmt.value_verdict(n, header, fkey, buf, write_id)
+        if verdict.drops and verdict is not Read.ABSENT:
+            logger.warning("resp card %s: %s is %s; a miss", self.device, fkey.hex(), verdict.value)
+        return verdict
 
-    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"") -> bool:
+    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"",
+              write_id: int = 0) -> bool:
         header = self._header_buf()
-        objfmt.fill_header(header, fkey, buf, object_bytes if is_head(fkey) else 0)
+        objfmt.fill_header(header, fkey, buf, object_bytes if is_head(fkey) else 0, write_id)
         try:
             self._io(lambda c: c.set_value(self._key(db, fkey), [header, buf]))
         except RespError as exc:
@@ -127,13 +134,13 @@ class RespCard(Card):
         replies = self._io(lambda c: c.pipeline([(b"STRLEN", self._key(db, k)) for db, k in items]))
         return [objfmt.value_holds(r, n) for r, n in zip(replies, lengths or [None] * len(items))]
 
-    def object_sizes(self, heads, tags=None):
-        """The object sizes the heads record: one pipelined GETRANGE of each head's header."""
+    def heads(self, heads, tags=None) -> list[Optional[Head]]:
+        """What the heads record: one pipelined GETRANGE of each head's header."""
         if not heads:
             return []
         replies = self._io(lambda c: c.pipeline([(b"GETRANGE", self._key(db, k), *objfmt.HEADER_RANGE)
                                                  for db, k in heads]))
-        return [objfmt.recorded_size(r, fkey) for (_, fkey), r in zip(heads, replies)]
+        return [objfmt.recorded_head(r, fkey) for (_, fkey), r in zip(heads, replies)]
 
     def delete(self, db: int, fkey: bytes, tag: bytes = b"") -> bool:
         return bool(self._io(lambda c: c.command(b"DEL", self._key(db, fkey))))

@@ -49,8 +49,8 @@ from typing import Optional
 import xxhash
 
 from . import objfmt
-from .base import (Card, CardIOError, CardUnavailable, CardUsage, NodeIOError, claim_record, is_head, object_key,
-                   parse_claim)
+from .base import (Card, CardIOError, CardUnavailable, CardUsage, Head, NodeIOError, Read, claim_record, is_head,
+                   object_key, parse_claim)
 from .cluster_map import TRANSPORT_ERRORS, Addr, SlotMap, is_retryable, key_slot, parse_cluster_url
 from .cluster_route import ClusterRouting
 from .resp_conn import RespConnection, RespError, ThreadConnections
@@ -159,21 +159,27 @@ class ClusterCard(ClusterRouting, Card):
             h = self._local.header = memoryview(bytearray(objfmt.HEADER_CORE))
         return h
 
-    def read(self, db: int, fkey: bytes, buf: memoryview, tag: bytes = b"") -> bool:
+    def read(self, db: int, fkey: bytes, buf: memoryview, tag: bytes = b"",
+             write_id: Optional[int] = None) -> Read:
+        """The GET's verdict; a node that does not answer raises ``NodeIOError``; an error reply
+        (``_run`` follows redirections) is ``TRANSIENT``: says nothing about the object."""
         header = self._header_buf()
         key = self._key(db, fkey, tag)
-        n = self._run(key, lambda c: c.get_into(key, header, buf))
-        return self._checked(n, header, fkey, buf)
+        try:
+            n = self._run(key, lambda c: c.get_into(key, header, buf))
+        except RespError as exc:
+            logger.warning("cluster card %s: GET %s: %s; a miss, nothing removed", self.device, fkey.hex(), exc)
+            return Read.TRANSIENT
+        return self._checked(n, header, fkey, buf, write_id)
 
-    def _checked(self, n: Optional[int], header: memoryview, fkey: bytes, buf: memoryview) -> bool:
-        """Whether a GET's value (``n`` bytes, or None) read into ``header`` and ``buf`` is
-        the fragment ``fkey`` whole: its header's key and length, and its checksum."""
-        if n is None:
-            return False
-        problem = objfmt.value_problem(n, header, fkey, buf)
-        if problem is not None:
-            logger.warning("cluster card %s: %s %s; a miss", self.device, fkey.hex(), problem)
-        return problem is None
+    def _checked(self, n: Optional[int], header: memoryview, fkey: bytes, buf: memoryview,
+                 write_id: Optional[int]) -> Read:
+        """The verdict on a GET's value (``n`` bytes, or None) read into ``header`` and ``buf``
+        as the fragment ``fkey`` of the write ``write_id`` (``objfmt.value_verdict``)."""
+        verdict = objfmt.value_verdict(n, header, fkey, buf, write_id)
+        if verdict.drops and verdict is not Read.ABSENT:
+            logger.warning("cluster card %s: %s is %s; a miss", self.device, fkey.hex(), verdict.value)
+        return verdict
 
     def read_many(self, items) -> list:
         """``read`` of many fragments, pipelined per node and in parallel across nodes: each
@@ -184,10 +190,10 @@ class ClusterCard(ClusterRouting, Card):
         answered by a redirection or a busy node is read again alone through ``read``
         (which follows it); a node that does not answer fails its fragments with
         ``NodeIOError``."""
-        out: list = [False] * len(items)
+        out: list = [Read.TRANSIENT] * len(items)
         by_node: dict[Addr, list[int]] = {}
         keys: list[bytes] = []
-        for i, (db, fkey, _, tag) in enumerate(items):
+        for i, (db, fkey, _, tag, _) in enumerate(items):
             keys.append(self._key(db, fkey, tag))
             try:
                 by_node.setdefault(self.map.primary(key_slot(keys[i])), []).append(i)
@@ -230,15 +236,16 @@ class ClusterCard(ClusterRouting, Card):
                 for node in list(nodes):
                     addr, conn, idx, _, read = node
                     i = idx[read]
-                    _, fkey, buf, _ = items[i]
+                    _, fkey, buf, _, write_id = items[i]
                     try:
                         try:
-                            out[i] = self._checked(conn.read_value_into(header, buf), header, fkey, buf)
+                            out[i] = self._checked(conn.read_value_into(header, buf), header, fkey, buf, write_id)
                         except RespError as exc:
                             if is_retryable(exc):
                                 again.append(i)
                             else:
-                                logger.warning("cluster card %s: GET %s: %s; a miss", self.device, fkey.hex(), exc)
+                                logger.warning("cluster card %s: GET %s: %s; a miss, nothing removed",
+                                               self.device, fkey.hex(), exc)
                         node[4] = read + 1
                         send(node)
                     except _TRANSPORT as exc:
@@ -252,19 +259,18 @@ class ClusterCard(ClusterRouting, Card):
                 self._drop(node[0])
             raise
         for i in again:
-            db, fkey, buf, tag = items[i]
+            db, fkey, buf, tag, write_id = items[i]
             try:
-                out[i] = self.read(db, fkey, buf, tag)
+                out[i] = self.read(db, fkey, buf, tag, write_id)
             except CardIOError as exc:
                 out[i] = exc
-            except RespError as exc:
-                logger.warning("cluster card %s: GET %s: %s; a miss", self.device, fkey.hex(), exc)
         return out
 
-    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"") -> bool:
+    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"",
+              write_id: int = 0) -> bool:
         header = self._header_buf()
         head = is_head(fkey)
-        objfmt.fill_header(header, fkey, buf, object_bytes if head else 0)
+        objfmt.fill_header(header, fkey, buf, object_bytes if head else 0, write_id)
         key = self._key(db, fkey, tag)
         wait = self.wait_ms > 0 and head
 
@@ -291,14 +297,14 @@ class ClusterCard(ClusterRouting, Card):
         self._raise_if_all_failed(replies)
         return [objfmt.value_holds(r, n) for r, n in zip(replies, lengths or [None] * len(items))]
 
-    def object_sizes(self, heads, tags=None):
+    def heads(self, heads, tags=None) -> list[Optional[Head]]:
         if not heads:
             return []
         tags = tags or [b""] * len(heads)
         replies = self._pipeline([(b"GETRANGE", self._key(db, k, t), *objfmt.HEADER_RANGE)
                                   for (db, k), t in zip(heads, tags)])
         self._raise_if_all_failed(replies)
-        return [objfmt.recorded_size(r, fkey) for (_, fkey), r in zip(heads, replies)]
+        return [objfmt.recorded_head(r, fkey) for (_, fkey), r in zip(heads, replies)]
 
     @staticmethod
     def _raise_if_all_failed(replies: list) -> None:

@@ -300,22 +300,25 @@ def test_a_writer_of_the_slot_does_not_make_a_good_object_corrupt(tmp_path):
     from adpkv_gateway.cards import objfile
     n = 1 << 20
     fkey = bytes(range(30))                    # a fragment key's length
-    path = str(tmp_path / "object")
+    from adpkv_gateway.cards.base import Read
+    dir_fd = os.open(str(tmp_path), os.O_RDONLY | os.O_DIRECTORY)
     scratch = objfile.Scratch()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    fd = os.open("object", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=dir_fd)
     payload = memoryview(bytearray(pattern(b"good", 0, n)))
-    objfile.write_object_file(fd, fkey, payload, n, False, scratch)
+    objfile.write_object_file(fd, fkey, payload, n, False, scratch, 7)
     os.close(fd)
     slot = mmap.mmap(-1, n)                       # shared with the forked writer
-    assert objfile.read_object_file(path, fkey, memoryview(slot), False, scratch) is None
+    assert objfile.read_object_file(dir_fd, "object", fkey, memoryview(slot), False, scratch, 7) is Read.HIT
     writer = mp.get_context("fork").Process(target=_scribble, args=(slot,), daemon=True)
     writer.start()
     try:
-        problems = [objfile.read_object_file(path, fkey, memoryview(slot), False, scratch) for _ in range(300)]
+        verdicts = [objfile.read_object_file(dir_fd, "object", fkey, memoryview(slot), False, scratch, 7)
+                    for _ in range(300)]
     finally:
         writer.kill()
         writer.join(5)
-    assert problems == [None] * 300, {p: problems.count(p) for p in set(problems)}
+        os.close(dir_fd)
+    assert verdicts == [Read.HIT] * 300, {v: verdicts.count(v) for v in set(verdicts)}
 
 
 def _scribble(slot):

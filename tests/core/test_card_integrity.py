@@ -15,7 +15,7 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 from adpkv_gateway.cards import fs as fs_mod
-from adpkv_gateway.cards.base import CardError
+from adpkv_gateway.cards.base import CardError, Read
 from adpkv_gateway.cards.fs import FsCard
 
 from .rankproc import get_checked, make_keys, pattern
@@ -287,7 +287,7 @@ if point == "mid-write":          # the process dies with half of the object fil
         os._exit(9)
     os.pwritev = pwritev
 else:                             # the whole file written, the process dies before its rename
-    os.rename = lambda a, b: os._exit(9)
+    os.rename = lambda *a, **k: os._exit(9)
 card.write_from_fd(0, b"k" * 28 + b"\0\0", 1 << 20, fd, 4096, object_bytes=1 << 20)
 os._exit(0)                       # not reached: the write dies first
 """
@@ -314,7 +314,7 @@ def test_a_store_from_a_region_cut_short_leaves_no_object_that_reads_as_present(
     key = b"k" * 28 + b"\0\0"
     assert card.contains_many([(0, key)]) == [False]
     assert card.object_sizes([(0, key)]) == [None]
-    assert not card.read(0, key, memoryview(bytearray(1 << 20)))
+    assert card.read(0, key, memoryview(bytearray(1 << 20))) is Read.ABSENT
     assert not _files(root), "the leftover of the cut-short write is still there"
     fd = os.open(region, os.O_RDONLY)
     try:
@@ -322,7 +322,7 @@ def test_a_store_from_a_region_cut_short_leaves_no_object_that_reads_as_present(
     finally:
         os.close(fd)
     out = bytearray(1 << 20)
-    assert card.read(0, key, memoryview(out)) and bytes(out) == data[4096:]
+    assert card.read(0, key, memoryview(out)) is Read.HIT and bytes(out) == data[4096:]
     card.close()
 
 
@@ -374,14 +374,18 @@ def test_a_cached_object_copied_into_a_region_is_exact_or_a_miss(tmp_path, size,
     rfd = os.open(region, os.O_RDWR)
     try:
         os.pwrite(rfd, b"\xee" * size, size)
-        problem = copy_object_file(str(path), fkey, size, rfd, size, Scratch())
+        dir_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            verdict = copy_object_file(dir_fd, os.path.basename(path), fkey, size, rfd, size, Scratch())
+        finally:
+            os.close(dir_fd)
         got = os.pread(rfd, size, size)
     finally:
         os.close(rfd)
     if damage == "none":
-        assert problem is None and got == payload
+        assert verdict is Read.HIT and got == payload
         return
-    assert problem in ("checksum mismatch", "truncated", "bad header"), problem
+    assert verdict in (Read.BAD_CHECKSUM, Read.TRUNCATED, Read.BAD_HEADER), verdict
     if size <= WHOLE_CACHED:
         assert got == b"\xee" * size, "a damaged object wrote into the destination"
 
@@ -405,16 +409,19 @@ def test_a_card_file_changed_after_its_check_cannot_reach_the_region(tmp_path, m
         return ok
     monkeypatch.setattr(objfmt, "payload_ok", check_then_damage)
     rfd = os.open(region, os.O_RDWR)
+    dir_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    name = os.path.basename(path)
     try:
-        assert objfile.copy_object_file(str(path), fkey, size, rfd, size, objfile.Scratch()) is None
+        assert objfile.copy_object_file(dir_fd, name, fkey, size, rfd, size, objfile.Scratch()) is Read.HIT
         assert changed, "the check did not run: the test damaged nothing"
         assert os.pread(rfd, size, size) == payload, "bytes changed after their check reached the region"
         monkeypatch.setattr(objfmt, "payload_ok", real_payload_ok)
         os.pwrite(rfd, b"\xee" * size, size)
-        assert objfile.copy_object_file(str(path), fkey, size, rfd, size, objfile.Scratch()) == "checksum mismatch"
+        assert objfile.copy_object_file(dir_fd, name, fkey, size, rfd, size, objfile.Scratch()) is Read.BAD_CHECKSUM
         assert os.pread(rfd, size, size) == b"\xee" * size
     finally:
         os.close(rfd)
+        os.close(dir_fd)
 
 
 # ---------------------------------------------------------------- a stale failed-read verdict
@@ -426,7 +433,7 @@ def _race(card, how, data):
     the reader opens the file, after it found it gone). ``evicted``: X leaves the index, its
     files are unlinked, then a PUT stores it again; ``moved``: a PUT of the fragment into the
     other database, whose commit unlinks the old file. Either PUT is acknowledged."""
-    from adpkv_gateway.cards.fs_index import unlink_all
+    from adpkv_gateway.cards.fs_files import unlink_all
 
     def gone():
         if how == "evicted":
@@ -454,22 +461,34 @@ def test_a_stale_failed_read_does_not_drop_a_newer_store(tmp_path, how):
     gone, back = _race(card, how, data)
     try:
         assert card.write(0, _STALE_KEY, data, object_bytes=8192)
-        task, = card.process_reads([_STALE_KEY])                    # a reader is handed the path ...
+        task, = card.process_reads([_STALE_KEY], [None])            # a reader is handed the file ...
         gone()                                                      # ... X is evicted or moved ...
-        problem = read_object_file(task.path, _STALE_KEY, memoryview(bytearray(8192)), False, card._scratch)
-        assert problem == "missing"                                 # ... the reader finds it gone ...
+        reader_dir = os.open(task.dir_ref, os.O_RDONLY | os.O_DIRECTORY)   # as an I/O process opens it
+        try:
+            verdict = read_object_file(reader_dir, _STALE_KEY.hex(), _STALE_KEY, memoryview(bytearray(8192)),
+                                       False, card._scratch)
+        finally:
+            os.close(reader_dir)
+        assert verdict is Read.ABSENT                               # ... the reader finds it gone ...
         back()                                                      # ... X is stored (acknowledged) ...
-        assert not card.process_read_result(task, problem)          # ... the stale verdict: a miss
+        assert card.process_read_result(task, verdict) is Read.CHANGED   # ... the stale verdict: a miss
         assert card.contains_many([(0, _STALE_KEY)], [8192]) == [True], "the acknowledged store was dropped"
         out = bytearray(8192)
-        assert card.read(0, _STALE_KEY, memoryview(out)) and out == data, "the acknowledged store is unreadable"
-        fresh, = card.process_reads([_STALE_KEY])                   # a verdict on the entry it was handed
-        os.truncate(fresh.path, 4096)
-        problem = read_object_file(fresh.path, _STALE_KEY, memoryview(bytearray(8192)), False, card._scratch)
-        assert problem == "truncated"
-        assert not card.process_read_result(fresh, problem)
+        assert card.read(0, _STALE_KEY, memoryview(out)) is Read.HIT and out == data, \
+            "the acknowledged store is unreadable"
+        fresh, = card.process_reads([_STALE_KEY], [None])           # a verdict on the entry it was handed
+        path = card.locate(_STALE_KEY)
+        os.truncate(path, 4096)
+        reader_dir = os.open(fresh.dir_ref, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            verdict = read_object_file(reader_dir, _STALE_KEY.hex(), _STALE_KEY, memoryview(bytearray(8192)),
+                                       False, card._scratch)
+        finally:
+            os.close(reader_dir)
+        assert verdict is Read.TRUNCATED
+        assert card.process_read_result(fresh, verdict) is Read.TRUNCATED
         assert card.contains_many([(0, _STALE_KEY)]) == [False], "a damaged object was kept"
-        assert not os.path.exists(fresh.path)
+        assert not os.path.exists(path)
     finally:
         card.close()
 
@@ -505,15 +524,16 @@ def test_a_stale_failed_read_in_a_thread_does_not_drop_a_newer_store(tmp_path, m
         assert card.write(0, _STALE_KEY, data, object_bytes=8192)
         if reader == "read":
             monkeypatch.setattr(fs_mod, "read_object_file", racing(fs_mod.read_object_file))
-            assert not card.read(0, _STALE_KEY, memoryview(bytearray(8192)))
+            assert card.read(0, _STALE_KEY, memoryview(bytearray(8192))) is Read.CHANGED
         else:
             monkeypatch.setattr(fs_mod, "copy_object_file", racing(fs_mod.copy_object_file))
-            assert not card.read_to_fd(0, _STALE_KEY, 8192, rfd, 0)
-        assert raced == ["missing"], f"the race did not run as meant: {raced}"
+            assert card.read_to_fd(0, _STALE_KEY, 8192, rfd, 0) is Read.CHANGED
+        assert raced == [Read.ABSENT], f"the race did not run as meant: {raced}"
         assert card.contains_many([(0, _STALE_KEY)], [8192]) == [True], "the acknowledged store was dropped"
         out = bytearray(8192)
-        assert card.read(0, _STALE_KEY, memoryview(out)) and out == data, "the acknowledged store is unreadable"
-        assert card.read_to_fd(0, _STALE_KEY, 8192, rfd, 0) and os.pread(rfd, 8192, 0) == data
+        assert card.read(0, _STALE_KEY, memoryview(out)) is Read.HIT and out == data, \
+            "the acknowledged store is unreadable"
+        assert card.read_to_fd(0, _STALE_KEY, 8192, rfd, 0) is Read.HIT and os.pread(rfd, 8192, 0) == data
     finally:
         os.close(rfd)
         card.close()

@@ -19,6 +19,7 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
+from adpkv_gateway.cards.base import Read
 from adpkv_gateway.cards.cluster_map import key_slot
 
 from .rankproc import pattern
@@ -375,14 +376,14 @@ def test_batched_reads_check_every_fragment_and_follow_redirections(redis_cluste
 
         def read_all():
             bufs = [memoryview(bytearray(FRAG)) for _ in frags]
-            got = card.read_many([(0, fk, b, t) for (fk, t), b in zip(frags, bufs)])
+            got = card.read_many([(0, fk, b, t, None) for (fk, t), b in zip(frags, bufs)])
             return got, bufs
         got, bufs = read_all()
-        assert got == [True] * len(frags)
+        assert got == [Read.HIT] * len(frags)
         assert all(bytes(b) == pattern(fk, 0, FRAG) for (fk, _), b in zip(frags, bufs))
         # the tag is part of the key: without it, the dialog's fragments are not found
-        assert card.read_many([(0, fk, memoryview(bytearray(FRAG)), b"") for fk, t in frags if t]) == \
-            [False] * sum(1 for _, t in frags if t)
+        assert card.read_many([(0, fk, memoryview(bytearray(FRAG)), b"", None) for fk, t in frags if t]) == \
+            [Read.ABSENT] * sum(1 for _, t in frags if t)
         # one byte flipped in a stored value, one value removed: misses, the rest served
         bad_key = ClusterCard._key(0, frags[1][0], frags[1][1])
         node = next(n for n in cluster.primaries() if n.command(b"EXISTS", bad_key) == 1)
@@ -391,15 +392,16 @@ def test_batched_reads_check_every_fragment_and_follow_redirections(redis_cluste
         assert node.command(b"SET", bad_key, bytes(value)) == b"OK"
         assert card.delete(0, frags[4][0], frags[4][1])
         got, bufs = read_all()
-        assert [i for i, ok in enumerate(got) if ok is not True] == [1, 4]
+        assert [i for i, v in enumerate(got) if v is not Read.HIT] == [1, 4]
+        assert got[1] is Read.BAD_CHECKSUM and got[4] is Read.ABSENT
         # a stale slot map: every slot points at one node; the others answer MOVED
         wrong = card.map.primary(key_slot(bad_key))
         card.map._slots = [wrong] * len(card.map._slots)
         moved = card.counters["moved"]
         got, bufs = read_all()
-        assert [i for i, ok in enumerate(got) if ok is not True] == [1, 4]
+        assert [i for i, v in enumerate(got) if v is not Read.HIT] == [1, 4]
         assert card.counters["moved"] > moved
-        assert all(bytes(b) == pattern(fk, 0, FRAG) for (fk, _), b, ok in zip(frags, bufs, got) if ok)
+        assert all(bytes(b) == pattern(fk, 0, FRAG) for (fk, _), b, v in zip(frags, bufs, got) if v is Read.HIT)
     finally:
         card.close()
 

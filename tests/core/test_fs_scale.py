@@ -317,3 +317,51 @@ def test_clean_reports_objects_not_fragment_files(start_gateway):
     assert _usage(gw.port)[1] == 40
     assert control.request(gw.port, {"op": "CLEAN"}, timeout_s=60)["deleted"] == 10
     assert _usage(gw.port) == (0, 0) and files_on_disk(gw.card_dirs[0]) == (0, 0)
+
+
+def _two_fragment_object(card, okey: bytes, write_id: int, wid_of_second: int) -> None:
+    """An object of two 4 KiB fragments in database 0: fragment 1 stamped ``wid_of_second``,
+    the head (written last) ``write_id``."""
+    card.write(0, okey + b"\0\1", memoryview(os.urandom(4096)), 0, b"", wid_of_second)
+    card.write(0, okey + b"\0\0", memoryview(os.urandom(4096)), 8192, b"", write_id)
+
+
+def test_write_ids_survive_the_snapshot_and_the_scan_removes_torn_objects(tmp_path):
+    """The index row keeps the head's write id through a clean stop (the snapshot) and a
+    scan; a read expecting another write is a miss that removes nothing (CHANGED). An object
+    whose fragments carry another write id than its head (an overwrite cut short: torn), its
+    files older than the start, is removed by the scan. Real files, the card's own open/close."""
+    import time as _time
+
+    from adpkv_gateway.cards.base import Head, Read
+    from adpkv_gateway.cards.fs import SNAPSHOT_FILE, FsCard
+    root = str(tmp_path / "card")
+    whole, torn = b"w" * 28, b"t" * 28
+    card = FsCard(root, num_dbs=2, capacity_bytes=1 << 30)
+    card.open()
+    assert card.scanned.wait(30)
+    _two_fragment_object(card, whole, 0x1122334455667788, 0x1122334455667788)
+    _two_fragment_object(card, torn, 0xAAAA, 0xBBBB)      # as a crash between two writers leaves it
+    assert card.heads([(0, whole + b"\0\0")]) == [Head(8192, 0x1122334455667788)]
+    card.close()
+    assert os.path.exists(os.path.join(root, SNAPSHOT_FILE))
+    card = FsCard(root, num_dbs=2, capacity_bytes=1 << 30)
+    card.open()                                        # from the snapshot: the write id is in the row
+    assert card.scanned.wait(30)
+    assert card.heads([(0, whole + b"\0\0")]) == [Head(8192, 0x1122334455667788)]
+    buf = memoryview(bytearray(4096))
+    assert card.read(0, whole + b"\0\1", buf, b"", 0x1122334455667788) is Read.HIT
+    assert card.read(0, whole + b"\0\1", buf, b"", 0x99) is Read.CHANGED
+    assert card.heads([(0, whole + b"\0\0")]) == [Head(8192, 0x1122334455667788)], "a CHANGED read dropped it"
+    card.close()
+    os.unlink(os.path.join(root, SNAPSHOT_FILE))       # the next start scans the files
+    old = _time.time() - 60
+    for name in os.listdir(os.path.join(root, "db000")):
+        os.utime(os.path.join(root, "db000", name), (old, old))
+    card = FsCard(root, num_dbs=2, capacity_bytes=1 << 30)
+    card.open()
+    assert card.scanned.wait(30)
+    assert card.heads([(0, whole + b"\0\0"), (0, torn + b"\0\0")]) == [Head(8192, 0x1122334455667788), None]
+    left = sorted(os.listdir(os.path.join(root, "db000")))
+    assert not [n for n in left if n.startswith(torn.hex())], f"the torn object's files stayed: {left}"
+    card.close()

@@ -577,7 +577,8 @@ def test_a_copy_into_a_region_writes_nothing_once_the_client_gave_up(shm_buffer,
     region (not only before the object): a gateway held up between the check of the request
     and the copy writes nothing after it. Here the moment has passed when the copy starts."""
     import time
-    from adpkv_gateway.cards.objfile import REGION_WRITE_FAILED, FdSlice, Scratch, copy_object_file, write_object_file
+    from adpkv_gateway.cards.base import Read
+    from adpkv_gateway.cards.objfile import FdSlice, Scratch, copy_object_file, write_object_file
     path, arr = shm_buffer
     fkey = make_keys(1)[0] + b"\0\0"
     arr[:OBJ] = random.Random(3).randbytes(OBJ)
@@ -595,11 +596,15 @@ def test_a_copy_into_a_region_writes_nothing_once_the_client_gave_up(shm_buffer,
                 pytest.skip("the file system keeps the object in memory")
         dst = 4 << 20
         arr[dst:dst + OBJ] = b"\x77" * OBJ
-        assert copy_object_file(str(obj_path), fkey, OBJ, region_fd, dst, Scratch(),
-                                write_by=time.monotonic() - 0.001) == REGION_WRITE_FAILED
-        assert bytes(arr[dst:dst + OBJ]) == b"\x77" * OBJ
-        assert copy_object_file(str(obj_path), fkey, OBJ, region_fd, dst, Scratch(),
-                                write_by=time.monotonic() + 60) is None
+        dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert copy_object_file(dir_fd, "object", fkey, OBJ, region_fd, dst, Scratch(),
+                                    write_by=time.monotonic() - 0.001) is Read.UNDELIVERED
+            assert bytes(arr[dst:dst + OBJ]) == b"\x77" * OBJ
+            assert copy_object_file(dir_fd, "object", fkey, OBJ, region_fd, dst, Scratch(),
+                                    write_by=time.monotonic() + 60) is Read.HIT
+        finally:
+            os.close(dir_fd)
         assert bytes(arr[dst:dst + OBJ]) == bytes(arr[:OBJ])
     finally:
         os.close(region_fd)

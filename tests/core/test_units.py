@@ -173,17 +173,18 @@ def test_streamed_checksum_matches_one_shot_in_any_pieces():
 def test_fs_card_read_hashed_in_pieces_is_exact_and_catches_damage(tmp_path, size):
     import os
 
+    from adpkv_gateway.cards.base import Read
     from adpkv_gateway.cards.fs import FsCard
     card = FsCard(str(tmp_path / "card"), num_dbs=2)
     card.open()
     data = bytearray(os.urandom(size))
     key = b"k" * 28 + b"\0\0"                     # a head fragment key (object key + index 0)
-    assert card.write(0, key, memoryview(data))
+    assert card.write(0, key, memoryview(data), write_id=5)
     out = bytearray(size)
-    assert card.read(0, key, memoryview(out)) and out == data
+    assert card.read(0, key, memoryview(out), write_id=5) is Read.HIT and out == data
     path = card.locate(key)
     raw = bytearray(open(path, "rb").read())
     raw[-1] ^= 1                                  # last payload byte: in the last piece
     open(path, "wb").write(bytes(raw))
-    assert not card.read(0, key, memoryview(bytearray(size)))
+    assert card.read(0, key, memoryview(bytearray(size)), write_id=5) is Read.BAD_CHECKSUM
     assert card.locate(key) is None               # a corrupt object is dropped: a miss
