@@ -83,8 +83,20 @@ def on_disk(card: str) -> tuple[int, int, list[str]]:
     return total, files, temps
 
 
-def usage_vs_disk(port: int, card: str) -> dict:
-    c = stats(port)["cards"][0]
+def usage_vs_disk(port: int, card: str, timeout_s: float = 120.0) -> dict:
+    """The card's usage against its files, once the card's background work at start (the
+    index scan, its check and trim: STATS ``work``) has ended: until then the index is still
+    catching up with the disk, by design."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        figures = stats(port)
+        busy = [w.get("what", "") for w in figures.get("work", [])
+                if any(k in w.get("what", "") for k in ("indexing", "checking", "trimming"))]
+        if not busy:
+            break
+        assert time.monotonic() < deadline, f"the card's start-up work did not end in {timeout_s} s: {busy}"
+        time.sleep(0.1)
+    c = figures["cards"][0]
     total, files, temps = on_disk(card)
     return {"usage_bytes": c["used_bytes"], "disk_bytes": total, "usage_objects": c["objects"],
             "disk_files": files, "temp_files": temps}
