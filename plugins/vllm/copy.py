@@ -12,7 +12,10 @@ on GPU it runs on a CUDA stream of the connector's own and the ring copy is
 one device<->host DMA: a plain copy when the batch's parts are back to back, a
 2-D copy (``cuMemcpy2DAsync``: rows of ``part_bytes``, one per slot, ``stride``
 apart) when a TP rank's slices sit strided in the ring, straight from/to the
-pinned ring with no host pass.
+pinned ring with no host pass. A rank's heads of canonical objects (``heads.py``)
+are one such copy where the slots are back to back (rows of its heads, one per
+page, a canonical page apart), else one per object or one per row index of an
+object, whichever is fewer (``dma_plan``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -134,8 +138,11 @@ class PagedLayer:
         with torch.cuda.stream(stream) if (self.on_gpu and stream is not None) else _null():
             if ready is not None:
                 torch.cuda.current_stream().wait_event(ready)
-            staged = self.view.index_select(0, block_ids.to(self.device))
-            share.copy_(staged.view(count, nblocks, *self.page_shape))
+            staged = self.view.index_select(0, block_ids.to(self.device)).view(count, nblocks, *self.page_shape)
+            if self.on_gpu:     # 2-D DMAs of the share's rows straight into the pinned ring
+                copy_parts(share, staged)
+            else:
+                share.copy_(staged)
         if self.on_gpu:    # the ring slot is handed back when on_batch returns
             (stream or torch.cuda.current_stream()).synchronize()
 
@@ -146,7 +153,11 @@ class PagedLayer:
         ``gather_share``) into the KV blocks; ``src_positions`` as in ``scatter``."""
         count, nblocks = share.shape[:2]
         with torch.cuda.stream(stream) if (self.on_gpu and stream is not None) else _null():
-            src = share.to(self.device) if self.on_gpu else share
+            if self.on_gpu:     # 2-D DMAs of the share's rows straight from the pinned ring
+                src = torch.empty(share.shape, dtype=share.dtype, device=self.device)
+                copy_parts(src, share)
+            else:
+                src = share
             if src_positions is None:
                 self.view[dst_block_ids.to(self.device).view(count, nblocks)] = src
             else:
@@ -169,10 +180,11 @@ class PagedLayer:
 
 # ---------------------------------------------------------------------------- ring <-> GPU DMA
 def copy_parts(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ring parts to or from the GPU on the current stream: ``dst`` and ``src`` are
-    (count, part_bytes) uint8, one of them in the ring (rows ``stride`` apart), the other a
-    contiguous GPU tensor. Back-to-back parts are one plain copy; strided ones one 2-D DMA
-    straight from/to the (pinned) ring. Asynchronous when the ring is pinned."""
+    """Copy ring parts to or from the GPU on the current stream: ``dst`` and ``src`` have one
+    shape and dtype, one of them in the ring (strided: a TP rank's (count, part_bytes) uint8
+    slices, ``stride`` apart, or ``HeadShare.view``), the other a contiguous GPU tensor.
+    Back-to-back parts are one plain copy; strided ones go by 2-D DMA straight from/to the
+    (pinned) ring (``dma_plan``). Asynchronous when the ring is pinned."""
     host = src if dst.is_cuda else dst
     if host.is_contiguous():
         dst.copy_(src, non_blocking=True)
@@ -232,12 +244,79 @@ def rows_of(t: torch.Tensor) -> Optional[tuple[int, int, int]]:
     return t.shape[1] * size, t.shape[0], t.stride(0) * size
 
 
+@dataclass(frozen=True)
+class Copy2D:
+    """One 2-D copy (``cuMemcpy2DAsync``): ``height`` rows of ``width`` bytes, the first at
+    byte ``src_offset`` / ``dst_offset`` from the tensors' ``data_ptr()``, ``*_pitch`` apart."""
+
+    src_offset: int
+    dst_offset: int
+    width: int
+    height: int
+    src_pitch: int
+    dst_pitch: int
+
+
+def byte_rows(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t`` as a (t.shape[0], rows, width) uint8 view (no copy) whose rows are its longest
+    contiguous runs of trailing elements; None where it has none (last dim strided) or no such
+    view. A ``HeadShare.view`` of ``count`` objects is (count, nblocks · rows per page, this
+    rank's heads of one row); a rank's (count, part_bytes) slices of ring slots (count, 1, part)."""
+    if t.dim() < 2 or t.numel() == 0:
+        return None
+    width, dim = 1, t.dim()
+    while dim > 1 and (t.stride(dim - 1) == width or t.shape[dim - 1] == 1):
+        width *= t.shape[dim - 1]
+        dim -= 1
+    if dim == t.dim():
+        return None
+    try:
+        return t.view(torch.uint8).view(t.shape[0], -1, width * t.element_size())
+    except RuntimeError:
+        return None
+
+
+def dma_plan(dst: torch.Tensor, src: torch.Tensor) -> Optional[list[Copy2D]]:
+    """The 2-D copies that copy ``src`` into ``dst`` (one shape and dtype), both seen as
+    ``byte_rows`` of one width (the narrower side's; the other side's rows split to it): one
+    copy where each side's rows are one pitch apart throughout (a rank's slices of ring slots,
+    back-to-back objects), else one per object (dim 0) or one per row index within an object
+    over all objects, whichever is fewer (a ``HeadShare.view``: one pitch within an object, the
+    slot stride between objects). None where either side has no such rows (rows overlapping,
+    pitches not uniform): then ``copy_parts`` lets torch copy."""
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        return None
+    d3, s3 = byte_rows(dst), byte_rows(src)
+    if d3 is None or s3 is None:
+        return None
+    width = min(d3.shape[2], s3.shape[2])
+    try:
+        d3, s3 = (t.view(t.shape[0], -1, width) for t in (d3, s3))
+    except RuntimeError:
+        return None
+    count, rows = s3.shape[:2]
+    try:
+        whole = rows_of(d3.view(-1, width)), rows_of(s3.view(-1, width))
+    except RuntimeError:
+        whole = None, None
+    if whole[0] is not None and whole[1] is not None:
+        return [Copy2D(0, 0, width, count * rows, whole[1][2], whole[0][2])]
+    if any(rows_of(t[0]) is None or rows_of(t[:, 0]) is None for t in (d3, s3)):
+        return None
+    if count <= rows:                         # one per object: its rows
+        return [Copy2D(j * s3.stride(0), j * d3.stride(0), width, rows, s3.stride(1), d3.stride(1))
+                for j in range(count)]
+    return [Copy2D(i * s3.stride(1), i * d3.stride(1), width, count, s3.stride(0), d3.stride(0))
+            for i in range(rows)]             # one per row index: that row of every object
+
+
 def _dma_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """One ``cuMemcpy2DAsync`` of ``src`` into ``dst`` (rows of equal length, pitches their
-    own) on the current stream; False where the driver cannot do it (then nothing was copied)."""
+    """``src`` copied into ``dst`` by the 2-D copies of ``dma_plan`` (``cuMemcpy2DAsync``) on
+    the current stream; False where the driver cannot do it (then ``copy_parts`` lets torch
+    copy all of it again, whatever part of it was copied)."""
     global _driver
-    rd, rs = rows_of(dst), rows_of(src)
-    if rd is None or rs is None or rd[:2] != rs[:2]:
+    plan = dma_plan(dst, src)
+    if plan is None:
         return False
     if _driver is None:
         try:
@@ -249,14 +328,6 @@ def _dma_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
     if not _driver:
         return False
     gpu = dst if dst.is_cuda else src
-    p = _Memcpy2D(WidthInBytes=rs[0], Height=rs[1], srcPitch=rs[2], dstPitch=rd[2])
-    for side, t in (("src", src), ("dst", dst)):
-        if t.is_cuda:
-            setattr(p, side + "MemoryType", _CU_MEMORYTYPE_DEVICE)
-            setattr(p, side + "Device", t.data_ptr())
-        else:
-            setattr(p, side + "MemoryType", _CU_MEMORYTYPE_HOST)
-            setattr(p, side + "Host", t.data_ptr())
     stream = torch.cuda.current_stream(gpu.device)
     try:
         _check(_driver.push(_driver.context(gpu.device.index)), "cuCtxPushCurrent")
@@ -265,14 +336,24 @@ def _dma_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
         _driver = False
         return False
     try:
-        rc = _driver.memcpy2d(ctypes.byref(p), ctypes.c_void_p(stream.cuda_stream))
+        for c in plan:
+            p = _Memcpy2D(WidthInBytes=c.width, Height=c.height, srcPitch=c.src_pitch, dstPitch=c.dst_pitch)
+            for side, t, at in (("src", src, c.src_offset), ("dst", dst, c.dst_offset)):
+                if t.is_cuda:
+                    setattr(p, side + "MemoryType", _CU_MEMORYTYPE_DEVICE)
+                    setattr(p, side + "Device", t.data_ptr() + at)
+                else:
+                    setattr(p, side + "MemoryType", _CU_MEMORYTYPE_HOST)
+                    setattr(p, side + "Host", t.data_ptr() + at)
+            rc = _driver.memcpy2d(ctypes.byref(p), ctypes.c_void_p(stream.cuda_stream))
+            if rc != 0:
+                logger.warning("adpkv: cuMemcpy2DAsync returned CUDA error %d (rows of %d bytes, pitches "
+                               "%d/%d): strided ring parts go through a host copy from now on",
+                               rc, c.width, c.src_pitch, c.dst_pitch)
+                _driver = False
+                return False
     finally:
         _driver.pop(ctypes.byref(ctypes.c_void_p()))
-    if rc != 0:
-        logger.warning("adpkv: cuMemcpy2DAsync returned CUDA error %d (rows of %d bytes, pitches %d/%d): "
-                       "strided ring parts go through a host copy from now on", rc, rs[0], rs[2], rd[2])
-        _driver = False
-        return False
     return True
 
 

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -96,6 +97,75 @@ def test_a_page_that_is_not_the_standardized_view_has_no_head_share():
     assert HeadShare.of((2, 32, 128), torch.float32, 4, 64, 2, 0) is None        # not this rank's 4 heads
     assert HeadShare.of((2, 32, 128), torch.float32, 2, 32, 2, 0) is None        # not 2 x head size
     assert HeadShare.of((4, 2, 8, 128), torch.float32, 2, 64, 2, 1).dim == 1     # kernel blocks of 8
+
+
+def _emulate_2d(plan, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """What ``cuMemcpy2DAsync`` does with each ``Copy2D``, on CPU tensors: rows of ``width`` bytes,
+    ``pitch`` apart, from/to the bytes at ``data_ptr() + offset`` (strided views of the storages)."""
+    def storage_bytes(t):
+        return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()), t.storage_offset() * t.element_size()
+    (d, d0), (s, s0) = storage_bytes(dst), storage_bytes(src)
+    for c in plan:
+        d.as_strided((c.height, c.width), (c.dst_pitch, 1), d0 + c.dst_offset).copy_(
+            s.as_strided((c.height, c.width), (c.src_pitch, 1), s0 + c.src_offset))
+
+
+@pytest.mark.parametrize("page", [(HEADS, BS, 2 * HD), (2, HEADS, BS // 2, 2 * HD)])   # [H,N,C]; kernel split
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_2d_dma_plan_of_a_head_share_copies_what_a_per_page_copy_does(page, dtype):
+    """The CUDA path of ``gather_share``/``scatter_share`` copies a rank's heads by the 2-D copies
+    of ``copy.dma_plan`` (run here by emulating each on CPU tensors): from a ring of canonical
+    objects they give exactly this rank's heads of every page (a per-page reference copy), and
+    into the ring they write those bytes and no other (the other ranks' heads, the slot padding)."""
+    from adpkv_vllm.copy import dma_plan
+    hdim = len(page) - 3
+    es = torch.empty(0, dtype=dtype).element_size()
+    cpage = math.prod(page) * es
+    for tp, count in ((2, 1), (2, 2), (4, 3), (2, OBJECTS), (4, OBJECTS), (2, 40)):   # per object; per row
+        for rank in range(tp):
+            local = list(page)
+            local[hdim] = HEADS // tp
+            share_of = HeadShare.of(tuple(local), dtype, HEADS // tp, HD, tp, rank)
+            lo, hi = rank * HEADS // tp, (rank + 1) * HEADS // tp
+            for stride in (cpage * BPC + 192, cpage * BPC):       # padded slots; back to back
+                g = torch.Generator().manual_seed(tp * 100 + rank * 10 + count)
+                ring = torch.randint(0, 256, (4096 + count * stride,), dtype=torch.uint8, generator=g)
+
+                def page_of(r, j, b):         # canonical page b of object j, by its byte offsets
+                    o = 4096 + j * stride + b * cpage
+                    return r[o:o + cpage].view(dtype).view(page)
+
+                share = share_of.view(ring, 4096, stride, count, BPC)
+                staged = torch.zeros(share.shape, dtype=dtype)                  # the GPU side: contiguous
+                plan = dma_plan(staged, share)
+                rows = BPC * math.prod(page[:hdim])
+                assert plan is not None and len(plan) == (1 if stride == cpage * BPC else min(count, rows))
+                assert all(c.width == share_of.row_bytes for c in plan)
+                _emulate_2d(plan, staged, share)
+                for j in range(count):
+                    for b in range(BPC):
+                        want = page_of(ring, j, b).narrow(hdim, lo, hi - lo)
+                        assert torch.equal(staged[j, b].view(torch.uint8), want.contiguous().view(torch.uint8))
+                # into the ring: new bytes for this rank's heads; the reference writes them page by page
+                new = torch.randint(0, 256, staged.view(torch.uint8).shape, dtype=torch.uint8,
+                                    generator=g).view(dtype).view(staged.shape)
+                want_ring = ring.clone()
+                for j in range(count):
+                    for b in range(BPC):
+                        page_of(want_ring, j, b).narrow(hdim, lo, hi - lo).view(torch.uint8).copy_(
+                            new[j, b].view(torch.uint8))
+                plan = dma_plan(share, new)
+                assert plan is not None
+                _emulate_2d(plan, share, new)
+                assert torch.equal(ring, want_ring), (tp, rank, count, stride)
+
+
+def test_the_2d_dma_plan_refuses_rows_it_cannot_describe():
+    from adpkv_vllm.copy import dma_plan
+    ring = torch.zeros(10_000, dtype=torch.uint8)
+    assert dma_plan(torch.zeros(4, 6).t().contiguous(), torch.zeros(4, 6).t()) is None   # last dim strided
+    assert dma_plan(torch.zeros(5, 300, dtype=torch.uint8), ring.as_strided((5, 300), (100, 1), 0)) is None  # overlap
+    assert dma_plan(torch.zeros(5, 300), torch.zeros(5, 300, dtype=torch.float64)) is None   # another dtype
 
 
 # ----------------------------------------------------------------------------- namespaces
