@@ -26,7 +26,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import uuid
 
 import msgpack
 import pytest
@@ -38,6 +37,7 @@ from adpkv_core.door import door_path
 from adpkv_core.settings import ClientConfig
 
 from .rankproc import make_keys, pattern
+from .test_regions import shm_buffer  # noqa: F401  (a fixture)
 from .test_security import as_nobody
 
 OBJ = 256 << 10          # one read piece of the fs card's page-cache path (hashing after each piece)
@@ -332,17 +332,7 @@ def _scribble(slot):
 
 
 # ------------------------------------------------------------------ item 10: a stalled region write
-@pytest.fixture
-def shm_buffer():
-    path = f"/dev/shm/adpkv-test-ring-region-{uuid.uuid4().hex[:8]}"
-    size = 8 << 20
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    os.ftruncate(fd, size)
-    mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
-    os.close(fd)
-    yield path, mm
-    mm.close()
-    os.unlink(path)
+# shm_buffer: the /dev/shm buffer fixture of test_regions (imported at the top)
 
 
 class _Tracer:
