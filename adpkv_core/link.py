@@ -62,8 +62,7 @@ class Link:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._ctx = zmq.Context.instance()
-        self._last_recv = time.monotonic()
-        self._last_ping = 0.0
+        self._last_send = time.monotonic()       # the gateway detaches a rank it has not heard from
         self._thread = threading.Thread(target=self._run, name=f"adpkv-client-{rank}", daemon=True)
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -145,6 +144,7 @@ class Link:
 
     def _send(self, msg: P.Message) -> None:
         self._sock.send(P.encode(msg), zmq.NOBLOCK)
+        self._last_send = time.monotonic()
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -177,7 +177,6 @@ class Link:
                         frame = self._sock.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._last_recv = time.monotonic()
                     self._handle(frame)
                 if self.enabled:
                     self._check_time()
@@ -198,9 +197,9 @@ class Link:
             if now > pending.deadline:
                 self.turn_off(f"{pending.op} got no answer within {self.config.timeout_s:.1f} s")
                 return
-        if self.attached and now - self._last_recv > self.config.heartbeat_s \
-                and now - self._last_ping > self.config.heartbeat_s:
-            self._last_ping = now
+        # The heartbeat is what the gateway hears: a rank that only receives (the Done of PUTs
+        # whose batches came earlier, a stream of GET hits) still pings once a second.
+        if self.attached and now - self._last_send > self.config.heartbeat_s:
             ping_id = next(self._ids)
             self._pending[ping_id] = Pending(Future(), "PING", 0, None, now + self.config.timeout_s, None, OK)
             try:

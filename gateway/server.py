@@ -185,6 +185,15 @@ class Gateway:
         finally:
             self._shutdown()
 
+    def _read_all_queued(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_frames(frames)
+            self._drain_completions()
+
     def stop(self) -> None:
         self.stopping = True
         try:
@@ -193,6 +202,10 @@ class Gateway:
             pass
 
     def _tick(self) -> None:
+        if self.engines.expired():
+            # A loop that fell behind (a loaded host) has not read what the rank sent: read
+            # everything queued before calling anyone silent.
+            self._read_all_queued()
         for ident in self.engines.expired():
             self._detach(ident, f"no message for {self.config.engine_timeout_s:.0f} s")
         if time.monotonic() >= self.next_keep_claims:
