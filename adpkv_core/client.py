@@ -159,6 +159,17 @@ class GatewayClient:
         self._region_locks[reply.region] = lock_fd
         return resolved(reply.region)
 
+    def map_objects(self, keys: Sequence[bytes], object_bytes: int,
+                    marks: Optional[Sequence[int]] = None) -> tuple[P.Message, list[int]]:
+        """MAP through the door (``adpkv_core.direct_map`` uses it): ``(reply, descriptors)``,
+        one read-only descriptor per hit (the caller's to close). Synchronous; at most
+        ``protocol.MAX_MAP_KEYS`` keys. ``ConnectionError`` when this client has no door
+        (off, or a lookup peer); ``OSError``/``EOFError``/``ProtocolError`` from the door."""
+        if not self._link.enabled or self.rank is None or self._door is None:
+            raise ConnectionError("no gateway attachment to map objects through")
+        with self._door_lock:
+            return self._door.map_objects(keys, object_bytes, marks)
+
     def get_into(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
                  marks: Optional[Sequence[int]] = None, unlock: bool = False) -> "Future[list[bool]]":
         """Read object ``i`` straight into ``at[i]`` of a registered region. Resolves with hits."""

@@ -83,11 +83,12 @@ def send(sock: socket.socket, msg: P.Message, fds: Sequence[int] = ()) -> None:
     socket.send_fds(sock, [P.encode(msg)], list(fds))
 
 
-def recv(sock: socket.socket) -> tuple[bytes, list[int]]:
+def recv(sock: socket.socket, max_fds: int = MAX_FDS) -> tuple[bytes, list[int]]:
     """One packet and the descriptors that came with it (the receiver decodes it as the
-    message it expects). ``EOFError`` when the other side closed; ``ProtocolError`` for a
-    packet larger than a message or with too many descriptors (those are closed)."""
-    data, fds, flags, _ = socket.recv_fds(sock, MAX_PACKET, MAX_FDS)
+    message it expects; ``max_fds``: how many it takes, MAP's reply carries one per hit).
+    ``EOFError`` when the other side closed; ``ProtocolError`` for a packet larger than a
+    message or with too many descriptors (those are closed)."""
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_PACKET, max_fds)
     if not data and not fds:
         raise EOFError("the other side closed the door")
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
@@ -100,6 +101,7 @@ def recv(sock: socket.socket) -> tuple[bytes, list[int]]:
 _SESSION_REPLY = P.ReplyDecoder(P.SessionOk)
 _RING_REPLY = P.ReplyDecoder(P.RingOk)
 _REGION_REPLY = P.ReplyDecoder(P.RegionOk)
+_MAP_REPLY = P.ReplyDecoder(P.MapOk)
 
 
 def close_fds(fds) -> None:
@@ -150,10 +152,11 @@ class DoorSession:
                                          f"{getattr(reply, 'code', '')} {getattr(reply, 'msg', '')}")
         return Ring.from_fd(fds[0], reply.size)
 
-    def request(self, msg: P.Message, replies: P.ReplyDecoder, fds: Sequence[int] = ()) -> tuple[P.Message, list[int]]:
+    def request(self, msg: P.Message, replies: P.ReplyDecoder, fds: Sequence[int] = (),
+                max_fds: int = MAX_FDS) -> tuple[P.Message, list[int]]:
         """Send ``msg`` (with ``fds``); the reply, decoded by ``replies``, and its descriptors."""
         send(self.sock, msg, fds)
-        data, got = recv(self.sock)
+        data, got = recv(self.sock, max_fds)
         try:
             return replies.decode(data), got
         except P.ProtocolError:
@@ -166,6 +169,20 @@ class DoorSession:
         reply, fds = self.request(P.RegionRequest(offset=int(offset), size=int(size)), _REGION_REPLY, [fd])
         close_fds(fds)
         return reply
+
+    def map_objects(self, keys: Sequence[bytes], object_bytes: int,
+                    marks: Optional[Sequence[int]] = None) -> tuple[P.Message, list[int]]:
+        """MAP (at most ``protocol.MAX_MAP_KEYS`` keys): the reply (``MapOk`` or ``Error``) and
+        the read-only descriptors it carried, one per hit in key order (the caller's to close).
+        ``ValueError`` (descriptors closed) when their count is not the reply's hits."""
+        msg = P.MapRequest(keys=list(keys), obj=int(object_bytes), marks=list(marks) if marks is not None else None)
+        reply, fds = self.request(msg, _MAP_REPLY, max_fds=P.MAX_MAP_KEYS)
+        hits = sum(1 for b in reply.hits if b) if isinstance(reply, P.MapOk) else 0
+        if len(fds) != hits or (isinstance(reply, P.MapOk) and len(reply.hits) != len(keys)):
+            close_fds(fds)
+            raise ValueError(f"the gateway at {self.path} answered MAP with {len(fds)} descriptors for "
+                             f"{hits} hits of {len(keys)} keys")
+        return reply, fds
 
     def fileno(self) -> int:
         return self.sock.fileno()

@@ -33,6 +33,8 @@ Door requests (client → gateway, Unix socket, ``adpkv_core.door``)::
     SESSION                                            -> OK token proof
     RING    (after HELLO as a rank of the engine)       -> OK size  + the engine's ring fd | ERROR FORBIDDEN
     REGION  offset, size   + one fd                    -> OK region
+    MAP     keys, obj, marks? (after HELLO as a rank)   -> OK hits offset + one read-only fd per hit
+                                                          | ERROR FORBIDDEN (``adpkv_core.direct_map``)
 
 ``session`` is the token a process got at the gateway's door: nothing but PING is
 served without one. HELLO binds the connection to it; an engine belongs to the uid
@@ -364,7 +366,34 @@ class RegionOk(Message, **_op("OK")):
     region: int = 0
 
 
-DoorRequest = Union[SessionRequest, RingRequest, RegionRequest]
+MAX_MAP_KEYS = 128       # keys of one MAP: its reply's descriptors fit one packet (SCM_MAX_FD is 253)
+
+
+class MapRequest(Message, **_op("MAP")):
+    """Open read-only descriptors of objects' files (door; ``adpkv_core.direct_map``): for each
+    key whose object the gateway can hand whole (one fragment, one file of an fs card) and has
+    checked in place (header and checksum, read from the page cache), the file's descriptor.
+    Served only to an attached rank of an engine its session's user owns, for keys of
+    namespaces that user owns (FORBIDDEN whole otherwise, as GET)."""
+
+    keys: Annotated[list[Key], Meta(min_length=1, max_length=MAX_MAP_KEYS)]
+    obj: ObjectBytes
+    marks: Marks = None
+
+    def __post_init__(self):
+        _same_length("marks", self.marks, len(self.keys))
+
+
+class MapOk(Message, **_op("OK")):
+    """``hits``: one 0/1 byte per key; one descriptor per hit, in key order, each opened
+    ``O_RDONLY``, its object's payload (``obj`` bytes) at ``offset`` of the file."""
+
+    hits: Flags = b""
+    offset: int = 0
+
+
+DoorRequest = Union[SessionRequest, RingRequest, RegionRequest, MapRequest]
+DOOR_OPS = frozenset(t.__struct_config__.tag for t in DoorRequest.__args__)
 
 # ---------------------------------------------------------------- encoding and decoding
 _encoder = msgspec.msgpack.Encoder()
@@ -424,7 +453,7 @@ def decode_door_request(frame: bytes) -> DoorRequest:
     try:
         msg = _door_decoder.decode(frame)
     except _BAD_FRAME as exc:
-        raise _classify(frame, {"SESSION", "RING", "REGION"}, exc) from None
+        raise _classify(frame, DOOR_OPS, exc) from None
     if msg.v != PROTOCOL_VERSION:
         raise ProtocolError(BAD_VERSION, f"protocol version {msg.v}, this side speaks {PROTOCOL_VERSION}")
     return msg

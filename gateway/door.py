@@ -265,14 +265,18 @@ class DoorServer:
     runs on every pass of the loop: handshake deadlines and the listener's rest.
     ``ring_for(session)`` is the ring a session's RING gets (its engine's; raises
     ``ProtocolError`` FORBIDDEN when the session has no attached rank of an engine its user owns).
+    ``map_for(session, request)`` serves a MAP (``gateway/direct_reads.py``): it checks who may
+    (raising ``ProtocolError``) and answers later, through ``answer``, from the loop.
     """
 
     def __init__(self, path: str, mode: int, group: str, operator_group: str, ring_for: Callable[[Session], Ring],
                  register: Callable[[int], None], unregister: Callable[[int], None],
                  on_session_closed: Callable[[Session], None], engine_uid: Callable[[], Optional[int]],
-                 per_user: int, handshake_s: float):
+                 per_user: int, handshake_s: float,
+                 map_for: Optional[Callable[[Session, P.MapRequest], None]] = None):
         self.path = path
         self._ring_for = ring_for
+        self._map_for = map_for
         self._register = register
         self._unregister = unregister
         self._on_session_closed = on_session_closed
@@ -538,6 +542,12 @@ class DoorServer:
         self._on_session_closed(session)
         session.close()
 
+    def answer(self, session: Session, msg: P.Message, fds=()) -> None:
+        """A reply sent later (MAP's): only while ``session`` is still connected (a closed or
+        reused connection gets nothing). The caller closes ``fds`` after."""
+        if self.sessions.get(session.conn.fileno()) is session:
+            self._reply(session, msg, fds)
+
     def _reply(self, session: Session, msg: P.Message, fds=()) -> None:
         try:
             D.send(session.conn, msg, fds)
@@ -546,7 +556,7 @@ class DoorServer:
 
     # ------------------------------------------------------------------ requests
     def _handle(self, session: Session, msg: P.DoorRequest, fds: list[int]) -> None:
-        if isinstance(msg, (P.SessionRequest, P.RingRequest)) and fds:
+        if isinstance(msg, (P.SessionRequest, P.RingRequest, P.MapRequest)) and fds:
             raise P.ProtocolError(P.BAD_MESSAGE, f"{msg.op} takes no descriptor")
         if isinstance(msg, P.SessionRequest):
             if not session.answered:
@@ -556,6 +566,10 @@ class DoorServer:
         elif isinstance(msg, P.RingRequest):
             ring = self._engine_ring(session)
             self._reply(session, P.RingOk(id=msg.id, size=ring.size), [ring.fd])
+        elif isinstance(msg, P.MapRequest):
+            if self._map_for is None:
+                raise P.ProtocolError(P.FORBIDDEN, "this gateway hands no object files")
+            self._map_for(session, msg)          # answered later (answer), from the loop
         else:
             region = self._region(session, msg, fds)
             self._reply(session, P.RegionOk(id=msg.id, region=region))

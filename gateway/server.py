@@ -37,6 +37,7 @@ from . import io_procs
 from .cards import open_cards
 from .config import GatewayConfig, socket_mode
 from .data_requests import DataRequests
+from .direct_reads import DirectReads
 from .door import DoorServer, Session, claim_door, raise_open_files_limit
 from .engines import EngineRegistry, Peer
 from .health import HealthMonitor
@@ -103,7 +104,8 @@ class Gateway:
                                    unregister=self.poller.unregister, on_session_closed=self._on_session_closed,
                                    engine_uid=lambda: self.engines.engine.uid if self.engines.engine else None,
                                    per_user=config.door_connections_per_user,
-                                   handshake_s=config.door_handshake_s)
+                                   handshake_s=config.door_handshake_s,
+                                   map_for=lambda session, msg: self.direct_reads.serve(session, msg))
             undo.callback(self.door.close)
             self.status_writing = False
             self.transfers = Transfers(config.shared_memory_size,     # a ring per engine, made as it attaches
@@ -116,6 +118,7 @@ class Gateway:
             self.data_requests = DataRequests(self.engines, self.sessions_by_peer, self.transfers, self.counters,
                                               self._send)
             self.namespaces = NamespaceOwners(config.namespace_owners, self._cards_in_service)
+            self.direct_reads = DirectReads(self)         # MAP at the door (gateway/direct_reads.py)
             # requests that name keys, in the order they came: (identity, peer, request, what
             # DataRequests.check found); the first waits while its namespaces' owners are looked up
             self.keyed_waiting: "collections.deque[tuple]" = collections.deque()

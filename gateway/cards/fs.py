@@ -328,6 +328,23 @@ class FsCard(Card):
         entry = self.index.locate(fkey)
         return None if entry is None else os.path.join(self._db_dir(entry[0]), fkey.hex())
 
+    def open_placed(self, fkey: bytes) -> Optional[tuple[int, Entry]]:
+        """A read-only descriptor (``O_RDONLY | O_NOFOLLOW``, by the database's checked
+        descriptor) of a stored fragment's file, and the index entry it was opened under (a
+        failed check of it goes to ``read_result`` with that entry); None when it is not
+        stored or does not open (that open's verdict applied). For MAP (``direct_reads``):
+        placed files are never written again (``write``: a new file renamed into place), so
+        what the descriptor reads stays that file's bytes whatever happens to its name."""
+        entry = self.index.locate(fkey)
+        if entry is None:
+            return None
+        try:
+            fd = os.open(fkey.hex(), READ_FLAGS, dir_fd=self._db_fds[entry[0]])
+        except OSError as exc:
+            self.read_result(fkey, verdict_of(exc), entry)
+            return None
+        return fd, entry
+
     def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list:
         """``locate`` of many fragments under one lock (each object's LRU place refreshed once
         per fragment, as ``locate``), a ``FileRead`` each (carrying the index entry it was
