@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -127,6 +128,31 @@ class PagedLayer:
         if src_positions is not None:
             src = src.index_select(0, src_positions)
         self.view.index_copy_(0, dst_block_ids, src)
+
+    # ------------------------------------------------------------------ from mapped objects (direct_map)
+    def load_objects(self, objects: Sequence, dst_block_ids: torch.Tensor, nblocks: int,
+                     src_positions: Optional[torch.Tensor] = None, slice_offset: int = 0,
+                     part_bytes: Optional[int] = None, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Copy objects straight from their read-only host mappings (``adpkv_core.direct_map``:
+        uint8 arrays, one per object, this rank's part ``part_bytes`` at ``slice_offset``: ``nblocks``
+        of this layer's pages back to back) into the KV blocks: block ``src_positions[k]`` of the
+        objects (``j*nblocks+b``; None: all, in order) into ``dst_block_ids[k]``. On CUDA each
+        object is one host->device DMA (asynchronous on ``stream`` from a CUDA-registered mapping)
+        into a staging tensor, then one ``index_copy_``: the caller keeps the mappings until the
+        stream has passed them. On CPU the same copies, synchronous. Nothing writes the mappings."""
+        part = self.page_bytes * nblocks if part_bytes is None else part_bytes
+        count = len(objects)
+        with torch.cuda.stream(stream) if (self.on_gpu and stream is not None) else _null(), \
+                warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            staged = torch.empty((count * nblocks, *self.page_shape), dtype=self.dtype, device=self.device)
+            flat = staged.view(count, -1).view(torch.uint8)
+            for j, arr in enumerate(objects):
+                host = torch.from_numpy(arr[slice_offset:slice_offset + part])
+                flat[j].copy_(host, non_blocking=self.on_gpu)
+            if src_positions is not None:
+                staged = staged.index_select(0, src_positions.to(self.device, non_blocking=True))
+            self.view.index_copy_(0, dst_block_ids.to(self.device, non_blocking=True), staged)
 
     # ------------------------------------------------------------------ a rank's heads (heads.py)
     def gather_share(self, share: torch.Tensor, block_ids: torch.Tensor,

@@ -1,0 +1,291 @@
+"""Copy-free restores (issue 31): the GPU copies KV straight from the card's page-cache pages,
+next to the ring path and pinned H2D, in one call.
+
+For each prompt length (Llama-3-8B geometry by default: 32 layers, 8 KV heads, head dim 128,
+bf16; FlashAttention layout ``(2, num_blocks, 16, 8, 128)``, the prompt's blocks shuffled):
+
+* pinned H2D of 1 GiB (the physical limit);
+* a real gateway process (fs card under ``--card-root``, ``io_processes``), the KV stored once;
+* ``ring_hot``: one GET per layer through the CUDA-registered ring, the vLLM connector's
+  scatter (``PagedLayer.scatter``);
+* ``direct_cold_reg``: page cache hot, no mapping held: MAP (the gateway checks every object in
+  place), ``mmap`` + ``cudaHostRegister(..., ReadOnly)`` of each, then the copies;
+* ``direct_warm``: the mappings held and registered (``DirectMaps``): copies only — each object
+  one H2D DMA from its registered mapping into a staging tensor, one ``index_copy_`` per layer
+  into the paged blocks (``copy.PagedLayer.load_objects``);
+* ``ring_cold`` and ``direct_cold``: every object file dropped from the page cache
+  (``posix_fadvise(DONTNEED)``; mappings closed first), then a restore each way.
+
+Every restore is checked on the GPU: ``torch.equal`` of every restored block against the source
+KV. Prints one line per measurement and a JSON report (``--out``/gpu_direct_restore.json).
+
+    python benchmarks/gpu_direct_restore.py --out OUT [--tokens 32768,131072] [--chunk 256]
+    python benchmarks/gpu_direct_restore.py --device cpu --geometry tiny --tokens 2048   # a CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+import torch
+
+from adpkv_core.client import GatewayClient
+from adpkv_core.direct_map import DirectMaps, cuda_registrar
+from adpkv_core.keys import KeyBuilder
+from adpkv_core.settings import ClientConfig
+from adpkv_gateway.spawn import GatewayProcess
+from adpkv_vllm.copy import PagedLayer, ring_tensor
+
+GiB, MiB = 1 << 30, 1 << 20
+
+GEOMETRIES = {
+    "llama3-8b": dict(layers=32, kv_heads=8, head_dim=128),
+    "tiny": dict(layers=4, kv_heads=2, head_dim=64),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def pinned_h2d() -> float:
+    dev = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+    for _ in range(2):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(6):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    bw = 6 * GiB / (time.perf_counter() - t0) / 1e9
+    del dev, host
+    return bw
+
+
+class Cache:
+    """The paged KV of one prompt (one tensor per layer) and the source it must equal."""
+
+    def __init__(self, g: dict, tokens: int, block: int, chunk: int, device: str):
+        self.nb = chunk // block
+        self.chunks = tokens // chunk
+        self.num_blocks = self.chunks * self.nb + 64
+        shape = (2, self.num_blocks, block, g["kv_heads"], g["head_dim"])
+        self.kv = [torch.empty(shape, dtype=torch.bfloat16, device=device) for _ in range(g["layers"])]
+        self.layers = [PagedLayer(f"layer.{i}", t, self.num_blocks) for i, t in enumerate(self.kv)]
+        gen = torch.Generator().manual_seed(0)
+        self.block_ids = torch.randperm(self.num_blocks, generator=gen)[: self.chunks * self.nb]
+        self.dev_ids = self.block_ids.to(device)
+        self.obj = self.layers[0].page_bytes * self.nb
+        for t in self.kv:
+            t.view(torch.int16).random_(-30000, 30000)
+        self.source = [t[:, self.dev_ids].clone() for t in self.kv]      # what every restore must give back
+
+    def zero(self) -> None:
+        for t in self.kv:
+            t.zero_()
+
+    def exact(self) -> bool:
+        """Every restored block equal to the source, bit for bit (as int16: random bf16 bits hold
+        NaNs, which no float comparison calls equal), compared on the device."""
+        return all(torch.equal(t.view(torch.int16)[:, self.dev_ids], s.view(torch.int16))
+                   for t, s in zip(self.kv, self.source))
+
+    @property
+    def nbytes(self) -> int:
+        return self.obj * self.chunks * len(self.kv)
+
+
+def keys_of(cache: Cache, kb: KeyBuilder, layer: int) -> list[bytes]:
+    return kb.keys([b"chunk-%d" % c for c in range(cache.chunks)], [layer])
+
+
+def store(client, ring, cache: Cache, kb, stream) -> None:
+    futs = []
+    for i, layer in enumerate(cache.layers):
+        def fill(b, layer=layer):
+            ids = cache.block_ids[b.first * cache.nb:(b.first + b.count) * cache.nb]
+            layer.gather(ring, b.offset, b.stride, b.count, 0, cache.obj, ids, cache.nb, stream=stream)
+        futs.append(client.put(keys_of(cache, kb, i), cache.obj, fill))
+    if not all(all(f.result().stored) for f in futs):
+        raise RuntimeError("store failed")
+
+
+def ring_restore(client, ring, cache: Cache, kb, stream, device: str) -> float:
+    futs = []
+    t0 = time.perf_counter()
+    for i, layer in enumerate(cache.layers):
+        def copy(b, layer=layer):
+            ids = cache.block_ids[b.first * cache.nb:(b.first + b.count) * cache.nb]
+            layer.scatter(ring, b.offset, b.stride, b.count, 0, cache.obj, ids, None, cache.nb, stream=stream)
+        futs.append(client.get(keys_of(cache, kb, i), cache.obj, copy))
+    hits = [all(f.result()) for f in futs]
+    sync(device)
+    t = time.perf_counter() - t0
+    if not all(hits):
+        raise RuntimeError("ring restore missed")
+    return t
+
+
+def direct_restore(client, maps: DirectMaps, cache: Cache, kb, stream, device: str) -> tuple[float, float]:
+    """MAP what is not held (timed apart: ``fetch_s``), then every layer's copies from the
+    mappings; (total seconds, of which fetching)."""
+    t0 = time.perf_counter()
+    all_keys = [keys_of(cache, kb, i) for i in range(len(cache.layers))]
+    for keys in all_keys:
+        if maps.fetch(client, keys, cache.obj) != len(keys):
+            raise RuntimeError("MAP did not hand every object")
+    fetch_s = time.perf_counter() - t0
+    held = []
+    for i, layer in enumerate(cache.layers):
+        got = maps.acquire(all_keys[i])
+        held.append(got)
+        layer.load_objects([m.array for m in got], cache.dev_ids, cache.nb, stream=stream)
+    sync(device)
+    t = time.perf_counter() - t0
+    for got in held:
+        maps.release(got)
+    return t, fetch_s
+
+
+def drop_files(card: str) -> int:
+    """posix_fadvise(DONTNEED) on every object file of the card: out of the page cache."""
+    n = 0
+    os.sync()
+    for d, _, names in os.walk(card):
+        for name in names:
+            if name.endswith(".json") or name.startswith("."):
+                continue
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            finally:
+                os.close(fd)
+    return n
+
+
+def run(tokens: int, args, report: dict) -> None:
+    g = GEOMETRIES[args.geometry]
+    device = args.device
+    row: dict = {"tokens": tokens, "geometry": args.geometry, "chunk": args.chunk}
+    card = os.path.join(args.card_root, f"card-{tokens}-{args.chunk}")
+    shutil.rmtree(card, ignore_errors=True)
+    cache = Cache(g, tokens, args.block, args.chunk, device)
+    gb = cache.nbytes / 1e9
+    row["kv_GiB"] = cache.nbytes / GiB
+    row["object_bytes"] = cache.obj
+    gw = GatewayProcess(card, shared_memory_size=args.ring_gib * GiB, thread_pool_size=args.threads,
+                        io_processes=args.io_processes, log_path=card + ".log").start(timeout_s=120)
+    registrar = cuda_registrar() if device == "cuda" else None
+    try:
+        client = GatewayClient(ClientConfig(port=gw.port, timeout_s=600), f"direct-bench-{tokens}")
+        ring = ring_tensor(client)
+        if device == "cuda":
+            from adpkv_vllm.cuda_ring import pin_ring
+            row["ring_pinned"] = pin_ring(ring)
+        stream = torch.cuda.Stream() if device == "cuda" else None
+        kb = KeyBuilder(f"direct-bench-{tokens}-{args.chunk}")
+        store(client, ring, cache, kb, stream)
+
+        def measure(name: str, fn) -> None:
+            cache.zero()
+            sync(device)
+            out = fn()
+            t, fetch_s = out if isinstance(out, tuple) else (out, None)
+            ok = cache.exact()
+            row.setdefault(f"{name}_all_s", []).append(t)
+            row[f"{name}_s"] = sorted(row[f"{name}_all_s"])[(len(row[f"{name}_all_s"]) - 1) // 2]
+            row[f"{name}_exact"] = row.get(f"{name}_exact", True) and ok
+            if fetch_s is not None:
+                row[f"{name}_fetch_s"] = fetch_s
+            log(f"{tokens} tokens {name}: {t:.3f} s ({gb / t:.1f} GB/s)"
+                + (f", of which MAP+mmap+register {fetch_s:.3f} s" if fetch_s is not None else "")
+                + f", every byte equal: {ok}")
+            if not ok:
+                raise RuntimeError(f"{name}: restored bytes differ from the source")
+
+        limit = int(cache.nbytes * 1.25) + GiB
+        for _ in range(args.repeats):
+            measure("ring_hot", lambda: ring_restore(client, ring, cache, kb, stream, device))
+        for _ in range(args.repeats):
+            maps = DirectMaps(limit, registrar, require_registration=device == "cuda")
+            measure("direct_cold_reg", lambda: direct_restore(client, maps, cache, kb, stream, device))
+            if _ == args.repeats - 1:
+                break
+            maps.close()
+        for _ in range(args.repeats):
+            measure("direct_warm", lambda: direct_restore(client, maps, cache, kb, stream, device))
+        row["direct_stats"] = maps.stats()
+        maps.close()
+        row["dropped_files"] = drop_files(card)
+        measure("ring_cold", lambda: ring_restore(client, ring, cache, kb, stream, device))
+        drop_files(card)
+        maps = DirectMaps(limit, registrar, require_registration=device == "cuda")
+        measure("direct_cold", lambda: direct_restore(client, maps, cache, kb, stream, device))
+        maps.close()
+        if device == "cuda":
+            from adpkv_vllm.cuda_ring import unpin_ring
+            unpin_ring(ring)
+        del ring
+        client.close()
+    finally:
+        gw.stop(timeout_s=120)
+        shutil.copy(card + ".log", os.path.join(args.out, f"gateway-direct-{tokens}.log"))
+        shutil.rmtree(card, ignore_errors=True)
+    if report.get("pinned_h2d_GBs"):
+        row["direct_warm_vs_pinned"] = gb / row["direct_warm_s"] / report["pinned_h2d_GBs"]
+    row["direct_warm_vs_ring_hot"] = row["ring_hot_s"] / row["direct_warm_s"]
+    report["runs"].append(row)
+    del cache
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="gpu-direct-out")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--geometry", default="llama3-8b", choices=sorted(GEOMETRIES))
+    ap.add_argument("--tokens", default="32768,131072")
+    ap.add_argument("--card-root", default="/tmp/adpkv-direct-bench")
+    ap.add_argument("--ring-gib", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--io-processes", type=int, default=15)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=256, help="tokens per stored object (256: 1 MiB a layer)")
+    ap.add_argument("--repeats", type=int, default=3, help="hot restores of each kind (median reported)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.card_root, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+              "torch": torch.__version__, "cpus": os.cpu_count(), "args": vars(args), "runs": []}
+    if args.device == "cuda":
+        report["pinned_h2d_GBs"] = pinned_h2d()
+        log(f"pinned H2D (1 GiB copies): {report['pinned_h2d_GBs']:.1f} GB/s")
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        run(tokens, args, report)
+        with open(os.path.join(args.out, "gpu_direct_restore.json"), "w") as fh:
+            json.dump(report, fh, indent=1)
+    for r in report["runs"]:
+        log(f"SUMMARY {r['tokens']} tokens ({r['kv_GiB']:.0f} GiB, objects {r['object_bytes'] >> 10} KiB): "
+            + ", ".join(f"{k[:-2]} {r[k]:.3f} s" for k in ("ring_hot_s", "direct_cold_reg_s", "direct_warm_s",
+                                                           "ring_cold_s", "direct_cold_s"))
+            + (f"; direct warm = {r['direct_warm_vs_pinned']:.2f} of pinned H2D" if "direct_warm_vs_pinned" in r
+               else "") + f", {r['direct_warm_vs_ring_hot']:.2f}x the ring")
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
