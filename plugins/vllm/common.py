@@ -51,6 +51,7 @@ class AdapterSettings:
     lookup_wait_s: float = 0.05     # how long the scheduler waits for an EXIST before asking again
     respect_fail_policy: bool = False
     nvlink_fanout: bool = False     # MLA with TP: each rank copies its share, NVLink the rest (fanout.py)
+    direct_map_bytes: int = 0       # > 0: restores from mapped object files, this many bytes mapped at most (0: off)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, block_size: int,
@@ -84,7 +85,21 @@ class AdapterSettings:
                    lookup_wait_s=float(extra.get(PREFIX + "lookup_wait_s", 0.05)),
                    respect_fail_policy=parse_bool(extra.get(PREFIX + "respect_fail_policy", False),
                                                   PREFIX + "respect_fail_policy"),
-                   nvlink_fanout=parse_bool(extra.get(PREFIX + "nvlink_fanout", False), PREFIX + "nvlink_fanout"))
+                   nvlink_fanout=parse_bool(extra.get(PREFIX + "nvlink_fanout", False), PREFIX + "nvlink_fanout"),
+                   direct_map_bytes=_byte_count(extra.get(PREFIX + "direct_map_bytes", 0), PREFIX + "direct_map_bytes"))
+
+
+def _byte_count(raw: Any, name: str) -> int:
+    """A setting that is a number of bytes >= 0 (an int, or a string of digits)."""
+    try:
+        if isinstance(raw, bool):
+            raise ValueError
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"adpkv: {name}={raw!r} is not a number of bytes") from None
+    if value < 0:
+        raise ValueError(f"adpkv: {name} must be >= 0 bytes, got {value}")
+    return value
 
 
 def rounded_chunk(raw: Any, unit: int, name: str, default: int | None = None) -> int:

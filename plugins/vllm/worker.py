@@ -17,6 +17,13 @@ refused, their objects misses / not stored); ``restore_kv_caches`` maps the laye
 from the tensors vLLM registered (views taken anew, so memory put back at other addresses
 is followed) and opens it.
 
+Direct restores (``adpkv.direct_map_bytes`` > 0, ``adpkv_core.direct_map``): a layer's GET whose
+objects this rank holds mapped (read-only descriptors the gateway handed and checked) is no GET:
+its blocks are copied straight from the mappings (``PagedLayer.load_objects``: on CUDA one DMA
+per object from its read-only registration); a layer that does not hold them all goes through the
+ring as before and its objects are mapped in the background for the next restore. Only a
+rank's own GETs (no TP collective, no fan-out, no canonical head shares); the rest go by the ring.
+
 The rank holds the gateway through ``adpkv_core.attachment.Attachment``; a
 fresh attachment is put to use only at ``bind`` (a step begins), and a step
 runs wholly on the attachment it began with: a transfer started on the old one
@@ -27,11 +34,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 from typing import Any, Optional
 
 import torch
 
 from adpkv_core.attachment import Attachment, Session
+from adpkv_core.direct_map import DirectMaps, Mapping, cuda_registrar
 
 from .copy import PagedLayer, as_index
 from .fanout import Fanout, LayerLoad, for_vllm
@@ -78,6 +87,8 @@ class AdpConnectorWorker:
         self._stream = None
         self._kv_caches: dict[str, torch.Tensor] = {}   # as vLLM registered them (restore maps them again)
         self._gate = KVGate()                          # closed while vLLM sleeps
+        self.direct: Optional[DirectMaps] = None       # adpkv.direct_map_bytes: mapped objects (see the module)
+        self.direct_layers = 0                         # layer loads served from mappings
 
     # ------------------------------------------------------------------ attachment
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -107,9 +118,24 @@ class AdpConnectorWorker:
         self._use(self.attachment.session)
         self.fanout = for_vllm(cfg.settings.nvlink_fanout, any(g.tp_shared for g in cfg.groups), cfg.tp_size,
                                first.device)
+        self.direct = self._direct_maps(first.on_gpu)
         logger.info("adpkv: rank %d registered %d layers, page %s %s (%d bytes), object %d bytes",
                     self.rank, len(self.layers), first.page_shape, first.dtype, first.page_bytes,
                     first.page_bytes * cfg.blocks_per_chunk * cfg.tp_size)
+
+    def _direct_maps(self, on_gpu: bool) -> Optional[DirectMaps]:
+        """The rank's ``DirectMaps`` when ``adpkv.direct_map_bytes`` > 0: on CUDA every mapping
+        registered read-only (a refused one is not kept: its restores go by the ring)."""
+        limit = self.cfg.settings.direct_map_bytes
+        if limit <= 0:
+            return None
+        registrar = cuda_registrar() if on_gpu else None
+        if on_gpu and registrar is None:
+            logger.warning("adpkv: direct_map_bytes is set but CUDA cannot register host memory here; "
+                           "restores go through the ring")
+            return None
+        logger.info("adpkv: rank %d restores from mapped object files (direct_map_bytes=%d)", self.rank, limit)
+        return DirectMaps(limit, registrar, require_registration=on_gpu)
 
     def _map_layers(self) -> bool:
         """``self.layers`` (and, for canonical objects at TP > 1, ``self.shares``: each layer's
@@ -265,6 +291,12 @@ class AdpConnectorWorker:
         heads = self.shares.get(name)
         keys = cfg.keys.keys(index.digests, (self._layer_index[name],), kind=group.index)
         ticket = self._gate.ticket()
+        direct = self.direct if (share is None and heads is None and tag is None) else None
+        if direct is not None:
+            held = direct.acquire(keys)
+            if all(m is not None for m in held):
+                return self._load_mapped(direct, held, layer, index, sl, ticket)
+            direct.release(held)
 
         def copy(b):
             if share is not None:
@@ -282,7 +314,31 @@ class AdpConnectorWorker:
         def on_batch(b):
             return self._gate.run(ticket, lambda: copy(b))
 
-        return client.get(keys, obj, on_batch, marks=index.marks, tag=tag, slice=sl)
+        fut = client.get(keys, obj, on_batch, marks=index.marks, tag=tag, slice=sl)
+        if direct is not None:       # mapped in the background once the ring restore is done
+            fut.add_done_callback(lambda _: direct.prefetch(client, keys, obj, index.marks))
+        return fut
+
+    def _load_mapped(self, direct: DirectMaps, held: list[Mapping], layer: PagedLayer, index: ChunkPlanIndex,
+                     sl: tuple[int, int], ticket: int) -> "Future[list[bool]]":
+        """A layer's objects copied from their mappings into its blocks (queued on the
+        connector's stream on CUDA, and waited for here: the mappings are released only once
+        the DMA has passed them). A future of the hits: all, or none when the KV gate refused."""
+        dst, pos = index.batch_blocks(0, len(held), None)
+
+        def copy():
+            layer.load_objects([m.array for m in held], dst, index.bpc, pos, sl[0], sl[1], self._stream)
+            if self._stream is not None:
+                self._stream.synchronize()
+        try:
+            ok = dst is None or self._gate.run(ticket, copy)
+        finally:
+            direct.release(held)
+        if ok:
+            self.direct_layers += 1
+        fut: "Future[list[bool]]" = Future()
+        fut.set_result([bool(ok)] * len(held))
+        return fut
 
     def _settle_before_pass(self) -> None:
         """Caches the model reads before any layer hook (the sparse-attention indexer's keys)
@@ -493,4 +549,8 @@ class AdpConnectorWorker:
                 job.wait(2.0)
         if self.attachment is not None:
             self.attachment.close()      # BYE; on_detach unpins the ring
+        if self.direct is not None:
+            logger.info("adpkv: rank %d direct restores: %d layer loads from mappings, %s", self.rank,
+                        self.direct_layers, self.direct.stats())
+            self.direct.close()
         self._use(None)
