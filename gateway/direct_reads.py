@@ -145,11 +145,11 @@ def _verify(opened: list, n: int, procs) -> list[Read]:
 class DirectReads:
     """MAP for one gateway (see the module): ``serve(session, request)`` on the loop.
 
-    ``gateway`` is the ``server.Gateway`` (its engines, namespaces, store, pools, door)."""
+    ``gateway`` is the ``server.Gateway`` (its engines, namespaces, store, pools, door); its
+    ``counters`` (STATS) count ``map_requests``, ``map_handed`` (descriptors) and ``map_misses``."""
 
     def __init__(self, gateway):
         self.gw = gateway
-        self.handed = 0          # descriptors handed out
 
     def serve(self, session, msg: P.MapRequest) -> None:
         gw = self.gw
@@ -182,7 +182,9 @@ class DirectReads:
 
         def answer(fds: list[Optional[int]]) -> None:
             handed = [fd for fd in fds if fd is not None]
-            self.handed += len(handed)
+            gw.counters["map_requests"] += 1
+            gw.counters["map_handed"] += len(handed)
+            gw.counters["map_misses"] += len(fds) - len(handed)
             try:
                 gw.door.answer(session, P.MapOk(id=msg.id, hits=P.pack_flags(fd is not None for fd in fds),
                                                 offset=HEADER_BYTES), handed)

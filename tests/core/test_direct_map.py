@@ -90,6 +90,8 @@ def test_map_hands_checked_read_only_descriptors_of_own_objects(start_gateway, i
     assert [bytes(m.array) == pattern(k, 0, OBJ) for m, k in zip(got, keys)] == [True] * 6
     maps.release(got)
     assert maps.stats()["mapped_bytes"] == 6 * OBJ and maps.stats()["handed"] == 6
+    counters = c.stats().result(10)["counters"]
+    assert (counters["map_requests"], counters["map_handed"], counters["map_misses"]) == (2, 12, 1), counters
     maps.close()
     c.close()
 
