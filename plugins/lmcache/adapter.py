@@ -38,6 +38,7 @@ from typing import Any, Optional
 from lmcache.logging import init_logger
 
 from adpkv_core.attachment import Attachment, Session
+from adpkv_core.protocol import GatewayStats
 from adpkv_core.settings import ClientConfig
 
 from ._compat import (
@@ -340,7 +341,7 @@ class AdpL2Adapter(L2AdapterInterface):
         except Exception:
             logger.exception("adpkv delete failed")
 
-    def _gateway_stats(self) -> Optional[dict]:
+    def _gateway_stats(self) -> Optional[GatewayStats]:
         now = time.monotonic()
         cached = self._usage_cache
         if cached is not None and now - cached[0] < self._config.usage_refresh_s:
@@ -352,7 +353,7 @@ class AdpL2Adapter(L2AdapterInterface):
             stats = s.client.stats().result(timeout=min(1.0, self._config.timeout_s))
         except Exception:
             stats = None
-        if stats:
+        if stats is not None:
             self._usage_cache = (now, stats)
             return stats
         return cached[1] if cached else None
@@ -366,11 +367,10 @@ class AdpL2Adapter(L2AdapterInterface):
         """
         base = super().get_usage()
         stats = self._gateway_stats()
-        if not stats:
+        if stats is None:
             return base
-        cards = stats.get("cards") or []
-        used = sum(int(c.get("used_bytes", 0) or 0) for c in cards)
-        cap = sum(int(c.get("capacity_bytes", 0) or 0) for c in cards)
+        used = sum(c.used_bytes for c in stats.cards)
+        cap = sum(c.capacity_bytes for c in stats.cards)
         return AdapterUsage(total_bytes_used=used, total_capacity_bytes=cap,
                             bytes_by_cache_salt=base.bytes_by_cache_salt)
 

@@ -65,6 +65,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from adpkv_core.affinity import dialog_marks
 from adpkv_core.attachment import Attachment, Session
+from adpkv_core.protocol import GatewayStats
 from adpkv_core.keys import KIND_KV, KeyBuilder
 from adpkv_core.settings import parse_bool
 
@@ -389,10 +390,10 @@ class AdpHiCacheStorage(HybridPools, HiCacheStorage):
         """SGLang's ``StorageMetrics`` since the last call (pages per batch, GiB/s)."""
         return self._tally.storage_metrics()
 
-    def gateway_stats(self) -> dict:
-        """The gateway's own STATS (cards, objects, counters); {} without a gateway."""
+    def gateway_stats(self) -> Optional[GatewayStats]:
+        """The gateway's own STATS (cards, objects, counters); None without a gateway."""
         s = self._live()
-        return s.client.stats().result() if s is not None else {}
+        return s.client.stats().result() if s is not None else None
 
     @property
     def attached(self) -> bool:
