@@ -265,10 +265,11 @@ def _dev_shm(h: Host) -> list[Finding]:
 def _fingerprint(h: Host, stats: Optional[P.GatewayStats]) -> list[Finding]:
     devices = (list(h.config.storage_devices) if h.config_given or stats is None
                else [c.path or c.device for c in stats.cards])
-    serials = []
+    serials: list[str] = []
+    remote = False
     for device in devices:
         if "://" in str(device):
-            serials = None       # a Redis-protocol card's serial is in the server: only the gateway knows it
+            remote = True        # a Redis-protocol card's serial is in the server: only the gateway knows it
             break
         try:
             with open(os.path.join(device, CARD_FILE), encoding="utf-8") as fh:
@@ -282,7 +283,7 @@ def _fingerprint(h: Host, stats: Optional[P.GatewayStats]) -> list[Finding]:
             return [Finding("fingerprint", FAIL, f"{device}/{CARD_FILE} is unreadable: {exc}",
                             "restore the card's file or give the gateway an empty directory")]
     c = h.config
-    mine = None if serials is None else key_layout_fingerprint(serials, c.storage_slots, c.num_dbs, c.key_placement,
+    mine = None if remote else key_layout_fingerprint(serials, c.storage_slots, c.num_dbs, c.key_placement,
                                                                c.fragment_size)
     running = stats.fingerprint if stats is not None else None
     actual = mine or running

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server, write_to_textfile
 from prometheus_client.core import HistogramMetricFamily, Metric
@@ -85,7 +85,7 @@ class GatewayMetrics:
         self._figures = FiguresCollector()
         self.registry.register(self._figures)
         self.registry.register(CardLatencyCollector(cards, card_stats))
-        self._server = None
+        self._server: Optional[Any] = None     # the WSGI server of /metrics, once serving
         self._server_thread: Optional[threading.Thread] = None
 
     def update(self, figures: GatewayStats) -> None:
@@ -115,5 +115,6 @@ class GatewayMetrics:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
-            self._server_thread.join(5)
+            if self._server_thread is not None:
+                self._server_thread.join(5)
             self._server = self._server_thread = None

@@ -77,7 +77,7 @@ def card_families(s: GatewayStats) -> Iterable[Metric]:
     """Each card (label ``group``: its serial): health, capacity, I/O, eviction, cluster state."""
     cards = s.cards
     yield _gauge("storage_groups_active", "Cards in service", sum(c.active for c in cards))
-    fam = {
+    fam: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
         "active": _gauge("storage_group_active", "Card in service (1) or not (0)", labels=["group"]),
         "used": _gauge("storage_used_bytes", "Bytes stored on the card", labels=["group"]),
         "capacity": _gauge("storage_capacity_bytes", "Capacity of the card", labels=["group"]),

@@ -99,7 +99,7 @@ class AdpL2Adapter(L2AdapterInterface):
         self._held: dict[bytes, int] = {}
         # keys this instance stored: adpkv key -> (cache_salt, size), for per-salt accounting
         self._known: dict[bytes, tuple[str, int]] = {}
-        self._usage_cache: Optional[tuple[float, dict]] = None
+        self._usage_cache: Optional[tuple[float, GatewayStats]] = None
         self._stop = threading.Event()          # set when close() begins: new tasks fail fast
         layout = {"engine": "lmcache", "lmcache_version": LMCACHE_VERSION, "namespace": self._keys.namespace}
         if l1_memory_desc is not None:
