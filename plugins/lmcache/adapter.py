@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lmcache.logging import init_logger
 
@@ -53,6 +53,10 @@ from .config import AdpL2AdapterConfig
 from .copies import L1Pool, buffer_of, send
 from .keys import KeyMapper, MarkBook
 from .tasks import TaskBook, flags, merged_hits, merged_stores, when_all
+
+if TYPE_CHECKING:      # the base interface's own types (LMCache imports them the same way)
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.memory_management import MemoryObj
 
 logger = init_logger("adpkv_lmcache")
 
@@ -146,7 +150,7 @@ class AdpL2Adapter(L2AdapterInterface):
         return self._tasks.fd("load")
 
     # ------------------------------------------------------------------ store
-    def submit_store_task(self, keys: list, objects: list) -> L2TaskId:
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         tid = self._tasks.new("store")
@@ -157,7 +161,7 @@ class AdpL2Adapter(L2AdapterInterface):
             self._tasks.finish("store", tid, L2StoreResult(False, 0))
         return tid
 
-    def _start_store(self, tid: L2TaskId, keys: list, objects: list) -> None:
+    def _start_store(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         n = len(keys)
         if n == 0:
             self._tasks.finish("store", tid, L2StoreResult(True, 0))
@@ -201,11 +205,13 @@ class AdpL2Adapter(L2AdapterInterface):
 
         when_all([f for _, f in parts], done)
 
-    def pop_completed_store_tasks(self) -> dict:
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         return self._tasks.pop_all("store")
 
     # ------------------------------------------------------------------ lookup and lock
-    def submit_lookup_and_lock_task(self, keys: list, group_layout_descs: Any = None) -> L2TaskId:
+    def submit_lookup_and_lock_task(self, keys: list[ObjectKey],
+                                    group_layout_descs: "dict[int, MemoryLayoutDesc] | MemoryLayoutDesc | None" = None
+                                    ) -> L2TaskId:
         # group_layout_descs (0.5.6: dict per object group; 0.5.0: one MemoryLayoutDesc) is advisory.
         tid = self._tasks.new("lookup")
         try:
@@ -215,7 +221,7 @@ class AdpL2Adapter(L2AdapterInterface):
             self._tasks.finish("lookup", tid, Bitmap(len(keys)))
         return tid
 
-    def _start_lookup(self, tid: L2TaskId, keys: list) -> None:
+    def _start_lookup(self, tid: L2TaskId, keys: list[ObjectKey]) -> None:
         n = len(keys)
         s = self._current()
         if n == 0 or s is None or not s.enabled:
@@ -241,10 +247,10 @@ class AdpL2Adapter(L2AdapterInterface):
 
         fut.add_done_callback(done)
 
-    def query_lookup_and_lock_result(self, task_id: L2TaskId):
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Optional[Bitmap]:
         return self._tasks.pop("lookup", task_id)
 
-    def submit_unlock(self, keys: list) -> None:
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
         if not keys:
             return
         try:
@@ -268,7 +274,7 @@ class AdpL2Adapter(L2AdapterInterface):
             logger.exception("adpkv unlock failed")
 
     # ------------------------------------------------------------------ load
-    def submit_load_task(self, keys: list, objects: list) -> L2TaskId:
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         tid = self._tasks.new("load")
@@ -279,7 +285,7 @@ class AdpL2Adapter(L2AdapterInterface):
             self._tasks.finish("load", tid, Bitmap(len(keys)))
         return tid
 
-    def _start_load(self, tid: L2TaskId, keys: list, objects: list) -> None:
+    def _start_load(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         n = len(keys)
         s = self._current()
         if n == 0 or s is None or not s.enabled:
@@ -313,11 +319,11 @@ class AdpL2Adapter(L2AdapterInterface):
 
         when_all([f for _, f in parts], done)
 
-    def query_load_result(self, task_id: L2TaskId):
+    def query_load_result(self, task_id: L2TaskId) -> Optional[Bitmap]:
         return self._tasks.pop("load", task_id)
 
     # ------------------------------------------------------------------ delete / usage / status
-    def delete(self, keys: list) -> None:
+    def delete(self, keys: list[ObjectKey]) -> None:
         if not keys:
             return
         try:
