@@ -49,6 +49,7 @@ shared region ``/dev/shm/vllm_offload_<engine_id>.mmap``) to and from storage.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -240,7 +241,7 @@ class AdpSecondaryTier(SecondaryTierManager):
         self._cv = threading.Condition()
         self._inflight: dict[int, _Job] = {}
         self._futures: dict[int, Any] = {}
-        self._counters = collections.Counter()
+        self._counters: collections.Counter[str] = collections.Counter()
         self._lookups = _Lookups(self, tier_type)
         self.attachment = Attachment(self.client_config, self.engine_id, 0, 1,
                                      {"engine": "vllm-tiering", "row_bytes": self.row_bytes,
@@ -336,16 +337,25 @@ class AdpSecondaryTier(SecondaryTierManager):
         rid = s.state.get("region")
         client = s.client
         ring, addrs = s.ring, [self._base + a for a in at]
+        if rid is None and ring is None:          # neither a region nor a ring: nothing moves
+            self._done(j, [False] * len(j.keys))
+            return
         if store:
-            put = (client.put_from(rid, at, skeys, self.row_bytes) if rid is not None
-                   else client.put(skeys, self.row_bytes, lambda b: ring.fill(b, addrs)))
+            if rid is not None:
+                put = client.put_from(rid, at, skeys, self.row_bytes)
+            else:
+                assert ring is not None                     # checked above
+                put = client.put(skeys, self.row_bytes, functools.partial(ring.fill, addrs=addrs))
             self._futures[job.job_id] = put
-            put.add_done_callback(lambda f, j=j: self._done(j, f.result().stored))
+            put.add_done_callback(lambda f: self._done(j, f.result().stored))
         else:
-            get = (client.get_into(rid, at, skeys, self.row_bytes) if rid is not None
-                   else client.get(skeys, self.row_bytes, lambda b: ring.drain(b, addrs)))
+            if rid is not None:
+                get = client.get_into(rid, at, skeys, self.row_bytes)
+            else:
+                assert ring is not None                     # checked above
+                get = client.get(skeys, self.row_bytes, functools.partial(ring.drain, addrs=addrs))
             self._futures[job.job_id] = get
-            get.add_done_callback(lambda f, j=j: self._done(j, f.result()))
+            get.add_done_callback(lambda f: self._done(j, f.result()))
 
     def _done(self, j: _Job, flags: list[bool]) -> None:          # any thread
         """``flags``: per key, stored (a store job) or found (a load job)."""
