@@ -61,7 +61,7 @@ def gateway_answers(config: ClientConfig, timeout_s: float = 0.3) -> bool:
         return False
     finally:
         probe.close()
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(f"tcp://{config.host}:{config.port}")
@@ -114,13 +114,13 @@ class GatewayClient:
 
         ``unlock`` releases this rank's pins (from ``exist(lock=True)``) on the keys when done.
         """
-        return self._data("GET", keys, object_bytes, on_batch, marks, tag, slice, unlock)
+        return self._get(keys, object_bytes, on_batch, marks, tag, slice, unlock)
 
     def put(self, keys: Sequence[bytes], object_bytes: int, on_batch: BatchCallback,
             marks: Optional[Sequence[int]] = None, tag: Optional[str] = None,
-            slice: Optional[tuple[int, int]] = None) -> "Future[list[bool]]":
+            slice: Optional[tuple[int, int]] = None) -> "Future[StoreResult]":
         """``on_batch`` fills ring slots, the gateway stores them. Resolves with a ``StoreResult``."""
-        return self._data("PUT", keys, object_bytes, on_batch, marks, tag, slice)
+        return self._put(keys, object_bytes, on_batch, marks, tag, slice)
 
     def register_region(self, path: str, offset: int, size: int) -> "Future[Optional[int]]":
         """Hand the gateway ``size`` bytes at ``offset`` of a shared-memory file of ours, so
@@ -173,12 +173,12 @@ class GatewayClient:
     def get_into(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
                  marks: Optional[Sequence[int]] = None, unlock: bool = False) -> "Future[list[bool]]":
         """Read object ``i`` straight into ``at[i]`` of a registered region. Resolves with hits."""
-        return self._data("GET", keys, object_bytes, None, marks, None, None, unlock, (region, list(at), None))
+        return self._get(keys, object_bytes, None, marks, None, None, unlock, (region, list(at), None))
 
     def put_from(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
-                 marks: Optional[Sequence[int]] = None) -> "Future[list[bool]]":
+                 marks: Optional[Sequence[int]] = None) -> "Future[StoreResult]":
         """Store object ``i`` from ``at[i]`` of a registered region. Resolves with a ``StoreResult``."""
-        return self._data("PUT", keys, object_bytes, None, marks, None, None, False, (region, list(at), None))
+        return self._put(keys, object_bytes, None, marks, None, None, (region, list(at), None))
 
     def get_scattered(self, pieces: Sequence[tuple[int, int]], at: Sequence[int], keys: Sequence[bytes],
                       marks: Optional[Sequence[int]] = None) -> "Future[list[bool]]":
@@ -186,13 +186,13 @@ class GatewayClient:
         byte order): piece k of object i at ``at[i * len(pieces) + k]`` of its region. The
         gateway checks the whole object before any piece lands. Resolves with hits."""
         obj = sum(int(n) for _, n in pieces)
-        return self._data("GET", keys, obj, None, marks, None, None, False, (None, list(at), list(pieces)))
+        return self._get(keys, obj, None, marks, None, None, False, (None, list(at), list(pieces)))
 
     def put_scattered(self, pieces: Sequence[tuple[int, int]], at: Sequence[int], keys: Sequence[bytes],
-                      marks: Optional[Sequence[int]] = None) -> "Future[list[bool]]":
+                      marks: Optional[Sequence[int]] = None) -> "Future[StoreResult]":
         """Store each object from its ``pieces`` (as ``get_scattered``). Resolves with a ``StoreResult``."""
         obj = sum(int(n) for _, n in pieces)
-        return self._data("PUT", keys, obj, None, marks, None, None, False, (None, list(at), list(pieces)))
+        return self._put(keys, obj, None, marks, None, None, (None, list(at), list(pieces)))
 
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]] = None) -> "Future[int]":
         """Remove objects; resolves with how many existed."""
@@ -204,8 +204,10 @@ class GatewayClient:
         None when it refused (shared storage, requests in flight, not an operator: logged)."""
         return self._link.call(P.Clean(), DELETE_OK, lambda r: r.deleted, None)
 
-    def stats(self) -> "Future[dict]":
-        return self._link.call(P.Stats(), STATS_OK, lambda r: r.stats, {})
+    def stats(self) -> "Future[Optional[P.GatewayStats]]":
+        """The gateway's figures (what ``adpkv status`` shows); None when the cache is off or
+        the gateway refused (logged)."""
+        return self._link.call(P.Stats(), STATS_OK, lambda r: r.stats, None)
 
     def close(self) -> None:
         """Detach from the gateway and stop the I/O thread."""
@@ -290,11 +292,25 @@ class GatewayClient:
         logger.info("Attached to the adpkv gateway on port %d as rank %d/%d (ring %d bytes)",
                     self.config.port, self.rank, self.world_size, ring.size)
 
-    def _data(self, op, keys, object_bytes, on_batch, marks, tag, slice_, unlock=False, into=None):
+    def _get(self, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
+             marks: Optional[Sequence[int]], tag: Optional[str], slice_: Optional[tuple[int, int]],
+             unlock: bool = False, into: Optional[tuple] = None) -> "Future[list[bool]]":
+        """A GET: resolves with its hits."""
+        return self._data("GET", keys, object_bytes, on_batch, marks, tag, slice_, unlock, into)
+
+    def _put(self, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
+             marks: Optional[Sequence[int]], tag: Optional[str], slice_: Optional[tuple[int, int]],
+             into: Optional[tuple] = None) -> "Future[StoreResult]":
+        """A PUT: resolves with a ``StoreResult``."""
+        return self._data("PUT", keys, object_bytes, on_batch, marks, tag, slice_, False, into)
+
+    def _data(self, op: str, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
+              marks: Optional[Sequence[int]], tag: Optional[str], slice_: Optional[tuple[int, int]],
+              unlock: bool = False, into: Optional[tuple] = None) -> Future:
         n = len(keys)
         if n == 0 or not self._link.enabled or self.rank is None:
             return resolved(nothing(op, n))
-        locks = ()
+        locks: tuple[int, ...] = ()
         if into is not None and op == "GET":
             # the request's own duplicates (closed when it resolves): close() may close ours meanwhile
             region, _, pieces = into

@@ -28,8 +28,22 @@ _HEAD = struct.Struct(">B8s16sHB")
 
 ChunkHash = Union[bytes, bytearray, memoryview, int, str]
 
-# Cache kinds: which cache of a layer an object holds.
-KIND_KV = 0          # the layer's (K, V) or latent cache as the engine lays it out
+# Cache kinds: the last byte of a key, which cache of a layer an object holds. The one
+# registry of every adapter's kinds: the values are in the keys already on the cards, so a
+# value is never renumbered nor given another meaning (a stored object would read as another).
+KIND_KV = 0          # the layer's (K, V) or latent cache as the engine lays it out (LMCache, SGLang's
+                     # KV pool, vLLM's offloading spec); also cache group 0 of vLLM's KV connector
+KIND_AUX = 1         # SGLang: a page of an auxiliary pool (which pool: in the namespace)
+KIND_TIER_ROW = 7    # vLLM's secondary tier: one CPU-tier row (plugins/vllm/tier.py)
+# vLLM's KV connector (plugins/vllm/scheduler.py, worker.py): the kind byte is the cache
+# group's index (0, 1, ...; ``CacheGroup.index``: group 0 is ``KIND_KV``). The group index is
+# not a field of its own: the key is 28 bytes (``KEY_BYTES``: the wire checks it on every
+# request, the cards name fragments by it) with no spare byte, and splitting the kind byte or
+# widening the key would change the bytes of keys already stored (every stored object a
+# miss: ``KEY_VERSION`` 2 and a migration). So a group index may equal a kind above (group 1
+# and ``KIND_AUX``): such keys stay apart by their chunk digests (each engine's own chained
+# block hash) and, under ``key_namespace_from_model``, by namespace.
+KINDS = {KIND_KV: "kv", KIND_AUX: "aux", KIND_TIER_ROW: "tier_row"}
 
 
 def namespace_id(namespace: str) -> bytes:

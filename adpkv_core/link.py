@@ -61,7 +61,7 @@ class Link:
         self._outbox: collections.deque = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._last_send = time.monotonic()       # the gateway detaches a rank it has not heard from
         self._thread = threading.Thread(target=self._run, name=f"adpkv-client-{rank}", daemon=True)
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -235,10 +235,12 @@ class Link:
             flags = reply_flags(msg.hits if pending.op == "GET" else msg.stored, pending.n)
             flags = [f and bool(c) for f, c in zip(flags, pending.ok)]
             if pending.op == "PUT":
-                flags = StoreResult(flags, reply_flags(msg.existed, pending.n))
-            pending.future.set_result(flags)
+                pending.future.set_result(StoreResult(flags, reply_flags(msg.existed, pending.n)))
+            else:
+                pending.future.set_result(flags)
         else:
-            logger.warning("Gateway refused %s: %s %s", pending.op, msg.code, msg.msg)
+            why = f"{msg.code} {msg.msg}" if isinstance(msg, P.Error) else f"an unexpected {type(msg).__name__}"
+            logger.warning("Gateway refused %s: %s", pending.op, why)
             pending.future.set_result(nothing(pending.op, pending.n))
 
     def _run_batch(self, msg: P.Batch, pending: Pending) -> None:
@@ -258,7 +260,7 @@ class Link:
             except Exception:
                 logger.exception("adpkv %s copy of %r failed", pending.op, batch)
                 ok = False
-        if ok:
+        if ok and isinstance(pending.ok, bytearray):      # a ring request: its copies are counted
             pending.ok[first:first + count] = b"\x01" * count
         reply = (P.Release if pending.op == "GET" else P.Filled)(id=msg.id, batch=msg.batch, ok=ok)
         try:

@@ -50,7 +50,7 @@ request at ring ``offset`` with ``stride`` bytes between them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Optional, Union, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -112,7 +112,7 @@ class Message(Struct, tag_field="op", kw_only=True):
 
     @property
     def op(self) -> str:
-        return self.__struct_config__.tag
+        return str(self.__struct_config__.tag)
 
 
 def _op(name: str) -> dict:
@@ -275,7 +275,7 @@ class Stats(Message, **_op("STATS")):
 
 
 Request = Union[Hello, Bye, Ping, Exist, Unlock, Get, Put, Release, Filled, Delete, Clean, Drain, Stats]
-REQUEST_OPS = frozenset(t.__struct_config__.tag for t in Request.__args__)
+REQUEST_OPS = frozenset(t.__struct_config__.tag for t in get_args(Request))
 
 # ---------------------------------------------------------------- replies (gateway → client)
 
@@ -305,8 +305,134 @@ class DrainOk(Message, **_op("OK")):
     fingerprint: str = ""
 
 
+class ClusterNode(Struct, kw_only=True):
+    """One node of a cluster card as the gateway sees it (``CardFigures.cluster_nodes``)."""
+
+    node: str               # host:port
+    role: str               # primary, replica or unknown
+    slots: int
+    failed: bool            # the cluster flags it failed
+    answers: bool           # it answers the gateway now
+
+
+class CardFigures(Struct, kw_only=True, omit_defaults=True):
+    """One card in STATS: identity, health, I/O counts, usage, and the facts of its kind
+    (``Card.details``: ``path`` of an fs card; ``cluster_*`` of a cluster card: absent from
+    the wire for the other kinds)."""
+
+    serial: str
+    device: str
+    kind: str               # fs, resp, resp_cluster
+    active: bool
+    strikes: int
+    oldest_io_age_s: float
+    reads: int
+    writes: int
+    bytes_read: int
+    bytes_written: int
+    read_errors: int
+    write_errors: int
+    io_seconds: float
+    io_count: int
+    io_max_seconds: float
+    evicted: int
+    used_bytes: int
+    capacity_bytes: int
+    objects: int            # objects (fragments) on the card
+    path: Optional[str] = None
+    cluster_state: Optional[str] = None
+    cluster_nodes: Optional[list[ClusterNode]] = None
+    cluster_counters: Optional[dict[str, int]] = None
+
+
+class EngineFigures(Struct, kw_only=True):
+    """The attached engine: its id, world size, the ranks attached now, its namespace."""
+
+    id: str
+    world: int
+    ranks: list[int]
+    namespace: str
+
+
+class TenantFigures(Struct, kw_only=True):
+    """One namespace summed over the cards (``quota_bytes`` is per card; 0: no quota)."""
+
+    id: str                 # the namespace id, hex
+    namespace: str          # its name where the gateway knows it, else ""
+    used_bytes: int
+    objects: int
+    quota_bytes: int
+    evicted: int            # evicted because the namespace was over its quota
+    capacity_evicted: int   # evicted by the cards' own LRU
+
+
+class WorkFigures(Struct, kw_only=True):
+    """One piece of long work the gateway is doing (``gateway/progress.py``)."""
+
+    what: str
+    done: int
+    total: int
+    unit: str
+    elapsed_s: float
+
+
+class LayoutChangeFigures(Struct, kw_only=True):
+    """The key layout change since this gateway started (``gateway/mover.py``)."""
+
+    previous_fingerprint: str
+    complete: bool
+    moved_objects: int
+    moved_bytes: int
+    left_objects: int
+    failed: int
+    rate_bytes_per_s: float
+    rate_limit_bytes_per_s: float
+
+
+class GatewayStats(Struct, kw_only=True):
+    """What STATS answers and the status file shows (``gateway/stats.py`` builds it).
+    ``counters``: requests by kind; ``objects``: hits, misses, stored... summed over the
+    namespaces, ``objects_by_namespace``: the same by namespace id (hex);
+    ``request_latency``: per op (get, put), the latency bucket counts and the seconds summed."""
+
+    port: int
+    uptime_s: float
+    fingerprint: str
+    placement: str
+    storage_slots: int
+    num_dbs: int
+    shared_storage: bool
+    replicas: int
+    ring_size: int
+    ring_in_use: int
+    requests_in_flight: int
+    pinned: int
+    regions: int
+    sessions: int
+    engine: Optional[EngineFigures]
+    counters: dict[str, int]
+    objects: dict[str, int]
+    objects_by_namespace: dict[str, dict[str, int]]
+    cards: list[CardFigures]
+    namespace_names: dict[str, str]
+    version: str
+    work: list[WorkFigures]
+    layout_change: Optional[LayoutChangeFigures]
+    request_latency: dict[str, tuple[list[int], float]]
+    tenants: list[TenantFigures] = []
+
+
 class StatsOk(Message, **_op("OK")):
-    stats: dict = {}
+    stats: GatewayStats
+
+
+def gateway_stats(raw: Any) -> GatewayStats:
+    """The ``stats`` of a STATS reply read as a plain map (``gateway/control.py``) as a
+    ``GatewayStats``; ``ProtocolError`` (BAD_MESSAGE) when it is not one."""
+    try:
+        return msgspec.convert(raw, GatewayStats)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(BAD_MESSAGE, f"a STATS reply that is not one: {exc}") from None
 
 
 class Batch(Message, **_op("BATCH")):

@@ -84,7 +84,7 @@ class StoreResult:
         return cls([False] * n, [False] * n)
 
 
-def nothing(op: str, n: int):
+def nothing(op: str, n: int) -> "list[bool] | StoreResult":
     """What a data request of ``n`` objects resolves with when it gets no usable answer (the
     cache is off, the gateway refused or went away): ``n`` misses (GET) or nothing stored (PUT)."""
     return [False] * n if op == "GET" else StoreResult.none(n)
@@ -155,7 +155,7 @@ def data_request(op: str, keys: Sequence[bytes], object_bytes: int, on_batch: Op
         # on the request: after that the engine may reuse it. A stalled gateway must neither
         # write into it later nor store what the engine put there since under these keys.
         pending.region_by = time.monotonic() + timeout_s - REGION_WRITE_MARGIN_S
-        if op == "GET":
+        if isinstance(msg, P.Get):
             msg.write_by = pending.region_by
             pending.region_locks = region_locks      # a GET given up waits for the gateway's writes
         else:

@@ -118,8 +118,9 @@ class Ring:
         """
         os.close(self.fd)
         if not self._owner:
-            self.buf = None
-            self._mmap = None
+            # dropped, not closed (see above); a closed ring is never used again
+            self.buf = None  # type: ignore[assignment]  # only the references go: nothing reads them after close
+            self._mmap = None  # type: ignore[assignment]  # (as buf)
             return
         try:
             self.buf.release()

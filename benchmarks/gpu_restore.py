@@ -8,7 +8,9 @@ Runs on one GPU with PyTorch (and transformers for the prefill), no vLLM:
   (``adpkv_vllm.copy.PagedLayer``) scattering ring batches into a FlashAttention-layout
   paged KV cache ``(2, num_blocks, block_size, kv_heads, head_dim)``;
 * store, then restore with the page cache hot and cold (``drop_caches``), one GET per
-  layer, every layer's bytes checked;
+  layer; every used block of every layer is compared byte for byte with what was stored
+  (``torch.equal`` on the GPU of the restored blocks' int16 view against the source,
+  made again from its per-layer seed: no second copy of the KV cache is kept);
 * prefill of the same prompt by a transformers Llama of that geometry, random bf16
   weights, SDPA;
 * a per-layer overlap run: layer i computes (one decoder layer over the prompt's tail)
@@ -90,16 +92,27 @@ class PagedCache:
         self.obj = self.layers[0].page_bytes * self.nb
         self.dev_ids = self.block_ids.to(device)
 
-    def randomize(self) -> list[int]:
-        sums = []
-        for t in self.kv:
-            t.view(torch.int16).random_(-30000, 30000)
-            sums.append(self.digest(t))
-        return sums
+    def _fill(self, t: torch.Tensor, layer: int) -> None:
+        """Layer ``layer``'s source bytes into ``t``: random int16 from the layer's own seed,
+        so the same bytes can be made again to compare with."""
+        gen = torch.Generator(device=t.device).manual_seed(1000 + layer)
+        t.view(torch.int16).random_(-30000, 30000, generator=gen)
 
-    def digest(self, t: torch.Tensor) -> int:
-        used = t[:, self.dev_ids].view(torch.int32).to(torch.int64)
-        return int((used * 1000003 + used.roll(1)).sum())
+    def randomize(self) -> None:
+        for i, t in enumerate(self.kv):
+            self._fill(t, i)
+
+    def exact(self) -> bool:
+        """Whether every used block of every layer holds, byte for byte, what ``randomize``
+        wrote: ``torch.equal`` of the blocks' int16 views (bitwise, NaN patterns included)
+        against the source made again, one layer at a time on the device."""
+        for i, t in enumerate(self.kv):
+            src = torch.empty_like(t)
+            self._fill(src, i)
+            if not torch.equal(t[:, self.dev_ids].view(torch.int16), src[:, self.dev_ids].view(torch.int16)):
+                return False
+            del src
+        return True
 
     def zero(self) -> None:
         for t in self.kv:
@@ -182,6 +195,7 @@ def diagnose(client, ring, cache: PagedCache, kb, card: str, threads: int) -> di
     out["gpu_pull_meanwhile_GBs"] = pull.finish()
     stream = torch.cuda.Stream()
     for count in (16, 128):                     # objects per ring batch: 16 MiB and 128 MiB copies
+        count = min(count, cache.chunks)
         ids = cache.block_ids[: count * cache.nb]
         moved = 0
         sync()
@@ -192,7 +206,18 @@ def diagnose(client, ring, cache: PagedCache, kb, card: str, threads: int) -> di
                 moved += count * obj
         sync()
         out[f"ring_to_gpu_{count}obj_GBs"] = moved / (time.perf_counter() - t0) / 1e9
-    log("diagnose: " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()))
+        # checked: the blocks hold the ring's bytes. The store path's gather (byte-exact in the
+        # restore check above) copies them back behind the scattered objects and the two ring
+        # ranges are compared byte for byte; None when the ring has no room for the second copy.
+        exact = None
+        if 2 * count * obj <= ring.numel():
+            exact = True
+            for layer in cache.layers:
+                layer.gather(ring, count * obj, obj, count, 0, obj, ids, cache.nb, stream=stream)
+                sync()
+                exact = exact and torch.equal(ring[:count * obj], ring[count * obj:2 * count * obj])
+        out[f"ring_to_gpu_{count}obj_exact"] = exact
+    log("diagnose: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()))
     return out
 
 
@@ -320,7 +345,7 @@ def run_geometry(name: str, g: dict, token_counts, args, report: dict) -> None:
             row["ring_pinned"] = pin_ring(ring)
             stream = torch.cuda.Stream()
             kb = KeyBuilder(f"gpu-bench-{name}-{tokens}")
-            sums = cache.randomize()
+            cache.randomize()
             row["store_s"] = store(client, ring, cache, kb, stream)
             log(f"store {kv_bytes / GiB:.1f} GiB: {row['store_s']:.2f} s ({kv_bytes / row['store_s'] / 1e9:.1f} GB/s)")
             for regime in ["hot"] * args.hot_repeats + ["cold"]:
@@ -330,7 +355,7 @@ def run_geometry(name: str, g: dict, token_counts, args, report: dict) -> None:
                 cache.zero()
                 sync()
                 t, done_at, _ = restore(client, ring, cache, kb, stream)
-                ok = [cache.digest(k) for k in cache.kv] == sums
+                ok = cache.exact()
                 row.setdefault(f"restore_{regime}_all_s", []).append(t)
                 row[f"restore_{regime}_s"] = sorted(row[f"restore_{regime}_all_s"])[
                     (len(row[f"restore_{regime}_all_s"]) - 1) // 2]          # the median (lower middle)

@@ -27,7 +27,10 @@ import statistics
 import tempfile
 import time
 
+import msgspec
 from prometheus_client import Histogram
+
+from adpkv_core.protocol import GatewayStats
 
 from adpkv_gateway.latency import IO_LATENCY_BUCKETS
 from adpkv_gateway.metrics import GatewayMetrics
@@ -79,12 +82,16 @@ class _Card:
         self.serial, self.device = serial, f"/cards/{serial}"
 
 
-def figures(cards: int) -> dict:
-    """STATS-shaped figures of a busy gateway with ``cards`` cards and three namespaces."""
-    card = {"active": True, "strikes": 0, "oldest_io_age_s": 0.0, "reads": 10 ** 6, "writes": 10 ** 6,
+def figures(cards: int) -> GatewayStats:
+    """The STATS figures of a busy gateway with ``cards`` cards and three namespaces."""
+    card = {"device": "/cards/x", "kind": "fs", "io_seconds": 100.0, "io_count": 2 * 10 ** 6, "io_max_seconds": 0.1,
+            "active": True, "strikes": 0, "oldest_io_age_s": 0.0, "reads": 10 ** 6, "writes": 10 ** 6,
             "bytes_read": 10 ** 12, "bytes_written": 10 ** 12, "read_errors": 0, "write_errors": 0,
             "evicted": 10 ** 5, "used_bytes": 10 ** 12, "capacity_bytes": 2 * 10 ** 12, "objects": 10 ** 7}
-    return {"fingerprint": "0123456789abcdef", "placement": "dialog", "ring_size": 1 << 30, "ring_in_use": 0,
+    return msgspec.convert({
+            "port": 1, "uptime_s": 1.0, "storage_slots": 16, "num_dbs": 1, "shared_storage": False, "replicas": 1,
+            "regions": 0, "objects": {}, "namespace_names": {}, "version": "0", "work": [], "layout_change": None,
+            "fingerprint": "0123456789abcdef", "placement": "dialog", "ring_size": 1 << 30, "ring_in_use": 0,
             "requests_in_flight": 3, "pinned": 100, "sessions": 4,
             "request_latency": {"get": ([10] * 18, 1.5), "put": ([10] * 18, 2.5)},
             "engine": {"id": "e", "world": 8, "ranks": list(range(8)), "namespace": "ns0"},
@@ -92,7 +99,7 @@ def figures(cards: int) -> dict:
             "objects_by_namespace": {f"ns{i}": {"hits": 10 ** 6, "misses": 10 ** 5, "stored": 10 ** 6,
                                                 "store_failed": 0, "restored_bytes": 10 ** 12,
                                                 "stored_bytes": 10 ** 12} for i in range(3)},
-            "cards": [{"serial": f"FS{i:014d}", **card} for i in range(cards)]}
+            "cards": [{"serial": f"FS{i:014d}", **card} for i in range(cards)]}, GatewayStats)
 
 
 def main() -> None:

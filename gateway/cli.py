@@ -11,6 +11,8 @@ import threading
 import time
 from typing import Optional
 
+from adpkv_core import protocol as P
+
 from . import control, progress
 from .config import load_yaml
 
@@ -52,56 +54,64 @@ def _ask(args, op: str) -> dict:
     return reply
 
 
+def _stats(args) -> tuple[dict, P.GatewayStats]:
+    """The STATS reply as the gateway sent it (for ``--json``) and read."""
+    raw = _ask(args, "STATS")["stats"]
+    try:
+        return raw, P.gateway_stats(raw)
+    except P.ProtocolError as exc:
+        raise SystemExit(f"adpkv: the gateway's STATS reply is not what this adpkv reads ({exc})") from None
+
+
 def cmd_status(args) -> int:
-    stats = _ask(args, "STATS")["stats"]
+    raw, stats = _stats(args)
     if args.json:
-        print(json.dumps(stats, indent=2))
+        print(json.dumps(raw, indent=2))
         return 0
-    eng = stats["engine"]
-    print(f"gateway :{stats['port']}  up {stats['uptime_s']:.0f} s  fingerprint {stats['fingerprint']}  "
-          f"placement {stats['placement']}  slots {stats['storage_slots']}  dbs {stats['num_dbs']}"
-          f"{'  shared' if stats['shared_storage'] else ''}")
-    engine = "none" if eng is None else f"{eng['id']} ranks {eng['ranks']} of {eng['world']}"
-    print(f"engine  : {engine}  ring {stats['ring_in_use'] / MiB:.0f}/{stats['ring_size'] / MiB:.0f} MiB  "
-          f"requests in flight {stats['requests_in_flight']}")
-    change = stats.get("layout_change")
+    eng = stats.engine
+    print(f"gateway :{stats.port}  up {stats.uptime_s:.0f} s  fingerprint {stats.fingerprint}  "
+          f"placement {stats.placement}  slots {stats.storage_slots}  dbs {stats.num_dbs}"
+          f"{'  shared' if stats.shared_storage else ''}")
+    engine = "none" if eng is None else f"{eng.id} ranks {eng.ranks} of {eng.world}"
+    print(f"engine  : {engine}  ring {stats.ring_in_use / MiB:.0f}/{stats.ring_size / MiB:.0f} MiB  "
+          f"requests in flight {stats.requests_in_flight}")
+    change = stats.layout_change
     if change:
-        state = "complete, the previous layout is dropped" if change["complete"] else \
-            f"moving, {change['left_objects']} objects known to be left"
-        print(f"layout  : change from {change['previous_fingerprint']} {state}; moved {change['moved_objects']} "
-              f"objects, {change['moved_bytes'] / MiB:.1f} MiB at {change['rate_bytes_per_s'] / MiB:.1f} MiB/s")
-    for w in stats.get("work", []):
-        print(f"working : {w['what']} {w['done']}/{w['total']} {w['unit']} ({w['elapsed_s']:.0f} s)")
-    o = stats["objects"]
+        state = "complete, the previous layout is dropped" if change.complete else \
+            f"moving, {change.left_objects} objects known to be left"
+        print(f"layout  : change from {change.previous_fingerprint} {state}; moved {change.moved_objects} "
+              f"objects, {change.moved_bytes / MiB:.1f} MiB at {change.rate_bytes_per_s / MiB:.1f} MiB/s")
+    for w in stats.work:
+        print(f"working : {w.what} {w.done}/{w.total} {w.unit} ({w.elapsed_s:.0f} s)")
+    o = stats.objects
     print(f"objects : hits {o.get('hits', 0)}  misses {o.get('misses', 0)}  stored {o.get('stored', 0)}  "
           f"store failed {o.get('store_failed', 0)}")
-    for c in stats["cards"]:
-        print(f"card {c['serial']}  {c['kind']} {c['device']}  {'active' if c['active'] else 'INACTIVE'}  "
-              f"{c['used_bytes'] / MiB:.1f}/{c['capacity_bytes'] / MiB:.0f} MiB  {c['objects']} objects  "
-              f"io errors {c['read_errors'] + c['write_errors']}")
-        if "cluster_state" in c:
-            nodes = c.get("cluster_nodes", [])
-            print(f"  cluster_state {c['cluster_state']}  " + "  ".join(
-                f"{n['node']} {n['role']}{'' if n['answers'] and not n['failed'] else ' DOWN'}" for n in nodes))
+    for c in stats.cards:
+        print(f"card {c.serial}  {c.kind} {c.device}  {'active' if c.active else 'INACTIVE'}  "
+              f"{c.used_bytes / MiB:.1f}/{c.capacity_bytes / MiB:.0f} MiB  {c.objects} objects  "
+              f"io errors {c.read_errors + c.write_errors}")
+        if c.cluster_state is not None:
+            print(f"  cluster_state {c.cluster_state}  " + "  ".join(
+                f"{n.node} {n.role}{'' if n.answers and not n.failed else ' DOWN'}" for n in c.cluster_nodes or []))
     return 0
 
 
 def cmd_usage(args) -> int:
-    stats = _ask(args, "STATS")["stats"]
-    used = sum(c["used_bytes"] for c in stats["cards"])
-    cap = sum(c["capacity_bytes"] for c in stats["cards"])
-    objs = sum(c["objects"] for c in stats["cards"])
+    raw, stats = _stats(args)
+    used = sum(c.used_bytes for c in stats.cards)
+    cap = sum(c.capacity_bytes for c in stats.cards)
+    objs = sum(c.objects for c in stats.cards)
     if args.json:
-        print(json.dumps({"used_bytes": used, "capacity_bytes": cap, "objects": objs, "cards": len(stats["cards"]),
-                          "namespaces": stats.get("tenants", [])}, indent=2))
+        print(json.dumps({"used_bytes": used, "capacity_bytes": cap, "objects": objs, "cards": len(stats.cards),
+                          "namespaces": raw.get("tenants", [])}, indent=2))
         return 0
     print(f"{used} bytes used of {cap} ({100.0 * used / cap if cap else 0:.2f}%), {objs} objects "
-          f"on {len(stats['cards'])} card(s)")
-    for t in stats.get("tenants", []):
-        name = f"{t['namespace']} (id:{t['id']})" if t["namespace"] else f"id:{t['id']}"
-        quota = f"quota {t['quota_bytes']} bytes per card" if t["quota_bytes"] else "no quota"
-        print(f"namespace {name}: {t['used_bytes']} bytes, {t['objects']} objects, {quota}, "
-              f"{t['evicted']} evicted over quota, {t.get('capacity_evicted', 0)} by the card's LRU")
+          f"on {len(stats.cards)} card(s)")
+    for t in stats.tenants:
+        name = f"{t.namespace} (id:{t.id})" if t.namespace else f"id:{t.id}"
+        quota = f"quota {t.quota_bytes} bytes per card" if t.quota_bytes else "no quota"
+        print(f"namespace {name}: {t.used_bytes} bytes, {t.objects} objects, {quota}, "
+              f"{t.evicted} evicted over quota, {t.capacity_evicted} by the card's LRU")
     return 0
 
 

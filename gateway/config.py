@@ -21,7 +21,9 @@ from .quotas import parse_quotas
 
 @dataclasses.dataclass
 class GatewayConfig:
-    storage_backend: str = "fs"              # fs (a directory) or resp (a Redis-protocol server)
+    # A statement of intent, checked: each device's form gives its card's kind; ``resp`` makes a
+    # device that is not a redis:// or redis+cluster:// URL an error (never a directory by mistake)
+    storage_backend: str = "fs"
     storage_devices: list = dataclasses.field(default_factory=lambda: ["./adpkv-card"])
     storage_slots: int = 16                  # slots of the key distribution over cards
     num_dbs: int = 16                        # databases of each card
@@ -148,7 +150,8 @@ def load_yaml(path: str) -> dict:
 # missing here still gets its flag, with its default only; tests/core/test_cli_edges.py
 # checks that every setting has a line.
 HELP: dict[str, str] = {
-    "storage_backend": "card kind: fs (a directory) or resp (a Redis-protocol server)",
+    "storage_backend": "the intended card kind, checked: resp refuses a device that is not a redis:// or "
+                       "redis+cluster:// URL (each device's form gives its card's kind; fs checks nothing)",
     "storage_devices": "the cards: directories (fs) or redis:// / redis+cluster:// URLs (resp)",
     "storage_slots": "slots of the key distribution over the cards",
     "num_dbs": "databases of each card (fragments spread over them)",

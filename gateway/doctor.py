@@ -90,7 +90,7 @@ def examine(h: Host) -> list[Finding]:
 
 
 # ---------------------------------------------------------------------------- gateway
-def _gateway(h: Host) -> tuple[Optional[dict], list[Finding]]:
+def _gateway(h: Host) -> tuple[Optional[P.GatewayStats], list[Finding]]:
     where = f"{h.host}:{h.config.port}"
     pong = control.request(h.config.port, {"op": "PING"}, host=h.host, timeout_s=h.timeout_s)
     if pong is None:
@@ -105,13 +105,19 @@ def _gateway(h: Host) -> tuple[Optional[dict], list[Finding]]:
         why = reply["msg"] if reply else "no answer to STATS"
         return None, [Finding("gateway", WARN, f"answers PING on {where} but not STATS ({why})",
                               "see the door check below")]
-    stats = reply["stats"]
-    version = stats.get("version", "?")
+    raw = reply.get("stats")
+    version = raw.get("version", "?") if isinstance(raw, dict) else "?"
+    try:
+        stats = P.gateway_stats(raw)
+    except P.ProtocolError as exc:
+        return None, [Finding("gateway", WARN, f"answers on {where}, adpkv {version}, but its STATS reply is not "
+                              f"what this host's adpkv {__version__} reads ({exc})",
+                              "run the same adpkv version in the gateway and the engine")]
     if version != __version__:
         return stats, [Finding("gateway", WARN, f"answers on {where}, adpkv {version}; this host has {__version__}",
                                "run the same adpkv version in the gateway and the engine")]
     return stats, [Finding("gateway", OK, f"answers on {where} (adpkv {version}, protocol {P.PROTOCOL_VERSION}, "
-                           f"{len(stats['cards'])} card(s), {sum(c['active'] for c in stats['cards'])} in service)")]
+                           f"{len(stats.cards)} card(s), {sum(c.active for c in stats.cards)} in service)")]
 
 
 # ---------------------------------------------------------------------------- door
@@ -217,9 +223,9 @@ def _cgroup_room() -> Optional[int]:
         return None
 
 
-def _ring_memory(h: Host, stats: Optional[dict]) -> list[Finding]:
+def _ring_memory(h: Host, stats: Optional[P.GatewayStats]) -> list[Finding]:
     if stats is not None:
-        return [Finding("ring memory", OK, f"the gateway holds its ring: {stats['ring_size'] / MiB:.0f} MiB (a sealed "
+        return [Finding("ring memory", OK, f"the gateway holds its ring: {stats.ring_size / MiB:.0f} MiB (a sealed "
                         "memfd handed out at the door, not a file in /dev/shm)")]
     want = h.config.shared_memory_size
     available, room = _meminfo_available(), _cgroup_room()
@@ -256,13 +262,14 @@ def _dev_shm(h: Host) -> list[Finding]:
 
 
 # ---------------------------------------------------------------------------- fingerprint
-def _fingerprint(h: Host, stats: Optional[dict]) -> list[Finding]:
+def _fingerprint(h: Host, stats: Optional[P.GatewayStats]) -> list[Finding]:
     devices = (list(h.config.storage_devices) if h.config_given or stats is None
-               else [c.get("path", c["device"]) for c in stats["cards"]])
-    serials = []
+               else [c.path or c.device for c in stats.cards])
+    serials: list[str] = []
+    remote = False
     for device in devices:
         if "://" in str(device):
-            serials = None       # a Redis-protocol card's serial is in the server: only the gateway knows it
+            remote = True        # a Redis-protocol card's serial is in the server: only the gateway knows it
             break
         try:
             with open(os.path.join(device, CARD_FILE), encoding="utf-8") as fh:
@@ -276,9 +283,9 @@ def _fingerprint(h: Host, stats: Optional[dict]) -> list[Finding]:
             return [Finding("fingerprint", FAIL, f"{device}/{CARD_FILE} is unreadable: {exc}",
                             "restore the card's file or give the gateway an empty directory")]
     c = h.config
-    mine = None if serials is None else key_layout_fingerprint(serials, c.storage_slots, c.num_dbs, c.key_placement,
+    mine = None if remote else key_layout_fingerprint(serials, c.storage_slots, c.num_dbs, c.key_placement,
                                                                c.fragment_size)
-    running = stats["fingerprint"] if stats is not None else None
+    running = stats.fingerprint if stats is not None else None
     actual = mine or running
     if actual is None:
         return [Finding("fingerprint", SKIP, "Redis-protocol cards and no gateway running: only the gateway knows "

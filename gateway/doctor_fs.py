@@ -23,6 +23,8 @@ import os
 import stat
 from typing import TYPE_CHECKING, Optional
 
+from adpkv_core.protocol import GatewayStats
+
 from .cards.fs import CARD_FILE
 from .cards.fs_files import not_own
 from .doctor_report import FAIL, OK, WARN, Finding
@@ -36,11 +38,11 @@ EPHEMERAL_FS = {"tmpfs": "memory: lost at every reboot", "ramfs": "memory: lost 
 PROBE_NAME = ".adpkv-doctor-probe"
 
 
-def card_devices(h: Host, stats: Optional[dict]) -> list[str]:
+def card_devices(h: Host, stats: Optional[GatewayStats]) -> list[str]:
     if h.config_given or stats is None:
         devices = list(h.config.storage_devices)
     else:
-        devices = [c.get("path", c["device"]) for c in stats["cards"] if c["kind"] == "fs"]
+        devices = [c.path or c.device for c in stats.cards if c.kind == "fs"]
     return [d for d in devices if "://" not in str(d)]
 
 
@@ -86,7 +88,7 @@ def probe_o_direct(directory: str) -> Optional[str]:
             pass
 
 
-def card(h: Host, device: str, stats: Optional[dict]) -> list[Finding]:
+def card(h: Host, device: str, stats: Optional[GatewayStats]) -> list[Finding]:
     root = os.path.abspath(device)
     name = f"card {device}"
     existing = root
@@ -100,8 +102,8 @@ def card(h: Host, device: str, stats: Optional[dict]) -> list[Finding]:
     point, fstype = _mount_of(os.path.realpath(existing))
     vfs = os.statvfs(existing)
     free = vfs.f_bavail * vfs.f_frsize
-    used = next((c.get("used_bytes", 0) for c in (stats or {}).get("cards", [])
-                 if c.get("path", c["device"]) == root), 0)
+    used = next((c.used_bytes for c in (stats.cards if stats is not None else [])
+                 if (c.path or c.device) == root), 0)
     where = f"{fstype} on {point}, {free / (1 << 30):.1f} GiB free" + ("" if root == existing else ", to be created")
     cap = h.config.capacity_bytes
     if fstype in EPHEMERAL_FS:

@@ -14,8 +14,8 @@ Two kinds of collectors feed the registry:
   scrape. (The requests' latency is a figure: ``stats.py`` copies it on the loop.)
 
 To add metrics, either append ``fn(figures) -> iterable of metric families`` to
-``FROM_FIGURES`` (the figures are the STATS dict: put what you need into it in
-``gateway/stats.py``), or register a ``prometheus_client`` collector of your own on
+``FROM_FIGURES`` (the figures are what STATS answers, ``adpkv_core.protocol.GatewayStats``:
+put what you need into it there and in ``gateway/stats.py``), or register a ``prometheus_client`` collector of your own on
 ``Gateway.metrics.registry`` (an object whose ``collect()`` yields metric families; it runs in
 the status writer's pool thread and in the /metrics server's thread, so it must only read
 state that is safe to read from there).
@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server, write_to_textfile
 from prometheus_client.core import HistogramMetricFamily, Metric
+
+from adpkv_core.protocol import GatewayStats
 
 from .latency import histogram_buckets
 from .status import FAMILIES, PREFIX
@@ -37,15 +39,15 @@ logger = logging.getLogger("adpkv.gateway.metrics")
 
 IO_OPS = ("read", "write")
 
-FigureFamilies = Callable[[dict], Iterable[Metric]]
+FigureFamilies = Callable[[GatewayStats], Iterable[Metric]]
 FROM_FIGURES: list[FigureFamilies] = list(FAMILIES)     # gateway/status.py's, and whoever adds metrics
 
 
 class FiguresCollector:
     """The families of ``FROM_FIGURES`` over the latest figures (none before the first)."""
 
-    def __init__(self):
-        self.figures: Optional[dict] = None
+    def __init__(self) -> None:
+        self.figures: Optional[GatewayStats] = None
 
     def collect(self) -> Iterable[Metric]:
         figures = self.figures
@@ -83,11 +85,11 @@ class GatewayMetrics:
         self._figures = FiguresCollector()
         self.registry.register(self._figures)
         self.registry.register(CardLatencyCollector(cards, card_stats))
-        self._server = None
+        self._server: Optional[Any] = None     # the WSGI server of /metrics, once serving
         self._server_thread: Optional[threading.Thread] = None
 
-    def update(self, figures: dict) -> None:
-        """The gateway's latest figures (the STATS dict); any thread."""
+    def update(self, figures: GatewayStats) -> None:
+        """The gateway's latest figures (what STATS answers); any thread."""
         self._figures.figures = figures
 
     def exposition(self) -> bytes:
@@ -113,5 +115,6 @@ class GatewayMetrics:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
-            self._server_thread.join(5)
+            if self._server_thread is not None:
+                self._server_thread.join(5)
             self._server = self._server_thread = None

@@ -31,9 +31,11 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from adpkv_core.protocol import GatewayStats
 
 from . import metrics
 from .cards.base import Card, CardIOError, Read
@@ -270,20 +272,20 @@ def object_keys(card: Card) -> Iterator[bytes]:
         raise CardIOError(f"card {card.device}: the mover cannot list a {card.kind} card")
 
 
-def families(figures: dict):
+def families(figures: GatewayStats) -> Iterable[Metric]:
     """The change's metrics, from the STATS figures (``gateway/metrics.py`` FROM_FIGURES)."""
-    change = figures.get("layout_change")
+    change = figures.layout_change
     active = GaugeMetricFamily(PREFIX + "layout_change_active", "1 while a card-set change is being moved")
-    active.add_metric([], 0 if not change or change["complete"] else 1)
+    active.add_metric([], 0 if change is None or change.complete else 1)
     yield active
-    if not change:
+    if change is None:
         return
     for name, what, value in (
-            ("layout_moved_objects", "Objects moved to their card in the current layout", change["moved_objects"]),
-            ("layout_moved_bytes", "Bytes moved to their card in the current layout", change["moved_bytes"]),
-            ("layout_left_objects", "Objects known to be left to move", change["left_objects"]),
+            ("layout_moved_objects", "Objects moved to their card in the current layout", change.moved_objects),
+            ("layout_moved_bytes", "Bytes moved to their card in the current layout", change.moved_bytes),
+            ("layout_left_objects", "Objects known to be left to move", change.left_objects),
             ("layout_move_rate_bytes", "Bytes moved per second since the change began",
-             change["rate_bytes_per_s"])):
+             change.rate_bytes_per_s)):
         g = GaugeMetricFamily(PREFIX + name, what)
         g.add_metric([], value)
         yield g

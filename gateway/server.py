@@ -29,9 +29,9 @@ from typing import Optional, Union
 import zmq
 
 from adpkv_core import protocol as P
-from adpkv_core.door import SHM_DIR, door_path
+from adpkv_core.door import door_path
 from adpkv_core.keys import namespace_id
-from adpkv_core.ring import MEMFD_NAME_PREFIX, Ring
+from adpkv_core.ring import Ring
 
 from . import io_procs
 from .cards import open_cards
@@ -70,7 +70,6 @@ class Gateway:
             self._door_lock = claim_door(self.door_file)
             undo.callback(os.close, self._door_lock)
             raise_open_files_limit()
-            _remove_legacy_ring(config.port)
             self._open_store(config, undo)
             self.pool = ThreadPoolExecutor(config.thread_pool_size, thread_name_prefix="adpkv-io")
             undo.callback(self.pool.shutdown, wait=True)
@@ -218,7 +217,7 @@ class Gateway:
             self.status_writing = True
             self._collect_stats(self._write_status)
 
-    def _write_status(self, figures: dict) -> None:
+    def _write_status(self, figures: P.GatewayStats) -> None:
         """Hand the figures to the metrics (/metrics serves them) and write the status file on
         the pool (a slow disk never stalls the loop)."""
         self.metrics.update(figures)
@@ -414,16 +413,16 @@ class Gateway:
         engine = self.engines.engine
         shows_engine = session.operator or (engine is not None and engine.uid == session.uid)
 
-        def answer(figures):
+        def answer(figures: P.GatewayStats) -> None:
             if not shows_engine:     # namespaces are the engine owner's (or an operator's) to see
-                figures["objects_by_namespace"] = {}
+                figures.objects_by_namespace = {}
             if not session.operator:     # a user sees the usage of its own engine's namespace only
                 own = namespace_id(engine.namespace).hex() if shows_engine and engine is not None else None
-                figures["tenants"] = [t for t in figures["tenants"] if t["id"] == own]
-                figures["namespace_names"] = {k: v for k, v in figures["namespace_names"].items() if k == own}
-            if not shows_engine and figures["engine"] is not None:
-                figures["engine"] = {"id": "(another user's)", "world": figures["engine"]["world"],
-                                     "ranks": figures["engine"]["ranks"], "namespace": "(another user's)"}
+                figures.tenants = [t for t in figures.tenants if t.id == own]
+                figures.namespace_names = {k: v for k, v in figures.namespace_names.items() if k == own}
+            if not shows_engine and figures.engine is not None:
+                figures.engine = P.EngineFigures(id="(another user's)", world=figures.engine.world,
+                                                 ranks=figures.engine.ranks, namespace="(another user's)")
             self._send(identity, P.StatsOk(id=msg.id, stats=figures))
 
         self._collect_stats(answer, identity, msg)
@@ -565,16 +564,3 @@ class Gateway:
 
 Keyed = Union[P.Exist, P.Unlock, P.Delete, P.Get, P.Put]
 KEYED = (P.Exist, P.Unlock, P.Delete, P.Get, P.Put)     # the requests that name keys: _on_keyed
-
-
-def _remove_legacy_ring(port: int) -> None:
-    """Remove the ring file an adpkv gateway before the door left on this port (rings are
-    memfds now). Called only while this gateway holds the port's door lock."""
-    path = os.path.join(SHM_DIR, f"{MEMFD_NAME_PREFIX}{port}")
-    try:
-        os.unlink(path)
-        logger.info("Removed %s, the ring of an older gateway", path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        logger.warning("cannot remove %s, the ring of an older gateway: %s", path, exc)

@@ -1,14 +1,18 @@
 """What STATS answers (and the status file shows), built in two parts: the gateway loop's
 own state, taken on the loop (``loop_snapshot``: consistent, cheap), and the cards' usage,
 taken on the I/O pool (``card_usages``: on a Redis-protocol card a network round trip, so
-never on the loop); ``merge`` puts them together."""
+never on the loop); ``merge`` puts them together into the typed reply,
+``adpkv_core.protocol.GatewayStats``."""
 
 from __future__ import annotations
 
 import collections
 import time
 
+import msgspec
+
 from adpkv_core import __version__
+from adpkv_core import protocol as P
 from adpkv_core.keys import DEFAULT_NAMESPACE, namespace_id
 
 from . import progress
@@ -56,7 +60,7 @@ def card_usages(store: ObjectStore) -> list[tuple[CardUsage, list[TenantUsage]]]
             for card, active in zip(store.cards, store.active)]
 
 
-def merge(snapshot: dict, usages: list[tuple[CardUsage, list[TenantUsage]]]) -> dict:
+def merge(snapshot: dict, usages: list[tuple[CardUsage, list[TenantUsage]]]) -> P.GatewayStats:
     """The snapshot with each card's usage, and ``tenants``: each namespace's bytes, objects,
     quota evictions and the cards' LRU evictions summed over the cards (``quota_bytes`` is per card), by id, with its name
     where the gateway knows it (a configured quota, the attached engine's namespace)."""
@@ -73,7 +77,7 @@ def merge(snapshot: dict, usages: list[tuple[CardUsage, list[TenantUsage]]]) -> 
             row["evicted"] += t.evicted
             row["capacity_evicted"] += t.capacity_evicted
     snapshot["tenants"] = sorted(tenants.values(), key=lambda r: (-r["used_bytes"], r["id"]))
-    return snapshot
+    return msgspec.convert(snapshot, P.GatewayStats)
 
 
 def namespace_names(quotas: dict, engine) -> dict[str, str]:

@@ -206,9 +206,6 @@ class ObjectStore:
         return [self._frags(c, key, object_bytes, tag) for c in self.targets(key, mark, self.replicas)]
 
     # ------------------------------------------------------------------ I/O (thread pool)
-    def read(self, frag: Fragment, buf: memoryview) -> bool:
-        return self._read(frag, buf) is Read.HIT
-
     def _card_read(self, frag: Fragment, call: Callable[[Card], Read]) -> Read:
         """The verdict of one card read of one fragment, timed and accounted: the card's
         statistics, and its health (``Read.IO_ERROR`` is a strike; a failed node of a

@@ -6,6 +6,8 @@
 #   vllm033  vllm 0.33.0 (the CUDA wheel and its CUDA torch; its classes run on the CPU)  tests/vllm033
 #   lmcache  lmcache 0.5.6 + torch 2.13.0 CPU     tests/lmcache
 #   sglang   sglang 0.5.23 + torch 2.14.1 (runs on the CPU; its page hash JIT-compiles: g++, libssl-dev)
+#   typecheck  mypy (requirements/typecheck.txt) over adpkv_core, the gateway and the adapters,
+#            as pyproject.toml's [tool.mypy] says
 # Usage: bash tools/test.sh [suite ...]   (default: all suites)
 # On a fresh machine it first installs the system packages the suites need (apt-get, as
 # root or through password-less sudo): redis-server and redis-tools (real servers and
@@ -16,7 +18,7 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 export PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false PYTHONUNBUFFERED=1
 suites=("$@")
-[[ ${#suites[@]} -eq 0 ]] && suites=(core vllm vllm033 lmcache sglang)
+[[ ${#suites[@]} -eq 0 ]] && suites=(typecheck core vllm vllm033 lmcache sglang)
 
 system_setup() {
   local need=() s
@@ -50,8 +52,30 @@ system_setup() {
     || echo "[test] could not install ${need[*]}; the tests that need them will fail" >&2
 }
 [[ "${ADPKV_NO_SYSTEM_SETUP:-0}" == 1 ]] || system_setup
+
+typecheck() {
+  # mypy over the product packages under their import names: the directories do not carry
+  # them (pyproject.toml maps adpkv_gateway to gateway/, adpkv_vllm to plugins/vllm/...), so
+  # a tree of links names them as the code imports them
+  local venv tree rc p
+  venv="$(bash tools/venv.sh typecheck)" || return 1
+  tree="$(mktemp -d)"
+  ln -s "$repo/adpkv_core" "$tree/adpkv_core"
+  ln -s "$repo/gateway" "$tree/adpkv_gateway"
+  for p in vllm lmcache sglang; do ln -s "$repo/plugins/$p" "$tree/adpkv_$p"; done
+  echo "=== typecheck ($venv) ==="
+  (cd "$tree" && MYPYPATH="$tree" "$venv/bin/mypy" --config-file "$repo/pyproject.toml" --cache-dir "$venv/.mypy_cache")
+  rc=$?
+  rm -rf "$tree"
+  return $rc
+}
+
 failed=()
 for suite in "${suites[@]}"; do
+  if [[ "$suite" == typecheck ]]; then
+    typecheck || failed+=(typecheck)
+    continue
+  fi
   if ! ls tests/"$suite"/test_*.py >/dev/null 2>&1; then
     echo "[test] tests/$suite has no tests yet: skipping the suite" >&2
     continue

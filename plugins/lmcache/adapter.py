@@ -33,11 +33,12 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lmcache.logging import init_logger
 
 from adpkv_core.attachment import Attachment, Session
+from adpkv_core.protocol import GatewayStats
 from adpkv_core.settings import ClientConfig
 
 from ._compat import (
@@ -52,6 +53,10 @@ from .config import AdpL2AdapterConfig
 from .copies import L1Pool, buffer_of, send
 from .keys import KeyMapper, MarkBook
 from .tasks import TaskBook, flags, merged_hits, merged_stores, when_all
+
+if TYPE_CHECKING:      # the base interface's own types (LMCache imports them the same way)
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.memory_management import MemoryObj
 
 logger = init_logger("adpkv_lmcache")
 
@@ -98,7 +103,7 @@ class AdpL2Adapter(L2AdapterInterface):
         self._held: dict[bytes, int] = {}
         # keys this instance stored: adpkv key -> (cache_salt, size), for per-salt accounting
         self._known: dict[bytes, tuple[str, int]] = {}
-        self._usage_cache: Optional[tuple[float, dict]] = None
+        self._usage_cache: Optional[tuple[float, GatewayStats]] = None
         self._stop = threading.Event()          # set when close() begins: new tasks fail fast
         layout = {"engine": "lmcache", "lmcache_version": LMCACHE_VERSION, "namespace": self._keys.namespace}
         if l1_memory_desc is not None:
@@ -145,7 +150,7 @@ class AdpL2Adapter(L2AdapterInterface):
         return self._tasks.fd("load")
 
     # ------------------------------------------------------------------ store
-    def submit_store_task(self, keys: list, objects: list) -> L2TaskId:
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         tid = self._tasks.new("store")
@@ -156,7 +161,7 @@ class AdpL2Adapter(L2AdapterInterface):
             self._tasks.finish("store", tid, L2StoreResult(False, 0))
         return tid
 
-    def _start_store(self, tid: L2TaskId, keys: list, objects: list) -> None:
+    def _start_store(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         n = len(keys)
         if n == 0:
             self._tasks.finish("store", tid, L2StoreResult(True, 0))
@@ -200,11 +205,13 @@ class AdpL2Adapter(L2AdapterInterface):
 
         when_all([f for _, f in parts], done)
 
-    def pop_completed_store_tasks(self) -> dict:
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         return self._tasks.pop_all("store")
 
     # ------------------------------------------------------------------ lookup and lock
-    def submit_lookup_and_lock_task(self, keys: list, group_layout_descs: Any = None) -> L2TaskId:
+    def submit_lookup_and_lock_task(self, keys: list[ObjectKey],
+                                    group_layout_descs: "dict[int, MemoryLayoutDesc] | MemoryLayoutDesc | None" = None
+                                    ) -> L2TaskId:
         # group_layout_descs (0.5.6: dict per object group; 0.5.0: one MemoryLayoutDesc) is advisory.
         tid = self._tasks.new("lookup")
         try:
@@ -214,7 +221,7 @@ class AdpL2Adapter(L2AdapterInterface):
             self._tasks.finish("lookup", tid, Bitmap(len(keys)))
         return tid
 
-    def _start_lookup(self, tid: L2TaskId, keys: list) -> None:
+    def _start_lookup(self, tid: L2TaskId, keys: list[ObjectKey]) -> None:
         n = len(keys)
         s = self._current()
         if n == 0 or s is None or not s.enabled:
@@ -240,10 +247,10 @@ class AdpL2Adapter(L2AdapterInterface):
 
         fut.add_done_callback(done)
 
-    def query_lookup_and_lock_result(self, task_id: L2TaskId):
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Optional[Bitmap]:
         return self._tasks.pop("lookup", task_id)
 
-    def submit_unlock(self, keys: list) -> None:
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
         if not keys:
             return
         try:
@@ -267,7 +274,7 @@ class AdpL2Adapter(L2AdapterInterface):
             logger.exception("adpkv unlock failed")
 
     # ------------------------------------------------------------------ load
-    def submit_load_task(self, keys: list, objects: list) -> L2TaskId:
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         tid = self._tasks.new("load")
@@ -278,7 +285,7 @@ class AdpL2Adapter(L2AdapterInterface):
             self._tasks.finish("load", tid, Bitmap(len(keys)))
         return tid
 
-    def _start_load(self, tid: L2TaskId, keys: list, objects: list) -> None:
+    def _start_load(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         n = len(keys)
         s = self._current()
         if n == 0 or s is None or not s.enabled:
@@ -312,11 +319,11 @@ class AdpL2Adapter(L2AdapterInterface):
 
         when_all([f for _, f in parts], done)
 
-    def query_load_result(self, task_id: L2TaskId):
+    def query_load_result(self, task_id: L2TaskId) -> Optional[Bitmap]:
         return self._tasks.pop("load", task_id)
 
     # ------------------------------------------------------------------ delete / usage / status
-    def delete(self, keys: list) -> None:
+    def delete(self, keys: list[ObjectKey]) -> None:
         if not keys:
             return
         try:
@@ -340,7 +347,7 @@ class AdpL2Adapter(L2AdapterInterface):
         except Exception:
             logger.exception("adpkv delete failed")
 
-    def _gateway_stats(self) -> Optional[dict]:
+    def _gateway_stats(self) -> Optional[GatewayStats]:
         now = time.monotonic()
         cached = self._usage_cache
         if cached is not None and now - cached[0] < self._config.usage_refresh_s:
@@ -352,7 +359,7 @@ class AdpL2Adapter(L2AdapterInterface):
             stats = s.client.stats().result(timeout=min(1.0, self._config.timeout_s))
         except Exception:
             stats = None
-        if stats:
+        if stats is not None:
             self._usage_cache = (now, stats)
             return stats
         return cached[1] if cached else None
@@ -366,11 +373,10 @@ class AdpL2Adapter(L2AdapterInterface):
         """
         base = super().get_usage()
         stats = self._gateway_stats()
-        if not stats:
+        if stats is None:
             return base
-        cards = stats.get("cards") or []
-        used = sum(int(c.get("used_bytes", 0) or 0) for c in cards)
-        cap = sum(int(c.get("capacity_bytes", 0) or 0) for c in cards)
+        used = sum(c.used_bytes for c in stats.cards)
+        cap = sum(c.capacity_bytes for c in stats.cards)
         return AdapterUsage(total_bytes_used=used, total_capacity_bytes=cap,
                             bytes_by_cache_salt=base.bytes_by_cache_salt)
 

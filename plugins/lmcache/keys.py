@@ -82,9 +82,6 @@ class KeyMapper:
                                        from_model=self.namespace_from_model)
         self._builder = KeyBuilder(self.namespace)
 
-    def builder_for(self, model_name: str) -> KeyBuilder:
-        return self._builder
-
     def key(self, key) -> bytes:
         return self._builder.key(object_digest(key), 0)
 

@@ -33,8 +33,8 @@ from ._compat import L2TaskId, create_event_notifier
 
 KINDS = ("store", "lookup", "load")
 
-# (indices of the task's objects a request covers, that request's future)
-Parts = Sequence[tuple[Sequence[int], Future]]
+# (indices of the task's objects a request covers, that request's future: its hits)
+Parts = Sequence[tuple[Sequence[int], "Future[list[bool]]"]]
 
 
 class TaskBook:
@@ -124,30 +124,24 @@ def when_all(futures: Sequence[Future], then: Callable[[], None]) -> None:
         f.add_done_callback(one_done)
 
 
-def flags(f: Future, n: int) -> list[bool]:
-    """The per-key flags a done future resolved with (EXIST hits, GET hits, PUT stored);
-    all False when it failed or does not describe ``n`` keys."""
+def flags(f: "Future[list[bool]]", n: int) -> list[bool]:
+    """The per-key flags a done EXIST or GET future resolved with; all False when it failed or
+    does not describe ``n`` keys."""
     try:
         r = f.result(timeout=0)
     except Exception:
         return [False] * n
-    if isinstance(r, StoreResult):    # a PUT result: its stored flags
-        r = r.stored
-    if not isinstance(r, (list, tuple)) or len(r) != n:
-        return [False] * n
-    return [bool(x) for x in r]
+    return [bool(x) for x in r] if len(r) == n else [False] * n
 
 
-def existed(f: Future, n: int) -> list[bool]:
-    """PUT only: which keys the gateway held already and did not write again."""
+def store_result(f: "Future[StoreResult]", n: int) -> StoreResult:
+    """What a done PUT future resolved with; nothing stored when it failed or does not
+    describe ``n`` keys."""
     try:
         r = f.result(timeout=0)
-        ex = r.existed if isinstance(r, StoreResult) else None
     except Exception:
-        ex = None
-    if not isinstance(ex, (list, tuple)) or len(ex) != n:
-        return [False] * n
-    return [bool(x) for x in ex]
+        return StoreResult.none(n)
+    return r if len(r.stored) == n and len(r.existed) == n else StoreResult.none(n)
 
 
 def merged_hits(parts: Parts, n: int) -> list[bool]:
@@ -159,13 +153,14 @@ def merged_hits(parts: Parts, n: int) -> list[bool]:
     return hits
 
 
-def merged_stores(parts: Parts, n: int) -> tuple[list[bool], list[bool]]:
+def merged_stores(parts: "Sequence[tuple[Sequence[int], Future[StoreResult]]]",
+                  n: int) -> tuple[list[bool], list[bool]]:
     """``(stored, existed)`` of a store task of ``n`` objects; ``existed[i]`` only where stored."""
     stored = [False] * n
     held = [False] * n
     for idx, fut in parts:
-        ok, ex = flags(fut, len(idx)), existed(fut, len(idx))
+        r = store_result(fut, len(idx))
         for j, i in enumerate(idx):
-            stored[i] = ok[j]
-            held[i] = ok[j] and ex[j]
+            stored[i] = r.stored[j]
+            held[i] = r.stored[j] and r.existed[j]
     return stored, held

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -65,6 +65,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from adpkv_core.affinity import dialog_marks
 from adpkv_core.attachment import Attachment, Session
+from adpkv_core.protocol import GatewayStats
 from adpkv_core.keys import KIND_KV, KeyBuilder
 from adpkv_core.settings import parse_bool
 
@@ -261,8 +262,12 @@ class AdpHiCacheStorage(HybridPools, HiCacheStorage):
             logger.exception("adpkv: batch_exists failed; reporting no hits")
             return 0
 
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def _v1_pages(self, what: str, keys: List[str], host_indices: torch.Tensor,
+                  move: Callable[[HostPool, Session, np.ndarray, List[bytes]], List[bool]]) -> List[bool]:
+        """The frame of ``batch_get_v1`` / ``batch_set_v1``: no keys, nothing; a logical pool:
+        all done (it holds no KV bytes of its own); else ``move(kv pool, session, page
+        starts, storage keys)`` over the KV pool's pages of ``host_indices`` (``_pages``), and
+        all False when there is no session or anything fails (logged)."""
         n = len(keys)
         if n == 0:
             return []
@@ -271,9 +276,17 @@ class AdpHiCacheStorage(HybridPools, HiCacheStorage):
         try:
             kv = self.kv
             got = self._pages(kv, host_indices, keys)
-            if got is None:
+            if kv is None or got is None:
                 return [False] * n
             s, starts, skeys = got
+            return move(kv, s, starts, skeys)
+        except Exception:
+            logger.exception("adpkv: %s of %d pages failed", what, n)
+            return [False] * n
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        def load(kv: HostPool, s: Session, starts: np.ndarray, skeys: List[bytes]) -> List[bool]:
             stamps = groups.Stamps(skeys) if kv.stamped else None
             hits, held = transfers.read_pages(s, kv, starts, skeys, self._marks(keys, extra_info), stamps,
                                               self._tally, regions=self.regions)
@@ -281,27 +294,17 @@ class AdpHiCacheStorage(HybridPools, HiCacheStorage):
                 hits = [h and bool(v) for h, v in zip(hits, stamps.valid())]
                 self.write_ids.note_loaded(skeys, stamps.write_ids().tolist(), hits)
             return hits
-        except Exception:
-            logger.exception("adpkv: batch_get_v1 of %d pages failed", n)
-            return [False] * n
+
+        return self._v1_pages("batch_get_v1", keys, host_indices, load)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        n = len(keys)
-        if n == 0:
-            return []
-        if self._logical_pool:
-            return [True] * n
-        if not self.is_writer:
+        if keys and not self._logical_pool and not self.is_writer:
             # MLA: the storage-writer rank stores the (replicated) page for everyone
-            self._tally.count("pages_skipped_nonwriter", n)
-            return [True] * n
-        try:
-            kv = self.kv
-            got = self._pages(kv, host_indices, keys)
-            if got is None:
-                return [False] * n
-            s, starts, skeys = got
+            self._tally.count("pages_skipped_nonwriter", len(keys))
+            return [True] * len(keys)
+
+        def store(kv: HostPool, s: Session, starts: np.ndarray, skeys: List[bytes]) -> List[bool]:
             stamps, rewrite = None, None
             if kv.stamped:
                 # pages closing a page group carry that group's write id (written even when stored)
@@ -313,9 +316,8 @@ class AdpHiCacheStorage(HybridPools, HiCacheStorage):
                                               self.settings.skip_existing, self._tally, rewrite,
                                               regions=self.regions)
             return stored
-        except Exception:
-            logger.exception("adpkv: batch_set_v1 of %d pages failed", n)
-            return [False] * n
+
+        return self._v1_pages("batch_set_v1", keys, host_indices, store)
 
     # ------------------------------------------------------------------ generic path
     def exists(self, key: str) -> bool:
@@ -389,10 +391,10 @@ class AdpHiCacheStorage(HybridPools, HiCacheStorage):
         """SGLang's ``StorageMetrics`` since the last call (pages per batch, GiB/s)."""
         return self._tally.storage_metrics()
 
-    def gateway_stats(self) -> dict:
-        """The gateway's own STATS (cards, objects, counters); {} without a gateway."""
+    def gateway_stats(self) -> Optional[GatewayStats]:
+        """The gateway's own STATS (cards, objects, counters); None without a gateway."""
         s = self._live()
-        return s.client.stats().result() if s is not None else {}
+        return s.client.stats().result() if s is not None else None
 
     @property
     def attached(self) -> bool:

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from adpkv_core.keys import KIND_KV, KeyBuilder
+from adpkv_core.keys import KIND_AUX, KIND_KV, KeyBuilder
 
 from .config import key_namespace
 from .groups import STAMP_BYTES, Stamps
@@ -38,7 +38,6 @@ from .pages import PageGeometry, UnsupportedPool, describe_pool, page_starts, po
 
 logger = logging.getLogger("adpkv.sglang")
 
-KIND_AUX = 1          # an auxiliary pool's page (which pool: in the namespace)
 
 # pools whose page is the same on every TP rank of an MLA model
 REPLICATED_KINDS = ("mla", "indexer")

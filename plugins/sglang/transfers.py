@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -42,24 +42,34 @@ from .pools import HostPool
 from .shm import Route, ShmRegions
 
 
-def stored_flags(result: StoreResult) -> list:
-    """The per-key stored flags of a PUT's result."""
-    return list(result.stored)
-
-
 def _pick(seq: Optional[Sequence], idx: Sequence[int]) -> Optional[list]:
     return None if seq is None else [seq[i] for i in idx]
 
 
 # ---------------------------------------------------------------------------- pool pages (v1 and v2)
-def _routed(s: Session, op: str, route: Route, keys: List[bytes], object_bytes: int,
-            marks: Optional[List[int]]):
-    """One scattered region GET/PUT of a route (``shm``): the same objects as the ring path's."""
-    if sum(n for _, n in route.pieces) != object_bytes:
-        raise ValueError(f"pieces of {sum(n for _, n in route.pieces)} bytes for objects of {object_bytes}")
-    c = s.client
-    f = (c.get_scattered if op == "GET" else c.put_scattered)(route.pieces, route.at, keys, marks)
-    return f.result()
+Moved = TypeVar("Moved")
+
+
+def _in_place_or_ring(s: Session, hp: HostPool, starts: np.ndarray, stamps: Optional[Stamps],
+                      regions: Optional[ShmRegions], for_get: bool, in_place: Callable[[Route], Moved],
+                      by_ring: Callable[[Any, Any, Any], Moved]) -> tuple[Moved, Any, bool]:
+    """One GET or PUT of the pool pages starting at ``starts``: ``in_place(route)`` when the
+    pool lies in shared memory the gateway reaches (``regions``: a scattered region request
+    over the route's pieces, the same objects as the ring path's), else ``by_ring(ring,
+    addresses, segments)`` (the pages' addresses and segments for the ring copies). Returns
+    the request's result, what ``hp.io.finish_get`` needs (flat pages; None in place, and
+    alive until the request resolved), and whether it went in place."""
+    route = regions.route(s, hp, starts, stamps) if regions is not None else None
+    if route is not None:
+        assert regions is not None
+        try:
+            if sum(n for _, n in route.pieces) != hp.object_bytes:
+                raise ValueError(f"pieces of {sum(n for _, n in route.pieces)} bytes for objects of {hp.object_bytes}")
+            return in_place(route), None, True
+        finally:
+            regions.release(route)
+    addrs, held = hp.io.addresses(starts, stamps, for_get=for_get)
+    return by_ring(s.ring, addrs, hp.io.segments(stamps is not None)), held, False
 
 
 def read_pages(s: Session, hp: HostPool, starts: np.ndarray, keys: List[bytes], marks: Optional[List[int]],
@@ -69,30 +79,24 @@ def read_pages(s: Session, hp: HostPool, starts: np.ndarray, keys: List[bytes], 
     ``stamps``); the hits, and what ``hp.io.finish_get`` needs (flat pages) once the caller
     decided which hits it takes. Misses are never written. A pool in shared memory is
     written by the gateway in place (``regions``), any other through the ring."""
-    route = regions.route(s, hp, starts, stamps) if regions is not None else None
+
+    def in_place(route: Route) -> list[bool]:
+        assert regions is not None
+        found = s.client.get_scattered(route.pieces, route.at, keys, marks).result()
+        if stamps is not None:
+            regions.read_stamps(route, stamps)
+        return found
+
+    def by_ring(ring, addrs, segments) -> list[bool]:
+        return s.client.get(keys, hp.object_bytes, lambda b: ring.drain(b, addrs, segments), marks).result()
+
     t0 = time.perf_counter()
     tally.count("get_requests")
-    if route is not None:
-        held = None
-        try:
-            found = _routed(s, "GET", route, keys, hp.object_bytes, marks)
-            if stamps is not None:
-                regions.read_stamps(route, stamps)
-        finally:
-            regions.release(route)
-    else:
-        addrs, held = hp.io.addresses(starts, stamps, for_get=True)
-        segments = hp.io.segments(stamps is not None)
-        ring = s.ring
-
-        def copy_out(batch: RingBatch) -> bool:
-            return ring.drain(batch, addrs, segments)
-
-        found = s.client.get(keys, hp.object_bytes, copy_out, marks).result()
+    found, held, placed = _in_place_or_ring(s, hp, starts, stamps, regions, True, in_place, by_ring)
     hits = [bool(h) for h in found]
     got = sum(hits)
     tally.count("pages_read", got)
-    if route is not None:
+    if placed:
         tally.count("pages_read_in_place", got)
     tally.record(kind, got, time.perf_counter() - t0, hp.io.page_bytes)
     return hits, held
@@ -133,29 +137,17 @@ def write_pages(s: Session, hp: HostPool, starts: np.ndarray, keys: List[bytes],
         marks = _pick(marks, todo)
         if stamps is not None:
             stamps = stamps.subset(todo)
-    route = regions.route(s, hp, starts, stamps) if regions is not None else None
     t0 = time.perf_counter()
     tally.count("put_requests")
-    if route is not None:
-        try:
-            result = _routed(s, "PUT", route, keys, hp.object_bytes, marks)
-        finally:
-            regions.release(route)
-    else:
-        addrs, held = hp.io.addresses(starts, stamps, for_get=False)
-        segments = hp.io.segments(stamps is not None)
-        ring = s.ring
-
-        def fill(batch: RingBatch) -> bool:
-            return ring.fill(batch, addrs, segments)
-
-        result = s.client.put(keys, hp.object_bytes, fill, marks).result()
-        del held                 # flat pages (a copy of each page) stay alive until the PUT resolved
-    flags = stored_flags(result)
-    was = list(result.existed)
+    result, _, placed = _in_place_or_ring(
+        s, hp, starts, stamps, regions, False,
+        lambda route: s.client.put_scattered(route.pieces, route.at, keys, marks).result(),
+        lambda ring, addrs, segments: s.client.put(keys, hp.object_bytes,
+                                                   lambda b: ring.fill(b, addrs, segments), marks).result())
+    flags, was = result.stored, result.existed
     written = sum(1 for f, e in zip(flags, was) if f and not e)
     tally.count("pages_written", written)
-    if route is not None:
+    if placed:
         tally.count("pages_written_in_place", written)
     tally.record("backup", written, time.perf_counter() - t0, hp.io.page_bytes)
     for i, f, e in zip(todo, flags, was):
@@ -194,7 +186,7 @@ def get_values(s: Session, keys: List[bytes], targets: List[torch.Tensor],
 def set_values(s: Session, keys: List[bytes], values: List[torch.Tensor], tally: Tally) -> bool:
     """PUT the flat ``values`` under ``keys`` (one request per size); True when all were stored."""
     ring = s.ring
-    futures: list[Future] = []
+    futures: list[Future[StoreResult]] = []
     for size, idx in group_by_size(tensor_nbytes(v) for v in values).items():
 
         def fill(batch: RingBatch, idx=idx) -> bool:
@@ -206,7 +198,7 @@ def set_values(s: Session, keys: List[bytes], values: List[torch.Tensor], tally:
         futures.append(s.client.put(_pick(keys, idx), size, fill))
     ok = True
     for f in futures:
-        flags = stored_flags(f.result())
+        flags = f.result().stored
         tally.count("pages_written", sum(1 for x in flags if x))
         ok = ok and all(flags)
     return ok

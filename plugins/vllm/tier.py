@@ -49,6 +49,7 @@ shared region ``/dev/shm/vllm_offload_<engine_id>.mmap``) to and from storage.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -58,7 +59,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import numpy as np
 
-from .vllm_api import required_vllm_api
+from .vllm_api import required_vllm_api, tiering_rows_file
 
 with required_vllm_api(
         "adpkv_vllm.AdpSecondaryTier",
@@ -81,8 +82,7 @@ with required_vllm_api(
     from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from adpkv_core.attachment import Attachment, Session, reconnect_setting
-from adpkv_core.client import StoreResult
-from adpkv_core.keys import KeyBuilder, key_namespace
+from adpkv_core.keys import KIND_TIER_ROW, KeyBuilder, key_namespace
 from adpkv_core.regions import shared_file_of
 from adpkv_core.settings import ClientConfig
 
@@ -95,7 +95,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("adpkv.vllm")
 
-KIND_TIER_ROW = 7          # the cache kind of a CPU-tier row object (keeps it apart from other formats)
 ROW_FORMAT = "vllm-tiering-row/1"
 
 
@@ -242,7 +241,7 @@ class AdpSecondaryTier(SecondaryTierManager):
         self._cv = threading.Condition()
         self._inflight: dict[int, _Job] = {}
         self._futures: dict[int, Any] = {}
-        self._counters = collections.Counter()
+        self._counters: collections.Counter[str] = collections.Counter()
         self._lookups = _Lookups(self, tier_type)
         self.attachment = Attachment(self.client_config, self.engine_id, 0, 1,
                                      {"engine": "vllm-tiering", "row_bytes": self.row_bytes,
@@ -260,13 +259,8 @@ class AdpSecondaryTier(SecondaryTierManager):
         found = shared_file_of(self._base, size)
         if found is not None:
             return found.path, found.offset
-        region = getattr(spec, "_scheduler_mmap", None)       # TieringOffloadingSpec's own region
-        path = getattr(region, "mmap_path", None)
-        fd = getattr(region, "fd", None)
-        if region is not None and fd is not None and getattr(region, "mmap_obj", None) is not None:
-            # the file may be unlinked already: /proc/self/fd reopens the very same file
-            return (path if path and _same_file(path, fd) else f"/proc/self/fd/{fd}"), 0
-        return None
+        path = tiering_rows_file(spec)       # TieringOffloadingSpec's own file (a private vLLM attribute)
+        return (path, 0) if path is not None else None
 
     def _on_attach(self, s: Session) -> None:
         rid = None
@@ -342,19 +336,29 @@ class AdpSecondaryTier(SecondaryTierManager):
         skeys = [self.storage_key(k) for k in j.keys]
         rid = s.state.get("region")
         client = s.client
-        if rid is not None:
-            fut = (client.put_from if store else client.get_into)(rid, at, skeys, self.row_bytes)
-        else:
-            ring, addrs = s.ring, [self._base + a for a in at]
-            if store:
-                fut = client.put(skeys, self.row_bytes, lambda b: ring.fill(b, addrs))
+        ring, addrs = s.ring, [self._base + a for a in at]
+        if rid is None and ring is None:          # neither a region nor a ring: nothing moves
+            self._done(j, [False] * len(j.keys))
+            return
+        if store:
+            if rid is not None:
+                put = client.put_from(rid, at, skeys, self.row_bytes)
             else:
-                fut = client.get(skeys, self.row_bytes, lambda b: ring.drain(b, addrs))
-        self._futures[job.job_id] = fut
-        fut.add_done_callback(lambda f, j=j: self._done(j, f.result()))
+                assert ring is not None                     # checked above
+                put = client.put(skeys, self.row_bytes, functools.partial(ring.fill, addrs=addrs))
+            self._futures[job.job_id] = put
+            put.add_done_callback(lambda f: self._done(j, f.result().stored))
+        else:
+            if rid is not None:
+                get = client.get_into(rid, at, skeys, self.row_bytes)
+            else:
+                assert ring is not None                     # checked above
+                get = client.get(skeys, self.row_bytes, functools.partial(ring.drain, addrs=addrs))
+            self._futures[job.job_id] = get
+            get.add_done_callback(lambda f: self._done(j, f.result()))
 
-    def _done(self, j: _Job, result) -> None:          # any thread
-        flags = result.stored if isinstance(result, StoreResult) else result     # a PUT, or a GET's hits
+    def _done(self, j: _Job, flags: list[bool]) -> None:          # any thread
+        """``flags``: per key, stored (a store job) or found (a load job)."""
         j.seconds = time.perf_counter() - j.t0
         with self._cv:
             j.flags = [bool(f) for f in flags] if len(flags) == len(j.keys) else [False] * len(j.keys)
@@ -426,12 +430,3 @@ class AdpSecondaryTier(SecondaryTierManager):
             self.drain_jobs()
             self.attachment.close()
             self._session = None
-
-
-def _same_file(path: str, fd: int) -> bool:
-    import os
-    try:
-        a, b = os.stat(path), os.fstat(fd)
-    except OSError:
-        return False
-    return (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev)

@@ -7,12 +7,15 @@ to the contracts (sleep mode, the offloading manager's ``lock``, config info met
 never calls, so no module branches on the vLLM version. The one place that must know is
 an import of an API a release may lack: ``required_vllm_api`` turns the bare
 ``ImportError`` into one that says which adpkv class needs what and what to use instead.
+The one private vLLM attribute adpkv reads is behind ``tiering_rows_file``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from typing import Any, Optional
 
 
 @contextlib.contextmanager
@@ -24,3 +27,29 @@ def required_vllm_api(user: str, needs: str, instead: str) -> Iterator[None]:
         yield
     except ImportError as exc:
         raise ImportError(f"{user} needs {needs}; this vLLM lacks it ({exc}). {instead}") from exc
+
+
+def tiering_rows_file(spec: Any) -> Optional[str]:
+    """A path that opens the shared file of the CPU tier's rows of vLLM's
+    ``TieringOffloadingSpec`` (the rows start at its offset 0), or None when this vLLM does
+    not show one.
+
+    PRIVATE vLLM API: ``TieringOffloadingSpec._scheduler_mmap`` (vllm/v1/kv_offload/tiering,
+    vLLM 0.32 and 0.33), an object with ``mmap_path``, ``fd`` and ``mmap_obj``; vLLM has no
+    public accessor for it. A release without it gives None, and the secondary tier moves
+    rows through the ring instead (slower, never wrong). The file may be unlinked already:
+    then ``/proc/self/fd/<fd>`` reopens the very same file."""
+    region = getattr(spec, "_scheduler_mmap", None)
+    path = getattr(region, "mmap_path", None)
+    fd = getattr(region, "fd", None)
+    if region is None or fd is None or getattr(region, "mmap_obj", None) is None:
+        return None
+    return path if path and _same_file(path, fd) else f"/proc/self/fd/{fd}"
+
+
+def _same_file(path: str, fd: int) -> bool:
+    try:
+        a, b = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev)

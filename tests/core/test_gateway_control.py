@@ -454,3 +454,37 @@ def test_a_request_of_no_keys_is_answered(gateway):
         reply = peer.send(op=op, id=11, keys=[], obj=100)
         assert reply["code"] == P.BAD_MESSAGE and reply["id"] == 11
     peer.close()
+
+
+def test_stats_reply_is_typed_and_the_wire_keeps_its_map(gateway):
+    """STATS through the client is a ``GatewayStats`` (typed cards, engine, tenants); the same
+    reply read as a plain map (what ``adpkv status --json`` prints) keeps the keys it had, and
+    an fs card carries no cluster field."""
+    keys = make_keys(3)
+    rank = GatewayClient(ClientConfig(port=gateway.port), "engine-stats", rank=0, world_size=1)
+    try:
+        assert rank.put(keys, 4096, lambda b: None).result(timeout=10).stored == [True] * 3
+        stats = rank.stats().result(timeout=10)
+        assert isinstance(stats, P.GatewayStats)
+        assert stats.engine is not None and stats.engine.id == "engine-stats" and stats.engine.ranks == [0]
+        card = stats.cards[0]
+        assert isinstance(card, P.CardFigures) and card.kind == "fs" and card.path and card.active
+        assert card.objects >= 3 and card.cluster_state is None and card.cluster_nodes is None
+        assert stats.objects.get("stored") == 3
+        assert [t.objects for t in stats.tenants] == [3]
+        raw = control.request(gateway.port, {"op": "STATS"})["stats"]
+        assert P.gateway_stats(raw) == P.gateway_stats(raw)            # reads the plain map too
+        assert {"path", "used_bytes", "serial"} <= set(raw["cards"][0]) and "cluster_state" not in raw["cards"][0]
+        assert raw["engine"]["id"] == "engine-stats" and "layout_change" in raw and raw["layout_change"] is None
+    finally:
+        rank.close()
+    assert rank.stats().result(timeout=1) is None, "a closed client answers STATS with None"
+
+
+def test_a_stats_reply_that_is_not_one_is_a_protocol_error():
+    """What ``adpkv status`` and the doctor read from a plain map: a STATS reply lacking a
+    field is a clear BAD_MESSAGE, never a KeyError somewhere later."""
+    import pytest
+    with pytest.raises(P.ProtocolError) as err:
+        P.gateway_stats({"port": 1})
+    assert err.value.code == P.BAD_MESSAGE

@@ -373,7 +373,7 @@ def test_mla_indexer_is_stored_once_and_read_by_every_rank(gateway, backends):
     tokens = tokens_for(4, P)
     out = [backup(controller(b, g), src[rk], tokens) for rk, (b, g) in enumerate(ranks)]
     stats = ranks[0][0].gateway_stats()
-    assert stats["objects"]["stored"] == 2 * 4                # 4 latent + 4 indexer pages, once
+    assert stats is not None and stats.objects["stored"] == 2 * 4  # 4 latent + 4 indexer pages, once
     for b, _ in ranks:
         b.close()
     for rk in range(2):
@@ -453,7 +453,7 @@ def test_v2_without_a_gateway_and_with_bad_indices_never_raises(gateway, backend
     assert up.batch_set_v2([two_for_one, unknown]) == {PoolName.MAMBA: [False], PoolName.INDEXER: [False] * 3}
     assert up.batch_get_v2([outside, unknown]) == {PoolName.MAMBA: [False], PoolName.INDEXER: [False] * 3}
     assert up.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=[])]) == {PoolName.MAMBA: []}
-    assert up.gateway_stats()["objects"].get("stored", 0) == 0
+    assert up.gateway_stats().objects.get("stored", 0) == 0
     assert all(up.batch_set_v1(hashes, pools["kv"].alloc(3 * 8)))
     assert up.batch_exists_v2(hashes, []).kv_hit_pages == 3
     assert up.batch_exists_v2(hashes, [unknown]).kv_hit_pages == 0   # a pool never registered: not usable
