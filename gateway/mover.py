@@ -335,6 +335,10 @@ def families(figures: dict):
             ("layout_moved_objects", "Objects moved to their card in the current layout", change["moved_objects"]),
             ("layout_moved_bytes", "Bytes moved to their card in the current layout", change["moved_bytes"]),
             ("layout_left_objects", "Objects known to be left to move", change["left_objects"]),
+            ("layout_copied_objects", "Copies of objects without a recorded slot tag, to every card that may own "
+             "them", change["copied_objects"]),
+            ("layout_unplaceable_objects", "Objects without a recorded slot tag the last sweep pass left in place "
+             "(cluster cards)", change["unplaceable_objects"]),
             ("layout_move_rate_bytes", "Bytes moved per second since the change began",
              change["rate_bytes_per_s"])):
         g = GaugeMetricFamily(PREFIX + name, what)

@@ -493,10 +493,13 @@ def test_objects_without_a_recorded_tag_are_copied_where_they_may_belong(start_g
     gw.stop()
     assert sum(untag(d) for d in dirs[:4]) == 60
     assert set(recorded_tags(dirs[0])) == {None}
-    gw5 = start_gateway(card_dirs=dirs)
+    status = tmp_path / "status.prom"
+    gw5 = start_gateway(card_dirs=dirs, status_file=str(status))
     assert wait_for(lambda: stats(gw5.port)["layout_change"]["complete"], 60), stats(gw5.port)["layout_change"]
     change = stats(gw5.port)["layout_change"]
     assert change["copied_objects"] > 0 and change["unplaceable_objects"] == 0
+    assert wait_for(lambda: f"adpkv_gateway_layout_copied_objects {float(change['copied_objects'])}"
+                    in status.read_text(), 10)
     assert record_of(dirs[0])["previous"] is None and dropped_once(gw5)
     # none was read during the change: each is found on its card in the new layout all the same
     assert dialogs.restore(gw5.port) == [1.0] * 60
