@@ -384,6 +384,8 @@ class LayoutChangeFigures(Struct, kw_only=True):
     moved_objects: int
     moved_bytes: int
     left_objects: int
+    copied_objects: int = 0         # objects without a recorded slot tag, copied to each card that may own them
+    unplaceable_objects: int = 0    # such objects the last sweep pass left in place (cluster cards)
     failed: int
     rate_bytes_per_s: float
     rate_limit_bytes_per_s: float

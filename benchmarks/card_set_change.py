@@ -1,13 +1,15 @@
-"""A change of the card set (issue 29): 4 -> 5 resp cards on real redis-server processes.
+"""A change of the card set (issue 29): 4 -> 5 resp cards on real redis-server processes,
+with each placement (``--placement dialog`` (the default placement), ``stripe`` or ``both``).
 
-1. dialog placement: dialogs stored on 4 cards, the gateway restarted on 5: the share of the
-   dialogs that hit before and hit right after the change (and the share that would miss
-   without the previous layout: the dialogs whose slot changed owner); the moves on hit.
-2. stripe placement: the background sweep moves everything: time and bytes to finish, and an
-   engine's GET latency (dialogs stored after the change, so on their card) while the mover
-   runs vs once the move is complete (a quiet card).
+Dialogs stored on 4 cards, the gateway restarted on 5 with ``move_rate_bytes``; the mover's
+sweep moves every object whose card changed (with ``dialog`` placement by the slot tag its
+head records). Printed: the dialogs that hit before the change, right after it (the sweep just
+began), and after it is complete (every hit byte-compared); with ``dialog``, those that would
+hit without the previous layout (their slot kept its owner); the objects and bytes moved, the
+time to complete and the rate against ``move_rate_bytes``; and an engine's GET latency (50
+dialogs stored after the change, so on their cards) while the mover runs vs once it is done.
 
-Run: python benchmarks/card_set_change.py [--dialogs 400] [--kib 64] [--rate-mib 16]
+Run: python benchmarks/card_set_change.py [--dialogs 400] [--kib 64] [--rate-mib 16] [--placement both]
 """
 
 from __future__ import annotations
@@ -90,62 +92,48 @@ def wait(pred, timeout: float) -> float:
     raise TimeoutError
 
 
-def dialog_placement(tmp: str, servers, n: int, size: int) -> None:
+def change(tmp: str, servers, placement: str, n: int, size: int, rate: int) -> None:
     urls = [s.url for s in servers]
-    gw = GatewayProcess(urls[:4], log_path=f"{tmp}/d4.log", storage_backend="resp", shared_memory_size=64 * MiB).start()
-    ds = dialogs("bd", n, 1)
+    chunks = 4
+    opts = dict(storage_backend="resp", key_placement=placement, shared_memory_size=64 * MiB)
+    gw = GatewayProcess(urls[:4], log_path=f"{tmp}/{placement}4.log", **opts).start()
+    ds = dialogs("b" + placement, n, chunks)
     store(gw.port, ds, size)
     before, _ = restore(gw.port, ds, size)
     serials4 = [c["serial"] for c in stats(gw.port)["cards"]]
     gw.stop()
-    gw = GatewayProcess(urls, log_path=f"{tmp}/d5.log", storage_backend="resp", shared_memory_size=64 * MiB).start()
-    serials5 = [c["serial"] for c in stats(gw.port)["cards"]]
-    p4, p5 = Placement(serials4, 16), Placement(serials5, 16)
-    changed = sum(serials4[p4.ranking(k[0], m[0])[0]] != serials5[p5.ranking(k[0], m[0])[0]] for k, m in ds)
-    after, _ = restore(gw.port, ds, size)
-    t = wait(lambda: stats(gw.port)["layout_change"]["moved_objects"] >= changed, 120)
-    change = stats(gw.port)["layout_change"]
-    again, _ = restore(gw.port, ds, size)
-    gw.stop()
-    hit_before = sum(before)
-    print(f"dialog placement, {n} dialogs of one {size // 1024} KiB object, 4 -> 5 resp cards:")
-    print(f"  hit before {hit_before}/{n}; right after the change {sum(a and b for a, b in zip(after, before))}"
-          f"/{hit_before} ({100.0 * sum(a and b for a, b in zip(after, before)) / hit_before:.1f} %); "
-          f"without the previous layout {hit_before - changed}/{hit_before} "
-          f"({100.0 * (hit_before - changed) / hit_before:.1f} %)")
-    print(f"  moved on hit: {change['moved_objects']} objects, {change['moved_bytes'] / MiB:.1f} MiB, "
-          f"{t:.1f} s after the restore; hits after the moves {sum(again)}/{n}")
-
-
-def stripe_placement(tmp: str, servers, n: int, size: int, rate: int) -> None:
-    urls = [s.url for s in servers]
-    gw = GatewayProcess(urls[:4], log_path=f"{tmp}/s4.log", storage_backend="resp", key_placement="stripe",
-                        shared_memory_size=64 * MiB).start()
-    ds = dialogs("bs", n, 4)
-    store(gw.port, ds, size)
-    gw.stop()
-    gw = GatewayProcess(urls, log_path=f"{tmp}/s5.log", storage_backend="resp", key_placement="stripe",
-                        move_rate_bytes=rate, shared_memory_size=64 * MiB).start()
+    gw = GatewayProcess(urls, log_path=f"{tmp}/{placement}5.log", move_rate_bytes=rate, **opts).start()
     t0 = time.monotonic()
-    hot = dialogs("hot", 50, 4)
+    right_after, _ = restore(gw.port, ds, size)          # the sweep has just begun
+    serials5 = [c["serial"] for c in stats(gw.port)["cards"]]
+    p4, p5 = Placement(serials4, 16, placement), Placement(serials5, 16, placement)
+    kept = sum(all(serials4[p4.ranking(k, m)[0]] == serials5[p5.ranking(k, m)[0]] for k, m in zip(keys, marks))
+               for keys, marks in ds)
+    hot = dialogs("hot" + placement, 50, 4)
     store(gw.port, hot, size)               # after the change: on their cards, read while the mover runs
     busy = []
     while not stats(gw.port)["layout_change"]["complete"] and len(busy) < 4000:
         busy += restore(gw.port, hot, size)[1]
-    change = wait(lambda: stats(gw.port)["layout_change"]["complete"], 600) + time.monotonic() - t0
+    took = wait(lambda: stats(gw.port)["layout_change"]["complete"], 600) + time.monotonic() - t0
     figures = stats(gw.port)["layout_change"]
     quiet = []
     for _ in range(max(1, len(busy) // len(hot))):
         quiet += restore(gw.port, hot, size)[1]
-    hit, _ = restore(gw.port, ds, size)
+    after, _ = restore(gw.port, ds, size)
     gw.stop()
 
     def ms(xs, q):
-        return 1e3 * statistics.quantiles(xs, n=100)[q - 1]
-    print(f"stripe placement, {n} dialogs of 4 x {size // 1024} KiB, 4 -> 5 resp cards, move_rate_bytes "
-          f"{rate / MiB:.0f} MiB/s:")
-    print(f"  the sweep: {figures['moved_objects']} objects, {figures['moved_bytes'] / MiB:.1f} MiB moved in "
-          f"{change:.1f} s; every dialog hits after: {sum(hit)}/{n}")
+        return 1e3 * statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else float("nan")
+    hit = sum(before)
+    both = sum(a and b for a, b in zip(right_after, before))
+    print(f"{placement} placement, {n} dialogs of {chunks} x {size // 1024} KiB, 4 -> 5 resp cards, "
+          f"move_rate_bytes {rate / MiB:g} MiB/s:")
+    print(f"  dialogs that hit: before {hit}/{n}; right after the change {both}/{hit} ({100.0 * both / hit:.1f} %); "
+          f"after the move {sum(after)}/{n}" + (f"; without the previous layout {kept}/{n} ({100.0 * kept / n:.1f} %)"
+                                               if placement == "dialog" else ""))
+    print(f"  moved: {figures['moved_objects']} objects, {figures['moved_bytes'] / MiB:.1f} MiB, complete "
+          f"{took:.1f} s after the start; {figures['moved_bytes'] / MiB / took:.1f} MiB/s "
+          f"(move_rate_bytes {rate / MiB:g} MiB/s)")
     print(f"  GET of a 4-object dialog: while the mover runs p50 {ms(busy, 50):.2f} ms p90 {ms(busy, 90):.2f} ms "
           f"({len(busy)} GETs); quiet p50 {ms(quiet, 50):.2f} ms p90 {ms(quiet, 90):.2f} ms ({len(quiet)} GETs)")
 
@@ -155,18 +143,16 @@ def main() -> None:
     ap.add_argument("--dialogs", type=int, default=400)
     ap.add_argument("--kib", type=int, default=64)
     ap.add_argument("--rate-mib", type=float, default=16)
+    ap.add_argument("--placement", choices=("dialog", "stripe", "both"), default="both")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        servers = [RedisServer(f"{tmp}/r{i}").start() for i in range(5)]
-        try:
-            dialog_placement(tmp, servers, args.dialogs, args.kib * 1024)
-            for s in servers:
-                s.kill()
-            servers = [RedisServer(f"{tmp}/q{i}").start() for i in range(5)]
-            stripe_placement(tmp, servers, args.dialogs, args.kib * 1024, int(args.rate_mib * MiB))
-        finally:
-            for s in servers:
-                s.kill()
+        for placement in (("dialog", "stripe") if args.placement == "both" else (args.placement,)):
+            servers = [RedisServer(f"{tmp}/{placement}{i}").start() for i in range(5)]
+            try:
+                change(tmp, servers, placement, args.dialogs, args.kib * 1024, int(args.rate_mib * MiB))
+            finally:
+                for s in servers:
+                    s.kill()
 
 
 if __name__ == "__main__":

@@ -56,8 +56,7 @@ class LayoutChange:
         store = self.store
         store.previous = PreviousPlacement(prev.serials, store.cards, prev.storage_slots, prev.key_placement,
                                            prev.replicas)
-        self.mover = Mover(store, prev.fingerprint, self.move_rate_bytes,
-                           sweep=prev.key_placement == "stripe", on_complete=self._complete)
+        self.mover = Mover(store, prev.fingerprint, self.move_rate_bytes, on_complete=self._complete)
         store.on_previous_hit = self.mover.hit
 
     def drain_refusal(self, serial: str) -> Optional[str]:
@@ -66,9 +65,6 @@ class LayoutChange:
             return "not every card answered at start: the layout is not recorded"
         if self.store.previous is not None:
             return "a card-set change is being moved; drain when it is complete"
-        if self.record.layout.key_placement != "stripe":
-            return ("with key_placement dialog a card does not store the dialog marks that place its objects; "
-                    "only a stripe layout can be drained")
         if serial not in self.record.layout.serials:
             return f"card {serial} is not in the layout"
         if len(self.record.layout.serials) == 1:
@@ -115,4 +111,8 @@ class LayoutChange:
         self.store.previous = None
         write_all(self.store.cards, record)
         self.record = record
-        logger.info("Key layout %s: the previous layout is dropped", record.layout.fingerprint)
+        m = self.mover
+        logger.info("Card-set change to key layout %s complete: %d objects (%d bytes) moved, %d copies of objects "
+                    "without a recorded slot tag, %d such objects left in place; the previous layout is dropped",
+                    record.layout.fingerprint, m.moved_objects, m.moved_bytes, m.copied_objects,
+                    m.unplaceable_objects)

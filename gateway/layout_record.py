@@ -23,9 +23,8 @@ The rule at start (``resolve``), when every configured card answered:
   (``adpkv drain``): it is left out of the current layout (read during the move, never placed on);
 - the newest record's layout is the current one: its ``previous`` (if any) is resumed;
 - else a change from the recorded layout to the current one: refused when the recorded
-  change is not finished yet with ``stripe`` placement (its sweep finishes it; with ``dialog``
-  placement objects move only when read, so a change never finishes: the next one moves from
-  the layout before it, and what was not read since is a miss), or when anything but the card
+  change is not finished yet (the mover's sweep finishes it, with either placement: a card
+  records each object's slot tag), or when anything but the card
   set differs (``storage_slots``, ``num_dbs``, ``key_placement``, ``fragment_size`` move every
   key: that is a new cache, not a change of cards). With ``key_layout_fingerprint`` set, ``previous_key_layout_fingerprint``
   must name the recorded layout's fingerprint: the operator declares the change.
@@ -199,16 +198,10 @@ def resolve(records: Sequence[Optional[CardRecord]], serials: Sequence[str], cur
                               f"moved from ({newest.previous.fingerprint}); refusing to start")
         return newest
     old = newest.layout
-    if newest.previous is not None:
-        if old.key_placement == "stripe":        # the sweep finishes a change: wait for it
-            raise LayoutError(f"the cards are in the middle of a change from layout {newest.previous.fingerprint} "
-                              f"to {old.fingerprint}; start with the storage_devices of {old.fingerprint} "
-                              f"({', '.join(old.serials)}) until it is finished, then change again")
-        # dialog placement: objects move only when read, so a change never finishes by itself; the
-        # next one moves from the layout before it, and what was not read since is a miss
-        logger.warning("Key layout %s: the change from %s is not finished; the objects of %s that were not "
-                       "read since are left behind (misses)", old.fingerprint, newest.previous.fingerprint,
-                       newest.previous.fingerprint)
+    if newest.previous is not None:              # the sweep finishes a change: wait for it
+        raise LayoutError(f"the cards are in the middle of a change from layout {newest.previous.fingerprint} "
+                          f"to {old.fingerprint}; start with the storage_devices of {old.fingerprint} "
+                          f"({', '.join(old.serials)}) until it is finished, then change again")
     if not current.same_keys_but_cards(old):
         raise LayoutError(f"the cards record layout {old.fingerprint} (storage_slots {old.storage_slots}, "
                           f"num_dbs {old.num_dbs}, key_placement {old.key_placement}, fragment_size "

@@ -6,11 +6,20 @@ Where the work comes from:
 - hits: a lookup that missed in the current placement and hit in the previous one
   (``ObjectStore.on_previous_hit``) is moved ``MOVE_AFTER_S`` after it was served (the read
   that found it is done by then);
-- the sweep: with ``key_placement: stripe`` an object's card follows from its key alone, so
-  the mover lists the objects of every previous card (fs: its database directories; resp: a
-  SCAN; a cluster card is not listed yet: its objects move when read) and moves those whose card
-  changed. With ``dialog`` placement a key's card follows
-  from its dialog mark, which a card does not store: objects move when they are read.
+- the sweep: the mover lists the objects of every previous card (``Card.listed_heads``: fs,
+  its index and each head's header; resp, a SCAN; a cluster card, a SCAN of each primary)
+  with the slot tag each head records (``cards.objfmt``: with ``dialog`` placement the dialog
+  mark, so the tag gives the slot as the PUT's mark did; with ``stripe`` the key alone) and
+  moves those whose card changed.
+
+An object whose head records no tag (written by a gateway before tags were recorded) cannot
+be placed with ``dialog`` placement: its slot is one of those its card owned in the previous
+layout, so the sweep copies it, whole, to every card that owns one of those slots now (and
+removes it from its card only when that card owns none of them any more): whichever its slot
+is, a lookup finds it, and the copies on the other cards are never read and age out (evicted
+as the least recently used). A cluster card keys fragments by their tag, so such an object is
+neither copied to nor from one: it stays where it is (``unplaceable_objects``), moved only
+when a lookup reads it during the change.
 
 One move, and why it loses nothing acknowledged: the object is read whole from its old card
 (every fragment checked, as any read), written whole to its new cards (head last), read back
@@ -28,17 +37,16 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Optional
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from adpkv_core.protocol import GatewayStats
 
 from . import metrics
-from .cards.base import Card, CardIOError, Read
+from .cards.base import CardIOError, Read
 from .fragments import fragment_db, fragment_key
 from .status import PREFIX
 from .store import ObjectStore
@@ -56,18 +64,19 @@ HEAD_SUFFIX = fragment_key(b"", 0)
 class Mover:
     """Moves the objects of ``store.previous`` to their current cards (see the module)."""
 
-    def __init__(self, store: ObjectStore, previous_fingerprint: str, rate_bytes: int, sweep: bool,
+    def __init__(self, store: ObjectStore, previous_fingerprint: str, rate_bytes: int,
                  on_complete: Callable[[], None]):
         self.store = store
         self.engine_busy: Callable[[], bool] = lambda: False      # the engine has requests in flight
         self.previous_fingerprint = previous_fingerprint
         self.rate_bytes = rate_bytes
-        self.sweep_enabled = sweep
         self.on_complete = on_complete
         self.moved_objects = 0
         self.moved_bytes = 0
         self.left_objects = 0          # found by the running sweep pass, not moved yet (+ waiting hits)
         self.failed = 0                # moves that could not be done (a card failed): tried again
+        self.copied_objects = 0        # copies of objects without a recorded tag (see the module)
+        self.unplaceable_objects = 0   # such objects the last sweep pass left where they are (cluster cards)
         self.complete = False
         self._unlisted: set[int] = set()   # cards whose listing failed (warned once)
         self._waiting: "collections.OrderedDict[bytes, tuple[int, int, float]]" = collections.OrderedDict()
@@ -99,6 +108,7 @@ class Mover:
         return {"previous_fingerprint": self.previous_fingerprint, "complete": self.complete,
                 "moved_objects": self.moved_objects, "moved_bytes": self.moved_bytes,
                 "left_objects": self.left_objects + len(self._waiting), "failed": self.failed,
+                "copied_objects": self.copied_objects, "unplaceable_objects": self.unplaceable_objects,
                 "rate_bytes_per_s": self.moved_bytes / elapsed, "rate_limit_bytes_per_s": self.rate_bytes}
 
     # ------------------------------------------------------------------ the thread
@@ -107,14 +117,11 @@ class Mover:
             while not self._stop.is_set():
                 if self._move_waiting():
                     continue
-                if self.sweep_enabled:
-                    clean = self._sweep_pass()
-                    if clean and not self._waiting and not self._stop.is_set():
-                        self._finish()
-                        return
-                    self._wake.wait(RETRY_S)
-                else:
-                    self._wake.wait(MOVE_AFTER_S)
+                clean = self._sweep_pass()
+                if clean and not self._waiting and not self._stop.is_set():
+                    self._finish()
+                    return
+                self._wake.wait(RETRY_S)
                 self._wake.clear()
         except Exception:                  # the mover must never take the gateway down
             logger.exception("the mover stopped")
@@ -122,8 +129,6 @@ class Mover:
     def _finish(self) -> None:
         self.complete = True
         self.left_objects = 0
-        logger.info("Card-set change complete: %d objects (%d bytes) moved; the previous layout is dropped",
-                    self.moved_objects, self.moved_bytes)
         self.on_complete()
 
     def _move_waiting(self) -> bool:
@@ -145,33 +150,94 @@ class Mover:
 
     def _sweep_pass(self) -> bool:
         """One pass over the previous cards; whether it found nothing left to move."""
-        prev = self.store.previous
+        store, prev = self.store, self.store.previous
         clean = True
+        unplaceable = 0
         for card_index in sorted({c for c in prev.card_of if c is not None}):
             if self._stop.is_set():
                 return False
-            if not self.store.active[card_index]:
+            if not store.active[card_index]:
                 clean = False
                 continue
             try:
-                keys = list(object_keys(self.store.cards[card_index]))
+                listed = list(store.cards[card_index].listed_heads())
             except (CardIOError, OSError) as exc:
                 if card_index not in self._unlisted:        # once a card, not every pass
                     self._unlisted.add(card_index)
                     logger.warning("mover: cannot list card %s (its objects move when read): %s",
-                                   self.store.cards[card_index].serial, exc)
+                                   store.cards[card_index].serial, exc)
                 clean = False
                 continue
-            todo = [k for k in keys if card_index not in self.store.targets(k, 0, self.store.replicas)]
+            todo: list[tuple[bytes, Optional[int]]] = []
+            untagged_targets: Optional[list[int]] = None
+            for item in listed:
+                mark = self._mark_of(item.tag)
+                if mark is None:
+                    if untagged_targets is None:
+                        untagged_targets = self._untagged_targets(card_index)
+                    if untagged_targets != [card_index]:
+                        todo.append((item.key, None))
+                elif card_index not in store.targets(item.key, mark, store.replicas):
+                    todo.append((item.key, mark))
             self.left_objects = len(todo)
-            for key in todo:
+            for key, mark in todo:
                 if self._stop.is_set():
                     return False
                 self._move_waiting()
-                done = self._move(key, 0, card_index)
+                if mark is not None:
+                    done = self._move(key, mark, card_index)
+                else:
+                    done, placeable = self._copy_untagged(key, card_index, untagged_targets)
+                    unplaceable += not placeable
                 clean = clean and done
                 self.left_objects -= 1
+        self.unplaceable_objects = unplaceable
         return clean
+
+    def _mark_of(self, tag: Optional[bytes]) -> Optional[int]:
+        """The dialog mark that gives an object the slot tag its head records (0: none, the key
+        places it); None when the tag does not place it (not recorded, with ``dialog``)."""
+        store = self.store
+        if store.placement_mode == "stripe":
+            return 0                      # the key alone places it, whatever its head records
+        if tag is None:
+            return None
+        mark = int.from_bytes(tag, "big") if tag else 0
+        return mark if store.slot_tag(mark) == tag else None
+
+    def _untagged_targets(self, old: int) -> list[int]:
+        """The cards (in service) that now hold the replicas of a slot whose replicas card
+        ``old`` held in the previous layout: where an object of ``old`` without a tag may belong."""
+        store, prev = self.store, self.store.previous
+        out: set[int] = set()
+        for slot, ranking in enumerate(prev.placement.rankings):
+            if old not in (prev.card_of[i] for i in ranking[:prev.replicas]):
+                continue
+            out.update([i for i in store.placement.rankings[slot] if store.active[i]][:store.replicas])
+        return sorted(out)
+
+    def _copy_untagged(self, key: bytes, old: int, targets: list[int]) -> tuple[bool, bool]:
+        """Copy an object without a tag from ``old`` to every card of ``targets`` (see the
+        module), removing it from ``old`` when ``old`` is not one of them. (whether nothing of
+        it is left to do, whether it could be placed at all)."""
+        store = self.store
+        if any(store.cards[c].kind == "resp-cluster" for c in set(targets) | {old}):
+            return True, False            # keyed by the tag it does not record: it stays (see the module)
+        if not targets:
+            return False, True            # no card of its slots in service now: the next pass
+        others = [c for c in targets if c != old]
+        if not others:
+            return True, True
+        return self._transfer(key, old, None, None, others, drop=old not in targets), True
+
+    def _move(self, key: bytes, mark: int, old: int) -> bool:
+        """Move one object from card ``old`` to its current cards; whether nothing of it is left
+        to move (moved, already there, or gone)."""
+        store = self.store
+        targets = store.targets(key, mark, store.replicas)
+        if not targets or old in targets:
+            return bool(targets)
+        return self._transfer(key, old, mark, store.slot_tag(mark), targets, drop=True)
 
     def _yield_to_engine(self) -> None:
         """Wait while the engine's requests are in flight (at most ``YIELD_AT_MOST_S``): the
@@ -180,19 +246,18 @@ class Mover:
         while self.engine_busy() and time.monotonic() < deadline and not self._stop.wait(YIELD_S):
             pass
 
-    def _move(self, key: bytes, mark: int, old: int) -> bool:
-        """Move one object from card ``old`` to its current cards; whether nothing of it is left
-        to move (moved, already there, or gone)."""
+    def _transfer(self, key: bytes, old: int, mark: Optional[int], tag: Optional[bytes], targets: list[int],
+                  drop: bool) -> bool:
+        """Make each card of ``targets`` hold the object on card ``old`` whole (fragments with
+        ``tag``), checked byte for byte against the write its head names there, then (``drop``)
+        remove it from ``old``; whether nothing of it is left to do. A pinned object waits
+        (``mark``: as a hit)."""
         store = self.store
         self._yield_to_engine()
-        targets = store.targets(key, mark, store.replicas)
-        if not targets or old in targets:
-            return bool(targets)
-        tag = store.slot_tag(mark)
         card = store.cards[old]
         head = (fragment_db(key, 0, store.num_dbs, store.spread), key + HEAD_SUFFIX)
         try:
-            recorded, = card.heads([head], [tag])
+            recorded, = card.heads([head], [tag or b""])
         except CardIOError:
             self.failed += 1
             return False
@@ -200,76 +265,64 @@ class Mover:
         if not size:
             return True                   # gone (or a head without a size: read as one fragment, left)
         if store.is_pinned(key):
-            self.hit(key, mark, old)      # an engine holds it: later
-            return False
-        if not all(store._whole(t, [key], size, [tag])[0] is not None for t in targets):
-            buf = bytearray(size)
-            view = memoryview(buf)
-            for frag in store._frags(old, key, size, tag):
-                # every fragment of the write its head names (another write's: a writer in progress)
-                verdict = store._read(frag._replace(write_id=recorded.write_id),
-                                      view[frag.offset:frag.offset + frag.length])
-                if verdict is not Read.HIT:
-                    if verdict.drops:     # missing or corrupt on the old card: evidence about it
-                        store._remove_object(old, key, size, tag)
-                        return True
-                    self.failed += 1
-                    return False
-            plans = store.write_plans(key, mark, size)
-            if not store.write_replicas(plans, view) or not all(self._same(store, frags, view) for frags in plans):
+            return self._later(key, mark, old)
+        buf = bytearray(size)
+        view = memoryview(buf)
+        for frag in store._frags(old, key, size, tag):
+            # every fragment of the write its head names (another write's: a writer in progress)
+            verdict = store._read(frag._replace(write_id=recorded.write_id), view[frag.offset:frag.offset + frag.length])
+            if verdict is not Read.HIT:
+                if verdict.drops:         # missing or corrupt on the old card: evidence about it
+                    store._remove_object(old, key, size, tag or b"")
+                    return True
                 self.failed += 1
+                return False
+        missing = [t for t in targets if not self._holds(t, key, tag, view)]
+        if missing:
+            plans = [store._frags(t, key, size, tag) for t in missing]
+            if not store.write_replicas(plans, view) or not all(self._holds(t, key, tag, view) for t in missing):
+                self.failed += 1          # a card failed, or another gateway wrote it at once: next pass
                 return False
             self.moved_bytes += size
             self._pace(size)
+        if not drop:
+            self.copied_objects += 1
+            return True
         if store.is_pinned(key):
-            self.hit(key, mark, old)
-            return False
-        store._remove_object(old, key, size, tag)
+            return self._later(key, mark, old)
+        store._remove_object(old, key, size, tag or b"")
         self.moved_objects += 1
         return True
 
-    @staticmethod
-    def _same(store: ObjectStore, frags, obj: memoryview) -> bool:
-        """Whether the object's fragments on their card read back as ``obj``, byte for byte."""
+    def _holds(self, card: int, key: bytes, tag: Optional[bytes], obj: memoryview) -> bool:
+        """Whether ``card`` holds the object whole as ``obj``, byte for byte: every fragment of
+        the one write its head names there (two gateways copying an object at once may leave
+        fragments of two writes: then it does not)."""
+        store = self.store
+        head = (fragment_db(key, 0, store.num_dbs, store.spread), key + HEAD_SUFFIX)
+        try:
+            recorded, = store.cards[card].heads([head], [tag or b""])
+        except CardIOError:
+            return False
+        if recorded is None or recorded.size != len(obj):
+            return False
         back = bytearray(len(obj))
         view = memoryview(back)
-        for frag in frags:
-            if store._read(frag, view[frag.offset:frag.offset + frag.length]) is not Read.HIT:
+        for frag in store._frags(card, key, len(obj), tag):
+            if store._read(frag._replace(write_id=recorded.write_id),
+                           view[frag.offset:frag.offset + frag.length]) is not Read.HIT:
                 return False
         return back == obj
+
+    def _later(self, key: bytes, mark: Optional[int], old: int) -> bool:
+        """An engine holds the object pinned: moved later (as a hit, or by the next pass)."""
+        if mark is not None:
+            self.hit(key, mark, old)
+        return False
 
     def _pace(self, nbytes: int) -> None:
         """Hold the mover to ``rate_bytes`` per second."""
         self._stop.wait(nbytes / self.rate_bytes)
-
-
-def object_keys(card: Card) -> Iterator[bytes]:
-    """The key of every object whose head is on ``card`` (fs: file names; resp: a SCAN)."""
-    if card.kind == "fs":
-        for name in sorted(os.listdir(card.root)):
-            if not (name.startswith("db") and name[2:].isdigit()):
-                continue
-            with os.scandir(os.path.join(card.root, name)) as it:
-                for entry in it:
-                    if entry.name.endswith(HEAD_SUFFIX.hex()) and entry.is_file(follow_symlinks=False):
-                        try:
-                            fkey = bytes.fromhex(entry.name)
-                        except ValueError:
-                            continue
-                        yield fkey[:-len(HEAD_SUFFIX)]
-    elif card.kind == "resp":
-        cursor, prefix = b"0", b"adpkv:"
-        while True:
-            cursor, names = card._io(lambda c, cur=cursor: c.command(b"SCAN", cur, b"MATCH", prefix + b"[0-9]*",
-                                                                     b"COUNT", b"1000"))
-            for name in names:
-                fkey = name.split(b":", 2)[2]
-                if fkey.endswith(HEAD_SUFFIX):
-                    yield fkey[:-len(HEAD_SUFFIX)]
-            if cursor in (b"0", 0):
-                return
-    else:
-        raise CardIOError(f"card {card.device}: the mover cannot list a {card.kind} card")
 
 
 def families(figures: GatewayStats) -> Iterable[Metric]:
@@ -284,6 +337,10 @@ def families(figures: GatewayStats) -> Iterable[Metric]:
             ("layout_moved_objects", "Objects moved to their card in the current layout", change.moved_objects),
             ("layout_moved_bytes", "Bytes moved to their card in the current layout", change.moved_bytes),
             ("layout_left_objects", "Objects known to be left to move", change.left_objects),
+            ("layout_copied_objects", "Copies of objects without a recorded slot tag, to every card that may own "
+             "them", change.copied_objects),
+            ("layout_unplaceable_objects", "Objects without a recorded slot tag the last sweep pass left in place "
+             "(cluster cards)", change.unplaceable_objects),
             ("layout_move_rate_bytes", "Bytes moved per second since the change began",
              change.rate_bytes_per_s)):
         g = GaugeMetricFamily(PREFIX + name, what)

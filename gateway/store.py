@@ -515,7 +515,8 @@ class ObjectStore:
 
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]]) -> int:
         """Remove objects (all their fragments) from their replica cards (and, during a card-set
-        change, from their cards in the previous layout); how many existed."""
+        change, from their cards in the previous layout); how many existed (an object counts once,
+        however many cards held a copy: its replicas, or both ends of a move)."""
         deleted = 0
         prev = self.previous
         for i, key in enumerate(keys):
@@ -524,6 +525,7 @@ class ObjectStore:
             cards = self.targets(key, mark, self.replicas)
             if prev is not None:           # during a card-set change: its copy on its previous card too
                 cards += [c for c in prev.targets(key, mark, self.active) if c not in cards]
+            existed = False
             for card_index in cards:
                 card = self.cards[card_index]
                 head = (fragment_db(key, 0, self.num_dbs, self.spread), fragment_key(key, 0))
@@ -541,7 +543,8 @@ class ObjectStore:
                 except CardIOError as exc:
                     logger.warning("%s", exc)
                     found = False
-                deleted += found
+                existed = existed or found
+            deleted += existed
         return deleted
 
     def clean(self) -> int:

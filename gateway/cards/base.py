@@ -26,7 +26,10 @@ for every call about an object: with ``key_placement: dialog`` the dialog mark (
 big-endian; every object of a dialog has the same), else ``b""`` (the object alone). A
 card that groups keys (the cluster card: a Redis Cluster hash tag, so that a dialog's
 objects share one slot and one node) keys fragments by it, and must be given the same
-tag to find them again; every other card ignores it.
+tag to find them again; every other card keys fragments without it. Every card records
+the tag in the header of each fragment it writes (``objfmt``; ``tag=None``: not known,
+recorded as a header written before tags were), and ``listed_heads`` hands it back: with
+it the mover's sweep over a card-set change knows where an object belongs.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 
 @dataclasses.dataclass
@@ -100,6 +103,15 @@ class Head(NamedTuple):
 
     size: int
     write_id: int
+
+
+class Listed(NamedTuple):
+    """An object a card holds (``Card.listed_heads``): its head's database, the object's key
+    and the slot tag its head records (None: not recorded, a header written before)."""
+
+    db: int
+    key: bytes
+    tag: Optional[bytes]
 
 
 def object_key(fkey: bytes) -> bytes:
@@ -188,6 +200,12 @@ class Card(abc.ABC):
         """For each ``(db, head fragment key)``: the object size its head records, None for
         no head."""
         return [None if h is None else h.size for h in self.heads(heads, tags)]
+
+    def listed_heads(self) -> Iterator[Listed]:
+        """Every object whose head is on the card, with the slot tag its head records (for the
+        mover's sweep, ``gateway/mover.py``; slow: a header read per object). Raises
+        ``CardIOError`` when the card cannot be listed now."""
+        raise CardIOError(f"card {self.device}: a {self.kind} card cannot list its objects")
 
     @abc.abstractmethod
     def delete(self, db: int, fkey: bytes, tag: bytes = b"") -> bool:

@@ -39,12 +39,14 @@ import stat
 import threading
 import time
 import uuid
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from .. import progress
 from ..quotas import TenantUsage
 
-from .base import Card, CardError, CardIOError, CardUsage, Head, Read, claim_record, is_head, object_key, parse_claim
+from . import objfmt
+from .base import (Card, CardError, CardIOError, CardUsage, Head, Listed, Read, claim_record, is_head, object_key,
+                   parse_claim)
 from .fs_files import (CREATE_FLAGS, READ_FLAGS, FileRef, check_file, open_dir, open_root, own_dir, unlink_all,
                        verdict_of)
 from .fs_index import FKEY_BYTES, Entry, FsIndex
@@ -421,7 +423,8 @@ class FsCard(Card):
             fd = os.open(tmp, CREATE_FLAGS | (os.O_DIRECT if self.o_direct else 0), self.file_mode, dir_fd=dir_fd)
             try:
                 self._own_file(fd)
-                write_object_file(fd, fkey, buf, object_bytes if head else 0, self.o_direct, self._scratch, write_id)
+                write_object_file(fd, fkey, buf, object_bytes if head else 0, self.o_direct, self._scratch, write_id,
+                                  tag)
                 if self.fsync:
                     os.fsync(fd)
             except BaseException:
@@ -472,6 +475,29 @@ class FsCard(Card):
 
     def heads(self, heads, tags=None) -> list[Optional[Head]]:
         return self.index.heads([fkey for _, fkey in heads])
+
+    def listed_heads(self) -> Iterator[Listed]:
+        """Every indexed object with the slot tag its head file's header records (one header
+        read per object, by descriptor; a file gone or unreadable since is left out: the next
+        read judges it). ``CardIOError`` while the scan at start has not indexed every file (a
+        listing then would miss objects)."""
+        if not self.scanned.is_set():
+            raise CardIOError(f"fs card {self.root}: its files are still being indexed")
+        header = memoryview(bytearray(objfmt.HEADER_CORE))
+        for okey, db in self.index.object_heads():
+            fkey = okey + b"\0\0"
+            ref = self._ref(db, fkey)
+            try:
+                fd = os.open(ref.name, READ_FLAGS, dir_fd=ref.dir_fd)
+                try:
+                    got = os.preadv(fd, [header], 0)
+                finally:
+                    os.close(fd)
+            except OSError:
+                continue
+            parsed = objfmt.read_header(header[:got], fkey)
+            if parsed is not None:
+                yield Listed(db, okey, parsed.slot_tag)
 
     def delete(self, db: int, fkey: bytes, tag: bytes = b"") -> bool:
         """Remove the fragment's whole object; True if any of it was stored."""

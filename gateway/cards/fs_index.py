@@ -479,6 +479,15 @@ class FsIndex:
             out[k] = Head(t, w)
         return out
 
+    def object_heads(self) -> list[tuple[bytes, int]]:
+        """(object key, its head's database) of every indexed object, as the index holds them
+        now (a copy taken under the lock; no use is stamped)."""
+        with self._lock:
+            n = self._rows.n
+            keys = self._rows.key[:n].tobytes()
+            dbs = self._rows.db0[:n].tolist()
+        return [(keys[i * KEY_BYTES:(i + 1) * KEY_BYTES], db) for i, db in enumerate(dbs)]
+
     def usage(self) -> tuple[int, int]:
         """(bytes used, files)."""
         with self._lock:

@@ -307,8 +307,9 @@ class FdSlice:
 
 
 def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct: bool,
-                      scratch: Scratch, write_id: int = 0) -> None:
-    """Write one object file (header, then the payload; the header carries ``write_id``)
+                      scratch: Scratch, write_id: int = 0, tag: Optional[bytes] = None) -> None:
+    """Write one object file (header, then the payload; the header carries ``write_id`` and
+    the slot ``tag``, ``objfmt``)
     into ``fd``, a new file opened for writing (with O_DIRECT when ``o_direct``; its payload
     then padded to ``ALIGN``). Raises
     ``OSError`` when the file is not whole.
@@ -325,7 +326,7 @@ def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct
     header = memoryview(scratch.header)
     if not isinstance(payload, FdSlice):
         n = len(payload)
-        objfmt.fill_header(header, fkey, payload, object_bytes, write_id)
+        objfmt.fill_header(header, fkey, payload, object_bytes, write_id, tag)
         iov, _ = payload_iov(payload, n, o_direct, scratch, for_write=True)
         if os.pwritev(fd, [header] + iov, 0) != HEADER_BYTES + sum(len(v) for v in iov):
             raise OSError("short write")
@@ -342,7 +343,7 @@ def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct
             raise OSError("read from the region after its client gave up on the store")
         if out > n:
             buf[n:out] = bytes(out - n)
-        objfmt.fill_header_of(header, fkey, n, xxh3_64(buf[:n]), object_bytes, write_id)
+        objfmt.fill_header_of(header, fkey, n, xxh3_64(buf[:n]), object_bytes, write_id, tag)
         if os.pwritev(fd, [header, buf[:out]], 0) != HEADER_BYTES + out:
             raise OSError("short write")
         return
@@ -362,7 +363,7 @@ def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct
             raise OSError("short write")
     if payload.read_by is not None and time.monotonic() >= payload.read_by:
         raise OSError("read from the region after its client gave up on the store")
-    objfmt.fill_header_of(header, fkey, n, hasher.digest(), object_bytes, write_id)
+    objfmt.fill_header_of(header, fkey, n, hasher.digest(), object_bytes, write_id, tag)
     if os.pwrite(fd, header, 0) != HEADER_BYTES:
         raise OSError("short write")
 

@@ -1,13 +1,22 @@
 """The self-describing object header every card stores in front of a fragment.
 
 96 bytes: magic, format, key length, payload length, xxh3-64 of the payload,
-the fragment's full key, the write id (a random 64-bit number drawn for each
-write of an object, the same in all of its fragments), the size of the whole
+the fragment's full key, the object's slot tag (below), the write id (a random
+64-bit number drawn for each write of an object, the same in all of its fragments), the size of the whole
 object (recorded in an object's head fragment, fragment 0; 0 in the other
 fragments) and an xxh3-64 of the header itself. A reader that checks it never
 returns a truncated, corrupt or foreign object, nor a fragment of another write
 of the object than the head it looked up (``cards.base``: whole objects); the
 recorded object size lets a card tell whether all fragments of an object are there.
+
+The slot tag (``cards.base``: with ``key_placement: dialog`` the dialog mark, 8 bytes; else
+none) is what places the object (``gateway/placement.py``): the mover's sweep over a card-set
+change reads it from each head to find the object's card in the new layout. One flag byte
+says whether it is recorded (``0x80 | its length``) and up to 8 bytes hold it. Headers
+written before it was recorded have a zero flag there (the bytes after the key were always
+zero): ``Parsed.slot_tag`` is None, "not recorded" (``docs/gateway.md``, "Changing the card
+set", says what the sweep does with such objects). Still format 2: a header with a tag reads
+the same for a gateway that does not know it (the header checksum covers the bytes).
 
 Format 2 added the write id. A header of format 1 (written before) is a bad header:
 the fs card refuses a card written in format 1 (``fs.FORMAT``); a key-value card's
@@ -32,7 +41,10 @@ _HEAD = struct.Struct(">8sHHQQ")           # 28 bytes
 _SUM_AT = HEADER_CORE - 8
 _OBJECT_AT = _SUM_AT - 8                   # u64: size of the whole object (head fragment only)
 _WRITE_AT = _OBJECT_AT - 8                 # u64: the write id
-MAX_KEY = _WRITE_AT - _HEAD.size           # 44 bytes (fragment keys are 30)
+MAX_TAG = 8
+_TAG_AT = _WRITE_AT - MAX_TAG              # the slot tag, zero-padded
+_TAG_FLAG_AT = _TAG_AT - 1                 # 0: no tag recorded; 0x80 | length: the tag is recorded
+MAX_KEY = _TAG_FLAG_AT - _HEAD.size        # 35 bytes (fragment keys are 30)
 
 
 class Parsed(NamedTuple):
@@ -41,6 +53,7 @@ class Parsed(NamedTuple):
     payload_len: int
     object_bytes: int      # the whole object's size (head fragment; 0 in the others)
     write_id: int
+    slot_tag: Optional[bytes]   # the object's slot tag (b"": none); None: not recorded (an older header)
 
 
 def new_write_id() -> int:
@@ -48,21 +61,28 @@ def new_write_id() -> int:
     return int.from_bytes(os.urandom(8), "big") or 1
 
 
-def fill_header(header, fkey: bytes, payload, object_bytes: int = 0, write_id: int = 0) -> None:
+def fill_header(header, fkey: bytes, payload, object_bytes: int = 0, write_id: int = 0,
+                tag: Optional[bytes] = None) -> None:
     """Write the header of ``payload`` stored under ``fkey`` into ``header[:HEADER_CORE]``;
     ``object_bytes`` is the size of the whole object when ``fkey`` is its head fragment,
-    ``write_id`` the id of the write (see the module)."""
-    fill_header_of(header, fkey, len(payload), xxh3_64(payload), object_bytes, write_id)
+    ``write_id`` the id of the write, ``tag`` the object's slot tag (None: not known, as
+    a header of before; see the module)."""
+    fill_header_of(header, fkey, len(payload), xxh3_64(payload), object_bytes, write_id, tag)
 
 
 def fill_header_of(header, fkey: bytes, payload_len: int, payload_sum: int, object_bytes: int = 0,
-                   write_id: int = 0) -> None:
+                   write_id: int = 0, tag: Optional[bytes] = None) -> None:
     """``fill_header`` for a payload hashed on the way (``payload_sum``: its xxh3-64)."""
     if len(fkey) > MAX_KEY:
         raise ValueError("fragment key too long")
+    if tag is not None and len(tag) > MAX_TAG:
+        raise ValueError("slot tag too long")
     header[:HEADER_CORE] = bytes(HEADER_CORE)
     _HEAD.pack_into(header, 0, MAGIC, FORMAT, len(fkey), payload_len, payload_sum)
     header[_HEAD.size:_HEAD.size + len(fkey)] = fkey
+    if tag is not None:
+        header[_TAG_FLAG_AT] = 0x80 | len(tag)
+        header[_TAG_AT:_TAG_AT + len(tag)] = tag
     struct.pack_into(">QQ", header, _WRITE_AT, write_id, object_bytes)
     struct.pack_into(">Q", header, _SUM_AT, xxhash.xxh3_64_intdigest(memoryview(header)[:_SUM_AT]))
 
@@ -79,7 +99,9 @@ def read_header(header, fkey: bytes) -> Optional[Parsed]:
         return None
     if bytes(header[_HEAD.size:_HEAD.size + klen]) != fkey:
         return None
-    return Parsed(plen, *struct.unpack_from(">QQ", header, _WRITE_AT)[::-1])
+    flag = header[_TAG_FLAG_AT]
+    tag = bytes(header[_TAG_AT:_TAG_AT + (flag & 0x7F)]) if flag & 0x80 and flag & 0x7F <= MAX_TAG else None
+    return Parsed(plen, *struct.unpack_from(">QQ", header, _WRITE_AT)[::-1], tag)
 
 
 def check_header(header, fkey: bytes, payload_len: int, write_id: Optional[int] = None) -> Read:

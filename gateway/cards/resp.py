@@ -14,10 +14,11 @@ import logging
 import socket
 import threading
 import uuid
-from typing import Optional
+from typing import Iterator, Optional
 
 from . import objfmt
-from .base import Card, CardIOError, CardUnavailable, CardUsage, Head, Read, claim_record, is_head, parse_claim
+from .base import (Card, CardIOError, CardUnavailable, CardUsage, Head, Listed, Read, claim_record, is_head, object_key,
+                   parse_claim)
 from .resp_conn import RespConnection, RespError, ThreadConnections
 
 logger = logging.getLogger("adpkv.gateway.resp")
@@ -114,7 +115,7 @@ class RespCard(Card):
     def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"",
               write_id: int = 0) -> bool:
         header = self._header_buf()
-        objfmt.fill_header(header, fkey, buf, object_bytes if is_head(fkey) else 0, write_id)
+        objfmt.fill_header(header, fkey, buf, object_bytes if is_head(fkey) else 0, write_id, tag)
         try:
             self._io(lambda c: c.set_value(self._key(db, fkey), [header, buf]))
         except RespError as exc:
@@ -141,6 +142,25 @@ class RespCard(Card):
         replies = self._io(lambda c: c.pipeline([(b"GETRANGE", self._key(db, k), *objfmt.HEADER_RANGE)
                                                  for db, k in heads]))
         return [objfmt.recorded_head(r, fkey) for (_, fkey), r in zip(heads, replies)]
+
+    def listed_heads(self) -> Iterator[Listed]:
+        """A SCAN of the object keys; the heads' headers read by one pipelined GETRANGE per
+        SCAN page (a head gone or rewritten since is left out: the next read judges it)."""
+        cursor = b"0"
+        while True:
+            cursor, names = self._io(lambda c, cur=cursor: c.command(b"SCAN", cur, b"MATCH", KEY_PREFIX + b"[0-9]*",
+                                                                     b"COUNT", b"1000"))
+            heads = [(int(name[6:9]), name[10:]) for name in names
+                     if is_head(name) and name[9:10] == b":" and name[6:9].isdigit()]
+            if heads:
+                replies = self._io(lambda c: c.pipeline([(b"GETRANGE", self._key(db, k), *objfmt.HEADER_RANGE)
+                                                         for db, k in heads]))
+                for (db, fkey), reply in zip(heads, replies):
+                    parsed = objfmt.read_header(reply, fkey) if isinstance(reply, bytes) else None
+                    if parsed is not None:
+                        yield Listed(db, object_key(fkey), parsed.slot_tag)
+            if cursor in (b"0", 0):
+                return
 
     def delete(self, db: int, fkey: bytes, tag: bytes = b"") -> bool:
         return bool(self._io(lambda c: c.command(b"DEL", self._key(db, fkey))))

@@ -26,6 +26,9 @@ primary dies; the card stands on that:
   second by the health check) until the cluster has failed over; every other
   slot keeps working. The card leaves service only when no node answers or the
   cluster holds another card's serial.
+- The mover's sweep over a card-set change lists the objects node by node
+  (``listed_heads``: a SCAN of each primary and its heads' headers, which record
+  the slot tag; the key's hash tag tells an object stored without one).
 - Values are those of the resp card (96-byte object header + payload), so a
   fragment lost, half-written or replicated partly before a failover is a miss
   (the header's key and checksums are checked on every read, wherever a
@@ -44,13 +47,13 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from typing import Optional
+from typing import Iterator, Optional
 
 import xxhash
 
 from . import objfmt
-from .base import (Card, CardIOError, CardUnavailable, CardUsage, Head, NodeIOError, Read, claim_record, is_head,
-                   object_key, parse_claim)
+from .base import (Card, CardIOError, CardUnavailable, CardUsage, Head, Listed, NodeIOError, Read, claim_record,
+                   is_head, object_key, parse_claim)
 from .cluster_map import TRANSPORT_ERRORS, Addr, SlotMap, is_retryable, key_slot, parse_cluster_url
 from .cluster_route import ClusterRouting
 from .resp_conn import RespConnection, RespError, ThreadConnections
@@ -270,7 +273,7 @@ class ClusterCard(ClusterRouting, Card):
               write_id: int = 0) -> bool:
         header = self._header_buf()
         head = is_head(fkey)
-        objfmt.fill_header(header, fkey, buf, object_bytes if head else 0, write_id)
+        objfmt.fill_header(header, fkey, buf, object_bytes if head else 0, write_id, tag)
         key = self._key(db, fkey, tag)
         wait = self.wait_ms > 0 and head
 
@@ -305,6 +308,40 @@ class ClusterCard(ClusterRouting, Card):
                                   for (db, k), t in zip(heads, tags)])
         self._raise_if_all_failed(replies)
         return [objfmt.recorded_head(r, fkey) for (_, fkey), r in zip(heads, replies)]
+
+    def listed_heads(self) -> Iterator[Listed]:
+        """A SCAN of every primary (its own keys), each SCAN page's heads' headers read by one
+        pipelined GETRANGE on that node. A head's key names the hash of its slot tag: one whose
+        header records no tag is listed with ``b""`` when that hash is of the object key (its
+        tag was none), else with None (a dialog mark not recorded). A key the header's tag does
+        not make, a head gone or moved to another node since, is left out (the next pass, or
+        read, finds it). A node that does not answer raises ``NodeIOError``."""
+        start = len(KEY_PREFIX) + 16
+        for addr in self.map.primaries():
+            cursor = b"0"
+            while True:
+                try:
+                    conn = self._conn(addr)
+                    cursor, names = conn.command(b"SCAN", cursor, b"MATCH", KEY_PREFIX + b"*", b"COUNT", b"1000")
+                    heads = [n for n in names if is_head(n) and n[start:start + 2] == b"}:"
+                             and n[start + 2:start + 5].isdigit() and n[start + 5:start + 6] == b":"]
+                    replies = conn.pipeline([(b"GETRANGE", n, *objfmt.HEADER_RANGE) for n in heads]) if heads else []
+                except _TRANSPORT as exc:
+                    raise self._node_failed(addr, exc) from None
+                except RespError as exc:           # a busy or loading node: no listing now
+                    raise NodeIOError(f"cluster card {self.device}: SCAN: {exc}") from None
+                for name, reply in zip(heads, replies):
+                    db, fkey = int(name[start + 2:start + 5]), name[start + 6:]
+                    parsed = objfmt.read_header(reply, fkey) if isinstance(reply, bytes) else None
+                    if parsed is None:
+                        continue
+                    tag = parsed.slot_tag
+                    if tag is None and self._key(db, fkey, b"") == name:
+                        tag = b""
+                    if tag is None or self._key(db, fkey, tag) == name:
+                        yield Listed(db, object_key(fkey), tag)
+                if cursor in (b"0", 0):
+                    break
 
     @staticmethod
     def _raise_if_all_failed(replies: list) -> None:
