@@ -37,6 +37,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from . import metrics
 from .cards.base import Card, CardIOError, Read
+from .cards.fs_files import SUBDIR_NAMES
 from .fragments import fragment_db, fragment_key
 from .status import PREFIX
 from .store import ObjectStore
@@ -247,14 +248,19 @@ def object_keys(card: Card) -> Iterator[bytes]:
         for name in sorted(os.listdir(card.root)):
             if not (name.startswith("db") and name[2:].isdigit()):
                 continue
-            with os.scandir(os.path.join(card.root, name)) as it:
-                for entry in it:
-                    if entry.name.endswith(HEAD_SUFFIX.hex()) and entry.is_file(follow_symlinks=False):
-                        try:
-                            fkey = bytes.fromhex(entry.name)
-                        except ValueError:
-                            continue
-                        yield fkey[:-len(HEAD_SUFFIX)]
+            for sub in SUBDIR_NAMES:         # fs_files: a database's object subdirectories
+                try:
+                    it = os.scandir(os.path.join(card.root, name, sub))
+                except FileNotFoundError:
+                    continue
+                with it:
+                    for entry in it:
+                        if entry.name.endswith(HEAD_SUFFIX.hex()) and entry.is_file(follow_symlinks=False):
+                            try:
+                                fkey = bytes.fromhex(entry.name)
+                            except ValueError:
+                                continue
+                            yield fkey[:-len(HEAD_SUFFIX)]
     elif card.kind == "resp":
         cursor, prefix = b"0", b"adpkv:"
         while True:

@@ -26,6 +26,7 @@ from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 from adpkv_gateway.cards.objfile import HEADER_BYTES, WHOLE_CACHED
 
+from .fs_cards import object_paths
 from .rankproc import get_checked, make_keys, pattern
 
 
@@ -52,11 +53,8 @@ get = get_checked          # a ring GET whose hits are byte-checked
 def card_files(card_dir) -> dict[str, str]:
     """Fragment file name (its key in hex) -> path, for every object file of a card."""
     out = {}
-    for d in os.listdir(card_dir):
-        if d.startswith("db"):
-            for n in os.listdir(os.path.join(card_dir, d)):
-                if not n.startswith("."):
-                    out[n] = os.path.join(card_dir, d, n)
+    for path in object_paths(card_dir):
+        out[os.path.basename(path)] = path
     return out
 
 
