@@ -373,12 +373,12 @@ def test_a_card_of_the_flat_layout_is_refused_saying_what_to_do(tmp_path):
 
 
 def test_requests_are_answered_while_a_large_trim_runs(start_gateway, tmp_path):
-    """A restart with a tenth of the room a card of 200,000 objects needs: the trim at start
-    evicts 180,000 objects in steps, giving the index's lock up between them, so STATS is
+    """A restart with a tenth of the room a card of 40,000 objects needs: the trim at start
+    evicts 36,000 objects in steps, giving the index's lock up between them, so STATS is
     answered while it runs: a STATS sees the object count between the full card and the
     trimmed one (a trim in one step under the lock drops it at once: no answer can), and
-    none waits long (one step, not the whole trim: about 6 s here in one step)."""
-    n, size = 200_000, 64
+    none waits long (one step, not the whole trim)."""
+    n, size = 40_000, 64
     on_disk = 4096 + size
     root = str(tmp_path / "card")
     keys = card_keys(n, "trim-live")

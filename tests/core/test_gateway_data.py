@@ -177,9 +177,8 @@ def test_reads_in_io_processes(start_gateway):
     assert "I/O processes" in gw.log()
     card = gw.card_dirs[0]
     head = keys[0].hex() + "0000"
-    for d in os.listdir(card):
-        p = os.path.join(card, d, head)
-        if os.path.exists(p):
+    for p in object_paths(card):
+        if os.path.basename(p) == head:
             with open(p, "r+b") as fh:
                 fh.seek(5000)
                 fh.write(b"corrupt!")

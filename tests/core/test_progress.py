@@ -200,7 +200,7 @@ def _stop_while_indexing(proc, card_root: str, deadline: float) -> bool:
                 target = os.readlink(os.path.join(fd_dir, n))
             except OSError:
                 continue
-            if re.fullmatch(re.escape(card_root) + r"/db\d+/[0-9a-f]+", target):   # an object file, not a listing
+            if re.fullmatch(re.escape(card_root) + r"/db\d+/[0-9a-f]{2}/[0-9a-f]+", target):   # an object file, not a listing
                 os.kill(proc.pid, signal.SIGSTOP)
                 return True
         if b"indexed in" in open(proc.log_path, "rb").read():

@@ -400,9 +400,10 @@ def _damager(card_dir, seed):
     meanwhile is left alone)."""
     def loop(stop):
         rng, n = random.Random(seed), 0
+        files: list[str] = []
         while not stop.is_set():
-            files = list(card_files(card_dir).values())
-            if len(files) < 2:
+            if len(files) < 2:                  # listed again only when one went (4,096 directories a listing)
+                files = list(card_files(card_dir).values())
                 continue
             path, other = rng.sample(files, 2)
             try:
@@ -431,7 +432,7 @@ def _damager(card_dir, seed):
                         dst.write(original)
                     os.rename(path + ".o", path)
             except FileNotFoundError:
-                pass
+                files = []                      # dropped by the gateway (and stored again elsewhere, maybe)
             n += 1
         return n
     return loop
