@@ -121,7 +121,8 @@ def regime(name: str, obj: int, n_objects: int, args, pool) -> dict:
         futs = [client.put(layer_keys, obj, lambda b: None) for layer_keys in keys]
         if not all(all(f.result().stored) for f in futs):
             raise RuntimeError("store failed")
-        files = [os.path.join(d, f) for d, _, fs in os.walk(card) if os.path.basename(d).startswith("db")
+        files = [os.path.join(d, f) for d, _, fs in os.walk(card)
+                 if os.path.basename(os.path.dirname(d)).startswith("db")     # databases' object subdirectories
                  for f in fs if not f.startswith(".")]
         if len(files) != row["objects"]:
             raise RuntimeError(f"{len(files)} object files for {row['objects']} objects")

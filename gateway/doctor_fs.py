@@ -10,7 +10,7 @@ FAIL; capacity 0 with under ``LOW_FREE_BYTES`` free: WARN); ``  o_direct`` (a pr
 ``PROBE_NAME``-<pid> written with O_DIRECT and removed; refused while ``o_direct`` is set:
 WARN); ``  permissions`` (the card directory, its card file and first db directories:
 any access for others is a FAIL); ``  ownership`` (the card directory, its card file and
-every db directory, without following links: a symlink, one owned by another user than
+every db directory and each of its object subdirectories, without following links: a symlink, one owned by another user than
 the doctor's, or one writable by group or others is a FAIL, as the gateway refuses them,
 ``fs_files.not_own``). ``fstype(path)`` is the file system type of the mount
 holding ``path``. Nothing here writes but the probe file, which is always removed.
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Optional
 from adpkv_core.protocol import GatewayStats
 
 from .cards.fs import CARD_FILE
-from .cards.fs_files import not_own
+from .cards.fs_files import SUBDIR_NAMES, not_own
 from .doctor_report import FAIL, OK, WARN, Finding
 
 if TYPE_CHECKING:
@@ -150,12 +150,28 @@ def _card_ownership(root: str) -> list[Finding]:
                     continue
                 if reason:
                     bad.append(f"{n}: {reason}")
+                elif n != CARD_FILE:
+                    bad += _subdirs_not_own(os.path.join(root, n), n, uid)
     if bad:
         return [Finding("  ownership", FAIL, "the gateway refuses this card: " + "; ".join(bad[:4]) +
                         (f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""),
                         f"another user could swap its files: remove it, or give it to uid {uid} "
                         "(chown -R, chmod go-w) if its contents are known good")]
     return [Finding("  ownership", OK, f"owned by uid {uid}, no symlinks, writable by no one else")]
+
+
+def _subdirs_not_own(db_path: str, db_name: str, uid: int) -> list[str]:
+    """What is wrong with the object subdirectories of a database (``fs_files.SUBDIR_NAMES``;
+    a missing one is made by the gateway), as the gateway judges them."""
+    bad = []
+    for sub in SUBDIR_NAMES:
+        try:
+            reason = not_own(os.lstat(os.path.join(db_path, sub)), uid, directory=True)
+        except OSError:
+            continue
+        if reason:
+            bad.append(f"{db_name}/{sub}: {reason}")
+    return bad
 
 
 def _card_permissions(h: Host, root: str) -> list[Finding]:

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 from adpkv_core.ring import Ring
 
 from .cards.base import Read
-from .cards.fs_files import verdict_of
+from .cards.fs_files import object_name, verdict_of
 from .cards.objfile import FileRead, Scratch, read_object_file
 
 logger = logging.getLogger("adpkv.gateway")
@@ -114,7 +114,7 @@ def read_task(task: ReadTask) -> tuple[list[tuple[int, Read]], array]:
                                                                   task.offsets, task.lengths)):
         t0 = clock()
         try:
-            verdict = read_object_file(_dir_fd(ref), fkey.hex(), fkey, buf[offset:offset + length], o_direct,
+            verdict = read_object_file(_dir_fd(ref), object_name(fkey), fkey, buf[offset:offset + length], o_direct,
                                        scratch, None if write_id == NO_WRITE_ID else write_id)
         except OSError as exc:              # the directory could not be opened (EMFILE, ...)
             verdict = verdict_of(exc)

@@ -3,7 +3,9 @@
 Layout::
 
     DIR/adpkv-card.json          serial number and format of the card
-    DIR/db007/<fragment key hex> one file per fragment: a 4 KiB header, then the payload
+    DIR/db007/                   a database: 256 subdirectories "00" .. "ff"
+    DIR/db007/3f/<fragment key hex>  one file per fragment (its subdirectory: byte 9 of the
+                                 key, ``fs_files.subdir_of``): a 4 KiB header, then the payload
     DIR/namespaces/<16 hex>      the owner (uid) of a key namespace (``claim_namespace``)
 
 The header carries the fragment's key, payload length, the object's size (head
@@ -20,7 +22,7 @@ files (head first). With ``o_direct`` the page cache is bypassed and I/O goes
 straight between the file and the ring. Files are 0600 and directories 0700
 (0640/0750 and the ``card_group`` group when one is set).
 
-Safety (``fs_files``): the card directory and every ``dbNNN`` must be the gateway's own
+Safety (``fs_files``): the card directory, every ``dbNNN`` and every subdirectory of one must be the gateway's own
 (owned by its uid, writable by nobody else) or the card is refused; every file is
 reached relative to a checked directory descriptor with ``O_NOFOLLOW``, temporary files
 are created with ``O_EXCL``, modes are set on descriptors. Only evidence about an object
@@ -47,15 +49,15 @@ from ..quotas import TenantUsage
 from . import objfmt
 from .base import (Card, CardError, CardIOError, CardUsage, Head, Listed, Read, claim_record, is_head, object_key,
                    parse_claim)
-from .fs_files import (CREATE_FLAGS, READ_FLAGS, FileRef, check_file, open_dir, open_root, own_dir, unlink_all,
-                       verdict_of)
-from .fs_index import FKEY_BYTES, Entry, FsIndex
+from .fs_files import (CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, SUBDIR_NAMES, FileRef, check_file, object_name, open_dir,
+                       open_root, own_dir, subdir_of, unlink_all, verdict_of)
+from .fs_index import FKEY_BYTES, TRIM_CHUNK, Entry, FsIndex
 from .objfile import (ALIGN, HEADER_BYTES, FdSlice, FileRead, Scratch, copy_object_file, read_object_file,
                       write_object_file)
 
 logger = logging.getLogger("adpkv.gateway.fs")
 
-FORMAT = 2          # 2: object headers carry write ids (objfmt format 2); 1: before
+FORMAT = 3          # 3: files in 256 subdirectories of each database; 2: flat databases; 1: no write ids
 CARD_FILE = "adpkv-card.json"
 CARD_FILE_TMP = ".adpkv-card.json.tmp"
 PROBE = ".odirect-probe"
@@ -132,9 +134,9 @@ class FsCard(Card):
             self.serial = str(meta["serial"])
             if meta.get("format") != FORMAT:
                 raise CardError(f"fs card {self.root} was written in format {meta.get('format')}; this gateway "
-                                f"reads format {FORMAT} only (object headers with write ids). Its objects are a "
-                                "cache the engines store again: give the card an empty directory, or remove this "
-                                "one's contents")
+                                f"reads format {FORMAT} only (files in 256 subdirectories of each database, object "
+                                "headers with write ids). Its objects are a cache the engines store again: give "
+                                "the card an empty directory, or remove this one's contents")
         else:
             if any(not n.startswith(".") for n in names):
                 raise CardError(f"fs card {self.root}: the directory holds other files and no {CARD_FILE}; "
@@ -147,6 +149,7 @@ class FsCard(Card):
                 path = self._db_dir(db)
                 fd = self._db_fds[db] = open_dir(self._root_fd, f"db{db:03d}", path, self.dir_mode, create=True)
                 own_dir(fd, path, self.dir_mode, self.gid)
+                self._own_subdirs(fd, path)
                 self._db_refs[db] = f"/proc/{os.getpid()}/fd/{fd}"
             if self.fsync:
                 os.fsync(self._root_fd)
@@ -160,10 +163,33 @@ class FsCard(Card):
         self._start_scan(self._load_snapshot())
         logger.info("fs card %s (serial %s): capacity %.1f MiB", self.root, self.serial, self.capacity_bytes / 2**20)
 
+    def _own_subdirs(self, db_fd: int, path: str) -> None:
+        """Create the object subdirectories of a database that are missing (mode as the
+        databases'), and check each one to be the gateway's own (``own_dir``, opened without
+        following a symlink) before any of its files is used (``fs_files``: why that holds)."""
+        present = set(os.listdir(db_fd))
+        made = False
+        for sub in SUBDIR_NAMES:
+            where = os.path.join(path, sub)
+            fd = open_dir(db_fd, sub, where, self.dir_mode, create=sub not in present)
+            made |= sub not in present
+            try:
+                own_dir(fd, where, self.dir_mode, self.gid)
+            finally:
+                os.close(fd)
+        if made and self.fsync:
+            os.fsync(db_fd)
+
     def _stamps(self) -> dict[str, int]:
-        """Each database directory's modification time (ns, by its checked descriptor): what a
-        snapshot is checked against."""
-        return {f"db{db:03d}": os.fstat(fd).st_mtime_ns for db, fd in sorted(self._db_fds.items())}
+        """The modification time (ns) of each database directory and of each of its
+        subdirectories (by the database's checked descriptor): what a snapshot is checked
+        against (a file created, renamed or removed changes its directory's)."""
+        stamps = {}
+        for db, fd in sorted(self._db_fds.items()):
+            stamps[f"db{db:03d}"] = os.fstat(fd).st_mtime_ns
+            for sub in SUBDIR_NAMES:
+                stamps[f"db{db:03d}/{sub}"] = os.stat(sub, dir_fd=fd, follow_symlinks=False).st_mtime_ns
+        return stamps
 
     def _free_bytes(self) -> int:
         """The bytes free for the gateway on the card's file system."""
@@ -210,27 +236,50 @@ class FsCard(Card):
             self.index.end_scan()
             if self._auto_capacity:
                 self.index.capacity_bytes = self._free_bytes() + self.index.usage()[0]
-            victims = self.index.trim()
-            with progress.track(f"fs card {self.root}: trimming", len(victims), "files", log=logger) as shown:
-                for ref in victims:
-                    if self._scan_stop.is_set():
-                        break            # out of the index already: a later scan finds them again
-                    unlink_all((ref,))
-                    shown.advance()
+            self._trim()
         except Exception:                              # the card serves on; what is not indexed is a miss
             logger.exception("fs card %s: the scan of its files failed", self.root)
         finally:
             self.scanned.set()
 
+    def _trim(self) -> None:
+        """Bring the card within its capacity and quotas after the scan, in steps of
+        ``TRIM_CHUNK`` objects (``FsIndex.trim``: the index's lock is given up between steps,
+        so requests are answered meanwhile), removing each step's files before the next."""
+        before = self.index.evicted
+        over = self.index.over()
+        with progress.track(f"fs card {self.root}: trimming", over, "bytes", log=logger) as shown:
+            while not self._scan_stop.is_set():
+                victims = self.index.trim(TRIM_CHUNK)
+                if not victims:
+                    break
+                unlink_all(victims)          # out of the index already: a stop leaves them to a later scan
+                shown.set(max(shown.done, over - self.index.over()))
+        if self.index.evicted > before:
+            logger.info("fs card %s: trimmed to its capacity and quotas, %d objects evicted", self.root,
+                        self.index.evicted - before)
+
     def _walk(self):
-        """(database, its directory's checked descriptor, name) of every entry of the card's
-        databases (listed by descriptor)."""
+        """(database, its subdirectory's descriptor, name) of every entry of the card's
+        databases' subdirectories (each opened by its database's checked descriptor without
+        following a symlink, listed, closed once its entries were handed out)."""
         for db, fd in sorted(self._db_fds.items()):
-            try:
-                for name in os.listdir(fd):
-                    yield db, fd, name
-            except OSError as exc:
-                logger.warning("fs card %s: cannot list %s: %s", self.root, self._db_dir(db), exc)
+            for sub in SUBDIR_NAMES:
+                try:
+                    sub_fd = os.open(sub, DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    logger.warning("fs card %s: cannot open %s: %s", self.root, os.path.join(self._db_dir(db), sub),
+                                   exc)
+                    continue
+                try:
+                    names = os.listdir(sub_fd)
+                    for name in names:
+                        yield db, sub_fd, name
+                except OSError as exc:
+                    logger.warning("fs card %s: cannot list %s: %s", self.root, os.path.join(self._db_dir(db), sub),
+                                   exc)
+                finally:
+                    os.close(sub_fd)
 
     def _remove_leftovers(self) -> None:
         """Remove what an interrupted atomic write of the card itself left in its directory
@@ -298,8 +347,8 @@ class FsCard(Card):
         return os.path.join(self.root, f"db{db:03d}")
 
     def _ref(self, db: int, fkey: bytes) -> FileRef:
-        """The file of a fragment: its database's descriptor and its name."""
-        return FileRef(self._db_fds[db], fkey.hex())
+        """The file of a fragment: its database's descriptor and its name there ("ab/<hex>")."""
+        return FileRef(self._db_fds[db], object_name(fkey))
 
     def _probe_o_direct(self) -> bool:
         try:
@@ -320,15 +369,9 @@ class FsCard(Card):
         entry = self.index.locate(fkey)
         if entry is None:
             return Read.ABSENT
-        verdict = read_object_file(self._db_fds[entry[0]], fkey.hex(), fkey, buf, self.o_direct, self._scratch,
+        verdict = read_object_file(self._db_fds[entry[0]], object_name(fkey), fkey, buf, self.o_direct, self._scratch,
                                    write_id)
         return self.read_result(fkey, verdict, entry)
-
-    def locate(self, fkey: bytes) -> Optional[str]:
-        """The path of a stored fragment's file (refreshing its object's LRU place), or None:
-        for messages and tests; the card itself reaches files by descriptor."""
-        entry = self.index.locate(fkey)
-        return None if entry is None else os.path.join(self._db_dir(entry[0]), fkey.hex())
 
     def open_placed(self, fkey: bytes) -> Optional[tuple[int, Entry]]:
         """A read-only descriptor (``O_RDONLY | O_NOFOLLOW``, by the database's checked
@@ -341,15 +384,15 @@ class FsCard(Card):
         if entry is None:
             return None
         try:
-            fd = os.open(fkey.hex(), READ_FLAGS, dir_fd=self._db_fds[entry[0]])
+            fd = os.open(object_name(fkey), READ_FLAGS, dir_fd=self._db_fds[entry[0]])
         except OSError as exc:
             self.read_result(fkey, verdict_of(exc), entry)
             return None
         return fd, entry
 
     def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list:
-        """``locate`` of many fragments under one lock (each object's LRU place refreshed once
-        per fragment, as ``locate``), a ``FileRead`` each (carrying the index entry it was
+        """The index entries of many fragments under one lock (``FsIndex.locate_many``: each
+        object's LRU place refreshed once per fragment), a ``FileRead`` each (carrying the index entry it was
         handed, for ``read_result``) or False where it is not stored."""
         refs, o_direct = self._db_refs, self.o_direct
         return [False if e is None else FileRead(refs[e[0]], fkey, o_direct, w, e)
@@ -363,7 +406,7 @@ class FsCard(Card):
         entry = self.index.locate(fkey)
         if entry is None:
             return Read.ABSENT
-        verdict = copy_object_file(self._db_fds[entry[0]], fkey.hex(), fkey, length, out_fd, out_offset,
+        verdict = copy_object_file(self._db_fds[entry[0]], object_name(fkey), fkey, length, out_fd, out_offset,
                                    self._scratch, write_by, write_id)
         return self.read_result(fkey, verdict, entry)
 
@@ -376,7 +419,7 @@ class FsCard(Card):
         fragment, a client that did not take the bytes) drops nothing."""
         if verdict is Read.HIT or verdict is Read.UNDELIVERED or verdict is Read.CHANGED:
             return verdict
-        path = os.path.join(self._db_dir(entry[0]), fkey.hex())
+        path = os.path.join(self._db_dir(entry[0]), object_name(fkey))
         if not verdict.drops:
             now = time.monotonic()
             if verdict.strike or now - self._transient_logged >= TRANSIENT_LOG_S:
@@ -415,10 +458,10 @@ class FsCard(Card):
         if not ok:
             return False
         dir_fd = self._db_fds[db]
-        final = fkey.hex()
+        final = object_name(fkey)
         with self._lock:
             self._tmp_seq += 1
-            tmp = f".{final}.{self._tmp_tag}.{self._tmp_seq}"
+            tmp = f"{subdir_of(fkey)}/.{fkey.hex()}.{self._tmp_tag}.{self._tmp_seq}"
         try:
             fd = os.open(tmp, CREATE_FLAGS | (os.O_DIRECT if self.o_direct else 0), self.file_mode, dir_fd=dir_fd)
             try:
@@ -433,8 +476,12 @@ class FsCard(Card):
             finally:
                 os.close(fd)
             os.rename(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            if self.fsync:
-                os.fsync(dir_fd)
+            if self.fsync:                         # the rename is durable once its subdirectory is synced
+                sub_fd = os.open(subdir_of(fkey), DIR_FLAGS, dir_fd=dir_fd)
+                try:
+                    os.fsync(sub_fd)
+                finally:
+                    os.close(sub_fd)
         except OSError as exc:
             logger.warning("fs card %s: write of %s failed: %s", self.root, os.path.join(self._db_dir(db), final),
                            exc)
@@ -455,7 +502,7 @@ class FsCard(Card):
         """While the scan runs: remove a fragment's file the index does not know yet (the
         scan will not index its object: ``FsIndex.drop`` remembered it). Whether it was there."""
         try:
-            os.unlink(fkey.hex(), dir_fd=self._db_fds[db])
+            os.unlink(object_name(fkey), dir_fd=self._db_fds[db])
             return True
         except OSError:
             return False

@@ -16,6 +16,17 @@ chmod or delete anything outside the card, nor serve bytes it placed there. So:
   and group are set with ``fchmod``/``fchown`` on the open descriptor. A symlink at a
   file's name fails the open (``ELOOP``: ``Read.FOREIGN``) and is removed as a link, never
   followed.
+- Object files are spread over ``SUBDIRS`` subdirectories of each ``dbNNN`` (``subdir_of``:
+  two hex digits, byte ``SUBDIR_BYTE`` of the object key, the first of its chunk digest), so
+  no directory holds more than about 30 M / (16 x 256) = 7,300 entries at 30 M objects. The
+  card creates every subdirectory at open (mode as the databases') and checks each one
+  (``own_dir``, opened with ``O_NOFOLLOW``) before any file in it is used; a file is then
+  reached as ``object_name(fkey)`` ("ab/<hex>") relative to its database's checked
+  descriptor. The subdirectory component is resolved by the kernel, yet it cannot be
+  redirected: the database directory is the gateway's own and nobody else may write it
+  (checked first), so no other user can put a symlink or another directory at "ab" once
+  "ab" was checked. (Holding a descriptor per subdirectory instead would cost 4,096
+  descriptors per card, more than a service's common soft limit of 1,024.)
 - A failed open or read says what it knows (``verdict_of``): only ``ENOENT`` (and what the
   name holds being no file of ours) is evidence about the object; a lack of descriptors or
   memory, an interrupted call, a permission refused are transient; EIO is an I/O error.
@@ -34,6 +45,10 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
+SUBDIRS = 256          # object subdirectories of each database: "00" .. "ff"
+SUBDIR_BYTE = 9        # the byte of the object key naming its subdirectory (adpkv_core.keys: the chunk digest's first)
+SUBDIR_NAMES = tuple(f"{i:02x}" for i in range(SUBDIRS))
+
 _IO_ERRORS = frozenset((errno.EIO, errno.ENXIO, errno.EUCLEAN, errno.EBADMSG, errno.ESTALE, errno.ENODEV))
 _FOREIGN = frozenset((errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.EMLINK))
 
@@ -43,6 +58,16 @@ class FileRef(NamedTuple):
 
     dir_fd: int
     name: str
+
+
+def subdir_of(key: bytes) -> str:
+    """The subdirectory (of its database) of an object's files, from its object or fragment key."""
+    return SUBDIR_NAMES[key[SUBDIR_BYTE]]
+
+
+def object_name(fkey: bytes) -> str:
+    """A fragment's file relative to its database's directory: "<subdirectory>/<key hex>"."""
+    return f"{SUBDIR_NAMES[fkey[SUBDIR_BYTE]]}/{fkey.hex()}"
 
 
 def verdict_of(exc: OSError) -> Read:

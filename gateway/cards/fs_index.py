@@ -85,7 +85,7 @@ from ..fragments import fragment_extents
 from ..quotas import TenantUsage, tenant_of
 from . import objfmt
 from .base import Head, is_head, object_key
-from .fs_files import READ_FLAGS, FileRef, unlink_all
+from .fs_files import READ_FLAGS, FileRef, object_name, unlink_all
 from .objfile import ALIGN, HEADER_BYTES
 
 logger = logging.getLogger("adpkv.gateway.fs")
@@ -95,6 +95,7 @@ FKEY_BYTES = KEY_BYTES + 2
 EMPTY = -1                     # a free slot of the hash table
 START_TICK = 1 << 31           # the clock at start; scanned objects get older ticks (by file age)
 MIN_QUEUE = 256                # eviction queue: at least this many rows, or 1/32 of them
+TRIM_CHUNK = 2048              # objects one step of the trim at start evicts under the lock
 SNAPSHOT_MAGIC = b"ADPKVIDX"
 SNAPSHOT_FORMAT = 2            # 2: rows carry write ids; a format 1 snapshot is ignored (the card scans)
 HASH_NAME = "xor-multiply-4w+fmix64"   # ``key_hash``: a snapshot's rows were hashed with it
@@ -699,17 +700,17 @@ class FsIndex:
         return paths
 
     def _evict(self, ns_index: int, more: Callable[[], bool], keep: bytes, victims: list[FileRef],
-               pins: bool = True) -> int:
+               pins: bool = True, limit: Optional[int] = None) -> int:
         """(lock held) Evict least recently used objects (of namespace ``ns_index``; -1: any)
-        while ``more()``, never ``keep`` nor (with ``pins``) a pinned one; their files go to
-        ``victims``. How many were evicted."""
+        while ``more()`` (and at most ``limit``), never ``keep`` nor (with ``pins``) a pinned
+        one; their files go to ``victims``. How many were evicted."""
         queue = self._queues.setdefault(ns_index, collections.deque())
         skipped: list[tuple[bytes, int]] = []
         evicted = 0
         size = 0                                   # the last refill's size (0: none yet)
         fruitful = True                            # the last refill gave victims (or there was none)
         rows = self._rows
-        while more():
+        while more() and (limit is None or evicted < limit):
             if not queue:
                 count = rows.n if ns_index < 0 else self._ns[ns_index].objects
                 if not fruitful and size >= count:
@@ -758,26 +759,34 @@ class FsIndex:
         keys = rows.key[idx]
         return [(keys[j].tobytes(), t) for j, t in enumerate(ticks.tolist())]
 
-    def trim(self, pins: bool = True) -> list[FileRef]:
-        """Bring every namespace within its quota and the card within its watermark (after
-        the scan, or quotas lowered since the card was written): least recently used objects
-        go. Their files."""
+    def trim(self, limit: int = TRIM_CHUNK, pins: bool = True) -> list[FileRef]:
+        """One step of bringing every namespace within its quota and the card within its
+        watermark (after the scan, or quotas lowered since the card was written): at most
+        ``limit`` least recently used objects go, so that the lock is held for one chunk of
+        victims only and requests are answered between steps; the caller repeats it until
+        it returns nothing (``over``: how far there is to go). Their files."""
         victims: list[FileRef] = []
         with self._lock:
+            left = limit
             for i, ns in enumerate(self._ns):
-                if ns.quota and ns.over_by(0):
-                    n = self._evict(i, lambda ns=ns: ns.over_by(0) > 0, b"", victims, pins)
-                    if n:
-                        self.evicted += n
-                        logger.info("fs card %s: namespace id %s was over its quota; %d objects evicted",
-                                    self.root, ns.tid.hex(), n)
-            if self.capacity_bytes and self._used > self.capacity_bytes * self.watermark:
-                target = self.capacity_bytes * (self.watermark - self.ratio)
-                n = self._evict(-1, lambda: self._used > target, b"", victims, pins)
-                if n:
+                if left and ns.quota and ns.over_by(0):
+                    n = self._evict(i, lambda ns=ns: ns.over_by(0) > 0, b"", victims, pins, left)
                     self.evicted += n
-                    logger.info("fs card %s was past its watermark; %d objects evicted", self.root, n)
+                    left -= n
+            if left and self.capacity_bytes and self._used > self.capacity_bytes * self.watermark:
+                target = self.capacity_bytes * (self.watermark - self.ratio)
+                self.evicted += self._evict(-1, lambda: self._used > target, b"", victims, pins, left)
         return victims
+
+    def over(self) -> int:
+        """The bytes a trim has to free (over the quotas, and the card over its watermark down
+        to ``watermark - ratio``): for its progress."""
+        with self._lock:
+            quota = sum(ns.over_by(0) for ns in self._ns if ns.quota)
+            card = 0
+            if self.capacity_bytes and self._used > self.capacity_bytes * self.watermark:
+                card = int(self._used - self.capacity_bytes * (self.watermark - self.ratio))
+            return max(quota, card)
 
     # ------------------------------------------------------------------ snapshot
     def save(self, dir_fd: int, name: str, serial: str, stamps: dict[str, int],
@@ -995,7 +1004,6 @@ class FsIndex:
                     return None
                 shown.advance()
                 ref = FileRef(dir_fd, name)
-                path = self._where(db, name)
                 if name.startswith("."):
                     if _older(ref, started):
                         unlink_all([ref])  # a temp file of a write that never finished
@@ -1010,7 +1018,8 @@ class FsIndex:
                 if not is_head(fkey):
                     if not self._has_head(okey, fkey, db) and okey not in self._pending and _older(ref, started):
                         # no head: a fragmented write cut short (the head goes last); it can never be read
-                        logger.warning("fs card %s: %s has no head fragment; removing it", self.root, path)
+                        logger.warning("fs card %s: %s has no head fragment; removing it", self.root,
+                                       self._where(db, object_name(fkey)))
                         unlink_all([ref])
                         bad += 1
                     continue
@@ -1034,7 +1043,7 @@ class FsIndex:
         return any(_exists(self.path_of(d, okey + HEAD_SUFFIX)) for d in {back, db})
 
     def _where(self, db: int, name: str) -> str:
-        """The path of a file of database ``db``, for messages."""
+        """The path of a file of database ``db`` (``name`` relative to it: "ab/<hex>"), for messages."""
         return os.path.join(self.root, f"db{db:03d}", name)
 
     def _scan_object(self, db: int, okey: bytes, header: memoryview, own_file: Callable[[int], None],

@@ -372,7 +372,8 @@ class FileRead:
     """A read of one object file that an I/O process does (``Card.process_reads``): its
     directory as the reader opens it (``dir_ref``: ``/proc/<gateway>/fd/<the card's
     descriptor of the database>``, the very directory the card checked, reached through the
-    gateway's descriptor, not by a path), its fragment key (the file's name is its hex),
+    gateway's descriptor, not by a path), its fragment key (the file's name there:
+    ``fs_files.object_name``),
     O_DIRECT or not, the write id expected (None: any), and ``entry``, the card's index
     entry of the file (it stays in the gateway's process: the card's ``process_read_result``
     applies a failed read's verdict only while the index still holds that entry). The

@@ -8,6 +8,7 @@ import os
 
 from adpkv_core.keys import KeyBuilder
 from adpkv_gateway.cards.fs import FsCard
+from adpkv_gateway.cards.fs_files import object_name
 from adpkv_gateway.cards.objfile import Scratch, write_object_file
 from adpkv_gateway.fragments import fragment_db, fragment_key
 
@@ -31,7 +32,7 @@ def build_card(root: str, keys: list[bytes], size: int = 1024, num_dbs: int = 16
     scratch = Scratch()
     for key in keys:
         fkey = fragment_key(key, 0)
-        path = os.path.join(root, f"db{fragment_db(key, 0, num_dbs):03d}", fkey.hex())
+        path = os.path.join(root, f"db{fragment_db(key, 0, num_dbs):03d}", object_name(fkey))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             write_object_file(fd, fkey, memoryview(payload_of(key, size)), size, False, scratch)
@@ -39,13 +40,24 @@ def build_card(root: str, keys: list[bytes], size: int = 1024, num_dbs: int = 16
             os.close(fd)
 
 
+def object_dirs(root: str) -> list[str]:
+    """The directories of a card that hold object files: every database's subdirectories."""
+    return [os.path.join(root, d, s) for d in sorted(os.listdir(root)) if d.startswith("db")
+            for s in sorted(os.listdir(os.path.join(root, d)))]
+
+
+def object_paths(root: str, hidden: bool = False) -> list[str]:
+    """The path of every object file of a card (``hidden``: temporary files too)."""
+    return [os.path.join(d, n) for d in object_dirs(root) for n in sorted(os.listdir(d))
+            if hidden or not n.startswith(".")]
+
+
 def files_on_disk(root: str) -> tuple[int, int]:
     """(bytes, files) of the object files under a card's databases."""
     nbytes = files = 0
-    for d in os.listdir(root):
-        if d.startswith("db"):
-            for entry in os.scandir(os.path.join(root, d)):
-                if not entry.name.startswith("."):
-                    nbytes += entry.stat().st_size
-                    files += 1
+    for d in object_dirs(root):
+        for entry in os.scandir(d):
+            if not entry.name.startswith("."):
+                nbytes += entry.stat().st_size
+                files += 1
     return nbytes, files

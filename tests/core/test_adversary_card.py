@@ -109,8 +109,20 @@ def _swap_db_for_own_dir(card, db):
     return True
 
 
+def _put_subdir(db_dir, sub, victim):
+    """As 65534: put a directory of its own (``victim`` None) or a symlink to ``victim`` at
+    the name of the object subdirectory ``sub`` of a database (root moved the real one away:
+    65534 may not rename a directory of root's)."""
+    if victim is None:
+        os.mkdir(os.path.join(db_dir, sub), 0o700)
+    else:
+        os.symlink(victim, os.path.join(db_dir, sub))
+    return True
+
+
 @pytest.mark.parametrize("how", ["symlink to a root directory", "a directory of uid 65534",
-                                 "card directory writable by others"])
+                                 "card directory writable by others", "subdirectory a symlink",
+                                 "subdirectory of uid 65534"])
 def test_a_swapped_database_is_refused_and_nothing_is_followed(tmp_path, open_dir, start_gateway, how):
     """After a clean stop, one ``dbNNN`` of root's card is swapped: for a symlink to a root
     directory (holding hex-named root files), or for a directory of uid 65534 holding a
@@ -139,8 +151,23 @@ def test_a_swapped_database_is_refused_and_nothing_is_followed(tmp_path, open_di
         assert as_nobody(_swap_db_for_own_dir, card, "db002")
         os.chmod(card, 0o700)
         for name in os.listdir(os.path.join(card, "db002.old")):     # the forgery: root's objects, copied
-            shutil.copyfile(os.path.join(card, "db002.old", name), os.path.join(card, "db002", name))
+            shutil.copytree(os.path.join(card, "db002.old", name), os.path.join(card, "db002", name))
         why = f"fs card directory {card}/db002 is not the gateway's own (owner uid {NOBODY}"
+    elif how.startswith("subdirectory"):
+        db1 = os.path.join(card, "db001")
+        sub = next(s for s in sorted(os.listdir(db1)) if os.listdir(os.path.join(db1, s)))   # one holding objects
+        os.rename(os.path.join(db1, sub), os.path.join(db1, sub + ".old"))
+        os.chmod(card, 0o711)               # how the attacker got in; then put back
+        os.chmod(db1, 0o777)
+        assert as_nobody(_put_subdir, db1, sub, victim if how.endswith("symlink") else None)
+        os.chmod(db1, 0o700)
+        os.chmod(card, 0o700)
+        if how.endswith("symlink"):
+            why = f"fs card directory {db1}/{sub} is a symlink or not a directory"
+        else:
+            for name in os.listdir(os.path.join(db1, sub + ".old")):   # the forgery: root's objects, copied
+                shutil.copyfile(os.path.join(db1, sub + ".old", name), os.path.join(db1, sub, name))
+            why = f"fs card directory {db1}/{sub} is not the gateway's own (owner uid {NOBODY}"
     else:
         os.chmod(card, 0o777)
         why = f"fs card directory {card} is not the gateway's own (owner uid 0, mode 0777"
@@ -158,6 +185,7 @@ def test_symlinks_at_temporary_names_are_not_followed(tmp_path):
     object of them; a symlink at an object's own name is a miss, never followed, and goes."""
     from adpkv_gateway.cards.base import Read
     from adpkv_gateway.cards.fs import FsCard
+    from adpkv_gateway.cards.fs_files import subdir_of
     card = FsCard(str(tmp_path / "card"), num_dbs=1)
     card.open()
     secret = tmp_path / "secret"
@@ -165,7 +193,7 @@ def test_symlinks_at_temporary_names_are_not_followed(tmp_path):
     os.chmod(secret, 0o600)
     card._tmp_tag = "predictable"
     fkey = b"t" * 28 + b"\0\0"
-    db0 = os.path.join(card.root, "db000")
+    db0 = os.path.join(card.root, "db000", subdir_of(fkey))     # the object's subdirectory
     for seq in range(1, 4):
         os.symlink(secret, os.path.join(db0, f".{fkey.hex()}.predictable.{seq}"))
     data = memoryview(bytearray(os.urandom(4096)))

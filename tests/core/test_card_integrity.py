@@ -17,7 +17,9 @@ from adpkv_gateway import control
 from adpkv_gateway.cards import fs as fs_mod
 from adpkv_gateway.cards.base import CardError, Read
 from adpkv_gateway.cards.fs import FsCard
+from adpkv_gateway.cards.fs_files import object_name
 
+from .fs_cards import object_dirs, object_paths
 from .rankproc import get_checked, make_keys, pattern
 
 HEADER = fs_mod.HEADER_BYTES
@@ -56,10 +58,8 @@ class Client:
 
 def _files(card_dir):
     out = {}
-    for d in os.listdir(card_dir):
-        if d.startswith("db"):
-            for n in os.listdir(os.path.join(card_dir, d)):
-                out[n] = os.path.join(card_dir, d, n)
+    for path in object_paths(card_dir, hidden=True):
+        out[os.path.basename(path)] = path
     return out
 
 
@@ -225,9 +225,9 @@ def test_fsync_covers_the_directory_and_the_card_file(tmp_path, monkeypatch):
     synced.clear()
     key = b"k" * 28 + b"\0\0"
     assert card.write(1, key, memoryview(b"x" * 5000))
-    path = root / "db001" / key.hex()
+    path = root / "db001" / object_name(key)
     assert ident(path) in synced, "the object file was not fsynced"
-    assert ident(root / "db001") in synced, "the database directory was not fsynced after the rename"
+    assert ident(path.parent) in synced, "the object's subdirectory was not fsynced after the rename"
     card.close()
 
 
@@ -252,6 +252,8 @@ def test_card_files_are_private_by_default(start_gateway, tmp_path):
     for d in os.listdir(root):
         if d.startswith("db"):
             assert _mode(os.path.join(root, d)) == 0o700, d
+    for d in object_dirs(root):
+        assert _mode(d) == 0o700, d
     files = _files(root)
     assert len(files) == 2
     assert all(_mode(p) == 0o600 for p in files.values())
@@ -307,7 +309,7 @@ def test_a_store_from_a_region_cut_short_leaves_no_object_that_reads_as_present(
     done = subprocess.run([sys.executable, "-c", _CUT_SHORT, str(root), str(region), point, "1" if o_direct else "0"],
                           timeout=120)
     assert done.returncode == 9, "the write was not cut short where the test meant to"
-    leftovers = [n for d in os.listdir(root) if d.startswith("db") for n in os.listdir(root / d)]
+    leftovers = object_paths(str(root), hidden=True)
     assert leftovers, "the cut-short write left no file: the test cut nothing"
     card = FsCard(str(root), num_dbs=2, o_direct=o_direct)
     card.open()
@@ -465,7 +467,7 @@ def test_a_stale_failed_read_does_not_drop_a_newer_store(tmp_path, how):
         gone()                                                      # ... X is evicted or moved ...
         reader_dir = os.open(task.dir_ref, os.O_RDONLY | os.O_DIRECTORY)   # as an I/O process opens it
         try:
-            verdict = read_object_file(reader_dir, _STALE_KEY.hex(), _STALE_KEY, memoryview(bytearray(8192)),
+            verdict = read_object_file(reader_dir, object_name(_STALE_KEY), _STALE_KEY, memoryview(bytearray(8192)),
                                        False, card._scratch)
         finally:
             os.close(reader_dir)
@@ -477,11 +479,11 @@ def test_a_stale_failed_read_does_not_drop_a_newer_store(tmp_path, how):
         assert card.read(0, _STALE_KEY, memoryview(out)) is Read.HIT and out == data, \
             "the acknowledged store is unreadable"
         fresh, = card.process_reads([_STALE_KEY], [None])           # a verdict on the entry it was handed
-        path = card.locate(_STALE_KEY)
+        path = os.path.join(fresh.dir_ref, object_name(_STALE_KEY))   # the file the reader was handed
         os.truncate(path, 4096)
         reader_dir = os.open(fresh.dir_ref, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            verdict = read_object_file(reader_dir, _STALE_KEY.hex(), _STALE_KEY, memoryview(bytearray(8192)),
+            verdict = read_object_file(reader_dir, object_name(_STALE_KEY), _STALE_KEY, memoryview(bytearray(8192)),
                                        False, card._scratch)
         finally:
             os.close(reader_dir)

@@ -220,3 +220,18 @@ def test_o_direct_refused_with_o_direct_set(tmp_path, monkeypatch):
     findings = {f.check.strip(): f for f in doctor._card(h, str(tmp_path / "card"), None)}
     assert findings["o_direct"].level == "OK" and "refused" in findings["o_direct"].found
     assert not any(n.startswith(doctor.PROBE_NAME) for n in os.listdir(tmp_path)), "the probe file is removed"
+
+
+def test_ownership_names_an_object_subdirectory_others_may_write(tmp_path):
+    """Issue 26 item 4: the doctor judges each database's object subdirectories as the
+    gateway does (a subdirectory writable by others: FAIL naming it; the gateway refuses it)."""
+    from adpkv_gateway import doctor_fs
+    from adpkv_gateway.doctor_report import FAIL, OK
+    root = str(tmp_path / "card")
+    card = FsCard(root, num_dbs=2)
+    card.open()
+    card.close()
+    assert [f.level for f in doctor_fs._card_ownership(root)] == [OK]
+    os.chmod(os.path.join(root, "db001", "3f"), 0o777)
+    finding, = doctor_fs._card_ownership(root)
+    assert finding.level == FAIL and "db001/3f: writable by its group or others (mode 0777)" in finding.found, finding

@@ -13,8 +13,10 @@
 from __future__ import annotations
 
 import collections
+import json
 import os
 import random
+import stat
 import time
 
 import numpy as np
@@ -23,10 +25,13 @@ import pytest
 from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
+from adpkv_gateway.cards.base import CardError
+from adpkv_gateway.cards.fs import FsCard
+from adpkv_gateway.cards.fs_files import object_name
 from adpkv_gateway.cards.fs_index import FsIndex
-from adpkv_gateway.fragments import fragment_key
+from adpkv_gateway.fragments import fragment_db, fragment_key
 
-from .fs_cards import build_card, card_keys, files_on_disk, payload_of
+from .fs_cards import build_card, card_keys, files_on_disk, object_paths, payload_of
 
 ON_DISK = 4096 + 1024
 
@@ -300,11 +305,106 @@ def test_a_trim_evicts_down_to_the_watermark_past_its_first_queue(pins):
         index.reserve(key, fkey, ON_DISK)
         index.commit(fkey, 0, 1024, ON_DISK, 1024)
     index.capacity_bytes = 500 * ON_DISK
-    victims = index.trim()
+    victims, steps = [], 0
+    while step := index.trim(limit=1000):
+        assert len(step) <= 1000, "a step of the trim evicts at most its limit"
+        victims += step
+        steps += 1
+    assert steps == 5 and index.over() == 0
     assert index.objects() == int(500 * 0.85) and len(victims) == 5000 - index.objects()
     assert index.usage()[0] == index.objects() * ON_DISK
     assert all(index.locate(fragment_key(k, 0)) is not None for k in keys[:pins]), "a pinned object was evicted"
     assert all(index.locate(fragment_key(k, 0)) is not None for k in keys[-(425 - pins):]), "the newest must stay"
+
+
+def test_files_are_spread_over_256_subdirectories_of_each_database(tmp_path):
+    """Issue 26 item 4: a card's files lie in ``dbNNN/<2 hex digits of the key>/`` (16 x 256
+    directories: about 7,300 entries each at 30 M objects, not 1.9 M); every subdirectory is
+    made at open with the databases' mode; the scan, the snapshot and clean find them there."""
+    root = str(tmp_path / "card")
+    card = FsCard(root, num_dbs=16)
+    card.open()
+    keys = card_keys(3000, "spread")
+    for key in keys:
+        assert card.write(fragment_db(key, 0, 16), fragment_key(key, 0), memoryview(payload_of(key, 1024)), 1024)
+    per_dir = collections.Counter()
+    for db in range(16):
+        db_dir = os.path.join(root, f"db{db:03d}")
+        subs = os.listdir(db_dir)
+        assert sorted(subs) == [f"{i:02x}" for i in range(256)], f"{db_dir} holds {len(subs)} entries"
+        for sub in subs:
+            assert stat.S_IMODE(os.stat(os.path.join(db_dir, sub)).st_mode) == 0o700
+            per_dir[(db, sub)] = len(os.listdir(os.path.join(db_dir, sub)))
+    assert sum(per_dir.values()) == len(keys)
+    for key in keys:
+        assert os.path.isfile(os.path.join(root, f"db{fragment_db(key, 0, 16):03d}", object_name(fragment_key(key, 0))))
+    assert len({sub for (_, sub), n in per_dir.items() if n}) >= 250, "keys must spread over the subdirectories"
+    card.close()                                   # the snapshot
+    for from_snapshot in (True, False):
+        again = FsCard(root, num_dbs=16)
+        again.open()
+        assert again.scanned.wait(60)
+        assert all(again.contains_many([(0, fragment_key(k, 0)) for k in keys])), from_snapshot
+        assert again.usage().objects == len(keys)
+        if from_snapshot:
+            again.close()
+            os.unlink(os.path.join(root, ".adpkv-index"))    # the next open scans the subdirectories
+    assert again.clean() == len(keys)
+    assert files_on_disk(root) == (0, 0)
+    again.close()
+
+
+def test_a_card_of_the_flat_layout_is_refused_saying_what_to_do(tmp_path):
+    """A card written in format 2 (every file straight in its ``dbNNN``) is refused with a
+    line naming the formats and what to do; nothing in it is touched."""
+    root = tmp_path / "card"
+    card = FsCard(str(root), num_dbs=2)
+    card.open()
+    card.close()
+    meta = json.loads((root / "adpkv-card.json").read_text())
+    meta["format"] = 2
+    (root / "adpkv-card.json").write_text(json.dumps(meta))
+    flat = root / "db000" / ("ab" * 30)
+    flat.write_bytes(b"a file of the flat layout")
+    with pytest.raises(CardError, match="written in format 2; this gateway reads format 3 only .*give the card an "
+                                        "empty directory, or remove this one's contents"):
+        FsCard(str(root), num_dbs=2).open()
+    assert flat.read_bytes() == b"a file of the flat layout"
+
+
+def test_requests_are_answered_while_a_large_trim_runs(start_gateway, tmp_path):
+    """A restart with a tenth of the room a card of 40,000 objects needs: the trim at start
+    evicts 36,000 objects in steps, giving the index's lock up between them, so STATS is
+    answered while it runs: a STATS sees the object count between the full card and the
+    trimmed one (a trim in one step under the lock drops it at once: no answer can), and
+    none waits long (one step, not the whole trim)."""
+    n, size = 40_000, 64
+    on_disk = 4096 + size
+    root = str(tmp_path / "card")
+    keys = card_keys(n, "trim-live")
+    build_card(root, keys, size=size)
+    capacity = n // 10 * on_disk
+    final = int(capacity * (0.95 - 0.10)) // on_disk
+    gw = start_gateway(card_dirs=[root], capacity_bytes=capacity)
+    deadline = time.monotonic() + 600
+    seen: list[int] = []
+    slowest = 0.0
+    while True:
+        assert time.monotonic() < deadline, f"the trim did not end; counts seen {seen[-5:]}"
+        asked = time.monotonic()
+        reply = control.request(gw.port, {"op": "STATS"}, timeout_s=60)
+        slowest = max(slowest, time.monotonic() - asked)
+        assert reply is not None, "STATS was not answered within 60 s"
+        seen.append(reply["stats"]["cards"][0]["objects"])
+        busy = any(w in x.get("what", "") for x in reply["stats"].get("work", [])
+                   for w in ("indexing", "trimming"))
+        if not busy and seen[-1] <= final:
+            break
+    top = seen.index(max(seen))             # the scan's end: from there on only the trim changes the count
+    during = [c for c in seen[top:] if final < c < n]
+    assert during, "no STATS was answered while the trim ran (the count went from the full card to the trimmed one)"
+    assert slowest < 5.0, f"a STATS waited {slowest:.1f} s: the trim held the index's lock"
+    assert seen[-1] == final and files_on_disk(root)[1] == final
 
 
 def test_clean_reports_objects_not_fragment_files(start_gateway):
@@ -356,12 +456,12 @@ def test_write_ids_survive_the_snapshot_and_the_scan_removes_torn_objects(tmp_pa
     card.close()
     os.unlink(os.path.join(root, SNAPSHOT_FILE))       # the next start scans the files
     old = _time.time() - 60
-    for name in os.listdir(os.path.join(root, "db000")):
-        os.utime(os.path.join(root, "db000", name), (old, old))
+    for path in object_paths(root):
+        os.utime(path, (old, old))
     card = FsCard(root, num_dbs=2, capacity_bytes=1 << 30)
     card.open()
     assert card.scanned.wait(30)
     assert card.heads([(0, whole + b"\0\0"), (0, torn + b"\0\0")]) == [Head(8192, 0x1122334455667788), None]
-    left = sorted(os.listdir(os.path.join(root, "db000")))
+    left = sorted(os.path.basename(p) for p in object_paths(root))
     assert not [n for n in left if n.startswith(torn.hex())], f"the torn object's files stayed: {left}"
     card.close()

@@ -17,6 +17,7 @@ from adpkv_core.door import DoorSession, door_path
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 
+from .fs_cards import object_paths
 from .rankproc import make_keys, pattern, run_ranks
 
 
@@ -99,10 +100,8 @@ def test_garbage_truncated_and_foreign_card_files_are_misses(start_gateway):
     gw.stop()
     card = gw.card_dirs[0]
     paths = {}
-    for d in os.listdir(card):
-        if d.startswith("db"):
-            for name in os.listdir(os.path.join(card, d)):
-                paths[bytes.fromhex(name)[:28]] = os.path.join(card, d, name)
+    for path in object_paths(card):
+        paths[bytes.fromhex(os.path.basename(path))[:28]] = path
     with open(paths[keys[0]], "r+b") as fh:          # garbage in the payload
         fh.seek(5000)
         fh.write(os.urandom(64))

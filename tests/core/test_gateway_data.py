@@ -13,6 +13,7 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 
+from .fs_cards import object_dirs, object_paths
 from .rankproc import make_keys, pattern, run_ranks
 
 SLICE = 48 * 1024 + 100       # deliberately not 4 KiB aligned
@@ -92,8 +93,7 @@ def test_kill9_during_put_flood_never_yields_wrong_data(start_gateway, tmp_path)
     (_, hits, exact, _), = run_ranks(gw.port, 1, "GET", keys[:submitted], SLICE, engine="check")
     assert exact is True, "a restored object differs from what was written"
     assert 50 <= sum(hits) <= submitted
-    leftovers = [n for d in os.listdir(gw.card_dirs[0]) if d.startswith("db")
-                 for n in os.listdir(os.path.join(gw.card_dirs[0], d)) if n.startswith(".")]
+    leftovers = [p for p in object_paths(gw.card_dirs[0], hidden=True) if os.path.basename(p).startswith(".")]
     assert leftovers == [], "temp files of interrupted writes survived the restart"
 
 
@@ -150,7 +150,7 @@ def test_fragments_spread_over_dbs_and_a_lost_fragment_is_a_miss(start_gateway):
     keys = make_keys(4)
     run_ranks(gw.port, 1, "PUT", keys, obj, engine="w")
     card = gw.card_dirs[0]
-    files = {d: os.listdir(os.path.join(card, d)) for d in os.listdir(card) if d.startswith("db")}
+    files = {d: os.listdir(d) for d in object_dirs(card)}
     assert sum(len(f) for f in files.values()) == 4 * 5
     assert sum(1 for f in files.values() if f) >= 4, "fragments were not spread over the databases"
     (_, hits, exact, _), = run_ranks(gw.port, 1, "GET", keys, obj, engine="r")
@@ -159,7 +159,7 @@ def test_fragments_spread_over_dbs_and_a_lost_fragment_is_a_miss(start_gateway):
     frag_name = (keys[0] + (2).to_bytes(2, "big")).hex()
     for d, names in files.items():
         if frag_name in names:
-            os.unlink(os.path.join(card, d, frag_name))
+            os.unlink(os.path.join(d, frag_name))
     (_, hits, exact, _), = run_ranks(gw.port, 1, "GET", keys, obj, engine="r2")
     assert hits == [False, True, True, True] and exact is True
 
@@ -177,9 +177,8 @@ def test_reads_in_io_processes(start_gateway):
     assert "I/O processes" in gw.log()
     card = gw.card_dirs[0]
     head = keys[0].hex() + "0000"
-    for d in os.listdir(card):
-        p = os.path.join(card, d, head)
-        if os.path.exists(p):
+    for p in object_paths(card):
+        if os.path.basename(p) == head:
             with open(p, "r+b") as fh:
                 fh.seek(5000)
                 fh.write(b"corrupt!")
@@ -215,8 +214,7 @@ def test_reads_in_io_processes_fall_back_to_the_replica_byte_exact(start_gateway
     keys = make_keys(64)
     obj = 8192 + 40
     assert all(all(f) for _, f, _, _ in run_ranks(gw.port, 1, "PUT", keys, obj, engine="w"))
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(dirs[0]) if os.path.basename(d).startswith("db")
-                   for f in fs if not f.startswith("."))
+    files = object_paths(dirs[0])
     assert len(files) == 64
     for i, path in enumerate(files[::2]):
         if i % 2:

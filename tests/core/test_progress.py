@@ -30,6 +30,8 @@ from adpkv_gateway.cards.fs import FsCard
 from adpkv_gateway.fragments import fragment_key
 from adpkv_gateway.spawn import GatewayProcess, free_port
 
+from .fs_cards import object_paths
+
 
 ADPKV_CLI = [sys.executable, "-m", "adpkv_gateway.cli"]
 
@@ -198,7 +200,7 @@ def _stop_while_indexing(proc, card_root: str, deadline: float) -> bool:
                 target = os.readlink(os.path.join(fd_dir, n))
             except OSError:
                 continue
-            if re.fullmatch(re.escape(card_root) + r"/db\d+/[0-9a-f]+", target):   # an object file, not a listing
+            if re.fullmatch(re.escape(card_root) + r"/db\d+/[0-9a-f]{2}/[0-9a-f]+", target):   # an object file, not a listing
                 os.kill(proc.pid, signal.SIGSTOP)
                 return True
         if b"indexed in" in open(proc.log_path, "rb").read():
@@ -248,14 +250,14 @@ def test_adpkv_clean_draws_the_gateways_progress_on_a_terminal(start_gateway, tm
     removed a first file, so the CLI's next STATS finds the clean under way."""
     _card_of(tmp_path / "card0", 8000)
     gw = start_gateway(card_dirs=[str(tmp_path / "card0")])
-    db = tmp_path / "card0" / "db000"
-    full = len(os.listdir(db))
+    db = str(tmp_path / "card0")
+    full = len(object_paths(db))
     master, slave = pty.openpty()
     cli = subprocess.Popen(ADPKV_CLI + ["clean", "--yes", "--port", str(gw.port)], stdout=subprocess.PIPE,
                            stderr=slave)
     os.close(slave)
     deadline = time.monotonic() + 60
-    while len(os.listdir(db)) == full:
+    while len(object_paths(db)) == full:
         assert time.monotonic() < deadline and cli.poll() is None, "the clean did not start"
     os.kill(gw.proc.pid, signal.SIGSTOP)
     held = time.monotonic() + 1.5              # the stimulus: the CLI polls while the clean is held

@@ -26,6 +26,7 @@ from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 from adpkv_gateway.cards.objfile import HEADER_BYTES, WHOLE_CACHED
 
+from .fs_cards import object_paths
 from .rankproc import get_checked, make_keys, pattern
 
 
@@ -52,11 +53,8 @@ get = get_checked          # a ring GET whose hits are byte-checked
 def card_files(card_dir) -> dict[str, str]:
     """Fragment file name (its key in hex) -> path, for every object file of a card."""
     out = {}
-    for d in os.listdir(card_dir):
-        if d.startswith("db"):
-            for n in os.listdir(os.path.join(card_dir, d)):
-                if not n.startswith("."):
-                    out[n] = os.path.join(card_dir, d, n)
+    for path in object_paths(card_dir):
+        out[os.path.basename(path)] = path
     return out
 
 
@@ -402,9 +400,10 @@ def _damager(card_dir, seed):
     meanwhile is left alone)."""
     def loop(stop):
         rng, n = random.Random(seed), 0
+        files: list[str] = []
         while not stop.is_set():
-            files = list(card_files(card_dir).values())
-            if len(files) < 2:
+            if len(files) < 2:                  # listed again only when one went (4,096 directories a listing)
+                files = list(card_files(card_dir).values())
                 continue
             path, other = rng.sample(files, 2)
             try:
@@ -433,7 +432,7 @@ def _damager(card_dir, seed):
                         dst.write(original)
                     os.rename(path + ".o", path)
             except FileNotFoundError:
-                pass
+                files = []                      # dropped by the gateway (and stored again elsewhere, maybe)
             n += 1
         return n
     return loop

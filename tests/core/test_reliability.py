@@ -28,6 +28,7 @@ from adpkv_gateway.fragments import fragment_extents
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 
+from .fs_cards import object_dirs
 from .reliability_worker import key_of, payload
 
 WORKER = os.path.join(os.path.dirname(__file__), "reliability_worker.py")
@@ -70,14 +71,12 @@ def on_disk(card: str) -> tuple[int, int, list[str]]:
     """(bytes, object files, temporary files) under the card's db* directories."""
     total = files = 0
     temps = []
-    for d in sorted(os.listdir(card)):
-        if not d.startswith("db"):
-            continue
-        with os.scandir(os.path.join(card, d)) as it:
+    for d in object_dirs(card):
+        with os.scandir(d) as it:
             for e in it:
                 total += e.stat().st_size
                 if e.name.startswith("."):
-                    temps.append(os.path.join(d, e.name))
+                    temps.append(os.path.relpath(e.path, card))
                 else:
                     files += 1
     return total, files, temps

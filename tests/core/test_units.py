@@ -175,6 +175,7 @@ def test_fs_card_read_hashed_in_pieces_is_exact_and_catches_damage(tmp_path, siz
 
     from adpkv_gateway.cards.base import Read
     from adpkv_gateway.cards.fs import FsCard
+    from adpkv_gateway.cards.fs_files import object_name
     card = FsCard(str(tmp_path / "card"), num_dbs=2)
     card.open()
     data = bytearray(os.urandom(size))
@@ -182,9 +183,9 @@ def test_fs_card_read_hashed_in_pieces_is_exact_and_catches_damage(tmp_path, siz
     assert card.write(0, key, memoryview(data), write_id=5)
     out = bytearray(size)
     assert card.read(0, key, memoryview(out), write_id=5) is Read.HIT and out == data
-    path = card.locate(key)
+    path = os.path.join(card.root, "db000", object_name(key))
     raw = bytearray(open(path, "rb").read())
     raw[-1] ^= 1                                  # last payload byte: in the last piece
     open(path, "wb").write(bytes(raw))
     assert card.read(0, key, memoryview(bytearray(size)), write_id=5) is Read.BAD_CHECKSUM
-    assert card.locate(key) is None               # a corrupt object is dropped: a miss
+    assert card.contains_many([(0, key)]) == [False]   # a corrupt object is dropped: a miss

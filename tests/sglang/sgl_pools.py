@@ -177,8 +177,7 @@ def hybrid_controller(backend, group, zero_copy: bool, config=None):
 def object_files(card_dir, key: bytes) -> list[str]:
     """The files of the fs card ``card_dir`` that hold fragments of the object ``key``."""
     out = []
-    for d in os.listdir(card_dir):
-        if d.startswith("db"):
-            out += [os.path.join(card_dir, d, n) for n in os.listdir(os.path.join(card_dir, d))
-                    if n.startswith(key.hex())]
+    for d, _, names in os.walk(card_dir):      # the databases' object subdirectories (fs_files)
+        if os.path.basename(os.path.dirname(d)).startswith("db"):
+            out += [os.path.join(d, n) for n in names if n.startswith(key.hex())]
     return out
