@@ -6,8 +6,13 @@
 2. Through a gateway: restore GB/s of one long dialog on 1, 2 and 4 cards with
    dialog and stripe placement; store GB/s with replicas 1 and 2; and a raw
    client loop (RespConnection, the same threads) against the same servers.
+3. ``--exist``: the round trip of an EXIST of 16k keys (half of them stored, 1 KiB
+   objects) through a gateway on one resp card and on a cluster card of 3 primaries,
+   against its peer measured in the same run: redis-py (with hiredis) pipelined EXISTS of
+   the same keys on the same servers (``RedisCluster`` pipeline for the cluster).
 
 Run: python benchmarks/resp_cards.py [--mib 256]   (needs redis-server; prints a table)
+     python benchmarks/resp_cards.py --exist [--exist-keys 16384] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import platform
+import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -146,11 +154,102 @@ def raw_loop(urls, obj: int, count: int, threads: int = 4):
     return obj * count / t_set / 1e9, obj * count / t_get / 1e9
 
 
+def exist_round_trip(url: str, cluster: bool, n: int, repeats: int, tmp: str) -> None:
+    """EXIST of ``n`` keys (every other one stored) through a gateway on the card ``url``, and
+    redis-py's pipelined EXISTS of the same keys' heads on the same servers: medians and p90
+    of ``repeats`` round trips each, after one warm-up."""
+    import redis
+    from redis.cluster import ClusterNode, RedisCluster as PyCluster
+
+    from adpkv_gateway.cards.resp import RespCard
+    from adpkv_gateway.cards.resp_cluster import ClusterCard
+    from adpkv_gateway.fragments import db_hash, fragment_key
+    gw = GatewayProcess([url], log_path=os.path.join(tmp, f"gw-exist-{cluster}.log"), storage_backend="resp",
+                        shared_memory_size=128 * MiB, thread_pool_size=THREADS, num_dbs=16).start()
+    try:
+        c = GatewayClient(ClientConfig(port=gw.port, timeout_s=120), f"bench-exist-{time.monotonic_ns()}")
+        keys = KeyBuilder("bench-exist").keys([hashlib.sha256(b"%d" % i).digest() for i in range(n)], [0])
+        stored = keys[::2]
+        obj = 1024
+
+        def fill(b):
+            pass
+        for i in range(0, len(stored), 1024):
+            assert all(c.put(stored[i:i + 1024], obj, fill).result(timeout=300).stored)
+
+        def timed(fn) -> list[float]:
+            fn()
+            out = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+            return out
+
+        def gateway_exist():
+            hits = c.exist(keys).result(timeout=120)
+            assert sum(hits) == len(stored), f"{sum(hits)} of {len(stored)} found"
+        t_gw = timed(gateway_exist)
+        heads = [(db_hash(k) % 16, fragment_key(k, 0)) for k in keys]
+        if cluster:
+            server_keys = [ClusterCard._key(db, fkey) for db, fkey in heads]
+            seeds = url[len("redis+cluster://"):].split(",")
+            peer = PyCluster(startup_nodes=[ClusterNode(h, int(p)) for h, p in (s.rsplit(":", 1) for s in seeds)])
+        else:
+            server_keys = [RespCard._key(db, fkey) for db, fkey in heads]
+            peer = redis.Redis.from_url(url)
+
+        def peer_exists():
+            p = peer.pipeline(transaction=False)
+            for k in server_keys:
+                p.exists(k)
+            assert sum(p.execute()) == len(stored)
+        t_peer = timed(peer_exists)
+        peer.close()
+        c.close()
+    finally:
+        gw.stop()
+    med_gw, med_peer = statistics.median(t_gw), statistics.median(t_peer)
+
+    def p90(ts):
+        return sorted(ts)[int(0.9 * (len(ts) - 1))]
+    what = "cluster card, 3 primaries" if cluster else "resp card, 1 server"
+    print(f"  {what:26s} gateway EXIST {med_gw * 1e3:7.1f} ms p50 {p90(t_gw) * 1e3:7.1f} ms p90 | "
+          f"redis-py pipelined EXISTS {med_peer * 1e3:7.1f} ms p50 {p90(t_peer) * 1e3:7.1f} ms p90 | "
+          f"gateway / peer x{med_gw / med_peer:.2f}", flush=True)
+
+
+def exist_main(n: int, repeats: int) -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import redis
+    from redis_cluster import RedisCluster
+    print(f"EXIST of {n} keys ({n // 2} stored, 1 KiB objects), {repeats} round trips each; machine: "
+          f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, redis-py "
+          f"{redis.__version__}; code: {os.path.dirname(sys.modules['adpkv_gateway'].__file__)}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(os.path.join(tmp, "r")).start()
+        try:
+            exist_round_trip(server.url, False, n, repeats, tmp)
+        finally:
+            server.kill()
+        cluster = RedisCluster(os.path.join(tmp, "c"), primaries=3, replicas=0).start()
+        try:
+            exist_round_trip(cluster.url, True, n, repeats, tmp)
+        finally:
+            cluster.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256, help="bytes moved per measurement (MiB)")
     ap.add_argument("--obj-kib", type=int, default=1024)
+    ap.add_argument("--exist", action="store_true", help="only the round trip of a large EXIST (section 3)")
+    ap.add_argument("--exist-keys", type=int, default=16384)
+    ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
+    if args.exist:
+        exist_main(args.exist_keys, args.repeats)
+        return
     tmp = tempfile.mkdtemp(prefix="adpkv-resp-bench-")
     servers = [RedisServer(os.path.join(tmp, f"r{i}")).start() for i in range(4)]
     try:

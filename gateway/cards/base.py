@@ -37,7 +37,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 
 @dataclasses.dataclass
@@ -194,6 +194,27 @@ class Card(abc.ABC):
     def heads(self, heads: list[tuple[int, bytes]], tags: Optional[list[bytes]] = None) -> list[Optional[Head]]:
         """For each ``(db, head fragment key)``: what its head records (``Head``), None for no
         head (or none this card can read)."""
+
+    def heads_holding(self, heads: list[tuple[int, bytes]], payload_len: Callable[[Head], Optional[int]],
+                      tags: Optional[list[bytes]] = None) -> list[Optional[Head]]:
+        """For each ``(db, head fragment key)``: what its head records (``Head``) when the head
+        fragment is stored holding ``payload_len(head)`` payload bytes (None: any), else None
+        -- ``heads`` and then ``contains_many`` of the heads found at those lengths, which is
+        what an EXIST asks of a card for objects of one fragment. Cards on servers do both in
+        one round trip per server (the resp card: one pipeline; the cluster card: one per
+        node); this default makes the two calls. A card that cannot answer raises as
+        ``contains_many``."""
+        recorded = self.heads(heads, tags)
+        there = [i for i, h in enumerate(recorded) if h is not None]
+        if not there:
+            return recorded
+        found = self.contains_many([heads[i] for i in there], [payload_len(recorded[i]) for i in there],
+                                   [tags[i] for i in there] if tags else None)
+        out: list[Optional[Head]] = [None] * len(heads)
+        for i, hit in zip(there, found):
+            if hit:
+                out[i] = recorded[i]
+        return out
 
     def object_sizes(self, heads: list[tuple[int, bytes]],
                      tags: Optional[list[bytes]] = None) -> list[Optional[int]]:

@@ -12,9 +12,10 @@ with ``moved``, ``ask`` and ``node_errors``, counted here).
   map and an ``ASK`` followed by ``ASKING``, at most ``MAX_REDIRECTS`` times; a node that
   does not answer (transport error, or a retryable error such as ``CLUSTERDOWN``/``LOADING``)
   raises ``NodeIOError`` (a miss, no strike against the card); other ``RespError`` pass.
-- ``_pipeline(commands)``: single-key commands (key second), every node's batch sent before
-  any reply is read; replies in order, a redirected or busy command run again alone through
-  ``_run``; a ``NodeIOError`` (or ``RespError``) in place of a reply that failed.
+- ``_keyed_pipeline(keys, commands)``: single-key commands for each key, one round trip per
+  node, every node's batch sent before any reply is read; replies in order, a redirected or
+  busy command run again alone through ``_run``; a ``NodeIOError`` (or ``RespError``) in
+  place of a reply that failed.
 - ``_conn(addr)`` raises ``NodeIOError`` for a node resting after a failure (with a
   rate-limited map refresh); ``_node_failed`` drops the node's connection, counts it, lets it
   rest and returns the ``NodeIOError`` to raise.
@@ -99,52 +100,54 @@ class ClusterRouting:
         self.counters["ask"] += 1
         return red.addr, True
 
-    def _pipeline(self, commands: list[tuple[bytes, ...]]) -> list:
-        """Run single-key commands (key second), pipelined per node and in parallel across
-        nodes (every node's batch is sent before any reply is read); a command redirected
-        or failed is run again alone. Replies in order; a NodeIOError in place of the reply
-        of a command whose node did not answer."""
-        out: list = [None] * len(commands)
+    def _keyed_pipeline(self, keys: list[bytes], commands) -> list:
+        """Every command of ``commands`` (a name and its arguments after the key) for each key
+        in turn (``RespConnection.encode_keyed``), pipelined per node and in parallel across
+        nodes: one round trip per node, every node's batch sent before any reply is read. A
+        command redirected or refused by a busy node is run again alone through ``_run``.
+        Replies in that order (``len(keys) * len(commands)``); a NodeIOError in place of every
+        reply of a node that did not answer (the other nodes' replies stand)."""
+        m = len(commands)
+        out: list = [None] * (len(keys) * m)
         by_node: dict[Addr, list[int]] = {}
-        for i, cmd in enumerate(commands):
+        for i, key in enumerate(keys):
             try:
-                by_node.setdefault(self.map.primary(key_slot(cmd[1])), []).append(i)
+                by_node.setdefault(self.map.primary(key_slot(key)), []).append(i)
             except NodeIOError as exc:
-                out[i] = exc
+                out[i * m:(i + 1) * m] = [exc] * m
         sent: list[tuple[Addr, RespConnection, list[int]]] = []
         for addr, idx in by_node.items():
             try:
                 conn = self._conn(addr)
-                conn.sock.sendall(b"".join(conn.encode(*commands[i]) for i in idx))
+                conn.sock.sendall(conn.encode_keyed([keys[i] for i in idx], commands))
                 sent.append((addr, conn, idx))
             except _TRANSPORT as exc:
                 err = self._node_failed(addr, exc)
                 for i in idx:
-                    out[i] = err
+                    out[i * m:(i + 1) * m] = [err] * m
             except NodeIOError as exc:
                 for i in idx:
-                    out[i] = exc
-        retry: list[int] = []
+                    out[i * m:(i + 1) * m] = [exc] * m
+        retry: list[tuple[int, int]] = []                 # (key, command) to run again alone
         for addr, conn, idx in sent:
-            done = 0
             try:
-                for i in idx:
-                    try:
-                        out[i] = conn.read_reply()
-                    except RespError as exc:
-                        if is_retryable(exc):
-                            retry.append(i)
-                        else:
-                            out[i] = exc
-                    done += 1
-                self.map.node_ok(addr)
+                replies = conn.read_replies(len(idx) * m)
             except _TRANSPORT as exc:
                 err = self._node_failed(addr, exc)
-                for i in idx[done:]:
-                    out[i] = err
-        for i in retry:
+                for i in idx:
+                    out[i * m:(i + 1) * m] = [err] * m
+                continue
+            for n, reply in enumerate(replies):
+                i, j = idx[n // m], n % m
+                if isinstance(reply, RespError) and is_retryable(reply):
+                    retry.append((i, j))
+                else:
+                    out[i * m + j] = reply
+            self.map.node_ok(addr)
+        for i, j in retry:
+            name, *args = commands[j]
             try:
-                out[i] = self._run(commands[i][1], lambda c, cmd=commands[i]: c.command(*cmd))
+                out[i * m + j] = self._run(keys[i], lambda c, cmd=(name, keys[i], *args): c.command(*cmd))
             except (NodeIOError, RespError) as exc:
-                out[i] = exc
+                out[i * m + j] = exc
         return out

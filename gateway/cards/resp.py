@@ -29,6 +29,19 @@ OWNERS_KEY = b"adpkv:card:owners"      # hash: namespace id (16 hex) -> owner's 
 RESERVED_KEYS = (SERIAL_KEY, LAYOUT_KEY, OWNERS_KEY)   # the card's own keys: not objects (usage leaves them out)
 KEY_PREFIX = b"adpkv:"
 _TRANSPORT = (OSError, ConnectionError, socket.timeout)
+_STRLEN = ((b"STRLEN",),)                                   # commands of RespConnection.keyed_pipeline
+_GETRANGE_HEADER = ((b"GETRANGE", *objfmt.HEADER_RANGE),)
+_DEL = ((b"DEL",),)
+
+
+def _heads_holding(heads, replies: list, payload_len) -> list[Optional[Head]]:
+    """``Card.heads_holding``'s answer from the replies of GETRANGE (the header) and STRLEN of
+    each head in turn (shared with the cluster card)."""
+    out: list[Optional[Head]] = []
+    for (_, fkey), header, strlen in zip(heads, replies[0::2], replies[1::2]):
+        head = objfmt.recorded_head(header, fkey)
+        out.append(head if head is not None and objfmt.value_holds(strlen, payload_len(head)) else None)
+    return out
 
 
 class RespCard(Card):
@@ -132,15 +145,14 @@ class RespCard(Card):
     def contains_many(self, items, lengths=None, tags=None):
         if not items:
             return []
-        replies = self._io(lambda c: c.pipeline([(b"STRLEN", self._key(db, k)) for db, k in items]))
+        replies = self._io(lambda c: c.keyed_pipeline(self._keys(items), _STRLEN))
         return [objfmt.value_holds(r, n) for r, n in zip(replies, lengths or [None] * len(items))]
 
     def heads(self, heads, tags=None) -> list[Optional[Head]]:
         """What the heads record: one pipelined GETRANGE of each head's header."""
         if not heads:
             return []
-        replies = self._io(lambda c: c.pipeline([(b"GETRANGE", self._key(db, k), *objfmt.HEADER_RANGE)
-                                                 for db, k in heads]))
+        replies = self._io(lambda c: c.keyed_pipeline(self._keys(heads), _GETRANGE_HEADER))
         return [objfmt.recorded_head(r, fkey) for (_, fkey), r in zip(heads, replies)]
 
     def listed_heads(self) -> Iterator[Listed]:
@@ -162,13 +174,23 @@ class RespCard(Card):
             if cursor in (b"0", 0):
                 return
 
+    def heads_holding(self, heads, payload_len, tags=None) -> list[Optional[Head]]:
+        """One round trip: a pipeline of GETRANGE (the header) and STRLEN of each head."""
+        if not heads:
+            return []
+        replies = self._io(lambda c: c.keyed_pipeline(self._keys(heads), _GETRANGE_HEADER + _STRLEN))
+        return _heads_holding(heads, replies, payload_len)
+
+    def _keys(self, items) -> list[bytes]:
+        return [b"%s%03d:%s" % (KEY_PREFIX, db, fkey) for db, fkey in items]
+
     def delete(self, db: int, fkey: bytes, tag: bytes = b"") -> bool:
         return bool(self._io(lambda c: c.command(b"DEL", self._key(db, fkey))))
 
     def delete_many(self, items, tags=None) -> int:
         if not items:
             return 0
-        replies = self._io(lambda c: c.pipeline([(b"DEL", self._key(db, k)) for db, k in items]))
+        replies = self._io(lambda c: c.keyed_pipeline(self._keys(items), _DEL))
         return sum(r for r in replies if isinstance(r, int))
 
     def clean(self) -> int:

@@ -56,16 +56,16 @@ from .base import (Card, CardIOError, CardUnavailable, CardUsage, Head, Listed, 
                    is_head, object_key, parse_claim)
 from .cluster_map import TRANSPORT_ERRORS, Addr, SlotMap, is_retryable, key_slot, parse_cluster_url
 from .cluster_route import ClusterRouting
+from .resp import _DEL, _GETRANGE_HEADER, _STRLEN, OWNERS_KEY, RESERVED_KEYS, SERIAL_KEY, _heads_holding
 from .resp_conn import RespConnection, RespError, ThreadConnections
 
 logger = logging.getLogger("adpkv.gateway.resp_cluster")
 
 SCHEMES = ("redis+cluster://", "rediss+cluster://")
-SERIAL_KEY = b"adpkv:card:serial"
-OWNERS_KEY = b"adpkv:card:owners"      # hash: namespace id (16 hex) -> owner's uid (claim_namespace)
 KEY_PREFIX = b"adpkv:{"
 READ_WINDOW_BYTES = 1 << 20   # values in flight per node in a batched read (2 GETs at least)
 _TRANSPORT = TRANSPORT_ERRORS
+_EXISTS = ((b"EXISTS",),)
 
 
 class ClusterCard(ClusterRouting, Card):
@@ -295,17 +295,14 @@ class ClusterCard(ClusterRouting, Card):
     def contains_many(self, items, lengths=None, tags=None):
         if not items:
             return []
-        tags = tags or [b""] * len(items)
-        replies = self._pipeline([(b"STRLEN", self._key(db, k, t)) for (db, k), t in zip(items, tags)])
+        replies = self._keyed_pipeline(self._keys(items, tags), _STRLEN)
         self._raise_if_all_failed(replies)
         return [objfmt.value_holds(r, n) for r, n in zip(replies, lengths or [None] * len(items))]
 
     def heads(self, heads, tags=None) -> list[Optional[Head]]:
         if not heads:
             return []
-        tags = tags or [b""] * len(heads)
-        replies = self._pipeline([(b"GETRANGE", self._key(db, k, t), *objfmt.HEADER_RANGE)
-                                  for (db, k), t in zip(heads, tags)])
+        replies = self._keyed_pipeline(self._keys(heads, tags), _GETRANGE_HEADER)
         self._raise_if_all_failed(replies)
         return [objfmt.recorded_head(r, fkey) for (_, fkey), r in zip(heads, replies)]
 
@@ -343,6 +340,18 @@ class ClusterCard(ClusterRouting, Card):
                 if cursor in (b"0", 0):
                     break
 
+    def heads_holding(self, heads, payload_len, tags=None) -> list[Optional[Head]]:
+        """One round trip per node: a pipeline of GETRANGE (the header) and STRLEN of each of
+        its heads; a node that does not answer: None for its heads (the others' stand)."""
+        if not heads:
+            return []
+        replies = self._keyed_pipeline(self._keys(heads, tags), _GETRANGE_HEADER + _STRLEN)
+        self._raise_if_all_failed(replies)
+        return _heads_holding(heads, replies, payload_len)
+
+    def _keys(self, items, tags) -> list[bytes]:
+        return [self._key(db, k, t) for (db, k), t in zip(items, tags or [b""] * len(items))]
+
     @staticmethod
     def _raise_if_all_failed(replies: list) -> None:
         errors = [r for r in replies if isinstance(r, NodeIOError)]
@@ -356,8 +365,7 @@ class ClusterCard(ClusterRouting, Card):
     def delete_many(self, items, tags=None) -> int:
         if not items:
             return 0
-        tags = tags or [b""] * len(items)
-        replies = self._pipeline([(b"DEL", self._key(db, k, t)) for (db, k), t in zip(items, tags)])
+        replies = self._keyed_pipeline(self._keys(items, tags), _DEL)
         return sum(r for r in replies if isinstance(r, int))
 
     def clean(self) -> int:
@@ -384,6 +392,9 @@ class ClusterCard(ClusterRouting, Card):
         return removed
 
     def usage(self) -> CardUsage:
+        """Memory and capacity of the primaries, and their keys less the card's own
+        (``resp.RESERVED_KEYS``: serial, layout record, namespace claims; each on the node of
+        its slot). A node that does not answer counts nothing."""
         used = cap = objects = 0
         for addr in self.map.primaries():
             try:
@@ -397,7 +408,8 @@ class ClusterCard(ClusterRouting, Card):
             used += int(fields.get("used_memory", 0))
             cap += int(fields.get("maxmemory", 0))
             objects += size
-        return CardUsage(used, cap, max(0, objects - 1))
+        reserved = sum(r for r in self._keyed_pipeline(list(RESERVED_KEYS), _EXISTS) if isinstance(r, int))
+        return CardUsage(used, cap, max(0, objects - reserved))
 
     # ------------------------------------------------------------------ namespace claims
     def namespace_owner(self, nsid: bytes) -> Optional[int]:

@@ -3,8 +3,9 @@
 Values of 128 KiB–3 MiB are the common case: a GET reads the reply's payload
 with ``recv_into`` directly into the caller's buffer (a ring slot), and a SET
 sends header and payload with one ``sendmsg`` — no intermediate ``bytes``.
-Replies to pipelined small commands (EXISTS, DEL, PING) are parsed from a
-small read buffer.
+Replies to pipelined small commands (STRLEN, GETRANGE of a header, DEL) are
+parsed from a small read buffer in one pass (``read_replies``), and a batch of
+single-key commands is encoded from one template per command (``encode_keyed``).
 """
 
 from __future__ import annotations
@@ -59,13 +60,28 @@ class RespConnection:
     def pipeline(self, commands: Sequence[Sequence[bytes]]) -> list:
         """Send all commands at once, then read every reply (errors returned as RespError)."""
         self.sock.sendall(b"".join(self.encode(*c) for c in commands))
-        out = []
-        for _ in commands:
-            try:
-                out.append(self.read_reply())
-            except RespError as exc:
-                out.append(exc)
-        return out
+        return self.read_replies(len(commands))
+
+    @staticmethod
+    def encode_keyed(keys: Sequence[bytes], commands: Sequence[Sequence[bytes]]) -> bytes:
+        """Every command of ``commands`` (a name and its arguments after the key) for each key
+        in turn, the key second: ``k0 c0, k0 c1, ..., k1 c0, ...`` (one template per command,
+        filled per key: the encoding of a large batch of single-key commands)."""
+        parts = []
+        for name, *args in commands:
+            pre = b"*%d\r\n$%d\r\n%s\r\n" % (2 + len(args), len(name), name)
+            post = b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+            parts.append(pre.replace(b"%", b"%%") + b"$%d\r\n%s\r\n" + post.replace(b"%", b"%%"))
+        template = b"".join(parts)
+        if len(commands) == 1:
+            return b"".join([template % (len(k), k) for k in keys])
+        return b"".join([template % tuple(x for _ in commands for x in (len(k), k)) for k in keys])
+
+    def keyed_pipeline(self, keys: Sequence[bytes], commands: Sequence[Sequence[bytes]]) -> list:
+        """``encode_keyed(keys, commands)`` sent at once, one round trip; the replies in that
+        order (``len(keys) * len(commands)``, errors as RespError)."""
+        self.sock.sendall(self.encode_keyed(keys, commands))
+        return self.read_replies(len(keys) * len(commands))
 
     def set_value(self, key: bytes, parts: Sequence[memoryview]) -> None:
         """SET key to the concatenation of ``parts`` (one sendmsg, no copy of the payload)."""
@@ -117,6 +133,53 @@ class RespConnection:
             k = min(n, len(scratch))
             self._exact_into(memoryview(scratch)[:k])
             n -= k
+
+    def read_replies(self, n: int) -> list:
+        """The next ``n`` replies, an error reply as a RespError in its place. Integers, simple
+        and bulk strings (the replies of a batch of single-key commands) are parsed in one pass
+        over the read buffer; an array reply goes through ``read_reply``."""
+        out: list = []
+        buf, pos = self._buf, 0
+        while len(out) < n:
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                del buf[:pos]
+                pos = 0
+                self._fill()
+                continue
+            kind = buf[pos]
+            if kind == 36:                                   # $: a bulk string
+                size = int(buf[pos + 1:eol])
+                if size < 0:
+                    out.append(None)
+                    pos = eol + 2
+                    continue
+                end = eol + 2 + size
+                if len(buf) < end + 2:
+                    del buf[:pos]
+                    pos = 0
+                    self._fill()
+                    continue
+                out.append(bytes(buf[eol + 2:end]))
+                pos = end + 2
+            elif kind == 58:                                 # :
+                out.append(int(buf[pos + 1:eol]))
+                pos = eol + 2
+            elif kind == 43:                                 # +
+                out.append(bytes(buf[pos + 1:eol]))
+                pos = eol + 2
+            elif kind == 45:                                 # -
+                out.append(RespError(bytes(buf[pos + 1:eol]).decode(errors="replace")))
+                pos = eol + 2
+            else:                                            # an array (or garbage): the general parser
+                del buf[:pos]
+                pos = 0
+                try:
+                    out.append(self.read_reply())
+                except RespError as exc:
+                    out.append(exc)
+        del buf[:pos]
+        return out
 
     def read_reply(self):
         line = self._line()
