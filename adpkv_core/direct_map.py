@@ -69,7 +69,8 @@ class Mapping:
         return start, self._at + self.nbytes
 
     def close(self) -> None:
-        self.array = None
+        if hasattr(self, "array"):
+            del self.array      # the buffer export must go before the mapping can close
         self._mm.close()
 
 

@@ -521,7 +521,7 @@ class MapOk(Message, **_op("OK")):
 
 
 DoorRequest = Union[SessionRequest, RingRequest, RegionRequest, MapRequest]
-DOOR_OPS = frozenset(t.__struct_config__.tag for t in DoorRequest.__args__)
+DOOR_OPS = frozenset(t.__struct_config__.tag for t in (SessionRequest, RingRequest, RegionRequest, MapRequest))
 
 # ---------------------------------------------------------------- encoding and decoding
 _encoder = msgspec.msgpack.Encoder()

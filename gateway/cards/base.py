@@ -208,7 +208,7 @@ class Card(abc.ABC):
         there = [i for i, h in enumerate(recorded) if h is not None]
         if not there:
             return recorded
-        found = self.contains_many([heads[i] for i in there], [payload_len(recorded[i]) for i in there],
+        found = self.contains_many([heads[i] for i in there], [payload_len(h) for h in recorded if h is not None],
                                    [tags[i] for i in there] if tags else None)
         out: list[Optional[Head]] = [None] * len(heads)
         for i, hit in zip(there, found):

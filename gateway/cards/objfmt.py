@@ -101,7 +101,8 @@ def read_header(header, fkey: bytes) -> Optional[Parsed]:
         return None
     flag = header[_TAG_FLAG_AT]
     tag = bytes(header[_TAG_AT:_TAG_AT + (flag & 0x7F)]) if flag & 0x80 and flag & 0x7F <= MAX_TAG else None
-    return Parsed(plen, *struct.unpack_from(">QQ", header, _WRITE_AT)[::-1], tag)
+    write_id, object_bytes = struct.unpack_from(">QQ", header, _WRITE_AT)
+    return Parsed(plen, object_bytes, write_id, tag)
 
 
 def check_header(header, fkey: bytes, payload_len: int, write_id: Optional[int] = None) -> Read:
