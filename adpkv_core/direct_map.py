@@ -55,12 +55,13 @@ class Mapping:
         self.nbytes = nbytes
         self._mm = mm
         self._at = offset
-        self.array = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset)
+        self.array: Optional[np.ndarray] = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset)
         self.registered = False
         self.users = 0
 
     @property
     def address(self) -> int:
+        assert self.array is not None, "a closed mapping has no address"
         return int(self.array.ctypes.data)
 
     def region(self) -> tuple[int, int]:
@@ -69,8 +70,7 @@ class Mapping:
         return start, self._at + self.nbytes
 
     def close(self) -> None:
-        if hasattr(self, "array"):
-            del self.array      # the buffer export must go before the mapping can close
+        self.array = None       # the buffer export must go before the mapping can close
         self._mm.close()
 
 

@@ -21,6 +21,7 @@ import tempfile
 
 import pytest
 
+from adpkv_gateway.cards.fs_files import object_name
 from adpkv_core import protocol as P
 from adpkv_core.client import GatewayClient
 from adpkv_core.direct_map import DirectMaps
@@ -51,7 +52,7 @@ def _file_of(card_dir: str, key: bytes) -> str:
     """The head fragment's file of an object on an fs card (found by its name)."""
     name = (key + (0).to_bytes(2, "big")).hex()
     for db in sorted(os.listdir(card_dir)):
-        path = os.path.join(card_dir, db, name)
+        path = os.path.join(card_dir, db, object_name(bytes.fromhex(name)))
         if os.path.exists(path):
             return path
     raise AssertionError(f"no file {name} on {card_dir}")
@@ -90,7 +91,7 @@ def test_map_hands_checked_read_only_descriptors_of_own_objects(start_gateway, i
     assert [bytes(m.array) == pattern(k, 0, OBJ) for m, k in zip(got, keys)] == [True] * 6
     maps.release(got)
     assert maps.stats()["mapped_bytes"] == 6 * OBJ and maps.stats()["handed"] == 6
-    counters = c.stats().result(10)["counters"]
+    counters = c.stats().result(10).counters
     assert (counters["map_requests"], counters["map_handed"], counters["map_misses"]) == (2, 12, 1), counters
     maps.close()
     c.close()
