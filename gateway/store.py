@@ -32,7 +32,7 @@ from typing import Callable, Collection, NamedTuple, Optional, Sequence
 from .fragments import db_hash, fragment_db, fragment_dbs, fragment_extents, fragment_key
 from .card_stats import CardStats
 
-from .cards.base import Card, CardIOError, NodeIOError, Read, object_key
+from .cards.base import Card, CardIOError, Head, NodeIOError, Read, object_key
 from .cards.objfmt import new_write_id
 from .placement import Placement, key_layout_fingerprint
 
@@ -457,51 +457,38 @@ class ObjectStore:
     def _whole(self, card: int, keys: Sequence[bytes], object_bytes: Optional[int],
                tags: Sequence[bytes]) -> list[Optional[int]]:
         """For each object, the write id its head carries when it has all its fragments on
-        ``card``, else None (a card that fails to answer holds none of them)."""
+        ``card``, else None (a card that fails to answer holds none of them). The heads and
+        whether each holds its first extent come in one call (``Card.heads_holding``: one
+        round trip per server on the resp and cluster cards); only objects of several
+        fragments need a second, for their other fragments."""
         c = self.cards[card]
+        frag = self.fragment_size
         cuts: dict[int, list[tuple[int, int]]] = {}       # object size -> its fragment extents
+
+        def head_len(head: Head) -> Optional[int]:
+            # the head's payload: the first extent of the size it records (or that a GET gives);
+            # 0: a head written before sizes were recorded, any payload
+            size = object_bytes or head.size
+            return (min(size, frag) if frag > 0 else size) or None
         try:
             suffix, dbs = fragment_key(b"", 0), self.num_dbs
             heads = [(db_hash(k) % dbs, k + suffix) for k in keys]   # fragment 0's (db, key), as fragment_db
-            # The size each head records: a head that records another size is another object (a
-            # GET at a smaller size must not take a larger object's first fragments); 0: a head
-            # written before sizes were recorded.
-            recorded_heads = c.heads(heads, list(tags))
-            recorded = [None if h is None else h.size for h in recorded_heads]
-            if object_bytes and len(fragment_extents(object_bytes, self.fragment_size)) == 1:
-                # one fragment an object (the usual case): one item each, no spans
-                found = c.contains_many(heads, [object_bytes] * len(keys), list(tags))
-                return [h.write_id if f and r in (0, object_bytes) else None
-                        for f, r, h in zip(found, recorded, recorded_heads)]
-            sizes = recorded if object_bytes is None else \
-                [object_bytes if r in (0, object_bytes) else None for r in recorded]
-            frag = self.fragment_size
-            if frag <= 0 or all(size is None or size <= frag for size in sizes):
-                # every object there is one fragment (the usual case): its head alone, one batch
-                there = [i for i, size in enumerate(sizes) if size is not None]
-                found = c.contains_many([heads[i] for i in there], [sizes[i] or None for i in there],
-                                        [tags[i] for i in there]) if there else []
-                whole: list[Optional[int]] = [None] * len(keys)
-                for i, hit in zip(there, found):
-                    if hit:
-                        whole[i] = recorded_heads[i].write_id
-                return whole
+            found_heads = c.heads_holding(heads, head_len, list(tags))
+            # A head that records another size than a GET asks is another object (a GET at a
+            # smaller size must not take a larger object's first fragments).
+            sizes = [None if h is None else h.size if object_bytes is None else
+                     object_bytes if h.size in (0, object_bytes) else None for h in found_heads]
             items: list[tuple[int, bytes]] = []
             lengths: list[Optional[int]] = []
             item_tags: list[bytes] = []
             spans = []
-            for key, size, tag, head in zip(keys, sizes, tags, heads):
+            for key, size, tag in zip(keys, sizes, tags):
                 start = len(items)
-                if size is None:
-                    pass                          # no head, or another object's: not there
-                elif size == 0:
-                    items.append(head)            # a head that records no size (older objects)
-                    lengths.append(None)
-                else:
+                if size and frag > 0 and size > frag:         # its other fragments (the head is checked)
                     extents = cuts.get(size)
                     if extents is None:
-                        extents = cuts[size] = fragment_extents(size, self.fragment_size)
-                    for db, fkey, _, length in self._layout(key, extents):
+                        extents = cuts[size] = fragment_extents(size, frag)
+                    for db, fkey, _, length in self._layout(key, extents)[:-1]:
                         items.append((db, fkey))
                         lengths.append(length)
                 item_tags.extend([tag] * (len(items) - start))
@@ -511,7 +498,8 @@ class ObjectStore:
             _log_io_error(exc)
             self.on_io(card, isinstance(exc, NodeIOError), 0.0)
             return [None] * len(keys)
-        return [h.write_id if b > a and all(found[a:b]) else None for (a, b), h in zip(spans, recorded_heads)]
+        return [h.write_id if size is not None and all(found[a:b]) else None
+                for (a, b), h, size in zip(spans, found_heads, sizes)]
 
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]]) -> int:
         """Remove objects (all their fragments) from their replica cards (and, during a card-set

@@ -491,7 +491,7 @@ def _cached(path) -> bool:
 
 
 def _object_files(card_dir):
-    return sorted(p for p in card_dir.glob("db*/*") if p.is_file())
+    return sorted(p for p in card_dir.glob("db*/*/*") if p.is_file())      # dbNNN/<subdirectory>/<file>
 
 
 @pytest.mark.parametrize("damage", ["none", "flipped byte", "truncated"])
