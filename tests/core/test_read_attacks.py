@@ -402,7 +402,7 @@ def _damager(card_dir, seed):
         rng, n = random.Random(seed), 0
         files: list[str] = []
         while not stop.is_set():
-            if len(files) < 2:                  # listed again only when one went (4,096 directories a listing)
+            if len(files) < 2:                  # listed again only when files went (4,096 directories a listing)
                 files = list(card_files(card_dir).values())
                 continue
             path, other = rng.sample(files, 2)
@@ -432,7 +432,7 @@ def _damager(card_dir, seed):
                         dst.write(original)
                     os.rename(path + ".o", path)
             except FileNotFoundError:
-                files = []                      # dropped by the gateway (and stored again elsewhere, maybe)
+                files.remove(path)              # dropped by the gateway (stored again: found by the next listing)
             n += 1
         return n
     return loop
