@@ -40,37 +40,14 @@ from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.spawn import GatewayProcess
 from adpkv_vllm.copy import PagedLayer, ring_tensor
+from gpu_restore import GEOMETRIES, log, pinned_bandwidth   # a sibling: benchmarks/ is on sys.path when run as a script
 
-GiB, MiB = 1 << 30, 1 << 20
-
-GEOMETRIES = {
-    "llama3-8b": dict(layers=32, kv_heads=8, head_dim=128),
-    "tiny": dict(layers=4, kv_heads=2, head_dim=64),
-}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+GiB = 1 << 30
 
 
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def pinned_h2d() -> float:
-    dev = torch.empty(GiB, dtype=torch.uint8, device="cuda")
-    host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
-    for _ in range(2):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(6):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    bw = 6 * GiB / (time.perf_counter() - t0) / 1e9
-    del dev, host
-    return bw
 
 
 class Cache:
@@ -271,7 +248,7 @@ def main() -> int:
     report = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
               "torch": torch.__version__, "cpus": os.cpu_count(), "args": vars(args), "runs": []}
     if args.device == "cuda":
-        report["pinned_h2d_GBs"] = pinned_h2d()
+        report["pinned_h2d_GBs"] = pinned_bandwidth()["h2d_1024MiB_GBs"]
         log(f"pinned H2D (1 GiB copies): {report['pinned_h2d_GBs']:.1f} GB/s")
     for tokens in [int(t) for t in args.tokens.split(",")]:
         run(tokens, args, report)

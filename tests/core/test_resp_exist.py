@@ -31,6 +31,8 @@ from adpkv_gateway.cards.resp_conn import RespConnection
 from adpkv_gateway.cards.resp_cluster import ClusterCard
 from adpkv_gateway.fragments import fragment_key
 
+from .test_cards_redis_cluster import redis_cluster  # noqa: F401  (the fixture: a real Redis Cluster)
+
 N = 16384
 PAYLOAD = 256
 
@@ -65,21 +67,6 @@ class Turns:
 
     def close(self):
         self.sock.close()
-
-
-@pytest.fixture
-def redis_cluster(tmp_path):
-    from redis_cluster import RedisCluster
-    started = []
-
-    def start(**kw):
-        c = RedisCluster(str(tmp_path / f"cluster{len(started)}"), **kw)
-        started.append(c)
-        return c.start()
-
-    yield start
-    for c in started:
-        c.stop()
 
 
 def head_keys(n: int, seed: bytes = b"h") -> list[bytes]:
