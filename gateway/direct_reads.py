@@ -152,13 +152,7 @@ class DirectReads:
         self.gw = gateway
 
     def serve(self, session, msg: P.MapRequest) -> None:
-        gw = self.gw
-        engine = gw.engines.engine
-        ranks = [gw.engines.peers.get(identity) for identity in session.identities]
-        if engine is None or engine.uid != session.uid or not any(p is not None and p.rank is not None
-                                                                  for p in ranks):
-            raise P.ProtocolError(P.FORBIDDEN, "object files are handed only to an attached rank of an engine "
-                                  "of this user (HELLO first, as a rank)")
+        self.gw.rank_session_engine(session, "object files are")
         self._checked(session, msg, None)
 
     def _checked(self, session, msg: P.MapRequest, settled) -> None:

@@ -39,7 +39,7 @@ from .config import GatewayConfig, socket_mode
 from .data_requests import DataRequests
 from .direct_reads import DirectReads
 from .door import DoorServer, Session, claim_door, raise_open_files_limit
-from .engines import EngineRegistry, Peer
+from .engines import EngineRegistry, EngineSession, Peer
 from .health import HealthMonitor
 from .layout_change import LayoutChange
 from . import stats
@@ -322,17 +322,21 @@ class Gateway:
         session.identities.add(identity)
         self._send(identity, P.HelloOk(id=msg.id, proof=session.proof))
 
-    def _ring_for(self, session: Session) -> Ring:
-        """The ring a door session may map (its RING request): its engine's, and only once one
-        of its connections is attached as a rank of that engine and the session's user owns the
-        engine. FORBIDDEN otherwise (before HELLO, a lookup peer, another user's engine)."""
+    def rank_session_engine(self, session: Session, what: str) -> EngineSession:
+        """The engine of a door session that may be handed ``what`` (the ring, object files):
+        one of its connections is attached as a rank of that engine and the session's user
+        owns the engine. FORBIDDEN otherwise (before HELLO, a lookup peer, another user's engine)."""
         engine = self.engines.engine
         ranks = [self.engines.peers.get(identity) for identity in session.identities]
         if engine is None or engine.uid != session.uid or not any(p is not None and p.rank is not None
                                                                   for p in ranks):
-            raise P.ProtocolError(P.FORBIDDEN, "the ring is handed only to an attached rank of its engine "
-                                  "(HELLO first, as a rank)")
-        return self.transfers.engine_ring(engine).ring
+            raise P.ProtocolError(P.FORBIDDEN, f"{what} handed only to an attached rank of an engine of this "
+                                  "user (HELLO first, as a rank)")
+        return engine
+
+    def _ring_for(self, session: Session) -> Ring:
+        """The ring a door session may map (its RING request): its engine's (``rank_session_engine``)."""
+        return self.transfers.engine_ring(self.rank_session_engine(session, "the ring is")).ring
 
     def _on_session_closed(self, session: Session) -> None:
         """A client's door closed (it exited, or closed its client): what it attached goes now."""

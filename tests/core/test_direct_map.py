@@ -16,19 +16,18 @@ import fcntl
 import logging
 import mmap
 import os
-import shutil
-import tempfile
 
 import pytest
 
-from adpkv_gateway.cards.fs_files import object_name
 from adpkv_core import protocol as P
 from adpkv_core.client import GatewayClient
 from adpkv_core.direct_map import DirectMaps
 from adpkv_core.door import DoorSession, door_path
 from adpkv_core.settings import ClientConfig
+from adpkv_gateway.cards.fs_files import object_name
 
 from .rankproc import get_checked, make_keys, pattern
+from .test_adversary_namespace import open_dir  # noqa: F401  (the fixture: a directory every user may traverse)
 from .test_security import NOBODY, as_nobody
 
 OBJ = 256 << 10          # past the size the checksum hashes without the GIL
@@ -222,14 +221,6 @@ def _nobody_maps(port: int, theirs: list, mine: list) -> dict:
         os.close(fd)
     c.close()
     return seen
-
-
-@pytest.fixture
-def open_dir():
-    path = tempfile.mkdtemp(prefix="adpkv-map-", dir="/tmp")
-    os.chmod(path, 0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.timeout(120)
