@@ -173,13 +173,7 @@ class Gateway:
                         self.door.on_readable(what)
                 self.door.tick(time.monotonic())
                 self._drain_completions()
-                for _ in range(1000):
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._on_frames(frames)
-                    self._drain_completions()
+                self._read_queued(1000)
                 now = time.monotonic()
                 if now >= next_tick:
                     next_tick = now + 1.0
@@ -187,14 +181,17 @@ class Gateway:
         finally:
             self._shutdown()
 
-    def _read_all_queued(self) -> None:
-        while True:
+    def _read_queued(self, limit: Optional[int]) -> None:
+        """Handle the control messages queued now, at most ``limit`` (None: all of them)."""
+        handled = 0
+        while limit is None or handled < limit:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             self._on_frames(frames)
             self._drain_completions()
+            handled += 1
 
     def stop(self) -> None:
         self.stopping = True
@@ -207,7 +204,7 @@ class Gateway:
         if self.engines.expired():
             # A loop that fell behind (a loaded host) has not read what the rank sent: read
             # everything queued before calling anyone silent.
-            self._read_all_queued()
+            self._read_queued(None)
         for ident in self.engines.expired():
             self._detach(ident, f"no message for {self.config.engine_timeout_s:.0f} s")
         if time.monotonic() >= self.next_keep_claims:
