@@ -406,15 +406,24 @@ def test_a_gateway_killed_mid_store_keeps_only_whole_objects(start_gateway, big_
     path, arr = big_region
     n = 64
     rows = _fill_rows(arr, n, 7)
-    keys = make_keys(n + 1)[1:]
+    keys = make_keys(8 * n + 1)[1:]               # key i holds row i % n: stores go on while the card is watched
+    card = tmp_path / "card0"
+
+    def store_in_progress() -> bool:
+        return any(e.name.startswith(".") for db in os.scandir(card) if db.is_dir()
+                   for sub in os.scandir(db.path) if sub.is_dir() for e in os.scandir(sub.path))
+
     c = _client(gw.port, "region-kill-store")
     try:
         region = c.register_region(path, 0, len(arr)).result(5)
-        futs = [c.put_from(region, [i * BIG for i in range(j, j + 4)], keys[j:j + 4], BIG) for j in range(0, n, 4)]
-        deadline = time.monotonic() + 10
+        futs = []
+        deadline = time.monotonic() + 20
         writing = False
         while time.monotonic() < deadline and not writing:      # until a store is on its way to the card
-            writing = any(p.name.startswith(".") for p in (tmp_path / "card0").rglob("*") if p.is_file())
+            j = 4 * len(futs)
+            if j < len(keys) and sum(not f.done() for f in futs) < 8:
+                futs.append(c.put_from(region, [(i % n) * BIG for i in range(j, j + 4)], keys[j:j + 4], BIG))
+            writing = store_in_progress()
         assert writing, "no store was in progress to interrupt"
         gw.proc.send_signal(signal.SIGKILL)
         gw.proc.wait(10)
@@ -422,13 +431,13 @@ def test_a_gateway_killed_mid_store_keeps_only_whole_objects(start_gateway, big_
             f.result(30)
     finally:
         c.close()
-    again = start_gateway([str(tmp_path / "card0")])
+    again = start_gateway([str(card)])
     c = _client(again.port, "region-kill-store-after")
     try:
         back = _ring_read(c, keys)
         for i, k in enumerate(keys):
             if k in back:
-                assert back[k] == rows[i], f"object {i} differs after the restart"
+                assert back[k] == rows[i % n], f"object {i} differs after the restart"
         assert c.exist(keys).result(5) == [k in back for k in keys]      # what is found reads whole
     finally:
         c.close()
