@@ -7,12 +7,17 @@ on it and measured:
 
 - ``rss_b``: the gateway's anonymous memory (``RssAnon``) an object once its scan ended,
   over the same gateway on an empty card;
-- ``serve_s``: from the spawn of the process to its first answer (PING);
+- ``serve_s``: from the spawn of the process to its first answer (PING); and once, before
+  the counts, ``new_card_serve_s``: the same for a gateway on a new, empty card;
 - ``scan_s``: from the spawn to the end of the scan of the card's files (STATS ``work``);
 - ``snap_s``: from the spawn to the first answer of a restart after a clean stop (the index
   snapshot instead of a scan);
 - ``exist512_ms`` / ``exist16k_ms``: EXIST of 512 and 16,384 stored keys, p50 and p99 of
   real client round trips (``--rounds``);
+- ``store16k_us``: the gateway's share of a 16,384-key EXIST, µs a key (p50): the gateway's
+  own store code (``ObjectStore.exists``, what its pool runs for an EXIST) on the card, opened
+  in this process from the snapshot of the gateway's clean stop (put back afterwards: the
+  files are unchanged);
 - ``get_obj_s``: GET of 512 hot objects at a time, objects a second;
 - ``hit`` / ``lru_hit`` / ``evict`` / ``lru_evict``: a Zipf trace (s=0.9) of ``--trace``
   lookups in batches of 64 (GET, then PUT of the misses) on the gateway restarted with a
@@ -43,6 +48,8 @@ from fs_cards import build_card, card_keys, payload_of  # noqa: E402
 from adpkv_core.client import GatewayClient  # noqa: E402
 from adpkv_core.settings import ClientConfig  # noqa: E402
 from adpkv_gateway import control  # noqa: E402
+from adpkv_gateway.cards.fs import SNAPSHOT_FILE, FsCard  # noqa: E402
+from adpkv_gateway.store import ObjectStore  # noqa: E402
 from adpkv_gateway.spawn import GatewayProcess  # noqa: E402
 
 HEADER = 4096
@@ -144,6 +151,7 @@ def measure(gw, root, keys, n, size, rounds, trace_len, empty_rss, built, served
     out["get_obj_s"] = round(rounds * len(hot) / (time.perf_counter() - t))
     client.close()
     gw.stop()
+    out["store16k_us"] = round(store_exist_us(root, keys, rounds), 2)
     t0 = time.monotonic()
     gw.start(wait=False)
     control.wait_until_up(gw.port, 600)
@@ -180,6 +188,32 @@ def measure(gw, root, keys, n, size, rounds, trace_len, empty_rss, built, served
     out.update(hit=round(hits / len(trace), 4), lru_hit=round(lru_hits / len(trace), 4),
                evict=round(evicted / len(trace), 4), lru_evict=round(lru_evicted / len(trace), 4))
     return out
+
+
+def store_exist_us(root: str, keys: list[bytes], rounds: int) -> float:
+    """µs a key (p50) of ``ObjectStore.exists`` of 16,384 stored keys on the card at ``root``
+    (16 databases, the gateway's default placement), its index from the snapshot there."""
+    snapshot = os.path.join(root, SNAPSHOT_FILE)
+    with open(snapshot, "rb") as fh:
+        saved = fh.read()
+    card = FsCard(root, num_dbs=16)
+    card.open()                                # takes the snapshot (and removes it)
+    try:
+        store = ObjectStore([card], 16, 16, "dialog", 0, True)
+        rng = np.random.default_rng(2)
+        times = []
+        for _ in range(rounds):
+            ask = [keys[i] for i in rng.integers(0, len(keys), min(16384, len(keys)))]
+            t = time.perf_counter()
+            found = store.exists(ask, None)
+            times.append((time.perf_counter() - t) / len(ask))
+            assert all(found)
+    finally:
+        card.close()                           # (a check of the snapshot still running saves none)
+    fd = os.open(snapshot, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(saved)
+    return float(np.percentile(times, 50)) * 1e6
 
 
 def fill(client, b, keys, size):
@@ -228,7 +262,12 @@ def main() -> None:
     rows = []
     try:
         empty = GatewayProcess(os.path.join(base, "empty"), log_path=os.path.join(base, "empty.log"),
-                               shared_memory_size=256 << 20).start()
+                               shared_memory_size=256 << 20)
+        t0 = time.monotonic()
+        empty.start(wait=False)
+        if not control.wait_until_up(empty.port, 600):
+            raise RuntimeError(empty.log()[-3000:])
+        print(json.dumps({"new_card_serve_s": round(time.monotonic() - t0, 2)}), flush=True)
         empty_rss = rss_anon(empty.proc.pid)
         empty.stop()
         for n in [int(c) for c in args.counts.split(",")]:

@@ -12,9 +12,14 @@ card); ``stripe`` from the chunk itself (one long restore reads all cards).
 from __future__ import annotations
 
 import hashlib
+import itertools
+import operator
 from typing import Optional, Sequence
 
+import numpy as np
 import xxhash
+
+_DIGEST = operator.itemgetter(slice(9, 25))       # a key's chunk digest (adpkv_core.keys)
 
 
 def slot_rankings(serials: Sequence[Optional[str]], storage_slots: int) -> list[list[int]]:
@@ -67,6 +72,24 @@ class Placement:
             return xxhash.xxh3_64_intdigest(mark.to_bytes(8, "big")) % self.storage_slots
         # stripe, or no mark given: the chunk digest picks the slot (all layers of a chunk together)
         return xxhash.xxh3_64_intdigest(key[9:25]) % self.storage_slots
+
+    def slots(self, keys: Sequence[bytes], marks: Optional[Sequence[int]]) -> np.ndarray:
+        """``slot`` of every key of a batch at once (``int64``): each distinct dialog mark
+        hashed once, the chunk digests of the others hashed in one pass of C calls (no Python
+        code a key: a 16,384-key EXIST places its keys in about a millisecond)."""
+        n = len(keys)
+        if self.mode == "dialog" and marks:
+            of_mark = {m: self.slot(b"", m) for m in set(marks) if m}
+            out = np.fromiter(map(of_mark.get, marks, itertools.repeat(-1)), np.int64, n)
+            unmarked = np.flatnonzero(out < 0)
+            if unmarked.size:
+                out[unmarked] = self._digest_slots([keys[i] for i in unmarked.tolist()])
+            return out
+        return self._digest_slots(keys)
+
+    def _digest_slots(self, keys: Sequence[bytes]) -> np.ndarray:
+        digests = np.fromiter(map(xxhash.xxh3_64_intdigest, map(_DIGEST, keys)), np.uint64, len(keys))
+        return (digests % np.uint64(self.storage_slots)).astype(np.int64)
 
     def ranking(self, key: bytes, mark: int) -> list[int]:
         return self.rankings[self.slot(key, mark)]

@@ -29,10 +29,12 @@ import threading
 import zlib
 from typing import Callable, Collection, NamedTuple, Optional, Sequence
 
+import numpy as np
+
 from .fragments import db_hash, fragment_db, fragment_dbs, fragment_extents, fragment_key
 from .card_stats import CardStats
 
-from .cards.base import Card, CardIOError, Head, NodeIOError, Read, object_key
+from .cards.base import Card, CardIOError, FirstExtent, NodeIOError, Read, object_key
 from .cards.objfmt import new_write_id
 from .placement import Placement, key_layout_fingerprint
 
@@ -78,6 +80,18 @@ class Holder(int):
         h.others = others
         h.write_id = write_id
         return h
+
+
+class _Found(NamedTuple):
+    """``ObjectStore._lookup``'s answer for a batch, by position: the card holding each object
+    whole (-1: none), its head's write id there, its rank among the object's replica cards
+    (-1: found through the previous placement), its slot; and each slot's replica cards."""
+
+    card: np.ndarray
+    write_id: np.ndarray
+    rank: np.ndarray
+    slot: np.ndarray
+    replicas: dict[int, list[int]]
 
 
 class PreviousPlacement:
@@ -395,7 +409,7 @@ class ObjectStore:
     def exists(self, keys: Sequence[bytes], marks: Optional[Sequence[int]],
                object_bytes: Optional[int] = None) -> list[bool]:
         """Whether each object is whole on a card in service that would serve it."""
-        return [card is not None for card in self.holders(keys, marks, object_bytes)]
+        return (self._lookup(keys, marks, object_bytes).card >= 0).tolist()
 
     def holders(self, keys: Sequence[bytes], marks: Optional[Sequence[int]],
                 object_bytes: Optional[int] = None) -> list[Optional[int]]:
@@ -403,103 +417,130 @@ class ObjectStore:
         (every fragment, at the sizes ``object_bytes`` gives, or else the size its head
         records), or None: where a read of it goes. The card comes as a ``Holder`` that
         also names the other replica cards and the write id of the object's head there,
-        for ``read_plans``. Runs on the pool for a batch at once: each slot's cards in
-        service found once."""
-        n = len(keys)
-        out: list[Optional[int]] = [None] * n
-        slot, rankings = self.placement.slot, self.placement.rankings
-        by_slot: dict[int, list[int]] = {}                # slot -> its replica cards in service
-        candidates = []
-        for i, key in enumerate(keys):
-            s = slot(key, marks[i] if marks else 0)
-            cands = by_slot.get(s)
-            if cands is None:
-                cands = by_slot[s] = [c for c in rankings[s] if self.active[c]][:self.replicas]
-            candidates.append(cands)
-        tags = [self.slot_tag(m) for m in marks] if marks and self.placement_mode == "dialog" else [b""] * n
-        pending = range(n)
-        for r in range(self.replicas):
-            by_card: dict[int, list[int]] = collections.defaultdict(list)
-            for i in pending:
-                if r < len(candidates[i]):
-                    by_card[candidates[i][r]].append(i)
-            if not by_card:
-                break
-            for card, idx in by_card.items():
-                found = self._whole(card, [keys[i] for i in idx], object_bytes, [tags[i] for i in idx])
-                for i, write_id in zip(idx, found):
-                    if write_id is not None:
-                        out[i] = Holder.of(card, tuple(candidates[i][r + 1:]), write_id)
-            pending = [i for i in pending if out[i] is None]
-        prev = self.previous
-        if pending and prev is not None:
-            self._previous_holders(prev, keys, marks, object_bytes, tags, candidates, pending, out)
+        for ``read_plans``."""
+        found = self._lookup(keys, marks, object_bytes)
+        out: list[Optional[int]] = [None] * len(keys)
+        hit = np.flatnonzero(found.card >= 0)
+        for i, card, write_id, rank, slot in zip(hit.tolist(), found.card[hit].tolist(), found.write_id[hit].tolist(),
+                                                 found.rank[hit].tolist(), found.slot[hit].tolist()):
+            out[i] = Holder.of(card, tuple(found.replicas[slot][rank + 1:]) if rank >= 0 else (), write_id)
         return out
 
-    def _previous_holders(self, prev: "PreviousPlacement", keys, marks, object_bytes, tags, candidates, pending,
-                          out) -> None:
+    def _lookup(self, keys: Sequence[bytes], marks: Optional[Sequence[int]],
+                object_bytes: Optional[int]) -> "_Found":
+        """``holders`` of a batch as arrays, on the pool: the slots of all keys at once
+        (``Placement.slots``), each slot's replica cards in service found once, then per
+        replica rank one ``Card.heads_found`` per card for the keys still missing there."""
+        n = len(keys)
+        slots = self.placement.slots(keys, marks)
+        replicas = {s: [c for c in self.placement.rankings[s] if self.active[c]][:self.replicas]
+                    for s in set(slots.tolist())}
+        by_rank = np.full((self.storage_slots, self.replicas), -1, np.int64)    # slot, rank -> card
+        for s, cards in replicas.items():
+            by_rank[s, :len(cards)] = cards
+        found = _Found(np.full(n, -1, np.int64), np.zeros(n, np.uint64), np.full(n, -1, np.int64), slots, replicas)
+        if not n:
+            return found
+        all_keys = np.array(keys, dtype=object)
+        dbs = (np.fromiter(map(db_hash, keys), np.uint64, n) % np.uint64(self.num_dbs)).astype(np.int64)
+        tags = self._tags(marks, n)
+        pending = np.arange(n)
+        for r in range(self.replicas):
+            on = by_rank[slots[pending], r]
+            for card in set(on.tolist()) - {-1}:
+                idx = pending[on == card]
+                whole, write_ids = self._whole(card, all_keys[idx].tolist(), dbs[idx], object_bytes, tags[idx].tolist())
+                hit = idx[whole]
+                found.card[hit], found.write_id[hit], found.rank[hit] = card, write_ids[whole], r
+            pending = pending[found.card[pending] < 0]
+            if not pending.size:
+                break
+        prev = self.previous
+        if pending.size and prev is not None:
+            self._previous_holders(prev, keys, marks, object_bytes, all_keys, dbs, tags, found, pending.tolist())
+        return found
+
+    def _tags(self, marks: Optional[Sequence[int]], n: int) -> np.ndarray:
+        """The slot tag of each object of a batch (``slot_tag``, each distinct mark once), as an
+        object array."""
+        tags = np.empty(n, object)
+        if marks and self.placement_mode == "dialog":
+            of_mark = {m: self.slot_tag(m) for m in set(marks)}
+            tags[:] = list(map(of_mark.__getitem__, marks))
+        else:
+            tags[:] = b""
+        return tags
+
+    def _previous_holders(self, prev: "PreviousPlacement", keys, marks, object_bytes, all_keys, dbs, tags,
+                          found: "_Found", pending: list[int]) -> None:
         """During a card-set change: look the objects that missed up on their cards of the
-        previous placement (those not asked already); a hit is served from there (``out``) and
-        reported to ``on_previous_hit`` (the mover moves it to its card now)."""
+        previous placement (those not asked already); a hit is served from there (``found``, no
+        other replicas) and reported to ``on_previous_hit`` (the mover moves it to its card now)."""
         by_card: dict[int, list[int]] = collections.defaultdict(list)
         for i in pending:
+            asked = found.replicas[int(found.slot[i])]
             for c in prev.targets(keys[i], marks[i] if marks else 0, self.active):
-                if c not in candidates[i]:
+                if c not in asked:
                     by_card[c].append(i)
                     break
         for card, idx in by_card.items():
-            for i, write_id in zip(idx, self._whole(card, [keys[i] for i in idx], object_bytes,
-                                                    [tags[i] for i in idx])):
-                if write_id is not None:
-                    out[i] = Holder.of(card, (), write_id)
-                    self.on_previous_hit(keys[i], marks[i] if marks else 0, card)
+            at = np.array(idx, np.int64)
+            whole, write_ids = self._whole(card, all_keys[at].tolist(), dbs[at], object_bytes, tags[at].tolist())
+            hit = at[whole]
+            found.card[hit], found.write_id[hit], found.rank[hit] = card, write_ids[whole], -1
+            for i in hit.tolist():
+                self.on_previous_hit(keys[i], marks[i] if marks else 0, card)
 
-    def _whole(self, card: int, keys: Sequence[bytes], object_bytes: Optional[int],
-               tags: Sequence[bytes]) -> list[Optional[int]]:
-        """For each object, the write id its head carries when it has all its fragments on
-        ``card``, else None (a card that fails to answer holds none of them). The heads and
-        whether each holds its first extent come in one call (``Card.heads_holding``: one
-        round trip per server on the resp and cluster cards); only objects of several
-        fragments need a second, for their other fragments."""
+    def _whole(self, card: int, keys: list[bytes], dbs: np.ndarray, object_bytes: Optional[int],
+               tags: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """(whether each object has all its fragments on ``card``, the write id its head
+        carries there); a card that fails to answer holds none of them. The heads and
+        whether each holds its first extent come in one call (``Card.heads_found``: one index
+        lookup on the fs card, one round trip per server on the resp and cluster cards); only
+        objects of several fragments need a second, for their other fragments."""
         c = self.cards[card]
         frag = self.fragment_size
-        cuts: dict[int, list[tuple[int, int]]] = {}       # object size -> its fragment extents
-
-        def head_len(head: Head) -> Optional[int]:
-            # the head's payload: the first extent of the size it records (or that a GET gives);
-            # 0: a head written before sizes were recorded, any payload
-            size = object_bytes or head.size
-            return (min(size, frag) if frag > 0 else size) or None
         try:
-            suffix, dbs = fragment_key(b"", 0), self.num_dbs
-            heads = [(db_hash(k) % dbs, k + suffix) for k in keys]   # fragment 0's (db, key), as fragment_db
-            found_heads = c.heads_holding(heads, head_len, list(tags))
-            # A head that records another size than a GET asks is another object (a GET at a
-            # smaller size must not take a larger object's first fragments).
-            sizes = [None if h is None else h.size if object_bytes is None else
-                     object_bytes if h.size in (0, object_bytes) else None for h in found_heads]
-            items: list[tuple[int, bytes]] = []
-            lengths: list[Optional[int]] = []
-            item_tags: list[bytes] = []
-            spans = []
-            for key, size, tag in zip(keys, sizes, tags):
-                start = len(items)
-                if size and frag > 0 and size > frag:         # its other fragments (the head is checked)
-                    extents = cuts.get(size)
-                    if extents is None:
-                        extents = cuts[size] = fragment_extents(size, frag)
-                    for db, fkey, _, length in self._layout(key, extents)[:-1]:
-                        items.append((db, fkey))
-                        lengths.append(length)
-                item_tags.extend([tag] * (len(items) - start))
-                spans.append((start, len(items)))
-            found = c.contains_many(items, lengths, item_tags) if items else []
+            heads = c.heads_found(keys, dbs, FirstExtent(object_bytes, frag), tags)
+            whole = heads.found.copy()
+            if object_bytes is not None:
+                # A head that records another size than a GET asks is another object (a GET at a
+                # smaller size must not take a larger object's first fragments).
+                whole &= (heads.size == 0) | (heads.size == object_bytes)
+            if frag > 0:
+                sizes = heads.size if object_bytes is None else np.full(len(keys), object_bytes, np.int64)
+                several = np.flatnonzero(whole & (sizes > frag))
+                if several.size:
+                    whole[several] = self._rest_held(c, keys, several.tolist(), sizes, tags)
         except CardIOError as exc:
             _log_io_error(exc)
             self.on_io(card, isinstance(exc, NodeIOError), 0.0)
-            return [None] * len(keys)
-        return [h.write_id if size is not None and all(found[a:b]) else None
-                for (a, b), h, size in zip(spans, found_heads, sizes)]
+            return np.zeros(len(keys), bool), np.zeros(len(keys), np.uint64)
+        return whole, heads.write_id
+
+    def _rest_held(self, c: Card, keys: list[bytes], which: list[int], sizes: np.ndarray,
+                   tags: list[bytes]) -> list[bool]:
+        """Whether the objects ``which`` (of ``keys``, of ``sizes``: several fragments each,
+        their heads checked) hold every other fragment at its length on card ``c``."""
+        frag = self.fragment_size
+        cuts: dict[int, list[tuple[int, int]]] = {}       # object size -> its fragment extents
+        items: list[tuple[int, bytes]] = []
+        lengths: list[Optional[int]] = []
+        item_tags: list[bytes] = []
+        spans = []
+        for i in which:
+            size = int(sizes[i])
+            extents = cuts.get(size)
+            if extents is None:
+                extents = cuts[size] = fragment_extents(size, frag)
+            start = len(items)
+            for db, fkey, _, length in self._layout(keys[i], extents)[:-1]:
+                items.append((db, fkey))
+                lengths.append(length)
+            item_tags.extend([tags[i]] * (len(items) - start))
+            spans.append((start, len(items)))
+        found = c.contains_many(items, lengths, item_tags)
+        return [all(found[a:b]) for a, b in spans]
 
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]]) -> int:
         """Remove objects (all their fragments) from their replica cards (and, during a card-set

@@ -37,7 +37,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import Callable, Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+
+import numpy as np
 
 
 @dataclasses.dataclass
@@ -103,6 +105,44 @@ class Head(NamedTuple):
 
     size: int
     write_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstExtent:
+    """The payload an object's head fragment must hold for the object to count (``heads_found``):
+    its first extent, of the size a GET names (``object_bytes``) or else of the size the head
+    records, cut at ``fragment_size`` (0: objects are not cut)."""
+
+    object_bytes: Optional[int]
+    fragment_size: int
+
+    def __call__(self, head: Head) -> Optional[int]:
+        """The payload length for a head that records ``head.size`` (None: any: a head
+        written before sizes were recorded), as ``heads_holding``'s ``payload_len``."""
+        size = self.object_bytes or head.size
+        return (min(size, self.fragment_size) if self.fragment_size > 0 else size) or None
+
+    def lengths(self, sizes: np.ndarray) -> np.ndarray:
+        """The same for heads recording ``sizes`` (``int64``), -1 for any."""
+        size = np.full(len(sizes), self.object_bytes, np.int64) if self.object_bytes else sizes.astype(np.int64)
+        if self.fragment_size > 0:
+            size = np.minimum(size, self.fragment_size)
+        return np.where(size > 0, size, -1)
+
+
+class HeadsFound(NamedTuple):
+    """``Card.heads_found``'s answer, by position: whether each object's head is stored
+    holding its first extent, the object size it records (0: not recorded) and its write id."""
+
+    found: np.ndarray           # bool
+    size: np.ndarray            # int64
+    write_id: np.ndarray        # uint64
+
+    @classmethod
+    def of(cls, heads: Sequence[Optional[Head]]) -> "HeadsFound":
+        there = [h is not None for h in heads]
+        return cls(np.array(there, bool), np.array([h.size if h else 0 for h in heads], np.int64),
+                   np.array([h.write_id if h else 0 for h in heads], np.uint64))
 
 
 class Listed(NamedTuple):
@@ -215,6 +255,14 @@ class Card(abc.ABC):
             if hit:
                 out[i] = recorded[i]
         return out
+
+    def heads_found(self, keys: Sequence[bytes], dbs: np.ndarray, first: FirstExtent,
+                    tags: list[bytes]) -> HeadsFound:
+        """``heads_holding`` of the heads of many objects (object ``keys``, their heads in
+        databases ``dbs``), as arrays: what a store's EXIST asks of a card. The fs card looks
+        them all up in its index at once; this default asks ``heads_holding``."""
+        return HeadsFound.of(self.heads_holding([(db, key + b"\0\0") for key, db in zip(keys, dbs.tolist())],
+                                                first, tags))
 
     def object_sizes(self, heads: list[tuple[int, bytes]],
                      tags: Optional[list[bytes]] = None) -> list[Optional[int]]:

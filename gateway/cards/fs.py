@@ -3,7 +3,8 @@
 Layout::
 
     DIR/adpkv-card.json          serial number and format of the card
-    DIR/db007/                   a database: 256 subdirectories "00" .. "ff"
+    DIR/db007/                   a database: up to 256 subdirectories "00" .. "ff" (each made
+                                 at the first write into it)
     DIR/db007/3f/<fragment key hex>  one file per fragment (its subdirectory: byte 9 of the
                                  key, ``fs_files.subdir_of``): a 4 KiB header, then the payload
     DIR/namespaces/<16 hex>      the owner (uid) of a key namespace (``claim_namespace``)
@@ -22,7 +23,8 @@ files (head first). With ``o_direct`` the page cache is bypassed and I/O goes
 straight between the file and the ring. Files are 0600 and directories 0700
 (0640/0750 and the ``card_group`` group when one is set).
 
-Safety (``fs_files``): the card directory, every ``dbNNN`` and every subdirectory of one must be the gateway's own
+Safety (``fs_files``): the card directory, every ``dbNNN`` and every subdirectory of one (checked at
+open, or when the card makes it) must be the gateway's own
 (owned by its uid, writable by nobody else) or the card is refused; every file is
 reached relative to a checked directory descriptor with ``O_NOFOLLOW``, temporary files
 are created with ``O_EXCL``, modes are set on descriptors. Only evidence about an object
@@ -43,12 +45,14 @@ import time
 import uuid
 from typing import Callable, Iterator, Optional
 
+from adpkv_core.keys import KEY_BYTES
+
 from .. import progress
 from ..quotas import TenantUsage
 
 from . import objfmt
-from .base import (Card, CardError, CardIOError, CardUsage, Head, Listed, Read, claim_record, is_head, object_key,
-                   parse_claim)
+from .base import (Card, CardError, CardIOError, CardUsage, FirstExtent, Head, HeadsFound, Listed, Read, claim_record,
+                   is_head, object_key, parse_claim)
 from .fs_files import (CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, SUBDIR_NAMES, FileRef, check_file, object_name, open_dir,
                        open_root, own_dir, subdir_of, unlink_all, verdict_of)
 from .fs_index import FKEY_BYTES, TRIM_CHUNK, Entry, FsIndex
@@ -104,6 +108,8 @@ class FsCard(Card):
         self._root_fd = -1                             # the card's directory, checked (fs_files)
         self._db_fds: dict[int, int] = {}              # db -> its directory's descriptor, checked
         self._db_refs: dict[int, str] = {}             # db -> that descriptor as an I/O process opens it
+        self._subdirs: set[tuple[int, str]] = set()    # (db, subdirectory) checked (_check_subdir)
+        self._subdirs_lock = threading.Lock()
         self._transient_logged = 0.0
         self._claims_fd: Optional[int] = None          # DIR/namespaces, opened at the first claim lookup
         self._claims_lock = threading.Lock()
@@ -149,7 +155,8 @@ class FsCard(Card):
                 path = self._db_dir(db)
                 fd = self._db_fds[db] = open_dir(self._root_fd, f"db{db:03d}", path, self.dir_mode, create=True)
                 own_dir(fd, path, self.dir_mode, self.gid)
-                self._own_subdirs(fd, path)
+                for sub in sorted(set(os.listdir(fd)) & set(SUBDIR_NAMES)):
+                    self._check_subdir(db, sub)
                 self._db_refs[db] = f"/proc/{os.getpid()}/fd/{fd}"
             if self.fsync:
                 os.fsync(self._root_fd)
@@ -163,22 +170,30 @@ class FsCard(Card):
         self._start_scan(self._load_snapshot())
         logger.info("fs card %s (serial %s): capacity %.1f MiB", self.root, self.serial, self.capacity_bytes / 2**20)
 
-    def _own_subdirs(self, db_fd: int, path: str) -> None:
-        """Create the object subdirectories of a database that are missing (mode as the
-        databases'), and check each one to be the gateway's own (``own_dir``, opened without
-        following a symlink) before any of its files is used (``fs_files``: why that holds)."""
-        present = set(os.listdir(db_fd))
-        made = False
-        for sub in SUBDIR_NAMES:
-            where = os.path.join(path, sub)
-            fd = open_dir(db_fd, sub, where, self.dir_mode, create=sub not in present)
-            made |= sub not in present
+    def _check_subdir(self, db: int, sub: str, create: bool = False) -> bool:
+        """Make sure object subdirectory ``sub`` of database ``db`` is the gateway's own
+        (``own_dir``, opened without following a symlink; ``create``: made first, mode as the
+        databases', when missing) before any of its files is used (``fs_files``: why that
+        holds). Every subdirectory present at open is checked there; a missing one is made at
+        the first write into it, so a new card serves at once. Whether it is there (checked)."""
+        if (db, sub) in self._subdirs:
+            return True
+        with self._subdirs_lock:
+            if (db, sub) in self._subdirs:
+                return True
+            db_fd, where = self._db_fds[db], os.path.join(self._db_dir(db), sub)
+            try:
+                fd = open_dir(db_fd, sub, where, self.dir_mode, create=create)
+            except FileNotFoundError:
+                return False
             try:
                 own_dir(fd, where, self.dir_mode, self.gid)
             finally:
                 os.close(fd)
-        if made and self.fsync:
-            os.fsync(db_fd)
+            if create and self.fsync:
+                os.fsync(db_fd)
+            self._subdirs.add((db, sub))
+            return True
 
     def _stamps(self) -> dict[str, int]:
         """The modification time (ns) of each database directory and of each of its
@@ -188,7 +203,10 @@ class FsCard(Card):
         for db, fd in sorted(self._db_fds.items()):
             stamps[f"db{db:03d}"] = os.fstat(fd).st_mtime_ns
             for sub in SUBDIR_NAMES:
-                stamps[f"db{db:03d}/{sub}"] = os.stat(sub, dir_fd=fd, follow_symlinks=False).st_mtime_ns
+                try:
+                    stamps[f"db{db:03d}/{sub}"] = os.stat(sub, dir_fd=fd, follow_symlinks=False).st_mtime_ns
+                except FileNotFoundError:           # none written yet (made at the first write)
+                    continue
         return stamps
 
     def _free_bytes(self) -> int:
@@ -266,6 +284,8 @@ class FsCard(Card):
         for db, fd in sorted(self._db_fds.items()):
             for sub in SUBDIR_NAMES:
                 try:
+                    if not self._check_subdir(db, sub):
+                        continue                    # none written yet
                     sub_fd = os.open(sub, DIR_FLAGS, dir_fd=fd)
                 except OSError as exc:
                     logger.warning("fs card %s: cannot open %s: %s", self.root, os.path.join(self._db_dir(db), sub),
@@ -453,6 +473,12 @@ class FsCard(Card):
         on_disk = HEADER_BYTES + (-(-n // ALIGN) * ALIGN if self.o_direct else n)
         okey = object_key(fkey)
         head = is_head(fkey)
+        try:
+            self._check_subdir(db, subdir_of(fkey), create=True)
+        except (OSError, CardError) as exc:
+            logger.warning("fs card %s: cannot make or check %s: %s", self.root,
+                           os.path.join(self._db_dir(db), subdir_of(fkey)), exc)
+            return False
         ok, victims = self.index.reserve(okey, fkey, on_disk)
         unlink_all(victims)
         if not ok:
@@ -522,6 +548,13 @@ class FsCard(Card):
 
     def heads(self, heads, tags=None) -> list[Optional[Head]]:
         return self.index.heads([fkey for _, fkey in heads])
+
+    def heads_found(self, keys, dbs, first: FirstExtent, tags) -> HeadsFound:
+        """All in the index at once (``FsIndex.heads_found``; the databases and tags are not
+        needed: the index knows where each object is)."""
+        if set(map(len, keys)) - {KEY_BYTES}:
+            return super().heads_found(keys, dbs, first, tags)
+        return self.index.heads_found(list(keys), first)
 
     def listed_heads(self) -> Iterator[Listed]:
         """Every indexed object with the slot tag its head file's header records (one header
@@ -724,6 +757,7 @@ class FsCard(Card):
             except OSError as exc:
                 logger.warning("fs card %s: cannot save the index snapshot: %s", self.root, exc)
         fds, self._db_fds, self._db_refs = list(self._db_fds.values()) + [self._root_fd], {}, {}
+        self._subdirs = set()
         self._root_fd = -1
         for fd in fds:
             try:

@@ -19,8 +19,11 @@ chmod or delete anything outside the card, nor serve bytes it placed there. So:
 - Object files are spread over ``SUBDIRS`` subdirectories of each ``dbNNN`` (``subdir_of``:
   two hex digits, byte ``SUBDIR_BYTE`` of the object key, the first of its chunk digest), so
   no directory holds more than about 30 M / (16 x 256) = 7,300 entries at 30 M objects. The
-  card creates every subdirectory at open (mode as the databases') and checks each one
-  (``own_dir``, opened with ``O_NOFOLLOW``) before any file in it is used; a file is then
+  card checks every subdirectory present at open (``own_dir``, opened with ``O_NOFOLLOW``),
+  and makes a missing one (mode as the databases') at the first write into it, checked the
+  same way before the write's file is created in it (a new card serves at once, without
+  making 4,096 directories first): no file in a subdirectory is used before the subdirectory
+  was checked; a file is then
   reached as ``object_name(fkey)`` ("ab/<hex>") relative to its database's checked
   descriptor. The subdirectory component is resolved by the kernel, yet it cannot be
   redirected: the database directory is the gateway's own and nobody else may write it

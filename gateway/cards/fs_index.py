@@ -84,7 +84,7 @@ from .. import progress
 from ..fragments import fragment_extents
 from ..quotas import TenantUsage, tenant_of
 from . import objfmt
-from .base import Head, is_head, object_key
+from .base import FirstExtent, Head, HeadsFound, is_head, object_key
 from .fs_files import READ_FLAGS, FileRef, object_name, unlink_all
 from .objfile import ALIGN, HEADER_BYTES
 
@@ -479,6 +479,22 @@ class FsIndex:
         for k, t, w in zip(np.flatnonzero(hit).tolist(), totals, wids):
             out[k] = Head(t, w)
         return out
+
+    def heads_found(self, okeys: list[bytes], first: FirstExtent) -> HeadsFound:
+        """``heads`` and ``contains_many`` of many objects' heads at once (object keys of
+        ``KEY_BYTES`` each): what each stored head records where it holds the payload
+        ``first`` asks of it (a head's payload is its object's first fragment, ``flen``)."""
+        n = len(okeys)
+        size, wid, flen = np.zeros(n, np.int64), np.zeros(n, np.uint64), np.zeros(n, np.int64)
+        with self._lock:
+            rows = self._rows_of(np.frombuffer(b"".join(okeys), np.uint8).reshape(n, KEY_BYTES))
+            hit = rows >= 0
+            r = rows[hit]
+            size[hit], wid[hit], flen[hit] = self._rows.total[r], self._rows.wid[r], self._rows.flen[r]
+        want = first.lengths(size)
+        hit &= (want < 0) | (want == flen)
+        size[~hit], wid[~hit] = 0, 0
+        return HeadsFound(hit, size, wid)
 
     def object_heads(self) -> list[tuple[bytes, int]]:
         """(object key, its head's database) of every indexed object, as the index holds them

@@ -30,9 +30,14 @@ def build_card(root: str, keys: list[bytes], size: int = 1024, num_dbs: int = 16
     card.close()
     os.unlink(os.path.join(root, ".adpkv-index"))   # the empty card's snapshot: older than what follows
     scratch = Scratch()
+    made: set[str] = set()
     for key in keys:
         fkey = fragment_key(key, 0)
         path = os.path.join(root, f"db{fragment_db(key, 0, num_dbs):03d}", object_name(fkey))
+        where = os.path.dirname(path)
+        if where not in made:                       # as the card makes it at the first write into it
+            os.makedirs(where, 0o700, exist_ok=True)
+            made.add(where)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             write_object_file(fd, fkey, memoryview(payload_of(key, size)), size, False, scratch)

@@ -194,6 +194,9 @@ def test_symlinks_at_temporary_names_are_not_followed(tmp_path):
     card._tmp_tag = "predictable"
     fkey = b"t" * 28 + b"\0\0"
     db0 = os.path.join(card.root, "db000", subdir_of(fkey))     # the object's subdirectory
+    assert card.write(0, b"u" * 9 + fkey[9:28] + b"\0\0", memoryview(bytearray(4096)), object_bytes=4096)
+    assert os.path.isdir(db0), "the first write into a subdirectory makes it"
+    card._tmp_seq = 0                                           # the next writes' names: .1, .2, .3
     for seq in range(1, 4):
         os.symlink(secret, os.path.join(db0, f".{fkey.hex()}.predictable.{seq}"))
     data = memoryview(bytearray(os.urandom(4096)))

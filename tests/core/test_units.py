@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import random
+
 import pytest
 
 from adpkv_core import protocol as P
@@ -88,6 +91,23 @@ def test_placement_follows_serials_not_order():
     assert key_layout_fingerprint(serials, 16, 128, "dialog") == key_layout_fingerprint(serials[::-1], 16, 128,
                                                                                           "dialog")
     assert key_layout_fingerprint(serials, 16, 128, "dialog") != key_layout_fingerprint(serials, 16, 128, "stripe")
+
+
+@pytest.mark.parametrize("mode", ["dialog", "stripe"])
+def test_batch_placement_is_the_per_key_rule(mode):
+    """``Placement.slots`` (a batch at once, as EXIST and GET place their keys) gives every key
+    the slot ``Placement.slot`` gives it alone: random keys, marks none, zero, repeated and up
+    to 2**64 - 1, slot counts that are and are not powers of two."""
+    rng = random.Random(26)
+    keys = [os.urandom(28) for _ in range(3000)] + KeyBuilder("n").keys([i.to_bytes(8, "big") for i in range(3000)])
+    for slots in (1, 16, 97, 4096):
+        p = Placement(["A", "B", "C"], slots, mode)
+        few = [rng.choice([0, 1, 7, 2**64 - 1]) for _ in keys]
+        many = [rng.choice([0, rng.getrandbits(64)]) for _ in keys]
+        for marks in (None, [], [0] * len(keys), few, many):
+            got = p.slots(keys, marks).tolist()
+            assert got == [p.slot(k, marks[i] if marks else 0) for i, k in enumerate(keys)], (slots, mode)
+    assert Placement(["A"], 16, mode).slots([], None).tolist() == []
 
 
 def test_settings_vocabulary():
