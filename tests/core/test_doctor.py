@@ -230,6 +230,8 @@ def test_ownership_names_an_object_subdirectory_others_may_write(tmp_path):
     root = str(tmp_path / "card")
     card = FsCard(root, num_dbs=2)
     card.open()
+    fkey = b"x" * 9 + b"\x3f" + b"x" * 18 + b"\0\0"             # its file in db001/3f/ (byte 9)
+    assert card.write(1, fkey, memoryview(b"payload"), object_bytes=7)
     card.close()
     assert [f.level for f in doctor_fs._card_ownership(root)] == [OK]
     os.chmod(os.path.join(root, "db001", "3f"), 0o777)
