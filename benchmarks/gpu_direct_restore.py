@@ -14,7 +14,10 @@ bf16; FlashAttention layout ``(2, num_blocks, 16, 8, 128)``, the prompt's blocks
   one H2D DMA from its registered mapping into a staging tensor, one ``index_copy_`` per layer
   into the paged blocks (``copy.PagedLayer.load_objects``);
 * ``ring_cold`` and ``direct_cold``: every object file dropped from the page cache
-  (``posix_fadvise(DONTNEED)``; mappings closed first), then a restore each way.
+  (``posix_fadvise(DONTNEED)``; mappings closed first), then a restore each way;
+* the eviction race (``--evict-rounds``): direct restores of a prompt while a second client's
+  stores evict it from a card of 1.3x its KV: restored blocks equal their source, the rest
+  untouched (misses).
 
 Every restore is checked on the GPU: ``torch.equal`` of every restored block against the source
 KV. Prints one line per measurement and a JSON report (``--out``/gpu_direct_restore.json).
@@ -67,6 +70,11 @@ class Cache:
         for t in self.kv:
             t.view(torch.int16).random_(-30000, 30000)
         self.source = [t[:, self.dev_ids].clone() for t in self.kv]      # what every restore must give back
+
+    def refill(self) -> None:
+        """The source back into the blocks (what a store must take)."""
+        for t, s in zip(self.kv, self.source):
+            t[:, self.dev_ids] = s
 
     def zero(self) -> None:
         for t in self.kv:
@@ -133,6 +141,94 @@ def direct_restore(client, maps: DirectMaps, cache: Cache, kb, stream, device: s
     for got in held:
         maps.release(got)
     return t, fetch_s
+
+
+def partial_direct_restore(client, maps: DirectMaps, cache: Cache, kb, stream, device: str) -> list[torch.Tensor]:
+    """A direct restore that takes what MAP hands and leaves the rest (an eviction racing it):
+    per layer, a bool tensor (one per object) of the objects copied."""
+    held_of = []
+    for i, layer in enumerate(cache.layers):
+        keys = keys_of(cache, kb, i)
+        maps.fetch(client, keys, cache.obj)
+        got = maps.acquire(keys)
+        present = [m for m in got if m is not None]
+        if present:
+            ids = torch.cat([cache.dev_ids[j * cache.nb:(j + 1) * cache.nb] for j, m in enumerate(got) if m is not None])
+            layer.load_objects([m.array for m in present], ids, cache.nb, stream=stream)
+        sync(device)
+        maps.release(got)
+        held_of.append(torch.tensor([m is not None for m in got], device=device))
+    return held_of
+
+
+def check_partial(cache: Cache, held_of: list[torch.Tensor]) -> tuple[int, int, bool]:
+    """(objects restored, objects missed, every restored block equal to its source and every
+    missed block still zero), compared bit for bit on the device."""
+    ok = True
+    for t, src, held in zip(cache.kv, cache.source, held_of):
+        got = t.view(torch.int16)[:, cache.dev_ids]
+        same = (got == src.view(torch.int16)).reshape(2, cache.chunks, -1).all(-1).all(0)
+        untouched = (got == 0).reshape(2, cache.chunks, -1).all(-1).all(0)
+        ok = ok and bool(torch.where(held, same, untouched).all())
+    restored = int(sum(int(h.sum()) for h in held_of))
+    return restored, sum(h.numel() for h in held_of) - restored, ok
+
+
+def eviction_race(tokens: int, args, report: dict) -> None:
+    """Direct restores while the card evicts the prompt: a card of 1.3x the prompt's KV, other
+    objects stored (0.6x the KV a round, in flight on the same client: one engine a gateway)
+    while the restore maps and copies.
+    What MAP hands stays the bytes stored (a mapping holds its file's inode; eviction unlinks
+    names); what it no longer finds is a miss. Every restored block compared with its source,
+    every missed block checked untouched."""
+    g = GEOMETRIES[args.geometry]
+    device = args.device
+    card = os.path.join(args.card_root, f"card-evict-{tokens}")
+    shutil.rmtree(card, ignore_errors=True)
+    cache = Cache(g, tokens, args.block, args.chunk, device)
+    row: dict = {"tokens": tokens, "kv_GiB": cache.nbytes / GiB, "rounds": []}
+    gw = GatewayProcess(card, shared_memory_size=args.ring_gib * GiB, thread_pool_size=args.threads,
+                        io_processes=args.io_processes, capacity_bytes=int(cache.nbytes * 1.3),
+                        log_path=card + ".log").start(timeout_s=120)
+    registrar = cuda_registrar() if device == "cuda" else None
+    try:
+        client = GatewayClient(ClientConfig(port=gw.port, timeout_s=600), f"direct-evict-{tokens}")
+        ring = ring_tensor(client)
+        stream = torch.cuda.Stream() if device == "cuda" else None
+        kb = KeyBuilder(f"direct-evict-{tokens}")
+        churn_kb = KeyBuilder(f"direct-evict-churn-{tokens}")
+        per_round = int(cache.nbytes * 0.6) // cache.obj
+        for rnd in range(args.evict_rounds):
+            cache.refill()
+            store(client, ring, cache, kb, stream)
+            cache.zero()
+            sync(device)
+            churn_keys = churn_kb.keys([b"r%d-%d" % (rnd, i) for i in range(per_round)], [0])
+            futs = [client.put(churn_keys[at:at + 256], cache.obj, lambda b: None)
+                    for at in range(0, len(churn_keys), 256)]
+            maps = DirectMaps(int(cache.nbytes * 1.25) + GiB, registrar, require_registration=device == "cuda")
+            t0 = time.perf_counter()
+            held_of = partial_direct_restore(client, maps, cache, kb, stream, device)
+            t = time.perf_counter() - t0
+            churned = sum(sum(f.result().stored) for f in futs)
+            maps.close()
+            restored, missed, ok = check_partial(cache, held_of)
+            row["rounds"].append({"restored": restored, "missed": missed, "exact": ok, "s": t, "churned": churned})
+            log(f"{tokens} tokens eviction race {rnd}: {restored} objects restored, {missed} missed (evicted), "
+                f"{churned} objects stored meanwhile, {t:.3f} s; restored bytes equal and missed blocks "
+                f"untouched: {ok}")
+            if not ok:
+                raise RuntimeError("eviction race: a restored block differs from its source")
+        del ring
+        client.close()
+    finally:
+        gw.stop(timeout_s=120)
+        shutil.copy(card + ".log", os.path.join(args.out, f"gateway-evict-{tokens}.log"))
+        shutil.rmtree(card, ignore_errors=True)
+    report.setdefault("eviction_race", []).append(row)
+    del cache
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def drop_files(card: str) -> int:
@@ -242,6 +338,9 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=256, help="tokens per stored object (256: 1 MiB a layer)")
     ap.add_argument("--repeats", type=int, default=3, help="hot restores of each kind (median reported)")
+    ap.add_argument("--evict-rounds", type=int, default=3,
+                    help="rounds of direct restores racing an eviction of the prompt (0: none)")
+    ap.add_argument("--evict-tokens", type=int, default=32768, help="the prompt length of the eviction race")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.card_root, exist_ok=True)
@@ -252,6 +351,10 @@ def main() -> int:
         log(f"pinned H2D (1 GiB copies): {report['pinned_h2d_GBs']:.1f} GB/s")
     for tokens in [int(t) for t in args.tokens.split(",")]:
         run(tokens, args, report)
+        with open(os.path.join(args.out, "gpu_direct_restore.json"), "w") as fh:
+            json.dump(report, fh, indent=1)
+    if args.evict_rounds:
+        eviction_race(args.evict_tokens, args, report)
         with open(os.path.join(args.out, "gpu_direct_restore.json"), "w") as fh:
             json.dump(report, fh, indent=1)
     for r in report["runs"]:
