@@ -147,10 +147,9 @@ class PagedLayer:
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             staged = torch.empty((count * nblocks, *self.page_shape), dtype=self.dtype, device=self.device)
             flat = staged.view(count, -1).view(torch.uint8)
-            if not (self.on_gpu and _dma_objects(flat, objects, slice_offset, part)):
-                for j, arr in enumerate(objects):
-                    host = torch.from_numpy(arr[slice_offset:slice_offset + part])
-                    flat[j].copy_(host, non_blocking=self.on_gpu)
+            for j, arr in enumerate(objects):
+                host = torch.from_numpy(arr[slice_offset:slice_offset + part])
+                flat[j].copy_(host, non_blocking=self.on_gpu)
             if src_positions is not None:
                 staged = staged.index_select(0, src_positions.to(self.device, non_blocking=True))
             self.view.index_copy_(0, dst_block_ids.to(self.device, non_blocking=True), staged)
@@ -240,8 +239,6 @@ class _Driver:
         lib = ctypes.CDLL("libcuda.so.1")
         self.memcpy2d = lib.cuMemcpy2DAsync_v2
         self.memcpy2d.argtypes = (ctypes.POINTER(_Memcpy2D), ctypes.c_void_p)
-        self.htod = lib.cuMemcpyHtoDAsync_v2          # (device pointer, host pointer, bytes, stream)
-        self.htod.argtypes = (ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
         self.device_get, self.retain = lib.cuDeviceGet, lib.cuDevicePrimaryCtxRetain
         self.push, self.pop = lib.cuCtxPushCurrent_v2, lib.cuCtxPopCurrent_v2
         self.push.argtypes = (ctypes.c_void_p,)
@@ -339,56 +336,6 @@ def dma_plan(dst: torch.Tensor, src: torch.Tensor) -> Optional[list[Copy2D]]:
             for i in range(rows)]             # one per row index: that row of every object
 
 
-def _load_driver() -> bool:
-    """Load the driver's entry points once; False (logged once) where there are none."""
-    global _driver
-    if _driver is None:
-        try:
-            _driver = _Driver()
-        except (OSError, AttributeError) as exc:
-            logger.warning("adpkv: no CUDA driver copies (%s): strided ring parts are made contiguous "
-                           "on the host before each copy, mapped objects copied one torch copy each", exc)
-            _driver = False
-    return bool(_driver)
-
-
-_htod_failed = False
-
-
-def _dma_objects(flat: torch.Tensor, objects: Sequence, slice_offset: int, part: int) -> bool:
-    """Row ``j`` of ``flat`` (a contiguous (count, part) uint8 GPU tensor) <- bytes
-    ``slice_offset:slice_offset + part`` of host array ``objects[j]``: one ``cuMemcpyHtoDAsync``
-    each on the current stream (a few microseconds a call where a torch copy costs tens: the
-    issue rate, not the link, bounded a restore of thousands of objects). False where the driver
-    cannot (then the caller copies every row again with torch); a failure is logged once."""
-    global _htod_failed
-    if _htod_failed or not _load_driver():
-        return False
-    assert isinstance(_driver, _Driver)
-    stream = ctypes.c_void_p(torch.cuda.current_stream(flat.device).cuda_stream)
-    base, pitch = flat.data_ptr(), flat.stride(0)
-    try:
-        _check(_driver.push(_driver.context(flat.device.index)), "cuCtxPushCurrent")
-    except OSError as exc:
-        logger.warning("adpkv: %s: mapped objects are copied one torch copy each", exc)
-        _htod_failed = True
-        return False
-    htod = _driver.htod
-    try:
-        for j, arr in enumerate(objects):
-            if arr.nbytes < slice_offset + part:
-                raise ValueError(f"object {j} holds {arr.nbytes} bytes, {slice_offset + part} needed")
-            rc = htod(base + j * pitch, arr.ctypes.data + slice_offset, part, stream)
-            if rc != 0:
-                logger.warning("adpkv: cuMemcpyHtoDAsync returned CUDA error %d: mapped objects are copied "
-                               "one torch copy each from now on", rc)
-                _htod_failed = True
-                return False
-    finally:
-        _driver.pop(ctypes.byref(ctypes.c_void_p()))
-    return True
-
-
 def _dma_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """``src`` copied into ``dst`` by the 2-D copies of ``dma_plan`` (``cuMemcpy2DAsync``) on
     the current stream; False where the driver cannot do it (then ``copy_parts`` lets torch
@@ -397,9 +344,15 @@ def _dma_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
     plan = dma_plan(dst, src)
     if plan is None:
         return False
-    if not _load_driver():
+    if _driver is None:
+        try:
+            _driver = _Driver()
+        except (OSError, AttributeError) as exc:
+            logger.warning("adpkv: no CUDA driver 2-D copy (%s): strided ring parts are made contiguous "
+                           "on the host before each copy", exc)
+            _driver = False
+    if not _driver:
         return False
-    assert isinstance(_driver, _Driver)
     gpu = dst if dst.is_cuda else src
     stream = torch.cuda.current_stream(gpu.device)
     try:
