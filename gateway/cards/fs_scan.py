@@ -7,16 +7,17 @@ Contract:
   (``FsIndex.path_of``), following no symlink. A head is sound when its header
   (``objfmt``) names it and its size on disk fits the payload it records; an object is
   whole when every fragment its head's size calls for is where a gateway puts it (the
-  head's database, or ``index`` databases on when spread), sound, of the length
-  ``fragment_extents`` gives it, and of the same write id as its head. Each file judged
+  head's database, or when spread the ``i``-th database on for fragment ``i``), sound, of
+  the length ``fragment_extents`` gives it, and of the same write id as its head. Each file judged
   gets the card's mode and group (``own_file``).
 - **What it removes.** Only files older than ``started`` (the card's open, wall clock): a
   newer file is one of this gateway's writes. Those go when broken (a bad header,
   truncated, a symlink), when a fragment's head is missing (a fragmented write cut short:
   the head goes last), and with every file of their object when it lacks fragments or is
   torn (fragments of other writes than its head's: an overwrite cut short by a crash);
-  leftovers of interrupted writes (dot files) go too. Nothing is removed for an object
-  whose write is in flight (``FsIndex.in_flight``).
+  leftovers of interrupted writes (dot files) go too. A fragment without its head, or an
+  object lacking fragments or torn, stays while a write of that object is in flight
+  (``FsIndex.in_flight``).
 - **What it indexes.** Each whole object, through ``FsIndex.index_scanned``, which refuses
   an object committed, deleted or evicted since the card opened (the index's side of the
   race: ``begin_scan`` / ``end_scan``, called by the card around the scan), so a PUT racing
