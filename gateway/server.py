@@ -38,7 +38,8 @@ from .cards import open_cards
 from .config import GatewayConfig, socket_mode
 from .data_requests import DataRequests
 from .direct_reads import DirectReads
-from .door import DoorServer, Session, claim_door, raise_open_files_limit
+from .door import DoorServer, Session, raise_open_files_limit
+from .door_claim import claim_door
 from .engines import EngineRegistry, EngineSession, Peer
 from .health import HealthMonitor
 from .layout_change import LayoutChange

@@ -51,6 +51,7 @@ from .base import (Card, CardError, CardIOError, CardUsage, Head, Listed, Read, 
                    parse_claim)
 from .fs_files import (CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, SUBDIR_NAMES, FileRef, check_file, object_name, open_dir,
                        open_root, own_dir, subdir_of, unlink_all, verdict_of)
+from . import fs_scan
 from .fs_index import FKEY_BYTES, TRIM_CHUNK, Entry, FsIndex
 from .objfile import (ALIGN, HEADER_BYTES, FdSlice, FileRead, Scratch, copy_object_file, read_object_file,
                       write_object_file)
@@ -200,7 +201,7 @@ class FsCard(Card):
         """The index from the snapshot of the last clean stop, when it still matches the
         files (``FsIndex.load``); the snapshot is removed either way (a crash after this start
         must not find it). Whether it was taken (then each object's files are checked against
-        it in the background, ``FsIndex.verify``, instead of a scan)."""
+        it in the background, ``fs_scan.verify``, instead of a scan)."""
         problem = self.index.load(self._root_fd, SNAPSHOT_FILE, self.serial, self._stamps())
         unlink_all([FileRef(self._root_fd, SNAPSHOT_FILE)])
         if problem is not None:
@@ -213,8 +214,8 @@ class FsCard(Card):
         return True
 
     def _start_scan(self, from_snapshot: bool) -> None:
-        """Index the card's files on a thread (``FsIndex.scan``), or check the snapshot's
-        index against them (``FsIndex.verify``); wait ``SCAN_FOREGROUND_S`` for it, then serve
+        """Index the card's files on a thread (``fs_scan.scan``), or check the snapshot's
+        index against them (``fs_scan.verify``); wait ``SCAN_FOREGROUND_S`` for it, then serve
         while it runs."""
         self.index.begin_scan()
         started = time.time()
@@ -228,9 +229,9 @@ class FsCard(Card):
     def _scan(self, started: float, from_snapshot: bool) -> None:
         try:
             if from_snapshot:
-                done = self.index.verify(self._own_file, started, self._scan_stop)
+                done = fs_scan.verify(self.index, self._own_file, started, self._scan_stop)
             else:
-                done = self.index.scan(self._walk, self._own_file, started, self._scan_stop)
+                done = fs_scan.scan(self.index, self._walk, self._own_file, started, self._scan_stop)
             if done is None:
                 return
             self.index.end_scan()

@@ -465,3 +465,38 @@ def test_write_ids_survive_the_snapshot_and_the_scan_removes_torn_objects(tmp_pa
     left = sorted(os.path.basename(p) for p in object_paths(root))
     assert not [n for n in left if n.startswith(torn.hex())], f"the torn object's files stayed: {left}"
     card.close()
+
+
+def test_the_snapshot_check_judges_again_each_object_whose_files_changed(tmp_path, caplog):
+    """A start from the snapshot checks each object's files against it (``fs_scan.verify``):
+    files changed in place since the stop (no directory's time changes, so the snapshot is
+    taken) are judged again from their headers: a truncated one is removed and its object
+    gone; one only touched since is sound and stays indexed, readable; an unchanged one
+    stays. Real files, the card's own open/close."""
+    from adpkv_gateway.cards.base import Head, Read
+    from adpkv_gateway.cards.fs import SNAPSHOT_FILE
+    root = str(tmp_path / "card")
+    cut, touched, kept = b"c" * 28, b"t" * 28, b"k" * 28
+    card = FsCard(root, num_dbs=2, capacity_bytes=1 << 30)
+    card.open()
+    assert card.scanned.wait(30)
+    for n, okey in enumerate((cut, touched, kept), 1):
+        assert card.write(0, okey + b"\0\0", memoryview(os.urandom(4096)), 4096, b"", n)
+    card.close()
+    assert os.path.exists(os.path.join(root, SNAPSHOT_FILE))
+    path_of = {os.path.basename(p)[:56]: p for p in object_paths(root)}
+    os.truncate(path_of[cut.hex()], 4096 + 100)
+    os.utime(path_of[touched.hex()])
+    card = FsCard(root, num_dbs=2, capacity_bytes=1 << 30)
+    with caplog.at_level("INFO", logger="adpkv.gateway.fs"):
+        card.open()
+        assert card.scanned.wait(30)
+    assert "3 objects in 3 files, 0.0 MiB from the index snapshot" in caplog.text, caplog.text
+    assert "index snapshot checked against the files, 2 objects changed since" in caplog.text, caplog.text
+    assert card.heads([(0, k + b"\0\0") for k in (cut, touched, kept)]) == [None, Head(4096, 2), Head(4096, 3)]
+    assert not os.path.exists(path_of[cut.hex()]), "the truncated file stayed"
+    buf = memoryview(bytearray(4096))
+    assert card.read(0, touched + b"\0\0", buf, b"", 2) is Read.HIT
+    assert card.read(0, kept + b"\0\0", buf, b"", 3) is Read.HIT
+    assert card.index.objects() == 2 and card.index.usage()[1] == 2
+    card.close()
