@@ -156,7 +156,7 @@ class Mover:
         for card_index in sorted({c for c in prev.card_of if c is not None}):
             if self._stop.is_set():
                 return False
-            if not store.active[card_index]:
+            if not store.in_service(card_index):
                 clean = False
                 continue
             try:
@@ -213,7 +213,7 @@ class Mover:
         for slot, ranking in enumerate(prev.placement.rankings):
             if old not in (prev.card_of[i] for i in ranking[:prev.replicas]):
                 continue
-            out.update([i for i in store.placement.rankings[slot] if store.active[i]][:store.replicas])
+            out.update([i for i in store.placement.rankings[slot] if store.in_service(i)][:store.replicas])
         return sorted(out)
 
     def _copy_untagged(self, key: bytes, old: int, targets: list[int]) -> tuple[bool, bool]:

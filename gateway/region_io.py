@@ -43,7 +43,7 @@ def direct_reads(store: ObjectStore, region, items: list, write_by: Optional[flo
         for j, frag, place in items:
             ok = False
             for card in (frag.card, *frag.others) if may_write else ():
-                if card != frag.card and not (store.active[card] and store.cards[card].direct_reads):
+                if card != frag.card and not (store.in_service(card) and store.cards[card].direct_reads):
                     continue
                 size_now = region.size_now(write_by)
                 if size_now is None or place + frag.length > size_now:

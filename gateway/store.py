@@ -3,7 +3,9 @@ cards in service, replicas, pins and I/O counters.
 
 The server asks it where an object's fragments live and runs their I/O on its
 thread pool; the store does the card calls, keeps the statistics and reports
-transport failures to the health monitor.
+every card command's outcome to its ``CardObserver`` (the health monitor), which
+says when a card must leave service; which cards are in service is the store's
+(``take_out``, ``bring_back``).
 
 An object lives and dies whole: it is present on a card only when every fragment
 is there at its size (the head records the object's size for lookups that do not
@@ -22,6 +24,7 @@ whole object, never a mix of both.
 
 from __future__ import annotations
 
+import abc
 import collections
 import functools
 import logging
@@ -105,11 +108,68 @@ class PreviousPlacement:
 WRITE_LOCKS = 4096          # stripes of the per-object write serialization
 
 
+class CardObserver(abc.ABC):
+    """What watches the cards' I/O through the store (``gateway/health.py``'s ``CardHealth``),
+    given to the store when it is made.
+
+    Contract: the store calls ``io``/``ios`` after card commands, from its I/O threads (many
+    at once) and from the gateway's loop (an I/O process's task): they must be quick, take
+    no card I/O and call nothing of the store. When one answers a reason, the store takes
+    the card out of service (if it still is) and calls ``left`` with it, under the store's
+    lock of the in-service flags (so ``left`` must not call the store either)."""
+
+    @abc.abstractmethod
+    def io(self, card: int, transport_ok: bool, seconds: float) -> Optional[str]:
+        """One command of card ``card`` took ``seconds``; ``transport_ok`` False when it
+        failed in the transport (a strike). Why the card must leave service now, or None
+        when it stays."""
+
+    @abc.abstractmethod
+    def ios(self, card: int, seconds: Sequence[float], failed: Collection[int] = ()) -> Optional[str]:
+        """``io`` of many commands of one card in their order (an I/O process's task):
+        ``seconds`` each, ``failed`` the positions that failed in the transport; the first
+        reason to leave service, or None."""
+
+    @abc.abstractmethod
+    def left(self, card: int, why: str, by_io: bool) -> None:
+        """Card ``card`` has just left service (``ObjectStore.take_out``): ``by_io`` when its
+        I/O took it out (``io``/``ios``), else a failed check."""
+
+
+class Pins:
+    """The keys pinned now (a GET with ``lock``), counted: a key stays pinned until every pin
+    on it is dropped. Made before the cards (an fs card's eviction passes pinned objects
+    over, from its first scan on) and given to the store, which is the way to it."""
+
+    def __init__(self) -> None:
+        self._pins: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            self._pins.update(keys)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                n = self._pins.get(key, 0)
+                if n <= 1:
+                    self._pins.pop(key, None)
+                else:
+                    self._pins[key] = n - 1
+
+    def holds(self, key: bytes) -> bool:
+        return key in self._pins
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+
 class ObjectStore:
     """All cards of one gateway, seen as one key-value store of objects."""
 
     def __init__(self, cards: Sequence[Card], storage_slots: int, num_dbs: int, placement: str,
-                 fragment_size: int, spread: bool, replicas: int = 1):
+                 fragment_size: int, spread: bool, replicas: int, observer: CardObserver, pins: Pins):
         self.cards = list(cards)
         self.num_dbs = num_dbs
         self.storage_slots = storage_slots
@@ -117,13 +177,11 @@ class ObjectStore:
         self.fragment_size = fragment_size
         self.spread = spread
         self.replicas = max(1, replicas)
-        self.active = [bool(c.serial) for c in self.cards]
+        self._active = [bool(c.serial) for c in self.cards]     # in service (``take_out``, ``bring_back``)
+        self._service_lock = threading.Lock()
         self.stats = [CardStats() for _ in self.cards]
-        self.on_io: Callable[[int, bool, float], None] = lambda card, transport_ok, seconds: None
-        # many I/Os of one card at once: (card, seconds each, positions that failed in the transport)
-        self.on_ios: Callable[[int, Sequence[float], Collection[int]], None] = lambda card, seconds, failed=(): None
-        self._pins: collections.Counter = collections.Counter()
-        self._pins_lock = threading.Lock()
+        self.observer = observer
+        self.pins = pins
         # by namespace: hits, misses, stored, store_failed, restored_bytes, stored_bytes (server thread only)
         self.counters: collections.defaultdict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         # a card-set change (gateway/layout_record.py, gateway/mover.py): the placement moved from
@@ -133,6 +191,41 @@ class ObjectStore:
         # writes of one object to one card run one after the other (striped by object key)
         self._write_locks = [threading.Lock() for _ in range(WRITE_LOCKS)]
         self.rebuild_placement()
+
+    # ------------------------------------------------------------------ service
+    @property
+    def active(self) -> tuple[bool, ...]:
+        """Whether each card is in service now (a snapshot)."""
+        return tuple(self._active)
+
+    def in_service(self, card: int) -> bool:
+        return self._active[card]
+
+    def take_out(self, card: int, why: str, by_io: bool = False) -> None:
+        """Take a card out of service (its I/O, through the observer, or a failed check);
+        the observer hears of it (``CardObserver.left``) once, when it was in service."""
+        with self._service_lock:
+            if not self._active[card]:
+                return
+            self._active[card] = False
+            self.observer.left(card, why, by_io)
+
+    def bring_back(self, card: int) -> None:
+        """Put a card (back) in service: it answered its check."""
+        with self._service_lock:
+            self._active[card] = True
+
+    def _observe(self, card: int, transport_ok: bool, seconds: float) -> None:
+        """Tell the observer of one command of ``card``; take the card out when it says so."""
+        why = self.observer.io(card, transport_ok, seconds)
+        if why is not None:
+            self.take_out(card, why, by_io=True)
+
+    def observe_many(self, card: int, seconds: Sequence[float], failed: Collection[int] = ()) -> None:
+        """``_observe`` of many commands of one card in their order (an I/O process's task)."""
+        why = self.observer.ios(card, seconds, failed)
+        if why is not None:
+            self.take_out(card, why, by_io=True)
 
     def rebuild_placement(self) -> None:
         """Recompute placement over the cards whose serial is known and not ``left_out``
@@ -147,7 +240,7 @@ class ObjectStore:
         """The first ``n`` cards in service for a key, in placement order."""
         out = []
         for i in self.placement.ranking(key, mark):
-            if self.active[i]:
+            if self._active[i]:
                 out.append(i)
                 if len(out) == n:
                     break
@@ -225,7 +318,7 @@ class ObjectStore:
             logger.exception("read from card %s failed", card.serial)
             verdict = Read.TRANSIENT
         seconds = self.stats[frag.card].end(token, False, verdict is Read.HIT, frag.length)
-        self.on_io(frag.card, not verdict.strike, seconds)
+        self._observe(frag.card, not verdict.strike, seconds)
         return verdict
 
     def _card_write(self, frag: Fragment, call: Callable[[Card], bool]) -> tuple[bool, bool]:
@@ -243,7 +336,7 @@ class ObjectStore:
         except Exception:
             logger.exception("write to card %s failed", card.serial)
         seconds = self.stats[frag.card].end(token, True, ok, frag.length)
-        self.on_io(frag.card, transport_ok or not strike, seconds)
+        self._observe(frag.card, transport_ok or not strike, seconds)
         return ok, transport_ok
 
     def _read(self, frag: Fragment, buf: memoryview) -> Read:
@@ -294,7 +387,7 @@ class ObjectStore:
                         logged = True
                     r = Read.TRANSIENT if isinstance(r, NodeIOError) else Read.IO_ERROR
                 stats.record(False, r is Read.HIT, len(items[i][2]), share)
-                self.on_io(c, not r.strike, share)
+                self._observe(c, not r.strike, share)
                 res[i] = r
         return res
 
@@ -310,7 +403,7 @@ class ObjectStore:
                 if verdict.drops:
                     broken[(frag.card, object_key(frag.fkey))] = (frag.object_bytes, frag.slot_tag)
                 for alt in frag.others:
-                    if not self.active[alt]:
+                    if not self._active[alt]:
                         continue
                     # the same write id: the replicas of one write share it
                     verdict = self._read(frag._replace(card=alt, others=()), view)
@@ -414,7 +507,7 @@ class ObjectStore:
             s = slot(key, marks[i] if marks else 0)
             cands = by_slot.get(s)
             if cands is None:
-                cands = by_slot[s] = [c for c in rankings[s] if self.active[c]][:self.replicas]
+                cands = by_slot[s] = [c for c in rankings[s] if self._active[c]][:self.replicas]
             candidates.append(cands)
         tags = [self.slot_tag(m) for m in marks] if marks and self.placement_mode == "dialog" else [b""] * n
         pending = range(n)
@@ -443,7 +536,7 @@ class ObjectStore:
         reported to ``on_previous_hit`` (the mover moves it to its card now)."""
         by_card: dict[int, list[int]] = collections.defaultdict(list)
         for i in pending:
-            for c in prev.targets(keys[i], marks[i] if marks else 0, self.active):
+            for c in prev.targets(keys[i], marks[i] if marks else 0, self._active):
                 if c not in candidates[i]:
                     by_card[c].append(i)
                     break
@@ -496,7 +589,7 @@ class ObjectStore:
             found = c.contains_many(items, lengths, item_tags) if items else []
         except CardIOError as exc:
             _log_io_error(exc)
-            self.on_io(card, isinstance(exc, NodeIOError), 0.0)
+            self._observe(card, isinstance(exc, NodeIOError), 0.0)
             return [None] * len(keys)
         return [h.write_id if size is not None and all(found[a:b]) else None
                 for (a, b), h, size in zip(spans, found_heads, sizes)]
@@ -512,7 +605,7 @@ class ObjectStore:
             tag = self.slot_tag(mark)
             cards = self.targets(key, mark, self.replicas)
             if prev is not None:           # during a card-set change: its copy on its previous card too
-                cards += [c for c in prev.targets(key, mark, self.active) if c not in cards]
+                cards += [c for c in prev.targets(key, mark, self._active) if c not in cards]
             existed = False
             for card_index in cards:
                 card = self.cards[card_index]
@@ -538,26 +631,19 @@ class ObjectStore:
     def clean(self) -> int:
         total = 0
         for i, card in enumerate(self.cards):
-            if self.active[i]:
+            if self._active[i]:
                 total += card.clean()
         return total
 
     # ------------------------------------------------------------------ pins
     def pin(self, keys: Sequence[bytes]) -> None:
-        with self._pins_lock:
-            self._pins.update(keys)
+        self.pins.pin(keys)
 
     def unpin(self, keys: Sequence[bytes]) -> None:
-        with self._pins_lock:
-            for key in keys:
-                n = self._pins.get(key, 0)
-                if n <= 1:
-                    self._pins.pop(key, None)
-                else:
-                    self._pins[key] = n - 1
+        self.pins.unpin(keys)
 
     def is_pinned(self, key: bytes) -> bool:
-        return key in self._pins
+        return self.pins.holds(key)
 
     def pinned_count(self) -> int:
-        return len(self._pins)
+        return len(self.pins)

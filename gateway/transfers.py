@@ -414,7 +414,7 @@ class Transfers:
         store = self.store
         lost = sum(task.lengths[k] for k, _ in misses)
         store.stats[card].record_reads(seconds, sum(task.lengths) - lost, len(misses))
-        store.on_ios(card, seconds, {k for k, verdict in misses if verdict.strike})
+        store.observe_many(card, seconds, {k for k, verdict in misses if verdict.strike})
         done, again = [], []
         for k, verdict in misses:
             j, frag, offset = part[k]
