@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import dataclasses
 import functools
 import logging
 import threading
@@ -51,7 +52,7 @@ def _log_io_error(exc: CardIOError) -> None:
 
 class Fragment(NamedTuple):
     """One fragment of an object on one card (a named tuple: a GET plans one per fragment of
-    every object on the gateway's loop, so it must be cheap to make; ``_replace`` for a copy)."""
+    every object of a batch at once, so it must be cheap to make; ``_replace`` for a copy)."""
 
     card: int
     db: int
@@ -68,7 +69,7 @@ _fragment = functools.partial(tuple.__new__, Fragment)     # Fragment(*fields) w
 
 
 class Holder(int):
-    """The card index ``holders`` found an object on (what the server hands back to
+    """The card index ``holders`` found an object on (what ``plan_reads`` hands to
     ``read_plans``), carrying the other replica cards a read may fall back on and the write
     id the object's head carries there (its fragments are read against it)."""
 
@@ -81,6 +82,64 @@ class Holder(int):
         h.others = others
         h.write_id = write_id
         return h
+
+
+class Outcome(NamedTuple):
+    """What an I/O task did for one object of a batch: ``j`` its index in the batch; ``ok``:
+    found and still good (GET), stored (PUT); ``existed``: a PUT found it stored already and
+    wrote nothing (``ok`` too)."""
+
+    j: int
+    ok: bool
+    existed: bool = False
+
+
+@dataclasses.dataclass
+class ReadPlan:
+    """A GET batch's reads (``ObjectStore.plan_reads``): ``(j, fragment)`` for each fragment
+    of each object ``j`` found, an object's fragments one after the other; ``direct``: those
+    whose card reads into a client's region itself (``Card.direct_reads``, asked for), the
+    others go through the ring."""
+
+    ring: list[tuple[int, Fragment]]
+    direct: list[tuple[int, Fragment]]
+
+    def found(self) -> set[int]:
+        return {j for j, _ in self.ring} | {j for j, _ in self.direct}
+
+
+class RegionBytes(NamedTuple):
+    """An object's bytes in a client's region (``door.Region``): its descriptor, the object's
+    offset there, and the monotonic time the client gives up at (None: never)."""
+
+    fd: int
+    offset: int
+    read_by: Optional[float]
+
+
+class PutSource(abc.ABC):
+    """Where the bytes of an object a PUT stores are (``gateway/region_io.py``: the ring, a
+    client's region). Contract: called on the I/O pool, once per object at most each."""
+
+    @abc.abstractmethod
+    def region(self) -> Optional[RegionBytes]:
+        """The bytes in a client's region that a card with ``direct_writes`` reads itself, or
+        None when they are not (the ring, a scattered region)."""
+
+    @abc.abstractmethod
+    def view(self) -> Optional[memoryview]:
+        """The object's bytes in the ring (from a region: read into its ring slot first), or
+        None when they cannot be had (a region shorter than the object, the client gave up):
+        nothing is stored."""
+
+
+class PutItem(NamedTuple):
+    """One object of a PUT batch for ``ObjectStore.put``."""
+
+    j: int
+    key: bytes
+    mark: int
+    source: PutSource
 
 
 class PreviousPlacement:
@@ -270,8 +329,8 @@ class ObjectStore:
         """The fragments to read, for a batch's objects at once: ``(j, fragment)`` for each
         fragment of each object ``j`` that ``holders`` found (on that card; its other replica
         cards ride along for ``read_many`` to fall back on), an object's fragments one after
-        the other. One call per batch on the gateway's loop: the fragment extents are cut
-        once, each object's databases hashed once, each ``Fragment`` made by ``tuple.__new__``."""
+        the other. One call per batch (``plan_reads``): the fragment extents are cut once, each
+        object's databases hashed once, each ``Fragment`` made by ``tuple.__new__``."""
         extents = fragment_extents(object_bytes, self.fragment_size)
         # per fragment, in read order (fragment 0 last, as ``_layout``): its index's key suffix,
         # the step from the object's first database, offset and length
@@ -292,6 +351,44 @@ class ObjectStore:
                 add((j, _fragment((c, (h + step) % dbs, key + suffix, off, ln, object_bytes, others, tag,
                                    write_id))))
         return out
+
+    def plan_reads(self, keys: Sequence[bytes], marks: Optional[Sequence[int]], object_bytes: int,
+                   into_region: bool) -> ReadPlan:
+        """A GET batch's lookup and its reads (on the pool): ``holders``, then ``read_plans``;
+        with ``into_region``, the fragments whose card reads into a client's region itself
+        are ``direct``."""
+        plans = self.read_plans(self.holders(keys, marks, object_bytes), keys, marks, object_bytes)
+        if not into_region:
+            return ReadPlan(plans, [])
+        cards = self.cards
+        ring, direct = [], []
+        for item in plans:
+            (direct if cards[item[1].card].direct_reads else ring).append(item)
+        return ReadPlan(ring, direct)
+
+    def direct_replicas(self, frag: Fragment) -> list[Fragment]:
+        """Where a read of ``frag`` straight into a client's region may go, in order: its card,
+        then each other replica card in service that reads into regions (``direct_reads``)."""
+        return [frag] + [frag._replace(card=c, others=()) for c in frag.others
+                         if self._active[c] and self.cards[c].direct_reads]
+
+    def process_reads(self, card: int, frags: Sequence[Fragment]) -> list:
+        """For each fragment of ``card``: what an I/O process can read (``Card.process_reads``:
+        an ``objfile.FileRead``), False when the card knows it is not stored, None when it
+        must be read here."""
+        return self.cards[card].process_reads([f.fkey for f in frags], [f.write_id for f in frags])
+
+    def process_reads_done(self, card: int, files: Sequence, lengths: Sequence[int],
+                           misses: Sequence[tuple[int, Read]], seconds: Sequence[float]) -> None:
+        """An I/O process read ``files`` of ``card`` (``lengths`` bytes each; ``misses``: the
+        ``(k, verdict)`` of those that missed, ``seconds`` each read's): accounted as the
+        pool's reads are (the card's statistics and health at once for the task, the card's
+        own bookkeeping of each verdict)."""
+        lost = sum(lengths[k] for k, _ in misses)
+        self.stats[card].record_reads(seconds, sum(lengths) - lost, len(misses))
+        self.observe_many(card, seconds, {k for k, verdict in misses if verdict.strike})
+        for k, verdict in misses:
+            self.cards[card].process_read_result(files[k], verdict)
 
     def write_plans(self, key: bytes, mark: int, object_bytes: int) -> list[list[Fragment]]:
         """One fragment list per replica (cards in service, in placement order)."""
@@ -343,9 +440,9 @@ class ObjectStore:
         """The verdict of one fragment's read."""
         return self._card_read(frag, lambda card: card.read(frag.db, frag.fkey, buf, frag.slot_tag, frag.write_id))
 
-    def read_to_fds(self, items, write_by: Optional[float] = None) -> list[tuple[int, bool]]:
+    def read_to_fds(self, items, write_by: Optional[float] = None) -> list[Outcome]:
         """Read ``(j, fragment, descriptor, offset)`` items straight into a client's buffer
-        (``Card.read_to_fd``, nothing written at or after ``write_by``); ``(j, hit)`` each,
+        (``Card.read_to_fd``, nothing written at or after ``write_by``); an ``Outcome`` each,
         with statistics, health and removal of what the verdict shows broken as
         ``read_many``."""
         out = []
@@ -354,7 +451,7 @@ class ObjectStore:
                                       card.read_to_fd(f.db, f.fkey, f.length, d, o, write_by, f.write_id))
             if verdict.drops:
                 self._remove_broken(frag.card, object_key(frag.fkey), frag.object_bytes, frag.slot_tag)
-            out.append((j, verdict is Read.HIT))
+            out.append(Outcome(j, verdict is Read.HIT))
         return out
 
     def _read_batched(self, items) -> list[Read]:
@@ -391,9 +488,9 @@ class ObjectStore:
                 res[i] = r
         return res
 
-    def read_many(self, items) -> list[tuple[int, bool]]:
+    def read_many(self, items) -> list[Outcome]:
         """Read ``(j, fragment, view)`` items (a card with ``batched_reads`` gets all of its
-        fragments at once); ``(j, ok)`` for each. A fragment that misses on its card is read
+        fragments at once); an ``Outcome`` for each. A fragment that misses on its card is read
         from the object's next replica in service, and an object found missing or corrupt on
         a card is removed from that card, whole."""
         out = []
@@ -411,15 +508,15 @@ class ObjectStore:
                         break
                     if verdict.drops:
                         broken[(alt, object_key(frag.fkey))] = (frag.object_bytes, frag.slot_tag)
-            out.append((j, verdict is Read.HIT))
+            out.append(Outcome(j, verdict is Read.HIT))
         for (card, key), (object_bytes, tag) in broken.items():
             self._remove_broken(card, key, object_bytes, tag)
         return out
 
-    def read_from_replicas(self, items) -> list[tuple[int, bool]]:
+    def read_from_replicas(self, items) -> list[Outcome]:
         """Read ``(j, fragment, view)`` items that missed on their card (e.g. in an I/O
-        process) from the object's other replicas; ``(j, ok)`` for each."""
-        out = [(j, False) for j, frag, _ in items if not frag.others]
+        process) from the object's other replicas; an ``Outcome`` for each."""
+        out = [Outcome(j, False) for j, frag, _ in items if not frag.others]
         return out + self.read_many([(j, frag._replace(card=frag.others[0], others=frag.others[1:]), view)
                                      for j, frag, view in items if frag.others])
 
@@ -437,9 +534,32 @@ class ObjectStore:
         except CardIOError as exc:
             logger.warning("%s", exc)
 
-    def write_many(self, items) -> list[tuple[int, bool]]:
-        """Write ``(j, replica plans, object view)`` items in turn; ``(j, ok)`` for each."""
-        return [(j, self.write_replicas(plans, view)) for j, plans, view in items]
+    def put(self, items: Sequence[PutItem], object_bytes: int) -> list[Outcome]:
+        """Store the objects of (part of) a PUT batch: which exist already (``exists``: keys
+        name content, an object stored under its key holds these bytes), the replica cards
+        of each other one, and its write to all of them: straight from a client's region
+        (``Card.write_from_fd``) when every one of those cards has ``direct_writes`` and
+        the source is a region, else from the ring (``PutSource.view``). An object with no
+        card in service is not stored."""
+        found = self.exists([it.key for it in items], [it.mark for it in items], object_bytes)
+        out = []
+        for item, there in zip(items, found):
+            if there:
+                out.append(Outcome(item.j, True, existed=True))
+                continue
+            plans = self.write_plans(item.key, item.mark, object_bytes)
+            if not plans:
+                out.append(Outcome(item.j, False))
+                continue
+            region = item.source.region()
+            if region is not None and all(self.cards[f.card].direct_writes for frags in plans for f in frags):
+                # the engine's region -> the card in one copy, by its descriptor (no ring)
+                ok = self._write_from_fd(plans, region, object_bytes)
+            else:
+                view = item.source.view()
+                ok = view is not None and self.write_replicas(plans, view)
+            out.append(Outcome(item.j, ok))
+        return out
 
     def write_replicas(self, plans: Sequence[Sequence[Fragment]], obj: memoryview) -> bool:
         """Write one object to every replica (one write id for all); True if at least one holds
@@ -449,21 +569,14 @@ class ObjectStore:
             f.db, f.fkey, obj[f.offset:f.offset + f.length], object_bytes=len(obj) if f.offset == 0 else 0,
             tag=f.slot_tag, write_id=write_id)) for frags in plans])
 
-    def write_from_fds(self, items, read_by: Optional[float] = None) -> list[tuple[int, bool]]:
-        """Write ``(j, replica plans, descriptor, offset, object bytes)`` items straight from a
-        client's buffer (``Card.write_from_fd``: every card of the plans has
-        ``direct_writes``), nothing read at or after ``read_by``; ``(j, ok)`` for each, as
-        ``write_many``."""
-        out = []
-        for j, plans, fd, at, n in items:
-            write_id = new_write_id()
-            out.append((j, any([self._write_object(frags, n, write_id, lambda card, f, fd=fd, at=at, n=n:
-                                                   card.write_from_fd(f.db, f.fkey, f.length, fd, at + f.offset,
-                                                                      object_bytes=n if f.offset == 0 else 0,
-                                                                      tag=f.slot_tag, read_by=read_by,
-                                                                      write_id=write_id))
-                                for frags in plans])))
-        return out
+    def _write_from_fd(self, plans: Sequence[Sequence[Fragment]], src: RegionBytes, n: int) -> bool:
+        """Write one object of ``n`` bytes to every replica straight from a client's buffer
+        (``Card.write_from_fd``: every card of the plans has ``direct_writes``), nothing read
+        at or after ``src.read_by``; True as ``write_replicas``."""
+        write_id = new_write_id()
+        return any([self._write_object(frags, n, write_id, lambda card, f: card.write_from_fd(
+            f.db, f.fkey, f.length, src.fd, src.offset + f.offset, object_bytes=n if f.offset == 0 else 0,
+            tag=f.slot_tag, read_by=src.read_by, write_id=write_id)) for frags in plans])
 
     def _write_object(self, frags: Sequence[Fragment], object_bytes: int, write_id: int,
                       put: Callable[[Card, Fragment], bool]) -> bool:
@@ -634,6 +747,21 @@ class ObjectStore:
             if self._active[i]:
                 total += card.clean()
         return total
+
+    # ------------------------------------------------------------------ counters (the loop's thread)
+    def count_reads(self, namespace: str, hits: int, objects: int, object_bytes: int) -> None:
+        """A GET batch of ``objects`` objects of ``object_bytes`` found ``hits`` of them."""
+        counters = self.counters[namespace]
+        counters["hits"] += hits
+        counters["misses"] += objects - hits
+        counters["restored_bytes"] += hits * object_bytes
+
+    def count_writes(self, namespace: str, stored: int, objects: int, object_bytes: int) -> None:
+        """A PUT batch of ``objects`` objects of ``object_bytes`` stored ``stored`` of them."""
+        counters = self.counters[namespace]
+        counters["stored"] += stored
+        counters["store_failed"] += objects - stored
+        counters["stored_bytes"] += stored * object_bytes
 
     # ------------------------------------------------------------------ pins
     def pin(self, keys: Sequence[bytes]) -> None:
