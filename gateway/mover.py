@@ -261,9 +261,9 @@ class Mover:
         except CardIOError:
             self.failed += 1
             return False
-        size = recorded.size if recorded is not None else 0
-        if not size:
-            return True                   # gone (or a head without a size: read as one fragment, left)
+        if recorded is None:
+            return True                   # gone
+        size = recorded.size
         if store.is_pinned(key):
             return self._later(key, mark, old)
         buf = bytearray(size)

@@ -36,7 +36,7 @@ from typing import Callable, Collection, NamedTuple, Optional, Sequence
 from .fragments import db_hash, fragment_db, fragment_dbs, fragment_extents, fragment_key
 from .card_stats import CardStats
 
-from .cards.base import Card, CardIOError, Head, NodeIOError, Read, object_key
+from .cards.base import Card, CardIOError, Head, NodeIOError, ProcessRead, Read, object_key
 from .cards.objfmt import new_write_id
 from .placement import Placement, key_layout_fingerprint
 
@@ -372,10 +372,9 @@ class ObjectStore:
         return [frag] + [frag._replace(card=c, others=()) for c in frag.others
                          if self._active[c] and self.cards[c].direct_reads]
 
-    def process_reads(self, card: int, frags: Sequence[Fragment]) -> list:
+    def process_reads(self, card: int, frags: Sequence[Fragment]) -> list[ProcessRead]:
         """For each fragment of ``card``: what an I/O process can read (``Card.process_reads``:
-        an ``objfile.FileRead``), False when the card knows it is not stored, None when it
-        must be read here."""
+        an ``objfile.FileRead``), or why none does (``NoProcessRead``)."""
         return self.cards[card].process_reads([f.fkey for f in frags], [f.write_id for f in frags])
 
     def process_reads_done(self, card: int, files: Sequence, lengths: Sequence[int],
@@ -672,10 +671,9 @@ class ObjectStore:
         cuts: dict[int, list[tuple[int, int]]] = {}       # object size -> its fragment extents
 
         def head_len(head: Head) -> Optional[int]:
-            # the head's payload: the first extent of the size it records (or that a GET gives);
-            # 0: a head written before sizes were recorded, any payload
+            # the head's payload: the first extent of the size it records (or that a GET gives)
             size = object_bytes or head.size
-            return (min(size, frag) if frag > 0 else size) or None
+            return min(size, frag) if frag > 0 else size
         try:
             suffix, dbs = fragment_key(b"", 0), self.num_dbs
             heads = [(db_hash(k) % dbs, k + suffix) for k in keys]   # fragment 0's (db, key), as fragment_db
@@ -683,7 +681,7 @@ class ObjectStore:
             # A head that records another size than a GET asks is another object (a GET at a
             # smaller size must not take a larger object's first fragments).
             sizes = [None if h is None else h.size if object_bytes is None else
-                     object_bytes if h.size in (0, object_bytes) else None for h in found_heads]
+                     object_bytes if h.size == object_bytes else None for h in found_heads]
             items: list[tuple[int, bytes]] = []
             lengths: list[Optional[int]] = []
             item_tags: list[bytes] = []

@@ -51,6 +51,7 @@ from adpkv_core import protocol as P
 from adpkv_core.ring import Ring, align_up
 
 from . import io_procs
+from .cards.base import NoProcessRead
 from .jobs import Batch, DataJob
 from .latency import LatencyBuckets
 from .region_io import RegionSource, RingSource, direct_reads, to_region
@@ -354,12 +355,12 @@ class Transfers:
             by_card[read[1].card].append(read)
         for card, group in by_card.items():
             tasks = self.store.process_reads(card, [frag for _, frag, _ in group])
-            if False in tasks or None in tasks:
+            if NoProcessRead.ABSENT in tasks or NoProcessRead.HERE in tasks:
                 kept = []
                 for read, task in zip(group, tasks):
-                    if task is None:
+                    if task is NoProcessRead.HERE:
                         rest.append(read)
-                    elif task is False:        # the card knows the object is gone
+                    elif task is NoProcessRead.ABSENT:        # the card knows the object is gone
                         batch.flags[read[0]] = 0
                     else:
                         kept.append((read, task))
