@@ -30,7 +30,7 @@ new one is whole). Two gateways moving the same object write the same bytes.
 
 When a sweep pass finds nothing left to move and no hit waits, the change is complete:
 ``on_complete`` drops the previous layout (once). Contract: ``store`` is the gateway's
-``ObjectStore`` with ``previous`` set; the mover only reads ``store.active``.
+``ObjectStore`` with ``previous`` set; the mover only reads which cards are in service (``store.in_service``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,14 @@ every card command's outcome to its ``CardObserver`` (the health monitor), which
 says when a card must leave service; which cards are in service is the store's
 (``take_out``, ``bring_back``).
 
+The interface the rest of the gateway uses (on the GET and PUT paths nothing else calls a card):
+a GET batch's lookup and reads (``plan_reads``, then ``read_many``, ``read_to_fds`` and
+``direct_replicas`` into a client's region, ``process_reads``/``process_reads_done`` around
+the I/O processes, ``read_from_replicas``), a PUT batch's (``put``: which exist, where, the
+writes), EXIST (``exists``), DELETE, CLEAN, the pins, which cards are in service, and the
+namespace counters (``count_reads``, ``count_writes``). Every I/O answers an ``Outcome`` per
+object.
+
 An object lives and dies whole: it is present on a card only when every fragment
 is there at its size (the head records the object's size for lookups that do not
 know it); a read whose verdict is evidence about the object (``Read.drops``: missing,
