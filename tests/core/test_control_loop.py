@@ -68,9 +68,12 @@ def test_a_task_s_reads_strike_as_one_by_one(tmp_path):
     """``CardHealth.ios`` (a task's reads at once, through ``ObjectStore.observe_many``)
     strikes as ``io`` read by read in their order: late or transport-failed reads in a row
     take the card out of the store's service, one good read after them clears the strikes."""
+    cards = []
+
     def monitor(n):
         card = FsCard(str(tmp_path / f"card{n}"), num_dbs=1)
         card.open()
+        cards.append(card)
         health = CardHealth([card], io_timeout_ms=10, io_timeout_strikes=3)
         store = ObjectStore([card], 64, 1, "stripe", 0, False, 1, observer=health, pins=Pins())
         return health, store
@@ -97,3 +100,5 @@ def test_a_task_s_reads_strike_as_one_by_one(tmp_path):
     h, store = monitor(2)
     store.observe_many(0, [])
     assert h.strikes[0] == 0 and store.in_service(0)
+    for card in cards:
+        card.close()
