@@ -30,7 +30,7 @@ new one is whole). Two gateways moving the same object write the same bytes.
 
 When a sweep pass finds nothing left to move and no hit waits, the change is complete:
 ``on_complete`` drops the previous layout (once). Contract: ``store`` is the gateway's
-``ObjectStore`` with ``previous`` set; the mover only reads ``store.active``.
+``ObjectStore`` with ``previous`` set; the mover only reads which cards are in service (``store.in_service``).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ class Mover:
         for card_index in sorted({c for c in prev.card_of if c is not None}):
             if self._stop.is_set():
                 return False
-            if not store.active[card_index]:
+            if not store.in_service(card_index):
                 clean = False
                 continue
             try:
@@ -213,7 +213,7 @@ class Mover:
         for slot, ranking in enumerate(prev.placement.rankings):
             if old not in (prev.card_of[i] for i in ranking[:prev.replicas]):
                 continue
-            out.update([i for i in store.placement.rankings[slot] if store.active[i]][:store.replicas])
+            out.update([i for i in store.placement.rankings[slot] if store.in_service(i)][:store.replicas])
         return sorted(out)
 
     def _copy_untagged(self, key: bytes, old: int, targets: list[int]) -> tuple[bool, bool]:
@@ -261,9 +261,9 @@ class Mover:
         except CardIOError:
             self.failed += 1
             return False
-        size = recorded.size if recorded is not None else 0
-        if not size:
-            return True                   # gone (or a head without a size: read as one fragment, left)
+        if recorded is None:
+            return True                   # gone
+        size = recorded.size
         if store.is_pinned(key):
             return self._later(key, mark, old)
         buf = bytearray(size)

@@ -37,7 +37,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import Callable, Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Optional, Union
+
+if TYPE_CHECKING:
+    from .objfile import FileRead
 
 
 @dataclasses.dataclass
@@ -94,12 +97,24 @@ class Read(enum.Enum):
         return self is Read.IO_ERROR
 
 
+class NoProcessRead(enum.Enum):
+    """What ``Card.process_reads`` answers for a fragment that no I/O process reads."""
+
+    ABSENT = "not stored"                    # the card knows it is not stored: a miss, nothing to read
+    HERE = "read here"                       # this card's reads cannot run in another process
+
+
+ProcessRead = Union["FileRead", NoProcessRead]
+
+
 _DROPS = frozenset((Read.ABSENT, Read.TRUNCATED, Read.BAD_HEADER, Read.BAD_CHECKSUM, Read.FOREIGN))
 
 
 class Head(NamedTuple):
-    """What an object's head fragment records: the whole object's size (0: not recorded)
-    and the write id stamped in every fragment of the write that stored it."""
+    """What an object's head fragment records: the whole object's size (always recorded, more
+    than 0: every readable header is of ``objfmt.FORMAT`` 2, which has always carried it, and
+    objects are never empty) and the write id stamped in every fragment of the write that
+    stored it."""
 
     size: int
     write_id: int
@@ -256,13 +271,14 @@ class Card(abc.ABC):
         behind. Only cards with ``direct_writes``."""
         raise NotImplementedError(f"{type(self).__name__} has no direct writes")
 
-    def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list:
+    def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list[ProcessRead]:
         """For each fragment (expected of the write ``write_ids`` names), an
         ``objfile.FileRead`` that an I/O process can do (the gateway packs them into
-        ``io_procs.ReadTask``s), False when the card knows it is not stored, or None when this
-        card's reads cannot run in another process. Called with a GET batch's fragments at
-        once, on the gateway's loop (a card with an index looks them all up under one lock)."""
-        return [None] * len(fkeys)
+        ``io_procs.ReadTask``s), ``NoProcessRead.ABSENT`` when the card knows it is not
+        stored, or ``NoProcessRead.HERE`` when this card's reads cannot run in another
+        process. Called with a GET batch's fragments at once, on the gateway's loop (a card
+        with an index looks them all up under one lock)."""
+        return [NoProcessRead.HERE] * len(fkeys)
 
     def process_read_result(self, task, verdict: Read) -> Read:
         """Account for the verdict of a ``process_reads`` task (in the gateway's process): the

@@ -47,8 +47,8 @@ from .. import progress
 from ..quotas import TenantUsage
 
 from . import objfmt
-from .base import (Card, CardError, CardIOError, CardUsage, Head, Listed, Read, claim_record, is_head, object_key,
-                   parse_claim)
+from .base import (Card, CardError, CardIOError, CardUsage, Head, Listed, NoProcessRead, ProcessRead, Read,
+                   claim_record, is_head, object_key, parse_claim)
 from .fs_files import (CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, SUBDIR_NAMES, FileRef, check_file, object_name, open_dir,
                        open_root, own_dir, subdir_of, unlink_all, verdict_of)
 from . import fs_scan
@@ -391,12 +391,12 @@ class FsCard(Card):
             return None
         return fd, entry
 
-    def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list:
+    def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list[ProcessRead]:
         """The index entries of many fragments under one lock (``FsIndex.locate_many``: each
         object's LRU place refreshed once per fragment), a ``FileRead`` each (carrying the index entry it was
-        handed, for ``read_result``) or False where it is not stored."""
+        handed, for ``read_result``) or ``NoProcessRead.ABSENT`` where it is not stored."""
         refs, o_direct = self._db_refs, self.o_direct
-        return [False if e is None else FileRead(refs[e[0]], fkey, o_direct, w, e)
+        return [NoProcessRead.ABSENT if e is None else FileRead(refs[e[0]], fkey, o_direct, w, e)
                 for fkey, w, e in zip(fkeys, write_ids, self.index.locate_many(fkeys))]
 
     def process_read_result(self, task, verdict: Read) -> Read:

@@ -11,7 +11,9 @@ import time
 from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
-from adpkv_gateway.health import HealthMonitor
+from adpkv_gateway.cards.fs import FsCard
+from adpkv_gateway.health import CardHealth
+from adpkv_gateway.store import ObjectStore, Pins
 from adpkv_gateway.card_stats import CardStats
 
 from .rankproc import make_keys
@@ -62,45 +64,41 @@ def test_a_task_s_reads_are_counted_as_one_by_one():
     assert counts_many == counts_one and abs(sum_many - sum_one) < 1e-9
 
 
-class _Card:
-    def __init__(self):
-        self.serial, self.device = "S1", "stub"
+def test_a_task_s_reads_strike_as_one_by_one(tmp_path):
+    """``CardHealth.ios`` (a task's reads at once, through ``ObjectStore.observe_many``)
+    strikes as ``io`` read by read in their order: late or transport-failed reads in a row
+    take the card out of the store's service, one good read after them clears the strikes."""
+    cards = []
 
+    def monitor(n):
+        card = FsCard(str(tmp_path / f"card{n}"), num_dbs=1)
+        card.open()
+        cards.append(card)
+        health = CardHealth([card], io_timeout_ms=10, io_timeout_strikes=3)
+        store = ObjectStore([card], 64, 1, "stripe", 0, False, 1, observer=health, pins=Pins())
+        return health, store
 
-class _Store:
-    """What ``HealthMonitor`` reads of a store: its cards and which are active."""
+    h, store = monitor(0)
+    store.observe_many(0, [0.001] * 50)
+    assert h.strikes[0] == 0 and store.in_service(0)
+    store.observe_many(0, [0.02, 0.02])                   # two late reads: two strikes
+    assert h.strikes[0] == 2 and store.in_service(0)
+    store.observe_many(0, [0.001, 0.02])                  # good (cleared), then late
+    assert h.strikes[0] == 1 and store.in_service(0)
+    store.observe_many(0, [0.02, 0.001])                  # late (a second strike), then good: cleared
+    assert h.strikes[0] == 0 and store.in_service(0)
+    store.observe_many(0, [0.001, 0.001, 0.001, 0.001], failed={1, 2})   # failures not in a row of 3
+    assert h.strikes[0] == 0 and store.in_service(0)
+    store.observe_many(0, [0.001, 0.001, 0.001], failed={0, 1, 2})       # three transport failures in a row
+    assert not store.in_service(0) and h.out_by_io[0]
 
-    def __init__(self):
-        self.cards, self.active = [_Card()], [True]
-
-
-def test_a_task_s_reads_strike_as_one_by_one():
-    """``HealthMonitor.record_ios`` (a task's reads at once) strikes as ``record_io`` read by
-    read in their order: late or transport-failed reads in a row take the card out, one good
-    read after them clears the strikes."""
-    def monitor():
-        store = _Store()
-        return HealthMonitor(store, io_timeout_ms=10, io_timeout_strikes=3), store
-
-    h, store = monitor()
-    h.record_ios(0, [0.001] * 50)
-    assert h.strikes[0] == 0 and store.active[0]
-    h.record_ios(0, [0.02, 0.02])                   # two late reads: two strikes
-    assert h.strikes[0] == 2 and store.active[0]
-    h.record_ios(0, [0.001, 0.02])                  # good (cleared), then late
-    assert h.strikes[0] == 1 and store.active[0]
-    h.record_ios(0, [0.02, 0.001])                  # late (a second strike), then good: cleared
-    assert h.strikes[0] == 0 and store.active[0]
-    h.record_ios(0, [0.001, 0.001, 0.001, 0.001], failed={1, 2})   # failures not in a row of 3
-    assert h.strikes[0] == 0 and store.active[0]
-    h.record_ios(0, [0.001, 0.001, 0.001], failed={0, 1, 2})       # three transport failures in a row
-    assert not store.active[0]
-
-    h, store = monitor()
-    h.record_ios(0, [0.001, 0.02])
-    h.record_ios(0, [0.02])
-    h.record_ios(0, [0.001], failed={0})            # strikes run on across tasks: the third in a row
-    assert not store.active[0]
-    h, store = monitor()
-    h.record_ios(0, [])
-    assert h.strikes[0] == 0 and store.active[0]
+    h, store = monitor(1)
+    store.observe_many(0, [0.001, 0.02])
+    store.observe_many(0, [0.02])
+    store.observe_many(0, [0.001], failed={0})            # strikes run on across tasks: the third in a row
+    assert not store.in_service(0)
+    h, store = monitor(2)
+    store.observe_many(0, [])
+    assert h.strikes[0] == 0 and store.in_service(0)
+    for card in cards:
+        card.close()
