@@ -168,9 +168,9 @@ def engine_settings(container: dict) -> dict:
 
 
 def defines_class(module: str, name: str) -> bool:
-    """Whether our adapter package ``module`` defines or exports ``name`` (read, not imported:
-    the engines are not installed in this venv)."""
-    for path in PLUGIN_DIRS[module].glob("*.py"):
+    """Whether our adapter package ``module`` (its subpackages too) defines ``name`` (read, not
+    imported: the engines are not installed in this venv)."""
+    for path in PLUGIN_DIRS[module].rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and node.name == name:

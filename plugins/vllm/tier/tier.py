@@ -39,7 +39,7 @@ shared region ``/dev/shm/vllm_offload_<engine_id>.mmap``) to and from storage.
   for rows this tier announced and later found missing while the gateway
   answered (an eviction by the gateway, an ``adpkv clean``): by a lookup or a
   load that missed, and by the sweep, which checks every announced row with the
-  gateway once every ``events_sweep_s`` (EXISTs of ``tier_events.SWEEP_KEYS`` keys, one at a
+  gateway once every ``events_sweep_s`` (EXISTs of ``events.SWEEP_KEYS`` keys, one at a
   time, spread over the interval, answered on the client's thread), so an
   eviction reaches the engine's KV-event publisher also when nobody asks for the
   row. Medium ``STORAGE``;
@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import numpy as np
 
-from .vllm_api import required_vllm_api, tiering_rows_file
+from ..common.vllm_api import required_vllm_api, tiering_rows_file
 
 with required_vllm_api(
         "adpkv_vllm.AdpSecondaryTier",
@@ -86,8 +86,8 @@ from adpkv_core.keys import KIND_TIER_ROW, KeyBuilder, key_namespace
 from adpkv_core.regions import shared_file_of
 from adpkv_core.settings import ClientConfig
 
-from .common import ConfigInfoLabels, ensure_logging
-from .tier_events import TierEvents
+from ..common.settings import ConfigInfoLabels, ensure_logging
+from .events import TierEvents
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec

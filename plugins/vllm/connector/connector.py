@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - old vLLM
     class SupportsHMA:  # type: ignore[no-redef]
         pass
 
-from .common import check_hash_stability, ensure_logging, warn_once
+from ..common.settings import check_hash_stability, ensure_logging, warn_once
 from .metadata import AdpConnectorMetadata, ChunkPlan, ConnectorConfig
 from .scheduler import AdpConnectorScheduler
 from .worker import AdpConnectorWorker

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Collection, Iterable, Optional, Sequence
+from typing import Any, Collection, Iterable, Optional, Sequence
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -32,10 +32,7 @@ from vllm.v1.kv_offload.base import (
 
 from adpkv_core.attachment import Attachment, Session
 
-from .offloading import AdpLoadStoreSpec, object_digest
-
-if TYPE_CHECKING:
-    from .offloading import AdpOffloadingSpec
+from .backend import AdpLoadStoreSpec, OffloadBackend, object_digest
 
 logger = logging.getLogger("adpkv.vllm")
 
@@ -47,11 +44,11 @@ class AdpOffloadingManager(OffloadingManager):
     outside the step too (a new or finished request, stats, events, a cache reset), so two
     callers on two threads are kept apart whoever they are. vLLM 0.32 never reads it."""
 
-    def __init__(self, spec: "AdpOffloadingSpec"):
-        self.spec = spec
+    def __init__(self, backend: OffloadBackend):
+        self.backend = backend
         self._lock = threading.Lock()
-        self.lookup_peer = Attachment(spec.client_config, spec.engine_id, None, spec.world,
-                                      {"role": "vllm-offload-manager"}, reconnect_s=spec.reconnect_s,
+        self.lookup_peer = Attachment(backend.client_config, backend.engine_id, None, backend.world,
+                                      {"role": "vllm-offload-manager"}, reconnect_s=backend.reconnect_s,
                                       install="on_refresh", name="adpkv-vllm-offload-manager")
         self._session: Optional[Session] = self.lookup_peer.session   # the one pins were taken on
         self._results: dict[str, dict[bytes, bool]] = {}       # req -> key -> stored
@@ -60,8 +57,8 @@ class AdpOffloadingManager(OffloadingManager):
         self._asked: set[tuple[str, bytes]] = set()
         self._pinned: dict[str, dict[bytes, int]] = {}         # req -> key -> pins taken
         # keys checked per chunk: every layer of every rank (a failed load cannot be recomputed)
-        self._layers = [list(range(len(g.layer_names))) for g in spec.config.groups]
-        self._builders = [spec.keys_for_rank(r) for r in range(spec.world)]
+        self._layers = [list(range(len(g.layer_names))) for g in backend.config.groups]
+        self._builders = [backend.keys_for_rank(r) for r in range(backend.world)]
 
     @property
     def lock(self) -> threading.Lock:
@@ -195,7 +192,7 @@ class AdpOffloadingManager(OffloadingManager):
 
     def config_info(self) -> Sequence[dict]:
         """One series of ``vllm:kv_offload_config_info`` (vLLM >= 0.33): the spec's facts."""
-        return [self.spec.info.labels()]
+        return [self.backend.info.labels()]
 
     def shutdown(self) -> None:
         self.lookup_peer.close()

@@ -50,7 +50,7 @@ class AdapterSettings:
     exist_layers: str = "ends"      # "ends": EXIST layer 0 and the last layer; "all": every layer
     lookup_wait_s: float = 0.05     # how long the scheduler waits for an EXIST before asking again
     respect_fail_policy: bool = False
-    nvlink_fanout: bool = False     # MLA with TP: each rank copies its share, NVLink the rest (fanout.py)
+    nvlink_fanout: bool = False     # MLA with TP: each rank copies its share, NVLink the rest (connector/fanout.py)
     direct_map_bytes: int = 0       # > 0: restores from mapped object files, this many bytes mapped at most (0: off)
 
     @classmethod
@@ -185,7 +185,7 @@ def resolve_namespace(vllm_config, settings: AdapterSettings, layout: str, engin
 
     ``layout_tp_size``: the TP size whose layout the objects have, the identity's TP size: 1
     where they are canonical (a TP=1 engine's objects, read and written at every TP size:
-    ``heads.py``), else the engine's. Objects of a per-TP layout of more than one rank are
+    ``connector/heads.py``), else the engine's. Objects of a per-TP layout of more than one rank are
     also kept apart under a given ``adpkv.namespace`` (suffix ``/tp<size>``): the same
     deployment namespace at another TP size never reads them.
     """

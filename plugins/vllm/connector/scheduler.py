@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from adpkv_core.affinity import dialog_marks
 from adpkv_core.attachment import Attachment
 
-from .common import chunk_hashes
+from ..common.settings import chunk_hashes
 from .drafter import clip_hit, draft_digests, draft_key_count, save_range
 from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
 from .recurrent import plan_state_saves

@@ -12,7 +12,7 @@ on GPU it runs on a CUDA stream of the connector's own and the ring copy is
 one device<->host DMA: a plain copy when the batch's parts are back to back, a
 2-D copy (``cuMemcpy2DAsync``: rows of ``part_bytes``, one per slot, ``stride``
 apart) when a TP rank's slices sit strided in the ring, straight from/to the
-pinned ring with no host pass. A rank's heads of canonical objects (``heads.py``)
+pinned ring with no host pass. A rank's heads of canonical objects (``connector/heads.py``)
 are one such copy where the slots are back to back (rows of its heads, one per
 page, a canonical page apart), else one per object or one per row index of an
 object, whichever is fewer (``dma_plan``).
@@ -154,7 +154,7 @@ class PagedLayer:
                 staged = staged.index_select(0, src_positions.to(self.device, non_blocking=True))
             self.view.index_copy_(0, dst_block_ids.to(self.device, non_blocking=True), staged)
 
-    # ------------------------------------------------------------------ a rank's heads (heads.py)
+    # ------------------------------------------------------------------ a rank's heads (connector/heads.py)
     def gather_share(self, share: torch.Tensor, block_ids: torch.Tensor,
                      stream: "torch.cuda.Stream | None" = None,
                      ready: "torch.cuda.Event | None" = None) -> None:

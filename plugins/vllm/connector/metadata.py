@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from adpkv_core.attachment import reconnect_setting
 from adpkv_core.keys import KeyBuilder
 
-from .common import AdapterSettings, kv_cache_layout, ordered_layer_names, resolve_namespace
+from ..common.settings import AdapterSettings, kv_cache_layout, ordered_layer_names, resolve_namespace
 from .drafter import DrafterSpec, drafter_of
 from .heads import layer_specs, tp_portable_why
 

@@ -1,7 +1,7 @@
 """The bookkeeping of one step's transfers on a worker (``worker.py``): where a load's
 objects go (``ChunkPlanIndex``), which requests an asynchronous load serves and whether
 each got every object (``AsyncLoad``), when a PUT's pages are in the ring (``PutJob``).
-Nothing here talks to the gateway; the copies are ``copy.py``'s."""
+Nothing here talks to the gateway; the copies are ``common/copy.py``'s."""
 
 from __future__ import annotations
 

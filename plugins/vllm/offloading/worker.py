@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -33,11 +33,8 @@ from vllm.v1.kv_offload.base import (
 
 from adpkv_core.attachment import Attachment, Session
 
-from .copy import PagedLayer, as_index
-from .offloading import object_digest
-
-if TYPE_CHECKING:
-    from .offloading import AdpOffloadingSpec
+from ..common.copy import PagedLayer, as_index
+from .backend import OffloadBackend, object_digest
 
 logger = logging.getLogger("adpkv.vllm")
 
@@ -69,12 +66,12 @@ class _Job:
 
 
 class AdpOffloadingWorker(OffloadingWorker):
-    def __init__(self, spec: "AdpOffloadingSpec", kv_caches: CanonicalKVCaches):
-        self.spec = spec
-        cfg = spec.config
+    def __init__(self, backend: OffloadBackend, kv_caches: CanonicalKVCaches):
+        self.backend = backend
+        cfg = backend.config
         self.rank = cfg.parallel.rank
         self.bpc = cfg.cache.blocks_per_chunk
-        self.keys = spec.keys_for_rank(self.rank)
+        self.keys = backend.keys_for_rank(self.rank)
         # per group: [(layer index for the key, PagedLayer)], one per distinct tensor
         self.groups: list[list[tuple[int, PagedLayer]]] = []
         tensors = kv_caches.tensors
@@ -95,8 +92,9 @@ class AdpOffloadingWorker(OffloadingWorker):
         self._lock = threading.Lock()
         layout = {"engine": "vllm-offloading", "tensors": len(tensors), "page_bytes": first.page_bytes,
                   "blocks_per_chunk": self.bpc}
-        self.attachment = Attachment(spec.client_config, spec.engine_id, self.rank, spec.world, layout,
-                                     reconnect_s=spec.reconnect_s, install="on_refresh",
+        self.attachment = Attachment(backend.client_config, backend.engine_id, self.rank,
+                                     backend.world, layout, reconnect_s=backend.reconnect_s,
+                                     install="on_refresh",
                                      on_attach=self._on_attach, on_detach=self._on_detach,
                                      name="adpkv-vllm-offload")
         self.session: Optional[Session] = self.attachment.session
@@ -107,7 +105,7 @@ class AdpOffloadingWorker(OffloadingWorker):
     def _on_attach(self, s: Session) -> None:
         s.state["ring"] = s.ring.tensor() if s.ring is not None else None
         if s.state["ring"] is not None and self._on_gpu:
-            from .cuda_ring import pin_ring
+            from ..common.cuda_ring import pin_ring
             pin_ring(s.state["ring"])     # DMA copies ring <-> GPU on our stream
 
     def _on_detach(self, s: Session) -> None:
@@ -115,7 +113,7 @@ class AdpOffloadingWorker(OffloadingWorker):
         if ring is not None and self._on_gpu:
             if self._stream is not None:
                 self._stream.synchronize()
-            from .cuda_ring import unpin_ring
+            from ..common.cuda_ring import unpin_ring
             unpin_ring(ring)
 
     @property
@@ -212,7 +210,7 @@ class AdpOffloadingWorker(OffloadingWorker):
             for layer_idx, layer in self.groups[g]:
                 obj = layer.page_bytes * self.bpc
                 layer_keys = self.keys.keys(digests, [layer_idx])
-                for start, stop in shard_ranges(len(keys), self.spec.shard_reads):
+                for start, stop in shard_ranges(len(keys), self.backend.shard_reads):
 
                     def on_batch(b, layer=layer, dst=dst, positions=positions, start=start, obj=obj):
                         lo, hi = (start + b.first) * self.bpc, (start + b.first + b.count) * self.bpc

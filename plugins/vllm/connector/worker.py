@@ -42,7 +42,7 @@ import torch
 from adpkv_core.attachment import Attachment, Session
 from adpkv_core.direct_map import DirectMaps, Mapping, cuda_registrar
 
-from .copy import PagedLayer, as_index
+from ..common.copy import PagedLayer, as_index
 from .fanout import Fanout, LayerLoad, for_vllm
 from .heads import HeadShare
 from .kv_gate import KVGate
@@ -190,14 +190,14 @@ class AdpConnectorWorker:
     def _on_attach(self, s: Session) -> None:
         s.state["ring"] = s.ring.tensor() if s.ring is not None else None
         if s.state["ring"] is not None and self.layers and next(iter(self.layers.values())).on_gpu:
-            from .cuda_ring import pin_ring
+            from ..common.cuda_ring import pin_ring
             pin_ring(s.state["ring"])     # DMA copies ring <-> GPU on our stream
 
     def _on_detach(self, s: Session) -> None:
         ring = s.state.get("ring")
         if ring is not None and self._stream is not None:
             self._stream.synchronize()    # no copy from the old ring is still queued
-            from .cuda_ring import unpin_ring
+            from ..common.cuda_ring import unpin_ring
             unpin_ring(ring)
 
     def _use(self, s: Optional[Session]) -> None:
