@@ -38,7 +38,7 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.direct_map import DirectMaps, cuda_registrar
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway.spawn import GatewayProcess
+from adpkv_gateway.ops.spawn import GatewayProcess
 from adpkv_vllm.common.copy import PagedLayer, ring_tensor
 from gpu_restore import GEOMETRIES, log, pinned_bandwidth   # a sibling: benchmarks/ is on sys.path when run as a script
 

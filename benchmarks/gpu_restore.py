@@ -33,7 +33,7 @@ import torch
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway.spawn import GatewayProcess
+from adpkv_gateway.ops.spawn import GatewayProcess
 from adpkv_vllm.common.copy import PagedLayer, ring_tensor
 from adpkv_vllm.common.cuda_ring import pin_ring, unpin_ring
 

@@ -391,7 +391,7 @@ def main() -> int:
         port = sock.getsockname()[1]
     gw = None
     if "mla-restore" in args.parts.split(","):      # a real gateway on an fs card for the whole restores
-        from adpkv_gateway.spawn import GatewayProcess
+        from adpkv_gateway.ops.spawn import GatewayProcess
         card = os.path.join(args.card_root, f"card-{os.getpid()}")
         gw = GatewayProcess(card, shared_memory_size=args.gateway_ring_gib * GiB, thread_pool_size=16,
                             io_processes=args.io_processes, log_path=card + ".log").start(timeout_s=120)

@@ -23,7 +23,7 @@ import xxhash
 
 from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway.spawn import GatewayProcess
+from adpkv_gateway.ops.spawn import GatewayProcess
 
 from .rankproc import make_keys, pattern
 from .test_security import NOBODY, as_nobody

@@ -45,7 +45,7 @@ from adpkv_core.door import DoorSession, door_path, lock_path
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.config import make_config
 from adpkv_gateway.server import Gateway
-from adpkv_gateway.spawn import GatewayProcess, free_port
+from adpkv_gateway.ops.spawn import GatewayProcess, free_port
 
 from .rankproc import get_checked, make_keys, pattern
 

@@ -8,7 +8,7 @@ import sys
 
 
 def test_demo_stores_restarts_and_restores(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "adpkv_gateway.cli", "demo", "--dir", str(tmp_path / "card"),
+    out = subprocess.run([sys.executable, "-m", "adpkv_gateway.ops.cli", "demo", "--dir", str(tmp_path / "card"),
                           "--tokens", "4096", "--layers", "4"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "16 of 16 chunks stored" in out.stdout
@@ -16,7 +16,7 @@ def test_demo_stores_restarts_and_restores(tmp_path):
 
 
 def test_bench_prints_ratios(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "adpkv_gateway.cli", "bench", "--dir", str(tmp_path / "b"),
+    out = subprocess.run([sys.executable, "-m", "adpkv_gateway.ops.cli", "bench", "--dir", str(tmp_path / "b"),
                           "--sizes", "128KiB,1MiB", "--total", "16MiB", "--ranks", "2"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

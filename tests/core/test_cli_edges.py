@@ -18,7 +18,7 @@ import pytest
 
 from adpkv_gateway import control
 from adpkv_gateway.config import GatewayConfig
-from adpkv_gateway.spawn import free_port
+from adpkv_gateway.ops.spawn import free_port
 
 
 def _script(name: str, module: str) -> list[str]:
@@ -27,7 +27,7 @@ def _script(name: str, module: str) -> list[str]:
     return [path] if os.access(path, os.X_OK) else [sys.executable, "-m", module]
 
 
-ADPKV = _script("adpkv", "adpkv_gateway.cli")
+ADPKV = _script("adpkv", "adpkv_gateway.ops.cli")
 ADPKV_GATEWAY = _script("adpkv-gateway", "adpkv_gateway.main")
 
 

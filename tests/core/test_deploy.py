@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from adpkv_gateway import config as cfg
-from adpkv_gateway.spawn import GatewayProcess, free_port
+from adpkv_gateway.ops.spawn import GatewayProcess, free_port
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -131,7 +131,7 @@ def test_gateway_image_runs_the_gateway_as_a_user_on_its_settings_and_checks_hea
     entry, cmd = json.loads(ops["ENTRYPOINT"]), json.loads(ops["CMD"])
     assert entry == ["adpkv-gateway"] and gateway_parser().parse_args(cmd).config == "/etc/adpkv/gateway.yaml"
     scripts = (REPO / "pyproject.toml").read_text()
-    assert 'adpkv-gateway = "adpkv_gateway.main:main"' in scripts and 'adpkv = "adpkv_gateway.cli:main"' in scripts
+    assert 'adpkv-gateway = "adpkv_gateway.main:main"' in scripts and 'adpkv = "adpkv_gateway.ops.cli:main"' in scripts
     assert not int(config.start_clean) and config.metrics_port and config.control_socket_group == "10001"
 
 
@@ -261,7 +261,7 @@ def test_the_manifest_gateway_runs_and_its_probe_and_metrics_answer(manifest, tm
     gw = GatewayProcess(values["storage_devices"], port=values["port"], log_path=str(tmp_path / "gw.log"))
     gw.command = lambda: [sys.executable, "-m", "adpkv_gateway.main", *args]
     probe = [str(local) if a == config_path else a for a in pod.gateway["livenessProbe"]["exec"]["command"]]
-    probe = [sys.executable, "-m", "adpkv_gateway.cli", *probe[1:]]
+    probe = [sys.executable, "-m", "adpkv_gateway.ops.cli", *probe[1:]]
     with gw:
         out = subprocess.run(probe, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "fingerprint" in out.stdout, out.stdout + out.stderr

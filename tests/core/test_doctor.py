@@ -22,12 +22,13 @@ import sys
 import pytest
 
 from adpkv_core.door import door_path
-from adpkv_gateway import doctor
+from adpkv_gateway.ops import doctor, doctor_fs
+from adpkv_gateway.ops.doctor_host import Host
 from adpkv_gateway.cards.fs import CARD_FILE, FsCard
 from adpkv_gateway.config import make_config
-from adpkv_gateway.spawn import GatewayProcess, free_port
+from adpkv_gateway.ops.spawn import GatewayProcess, free_port
 
-ADPKV = [sys.executable, "-m", "adpkv_gateway.cli"]
+ADPKV = [sys.executable, "-m", "adpkv_gateway.ops.cli"]
 
 
 def run_doctor(*args, env_drop=(), **env):
@@ -102,8 +103,8 @@ def test_a_gateway_of_another_version(tmp_path):
     ("sglang", "", None, (3, 11), "OK"),
 ])
 def test_prefix_hash(engine, algo, seed, python, want):
-    h = doctor.Host(make_config({}), engine=engine, hash_algo=algo, python=python,
-                    environ={} if seed is None else {"PYTHONHASHSEED": seed})
+    h = Host(make_config({}), engine=engine, hash_algo=algo, python=python,
+             environ={} if seed is None else {"PYTHONHASHSEED": seed})
     (finding,) = doctor._prefix_hash(h)
     assert finding.level == want, finding
 
@@ -213,20 +214,19 @@ def test_o_direct_refused_with_o_direct_set(tmp_path, monkeypatch):
         return real_open(path, flags, *a)
 
     monkeypatch.setattr(os, "open", refusing_open)
-    h = doctor.Host(make_config({"storage_devices": [str(tmp_path / "card")], "o_direct": True}), config_given=True)
-    findings = {f.check.strip(): f for f in doctor._card(h, str(tmp_path / "card"), None)}
+    h = Host(make_config({"storage_devices": [str(tmp_path / "card")], "o_direct": True}), config_given=True)
+    findings = {f.check.strip(): f for f in doctor_fs.card(h, str(tmp_path / "card"), None)}
     assert findings["o_direct"].level == "WARN" and "falls back to the page cache" in findings["o_direct"].found
     h.config.o_direct = False
-    findings = {f.check.strip(): f for f in doctor._card(h, str(tmp_path / "card"), None)}
+    findings = {f.check.strip(): f for f in doctor_fs.card(h, str(tmp_path / "card"), None)}
     assert findings["o_direct"].level == "OK" and "refused" in findings["o_direct"].found
-    assert not any(n.startswith(doctor.PROBE_NAME) for n in os.listdir(tmp_path)), "the probe file is removed"
+    assert not any(n.startswith(doctor_fs.PROBE_NAME) for n in os.listdir(tmp_path)), "the probe file is removed"
 
 
 def test_ownership_names_an_object_subdirectory_others_may_write(tmp_path):
     """Issue 26 item 4: the doctor judges each database's object subdirectories as the
     gateway does (a subdirectory writable by others: FAIL naming it; the gateway refuses it)."""
-    from adpkv_gateway import doctor_fs
-    from adpkv_gateway.doctor_report import FAIL, OK
+    from adpkv_gateway.ops.doctor_report import FAIL, OK
     root = str(tmp_path / "card")
     card = FsCard(root, num_dbs=2)
     card.open()

@@ -240,7 +240,7 @@ def test_status_file_and_cli(start_gateway, tmp_path):
     assert 'adpkv_gateway_hits_total{namespace=""} 5.0' in text
     assert 'adpkv_gateway_misses_total{namespace=""} 1.0' in text
     assert "adpkv_gateway_key_layout_info{fingerprint=" in text
-    cli = [sys.executable, "-m", "adpkv_gateway.cli", "--port", str(gw.port)]
+    cli = [sys.executable, "-m", "adpkv_gateway.ops.cli", "--port", str(gw.port)]
     out = subprocess.run(cli + ["status"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and serial in out.stdout and "active" in out.stdout
     out = subprocess.run(cli + ["usage"], capture_output=True, text=True, timeout=30)

@@ -20,7 +20,7 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 from adpkv_gateway.config import make_config
-from adpkv_gateway.spawn import free_port
+from adpkv_gateway.ops.spawn import free_port
 
 from .rankproc import make_keys
 

@@ -28,12 +28,12 @@ from adpkv_core.keys import KeyBuilder
 from adpkv_gateway import control, progress
 from adpkv_gateway.cards.fs import FsCard
 from adpkv_gateway.fragments import fragment_key
-from adpkv_gateway.spawn import GatewayProcess, free_port
+from adpkv_gateway.ops.spawn import GatewayProcess, free_port
 
 from .fs_cards import object_paths
 
 
-ADPKV_CLI = [sys.executable, "-m", "adpkv_gateway.cli"]
+ADPKV_CLI = [sys.executable, "-m", "adpkv_gateway.ops.cli"]
 
 
 class Clock:
@@ -175,7 +175,7 @@ def test_a_gateway_logging_to_a_file_stays_quiet_for_short_work(start_gateway, t
 
 
 def test_bench_draws_a_bar_on_a_terminal_and_none_when_piped(tmp_path):
-    cmd = [sys.executable, "-m", "adpkv_gateway.cli", "bench", "--dir", str(tmp_path / "b"), "--sizes", "128KiB",
+    cmd = [sys.executable, "-m", "adpkv_gateway.ops.cli", "bench", "--dir", str(tmp_path / "b"), "--sizes", "128KiB",
            "--total", "2MiB", "--regime", "hot", "--repeat", "1"]
     code, out, tty = _pty_output(cmd)
     assert code == 0, out + tty

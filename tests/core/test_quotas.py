@@ -201,7 +201,7 @@ def test_usage_lists_tenants_with_their_quotas(start_gateway, tmp_path):
         assert all(_put(client, make_keys(2, namespace="tenant-b")))
     finally:
         client.close()
-    out = subprocess.run([sys.executable, "-m", "adpkv_gateway.cli", "usage", "--port", str(gw.port)],
+    out = subprocess.run([sys.executable, "-m", "adpkv_gateway.ops.cli", "usage", "--port", str(gw.port)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -234,7 +234,7 @@ def test_usage_lists_tenants_with_their_quotas(start_gateway, tmp_path):
 def test_a_bad_quota_is_refused_with_the_reason(bad, tmp_path):
     with pytest.raises(ValueError, match="namespace_quotas"):
         parse_quotas(bad)
-    from adpkv_gateway.spawn import free_port
+    from adpkv_gateway.ops.spawn import free_port
     out = subprocess.run([sys.executable, "-m", "adpkv_gateway.main", "--storage-devices", str(tmp_path / "c"),
                           "--port", str(free_port()), "--namespace-quotas", bad],
                          capture_output=True, text=True, timeout=60)

@@ -182,7 +182,7 @@ def test_decode_chunks_are_saved_in_one_request_per_step(gateway, model_dir):
 
 
 def test_no_gateway_means_no_hits_and_requests_complete(model_dir, caplog):
-    from adpkv_gateway.spawn import free_port
+    from adpkv_gateway.ops.spawn import free_port
     h = Harness(model_dir, free_port(), namespace="none", chunk_size=CHUNK,
                 extra={"adpkv.connect_timeout_s": 0.5})
     try:

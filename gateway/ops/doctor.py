@@ -35,45 +35,28 @@ all are OK, 1 with any FAIL, 2 with warnings only.
 
 from __future__ import annotations
 
-import dataclasses
 import grp
 import json
 import os
 import pwd
 import stat
-import sys
 from typing import Optional
 
 from adpkv_core import __version__
 from adpkv_core import protocol as P
 from adpkv_core.door import SHM_DIR, door_path
 
-from . import control
-from .cards.fs import CARD_FILE
-from .config import GatewayConfig, socket_mode
-from .doctor_fs import PROBE_NAME, card_devices  # noqa: F401 (tests use PROBE_NAME)
-from .doctor_fs import card as _card, fstype as _fstype
-from .doctor_report import FAIL, OK, SKIP, WARN, Finding, exit_code, report  # noqa: F401 (cli uses exit_code, report)
-from .placement import key_layout_fingerprint
+from .. import control
+from ..cards.fs import CARD_FILE
+from ..config import socket_mode
+from ..placement import key_layout_fingerprint
+from .doctor_fs import card as _card, card_devices, fstype as _fstype
+from .doctor_host import Host
+from .doctor_report import FAIL, OK, SKIP, WARN, Finding
 
 MiB = 1 << 20
 VLLM_SEEDED_ALGOS = ("xxhash", "xxhash_cbor")            # vLLM: random NONE_HASH seed without PYTHONHASHSEED
 ENGINES = ("vllm", "sglang", "lmcache")
-
-
-@dataclasses.dataclass
-class Host:
-    """What the doctor is told about the engine and the gateway."""
-    config: GatewayConfig
-    config_given: bool = False
-    host: str = "127.0.0.1"
-    timeout_s: float = 3.0
-    engine: str = ""                   # vllm | sglang | lmcache | "" (prefix hash not checked)
-    hash_algo: str = ""                # the engine's prefix hash setting ("" = its default)
-    engine_user: str = ""              # who runs the engine ("" = the doctor's user)
-    shm_bytes: int = 0                 # what the engine itself puts in /dev/shm
-    environ: dict = dataclasses.field(default_factory=lambda: dict(os.environ))
-    python: tuple = tuple(sys.version_info[:2])   # the engine's Python (the doctor runs in its environment)
 
 
 def examine(h: Host) -> list[Finding]:

@@ -21,16 +21,14 @@ from __future__ import annotations
 import mmap
 import os
 import stat
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from adpkv_core.protocol import GatewayStats
 
-from .cards.fs import CARD_FILE
-from .cards.fs_files import SUBDIR_NAMES, not_own
+from ..cards.fs import CARD_FILE
+from ..cards.fs_files import SUBDIR_NAMES, not_own
+from .doctor_host import Host
 from .doctor_report import FAIL, OK, WARN, Finding
-
-if TYPE_CHECKING:
-    from .doctor import Host
 
 LOW_FREE_BYTES = 1 << 30          # an fs card sized by free space with less than this is hardly a cache
 EPHEMERAL_FS = {"tmpfs": "memory: lost at every reboot", "ramfs": "memory: lost at every reboot",

@@ -26,7 +26,7 @@ import xxhash
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.ring import align_up
 
-from . import progress
+from .. import progress
 from .spawn import GatewayProcess
 
 MiB = 1 << 20

@@ -13,7 +13,7 @@ from typing import Optional
 
 from adpkv_core.door import door_path, lock_path
 
-from .control import wait_until_up
+from ..control import wait_until_up
 
 
 def free_port() -> int:
@@ -136,7 +136,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self) -> "RedisServer":
-        from .cards.resp_conn import RespConnection
+        from ..cards.resp_conn import RespConnection
         args = [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
                 "--dbfilename", "dump.rdb", "--save", "3600 1", "--appendonly", "no",
                 "--protected-mode", "no", "--daemonize", "no", "--logfile", os.path.join(self.dir, "redis.log")]

@@ -13,8 +13,8 @@ from typing import Optional
 
 from adpkv_core import protocol as P
 
-from . import control, progress
-from .config import load_yaml
+from .. import control, progress
+from ..config import load_yaml
 
 MiB = 1 << 20
 CLEAN_POLL_S = 0.5        # how often adpkv clean asks for the gateway's progress
@@ -194,7 +194,7 @@ def cmd_bench(args) -> int:
     sizes = [_size(s) for s in args.sizes.split(",")]
     regimes = ["cold", "hot"] if args.regime == "both" else [args.regime]
     if args.threads <= 0:
-        from .config import default_io_threads
+        from ..config import default_io_threads
         args.threads = default_io_threads()
     port = None
     if args.port_given:
@@ -211,8 +211,10 @@ def cmd_bench(args) -> int:
 
 
 def cmd_doctor(args) -> int:
+    from ..config import make_config
     from . import doctor
-    from .config import make_config
+    from .doctor_host import Host
+    from .doctor_report import exit_code, report
     try:
         settings = load_yaml(args.config) if args.config else {}
         if not args.config:
@@ -222,17 +224,17 @@ def cmd_doctor(args) -> int:
         print(f"FAIL  config         {args.config}: {exc}")
         return 1
     host = _target(args)[0]
-    h = doctor.Host(config, config_given=bool(args.config), host=host, timeout_s=args.timeout, engine=args.engine,
-                    hash_algo=args.hash_algo, engine_user=args.engine_user, shm_bytes=args.shm_bytes)
+    h = Host(config, config_given=bool(args.config), host=host, timeout_s=args.timeout, engine=args.engine,
+             hash_algo=args.hash_algo, engine_user=args.engine_user, shm_bytes=args.shm_bytes)
     try:
         findings = doctor.examine(h)
     except ValueError as exc:
         raise SystemExit(f"adpkv doctor: {exc}")
-    code = doctor.exit_code(findings)
+    code = exit_code(findings)
     if args.json:
         print(json.dumps({"exit_code": code, "findings": [dataclasses.asdict(f) for f in findings]}, indent=2))
     else:
-        print(doctor.report(findings))
+        print(report(findings))
     return code
 
 
