@@ -26,9 +26,8 @@ from adpkv_core.door import DoorSession, door_path
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.cards.fs_files import object_name
 
-from .rankproc import get_checked, make_keys, pattern
-from .test_adversary_namespace import open_dir  # noqa: F401  (the fixture: a directory every user may traverse)
-from .test_security import NOBODY, as_nobody
+from ..adversary import NOBODY, as_nobody
+from ..rankproc import get_checked, make_keys, pattern
 
 OBJ = 256 << 10          # past the size the checksum hashes without the GIL
 
@@ -223,6 +222,7 @@ def _nobody_maps(port: int, theirs: list, mine: list) -> dict:
     return seen
 
 
+@pytest.mark.security
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the gateway runs as root, the other user is 65534")
 def test_another_user_gets_forbidden_for_roots_namespace(start_gateway, open_dir):

@@ -3,7 +3,7 @@ messages (item 8).
 
 A real gateway as root with a door every local user may open (``control_socket_mode`` 0666);
 the other user is a forked child of the test that drops to uid 65534 after the imports
-(``as_nobody``, tests/core/test_security.py). It attaches an engine of its own while root's is
+(``as_nobody``, tests/core/adversary.py). It attaches an engine of its own while root's is
 detached (a gateway serves one engine: while root's is attached it cannot even do that) and
 sends every request that names keys with keys built for root's namespace, through its own
 control connection (``Raw``: the client would turn each error into a miss, the test wants
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 
 import pytest
 
@@ -26,10 +25,10 @@ from adpkv_core.settings import ClientConfig
 from adpkv_gateway.cards import ClusterCard, FsCard, RespCard
 from adpkv_gateway.config import make_config
 
-from .adversary import OBJ, Raw, answer, read_back, store_own
-from .rankproc import make_keys, pattern
-from .test_cards_redis_cluster import redis_cluster  # noqa: F401  (the fixture: a real Redis Cluster)
-from .test_security import NOBODY, as_nobody
+from ..adversary import NOBODY, OBJ, Raw, answer, as_nobody, read_back, store_own
+from ..rankproc import make_keys, pattern
+
+pytestmark = pytest.mark.security
 
 ROOT_NS, NOBODY_NS, OTHER_NS = "root-tenant", "nobody-tenant", "nobody-other"
 
@@ -113,15 +112,6 @@ def _root(port: int) -> GatewayClient:
     client = GatewayClient(ClientConfig(port=port), "root-engine")
     assert client.enabled, client.attach_error
     return client
-
-
-@pytest.fixture
-def open_dir():
-    """A directory every user may traverse (the card stays the gateway's own, 0700)."""
-    path = tempfile.mkdtemp(prefix="adpkv-ns-", dir="/tmp")
-    os.chmod(path, 0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 REFUSED = ["exist", "exist_fresh", "exist_lock", "exist_marks", "exist_mixed", "get", "get_unlock", "get_region",

@@ -30,7 +30,7 @@ from adpkv_gateway.cards.fs import FsCard
 from adpkv_gateway.fragments import fragment_key
 from adpkv_gateway.ops.spawn import GatewayProcess, free_port
 
-from .fs_cards import object_paths
+from ..fs_cards import object_paths
 
 
 ADPKV_CLI = [sys.executable, "-m", "adpkv_gateway.ops.cli"]

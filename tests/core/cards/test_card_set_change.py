@@ -21,7 +21,6 @@ from adpkv_gateway.layout_record import resolve as resolve_records
 from adpkv_gateway.placement import Placement
 
 from .test_cards_cluster import Dialogs, stats, wait_for
-from .test_cards_redis_cluster import redis_cluster  # noqa: F401  (the fixture: a real Redis Cluster)
 
 
 def record_of(card_dir: str) -> dict:
@@ -137,7 +136,7 @@ def test_four_to_five_fs_cards_stripe_sweep_finishes_and_drops_previous(start_ga
         assert rec["previous"] is None and rec["layout"]["fingerprint"] == stats(gw5.port)["fingerprint"]
         assert rec["layout"]["fingerprint"] != old["fingerprint"]
     assert "previous layout is dropped" in gw5.log()
-    from .test_cli_edges import ADPKV, run
+    from ..ops.test_cli_edges import ADPKV, run
     shown = run([*ADPKV, "--port", str(gw5.port), "status"])
     assert shown.returncode == 0 and f"layout  : change from {old['fingerprint']} complete, the previous layout " \
         "is dropped" in shown.stdout, shown.stdout
@@ -237,7 +236,7 @@ def test_two_gateways_move_one_change_together(redis_servers, start_gateway):
 
 
 def test_drain_moves_a_card_away_then_it_can_go(start_gateway, tmp_path):
-    from .test_cli_edges import ADPKV, run
+    from ..ops.test_cli_edges import ADPKV, run
     dirs = [str(tmp_path / f"fs{i}") for i in range(5)]
     gw = start_gateway(card_dirs=dirs, key_placement="stripe")
     dialogs = Dialogs("n", n=30, chunks=2, layers=1)
@@ -277,9 +276,10 @@ def _drain_as_another_user(port: int) -> dict:
             "stats": control.request(port, {"op": "STATS"})["op"]}
 
 
+@pytest.mark.security
 def test_drain_is_for_operators(start_gateway, tmp_path):
     from adpkv_core import protocol as P
-    from .test_security import as_nobody
+    from ..adversary import as_nobody
     dirs = [str(tmp_path / f"fs{i}") for i in range(2)]
     gw = start_gateway(card_dirs=dirs, control_socket_mode="0666")
     seen = as_nobody(_drain_as_another_user, gw.port)
@@ -364,7 +364,7 @@ def recorded_tags(card_dir: str) -> list:
 
 
 def test_four_to_five_fs_cards_dialog_sweep_finishes_and_drops_previous(start_gateway, tmp_path):
-    from .test_cli_edges import ADPKV, run
+    from ..ops.test_cli_edges import ADPKV, run
     dirs = [str(tmp_path / f"fs{i}") for i in range(5)]
     gw = start_gateway(card_dirs=dirs[:4])                    # key_placement dialog, the default
     dialogs = Dialogs("g", n=60, chunks=2, layers=1)
@@ -399,7 +399,7 @@ def test_four_to_five_fs_cards_dialog_sweep_finishes_and_drops_previous(start_ga
 
 
 def test_drain_of_a_card_with_dialog_placement(redis_servers, start_gateway):
-    from .test_cli_edges import ADPKV, run
+    from ..ops.test_cli_edges import ADPKV, run
     servers = redis_servers(5)
     gw = start_gateway(card_dirs=[s.url for s in servers], storage_backend="resp")
     dialogs = Dialogs("w", n=60, chunks=2, layers=1)

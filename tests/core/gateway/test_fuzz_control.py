@@ -61,11 +61,10 @@ from adpkv_core.door import DoorSession, door_path
 from adpkv_core.keys import KEY_BYTES, namespace_id
 from adpkv_gateway import control
 
-from .adversary import read_back, store_own
-from .rankproc import make_keys
-from .test_security import NOBODY, as_nobody
+from ..adversary import NOBODY, as_nobody, read_back, store_own
+from ..rankproc import make_keys
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.fuzz, pytest.mark.security]
 
 DEFAULT_SEED = 1313
 SCALE = float(os.environ.get("ADPKV_FUZZ_SCALE", "1") or 1)
@@ -998,7 +997,7 @@ def test_fuzz_control_port_and_door(start_gateway, tmp_path):
     # the engine: attached first, so every other engine id is ENGINE_BUSY
     shm = f"/dev/shm/adpkv-fuzz-engine-{uuid.uuid4().hex[:8]}"
     engine = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, str(gw.port), shm,
-                               os.path.dirname(os.path.abspath(__file__))],
+                               os.path.dirname(os.path.dirname(os.path.abspath(__file__)))],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = _read_line(engine, time.monotonic() + 60)

@@ -9,6 +9,7 @@ import sys
 import time
 
 import msgpack
+import pytest
 import zmq
 
 from adpkv_core import protocol as P
@@ -17,8 +18,8 @@ from adpkv_core.door import DoorSession, door_path
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 
-from .fs_cards import object_paths
-from .rankproc import make_keys, pattern, run_ranks
+from ..fs_cards import object_paths
+from ..rankproc import make_keys, pattern, run_ranks
 
 
 class RawPeer:
@@ -50,6 +51,7 @@ class RawPeer:
         self.door.close()
 
 
+@pytest.mark.security
 def test_bad_input_gets_clear_errors_and_changes_nothing(gateway):
     keys = make_keys(3)
     run_ranks(gateway.port, 1, "PUT", keys, 8192, engine="w")
@@ -365,6 +367,7 @@ time.sleep(600)
     assert all(stored)
 
 
+@pytest.mark.security
 def test_a_second_gateway_on_a_busy_port_refuses_and_touches_nothing(start_gateway, tmp_path):
     """Before the door, the second gateway replaced the first one's ring file on its way to
     'Address already in use': engines attaching then stored zeros with valid checksums."""

@@ -47,14 +47,14 @@ from adpkv_gateway.config import make_config
 from adpkv_gateway.server import Gateway
 from adpkv_gateway.ops.spawn import GatewayProcess, free_port
 
-from .rankproc import get_checked, make_keys, pattern
+from ..rankproc import get_checked, make_keys, pattern
 
 NOBODY = 65534
 OBJ = 8192
 
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the gateway runs as root, the "
                                  "adversary as uid 65534"),
-              pytest.mark.timeout(180)]
+              pytest.mark.timeout(180), pytest.mark.security]
 
 
 # ---------------------------------------------------------------- the unprivileged side

@@ -3,7 +3,7 @@ objects are whole under racing writers (issue 25, items 2, 5 and 6).
 
 Real root gateways, real files, real redis-server processes and clusters, real client
 processes; the hostile local user is a forked child that drops to uid 65534
-(``test_security.as_nobody``).
+(``adversary.as_nobody``).
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.ops.spawn import GatewayProcess
 
-from .rankproc import make_keys, pattern
-from .test_security import NOBODY, as_nobody
+from ..adversary import NOBODY, as_nobody
+from ..rankproc import make_keys, pattern
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the gateway runs as root, "
-                                "the attacker as uid 65534")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the gateway runs as root, "
+                                 "the attacker as uid 65534"),
+              pytest.mark.security]
 
 OBJ = 8192
 

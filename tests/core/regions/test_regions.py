@@ -20,23 +20,9 @@ from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 from adpkv_gateway.ops.spawn import GatewayProcess
 
-from .rankproc import make_keys
+from ..rankproc import make_keys
 
 OBJ = 256 * 1024 + 512          # deliberately not page aligned
-
-
-@pytest.fixture
-def shm_buffer():
-    """A /dev/shm file mapped shared in this process, like LMCache's L1 pool (removed at the end)."""
-    path = f"/dev/shm/adpkv-test-region-{uuid.uuid4().hex[:8]}"
-    size = 8 << 20
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    os.ftruncate(fd, size)
-    mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
-    os.close(fd)
-    yield path, mm
-    mm.close()
-    os.unlink(path)
 
 
 def _address(buf) -> int:
@@ -126,6 +112,7 @@ def _refusal(port, fd, offset, size):
         session.close()
 
 
+@pytest.mark.security
 @pytest.mark.parametrize("case", ["not-shared-memory", "too-long", "negative", "read-only", "mistyped"])
 def test_bad_regions_are_refused_clearly(gateway, shm_buffer, tmp_path, case):
     path, arr = shm_buffer
@@ -159,6 +146,7 @@ def test_bad_regions_are_refused_clearly(gateway, shm_buffer, tmp_path, case):
         c.close()
 
 
+@pytest.mark.security
 def test_rings_and_foreign_ranges_are_refused(gateway, shm_buffer):
     path, arr = shm_buffer
     c = _client(gateway.port, "region-ring")
@@ -185,6 +173,7 @@ def test_rings_and_foreign_ranges_are_refused(gateway, shm_buffer):
         c.close()
 
 
+@pytest.mark.security
 def test_a_region_truncated_under_the_gateway_costs_only_its_own_objects(gateway, shm_buffer):
     """An engine that shrinks its region between REGION and GET/PUT: before the door, the
     gateway died of SIGBUS; now those objects miss / are not stored and the gateway serves on."""
@@ -209,6 +198,7 @@ def test_a_region_truncated_under_the_gateway_costs_only_its_own_objects(gateway
         c.close()
 
 
+@pytest.mark.security
 def test_the_ring_cannot_be_resized_by_a_client(gateway):
     """The ring is a sealed memfd: a rank that tries to truncate it gets EPERM, the gateway
     never sees it change (before, a truncation between BATCH and FILLED killed it)."""

@@ -14,7 +14,7 @@ from adpkv_gateway import control
 from adpkv_gateway.health import HealthMonitor
 from adpkv_gateway.card_stats import CardStats
 
-from .rankproc import make_keys
+from ..rankproc import make_keys
 
 
 def test_a_hanging_card_does_not_stall_the_control_loop(redis_servers, start_gateway, tmp_path):

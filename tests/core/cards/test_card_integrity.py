@@ -19,8 +19,8 @@ from adpkv_gateway.cards.base import CardError, Read
 from adpkv_gateway.cards.fs import FsCard
 from adpkv_gateway.cards.fs_files import object_name
 
-from .fs_cards import object_dirs, object_paths
-from .rankproc import get_checked, make_keys, pattern
+from ..fs_cards import object_dirs, object_paths
+from ..rankproc import get_checked, make_keys, pattern
 
 HEADER = fs_mod.HEADER_BYTES
 

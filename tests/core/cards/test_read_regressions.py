@@ -3,8 +3,12 @@ card files): a GET must never take another object's bytes, and a region GET must
 object's other replica as the ring path does."""
 import os
 
-from .rankproc import make_keys
+import pytest
+
+from ..rankproc import make_keys
 from .test_read_attacks import ShmFile, _client, frag_path, get, pattern, put
+
+pytestmark = pytest.mark.read_attacks
 
 
 def test_a_get_at_another_object_size_is_a_miss(start_gateway):

@@ -13,8 +13,8 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 
-from .fs_cards import object_dirs, object_paths
-from .rankproc import make_keys, pattern, run_ranks
+from ..fs_cards import object_dirs, object_paths
+from ..rankproc import make_keys, pattern, run_ranks
 
 SLICE = 48 * 1024 + 100       # deliberately not 4 KiB aligned
 

@@ -3,7 +3,7 @@ eviction under load; count kills survived, wrong bytes served, acknowledged obje
 and the time a rank waits when its gateway dies. See docs/reliability.md.
 
 Every random choice comes from a seeded RNG (``ADPKV_RELIABILITY_SEED``, default 12; each
-test prints its seed). Writers are real client processes (tests/core/reliability_worker.py)
+test prints its seed). Writers are real client processes (tests/core/gateway/reliability_worker.py)
 whose objects are a function of their key, so any wrong byte is detected. Figures are
 printed (``-rA`` or ``-s`` shows them) and, with ``ADPKV_RELIABILITY_FIGURES=FILE``, written
 to FILE as JSON.
@@ -28,8 +28,10 @@ from adpkv_gateway.fragments import fragment_extents
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 
-from .fs_cards import object_dirs
+from ..fs_cards import object_dirs
 from .reliability_worker import key_of, payload
+
+pytestmark = pytest.mark.reliability
 
 WORKER = os.path.join(os.path.dirname(__file__), "reliability_worker.py")
 SEED = int(os.environ.get("ADPKV_RELIABILITY_SEED", "12"))

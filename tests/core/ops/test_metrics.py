@@ -22,9 +22,9 @@ from adpkv_gateway import control
 from adpkv_gateway.config import make_config
 from adpkv_gateway.ops.spawn import free_port
 
-from .rankproc import make_keys
+from ..rankproc import make_keys
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 DASHBOARD = REPO / "deploy" / "grafana" / "adpkv-gateway.json"
 ALERTS = REPO / "deploy" / "prometheus" / "adpkv-alerts.yaml"
 OBJ = 8192

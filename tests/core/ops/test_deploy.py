@@ -36,7 +36,7 @@ import yaml
 from adpkv_gateway import config as cfg
 from adpkv_gateway.ops.spawn import GatewayProcess, free_port
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 DEPLOY = REPO / "deploy"
 MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
 K8S_VERSION = "1.33.0"          # native sidecars (restartPolicy: Always on an init container): >= 1.29

@@ -15,7 +15,7 @@ from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 from adpkv_gateway.placement import Placement
 
-from .rankproc import pattern
+from ..rankproc import pattern
 
 OBJ = 16 * 1024
 

@@ -31,7 +31,6 @@ from adpkv_gateway.cards.resp_conn import RespConnection
 from adpkv_gateway.cards.resp_cluster import ClusterCard
 from adpkv_gateway.fragments import fragment_key
 
-from .test_cards_redis_cluster import redis_cluster  # noqa: F401  (the fixture: a real Redis Cluster)
 
 N = 16384
 PAYLOAD = 256

@@ -1,4 +1,4 @@
-"""A real client process for the reliability suite (tests/core/test_reliability.py).
+"""A real client process for the reliability suite (tests/core/gateway/test_reliability.py).
 
 It attaches to a gateway with the public SDK (``GatewayClient``), floods it with PUTs of
 objects whose bytes are a function of their key (SHAKE-128 of the key: any wrong byte is
@@ -17,7 +17,7 @@ objects were submitted and which the gateway acknowledged as stored::
 
 Key ``i`` of prefix ``p`` is ``key_of(p, i)``; its bytes ``payload(key, n)``.
 
-    python tests/core/reliability_worker.py --port P --log FILE --prefix p [--count N] ...
+    python tests/core/gateway/reliability_worker.py --port P --log FILE --prefix p [--count N] ...
 """
 
 from __future__ import annotations

@@ -26,8 +26,10 @@ from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 from adpkv_gateway.cards.objfile import HEADER_BYTES, WHOLE_CACHED
 
-from .fs_cards import object_paths
-from .rankproc import get_checked, make_keys, pattern
+from ..fs_cards import object_paths
+from ..rankproc import get_checked, make_keys, pattern
+
+pytestmark = pytest.mark.read_attacks
 
 
 def stats(port):

@@ -25,8 +25,8 @@ from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 from adpkv_gateway.quotas import parse_quotas, quotas_by_id
 
-from .rankproc import make_keys, pattern
-from .test_security import as_nobody, open_dir, root_engine  # noqa: F401  (fixtures: root's engine, a world-usable door)
+from ..adversary import as_nobody
+from ..rankproc import make_keys, pattern
 
 OBJ = 64 * 1024
 ON_DISK = OBJ + 4096                       # the fs card's 4 KiB header
@@ -252,6 +252,7 @@ def _stats_of_another_user(port):
     return control.request(port, {"op": "STATS"})["stats"]
 
 
+@pytest.mark.security
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the gateway runs as root, the other user as 65534")
 def test_another_user_sees_no_other_tenants_usage(root_engine):
     gw, rank, keys = root_engine

@@ -22,26 +22,10 @@ from adpkv_gateway import control
 from adpkv_gateway.cards.base import Read
 from adpkv_gateway.cards.cluster_map import key_slot
 
-from .rankproc import pattern
+from ..rankproc import pattern
 
 OBJ = 64 * 1024
 FRAG = 16 * 1024          # 4 fragments per object, all in the object's slot
-
-
-@pytest.fixture
-def redis_cluster(tmp_path):
-    """Factory: ``redis_cluster()`` starts a real cluster (stopped at the end of the test)."""
-    from redis_cluster import RedisCluster
-    started = []
-
-    def start(**kw):
-        c = RedisCluster(str(tmp_path / f"cluster{len(started)}"), **kw)
-        started.append(c)
-        return c.start()
-
-    yield start
-    for c in started:
-        c.stop()
 
 
 class Workload:

@@ -2,7 +2,7 @@
 
 A real gateway runs as root with its door open to every user (``control_socket_mode`` 0666,
 documented as safe: each user reaches only its own engine and buffers); the attacker is a
-forked child of the test that drops to uid 65534 (``test_security.as_nobody``).
+forked child of the test that drops to uid 65534 (``adversary.as_nobody``).
 
 - item 3: the ring is per engine and handed only after HELLO to an attached rank of its owner.
   Before: SESSION handed the one ring to any session, before and without HELLO; another user
@@ -36,14 +36,14 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.door import door_path
 from adpkv_core.settings import ClientConfig
 
-from .rankproc import make_keys, pattern
-from .test_regions import shm_buffer  # noqa: F401  (a fixture)
-from .test_security import as_nobody
+from ..adversary import as_nobody
+from ..rankproc import make_keys, pattern
 
 OBJ = 256 << 10          # one read piece of the fs card's page-cache path (hashing after each piece)
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the gateway runs as root, "
-                                "the attacker as uid 65534")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the gateway runs as root, "
+                                 "the attacker as uid 65534"),
+              pytest.mark.security]
 
 
 @pytest.fixture
@@ -332,7 +332,7 @@ def _scribble(slot):
 
 
 # ------------------------------------------------------------------ item 10: a stalled region write
-# shm_buffer: the /dev/shm buffer fixture of test_regions (imported at the top)
+# shm_buffer: the /dev/shm buffer fixture of tests/core/conftest.py
 
 
 class _Tracer:

@@ -8,12 +8,8 @@ it reports what happened through a pipe.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import shutil
 import stat
-import tempfile
-import traceback
 import uuid
 
 import pytest
@@ -24,72 +20,12 @@ from adpkv_core.door import DoorSession, door_path
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 
-from .rankproc import make_keys, pattern
+from ..adversary import NOBODY, OBJ, as_nobody, ring_fill
+from ..rankproc import make_keys, pattern
 
-NOBODY = 65534
-OBJ = 8192
-
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the gateway runs as root, "
-                                "the attacker as uid 65534")
-
-
-def as_nobody(fn, *args, timeout: float = 60.0):
-    """Run ``fn(*args)`` in a forked child that is uid/gid 65534; its return value, or the
-    child's exception re-raised here as AssertionError with its traceback."""
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-
-    def child():
-        try:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            assert os.geteuid() == NOBODY
-            q.put(("ok", fn(*args)))
-        except BaseException:
-            q.put(("error", traceback.format_exc()))
-
-    p = ctx.Process(target=child)
-    p.start()
-    try:
-        kind, value = q.get(timeout=timeout)
-    finally:
-        p.join(10)
-    if kind == "error":
-        raise AssertionError("in the unprivileged child:\n" + value)
-    return value
-
-
-def _fill(client, keys):
-    def fill(b):
-        for j in range(b.count):
-            o = b.offset + j * b.stride
-            client.ring[o:o + OBJ] = pattern(keys[b.first + j], 0, OBJ)
-    return fill
-
-
-@pytest.fixture
-def open_dir():
-    """A directory every user may traverse (tmp_path is root-only, which would hide the
-    card's own permissions from the test)."""
-    path = tempfile.mkdtemp(prefix="adpkv-sec-", dir="/tmp")
-    os.chmod(path, 0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def root_engine(start_gateway, open_dir):
-    """A gateway as root with a world-usable door (mode 0666: every local user may attach an
-    engine of its own) on a card in a world-traversable directory, and root's engine
-    attached, with stored objects."""
-    gw = start_gateway(card_dirs=[os.path.join(open_dir, "card")], control_socket_mode="0666")
-    keys = make_keys(4, namespace="root-tenant")
-    rank = GatewayClient(ClientConfig(port=gw.port), "root-engine-7f3a")
-    assert rank.enabled
-    assert rank.put(keys, OBJ, _fill(rank, keys)).result(10).stored == [True] * 4
-    yield gw, rank, keys
-    rank.close()
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the gateway runs as root, "
+                                 "the attacker as uid 65534"),
+              pytest.mark.security]
 
 
 # ---------------------------------------------------------------- the door and the control port
@@ -116,7 +52,7 @@ def test_the_default_door_lets_no_other_user_in(start_gateway):
     assert mode == 0o660
     keys = make_keys(3)
     owner = GatewayClient(ClientConfig(port=gw.port), "root-engine")
-    assert owner.put(keys, OBJ, _fill(owner, keys)).result(10).stored == [True] * 3
+    assert owner.put(keys, OBJ, ring_fill(owner, keys)).result(10).stored == [True] * 3
     seen = as_nobody(_try_everything_without_a_session, gw.port)
     assert seen["door"] == "EACCES" and seen["client_enabled"] is False
     assert seen["STATS"] == P.FORBIDDEN and seen["CLEAN"] == P.FORBIDDEN

@@ -31,7 +31,7 @@ from adpkv_gateway.cards.fs_files import object_name
 from adpkv_gateway.cards.fs_index import FsIndex
 from adpkv_gateway.fragments import fragment_db, fragment_key
 
-from .fs_cards import build_card, card_keys, files_on_disk, object_paths, payload_of
+from ..fs_cards import build_card, card_keys, files_on_disk, object_paths, payload_of
 
 ON_DISK = 4096 + 1024
 
