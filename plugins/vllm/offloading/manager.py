@@ -191,7 +191,7 @@ class AdpOffloadingManager(OffloadingManager):
         self._results.clear()
 
     def config_info(self) -> Sequence[dict]:
-        """One series of ``vllm:kv_offload_config_info`` (vLLM >= 0.33): the spec's facts."""
+        """One series of ``vllm:kv_offload_config_info`` (vLLM >= 0.33): the backend's facts."""
         return [self.backend.info.labels()]
 
     def shutdown(self) -> None:

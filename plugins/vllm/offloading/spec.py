@@ -14,10 +14,10 @@ the PUT/GET jobs). Older vLLM (no ``OffloadingWorker``) gets a clear error at
 import.
 
 Keys: one object per (offloaded chunk, KV tensor, TP rank):
-``keys_for_rank(rank).key(object_digest(offload_key), tensor)``. The offload key
+``backend.keys_for_rank(rank).key(object_digest(offload_key), tensor)``. The offload key
 is vLLM's hash of the chunk's last block + KV cache group; the namespace comes
 from ``adpkv_core.keys.key_namespace`` over the deployment namespace and the
-model identity the spec knows (``model_identity``: model, KV dtype, page
+model identity the spec knows (``backend.model_identity``: model, KV dtype, page
 geometry, chunk, TP size, layout), and each TP rank stores its part of a chunk
 under its own keys: two models of the same geometry, or two TP layouts, never
 read each other's objects.
