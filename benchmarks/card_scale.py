@@ -43,7 +43,7 @@ from fs_cards import build_card, card_keys, payload_of  # noqa: E402
 from adpkv_core.client import GatewayClient  # noqa: E402
 from adpkv_core.settings import ClientConfig  # noqa: E402
 from adpkv_gateway import control  # noqa: E402
-from adpkv_gateway.spawn import GatewayProcess  # noqa: E402
+from adpkv_gateway.ops.spawn import GatewayProcess  # noqa: E402
 
 HEADER = 4096
 WATERMARK, RATIO = 0.95, 0.10

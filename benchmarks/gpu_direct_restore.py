@@ -41,8 +41,8 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.direct_map import DirectMaps, cuda_registrar
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway.spawn import GatewayProcess
-from adpkv_vllm.copy import PagedLayer, ring_tensor
+from adpkv_gateway.ops.spawn import GatewayProcess
+from adpkv_vllm.common.copy import PagedLayer, ring_tensor
 from gpu_restore import GEOMETRIES, log, pinned_bandwidth   # a sibling: benchmarks/ is on sys.path when run as a script
 
 GiB = 1 << 30
@@ -265,7 +265,7 @@ def run(tokens: int, args, report: dict) -> None:
         client = GatewayClient(ClientConfig(port=gw.port, timeout_s=600), f"direct-bench-{tokens}")
         ring = ring_tensor(client)
         if device == "cuda":
-            from adpkv_vllm.cuda_ring import pin_ring
+            from adpkv_vllm.common.cuda_ring import pin_ring
             row["ring_pinned"] = pin_ring(ring)
         stream = torch.cuda.Stream() if device == "cuda" else None
         kb = KeyBuilder(f"direct-bench-{tokens}-{args.chunk}")
@@ -308,7 +308,7 @@ def run(tokens: int, args, report: dict) -> None:
         measure("direct_cold", lambda: direct_restore(client, maps, cache, kb, stream, device))
         maps.close()
         if device == "cuda":
-            from adpkv_vllm.cuda_ring import unpin_ring
+            from adpkv_vllm.common.cuda_ring import unpin_ring
             unpin_ring(ring)
         del ring
         client.close()
