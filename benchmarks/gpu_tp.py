@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from adpkv_vllm import copy as copy_mod
+from adpkv_vllm.common import copy as copy_mod
 from adpkv_vllm.common.copy import PagedLayer
 from adpkv_vllm.common.cuda_ring import pin_ring, unpin_ring
 from adpkv_vllm.connector.fanout import Fanout

@@ -74,7 +74,7 @@ def test_rows_of_strided_ring_parts():
 def test_strided_parts_go_by_one_2d_dma_not_a_host_copy():
     """A TP rank's slices, strided in a pinned ring, are copied by cuMemcpy2DAsync (the driver
     path is taken and stays on), byte for byte, both ways."""
-    from adpkv_vllm import copy as copy_mod
+    from adpkv_vllm.common import copy as copy_mod
     from adpkv_vllm.common.cuda_ring import pin_ring, unpin_ring
     ring = torch.zeros(64 << 20, dtype=torch.uint8)
     assert pin_ring(ring)
