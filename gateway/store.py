@@ -11,9 +11,9 @@ The interface the rest of the gateway uses (on the GET and PUT paths nothing els
 a GET batch's lookup and reads (``plan_reads``, then ``read_many``, ``read_to_fds`` and
 ``direct_replicas`` into a client's region, ``process_reads``/``process_reads_done`` around
 the I/O processes, ``read_from_replicas``), a PUT batch's (``put``: which exist, where, the
-writes), EXIST (``exists``), DELETE, CLEAN, the pins, which cards are in service, and the
-namespace counters (``count_reads``, ``count_writes``). Every I/O answers an ``Outcome`` per
-object.
+writes), MAP's read-only files, verified in place (``open_verified``), EXIST (``exists``),
+DELETE, CLEAN, the pins, which cards are in service, and the namespace counters
+(``count_reads``, ``count_writes``). Every I/O answers an ``Outcome`` per object.
 
 An object lives and dies whole: it is present on a card only when every fragment
 is there at its size (the head records the object's size for lookups that do not
@@ -37,6 +37,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import zlib
 from typing import Callable, Collection, NamedTuple, Optional, Sequence
@@ -44,7 +45,7 @@ from typing import Callable, Collection, NamedTuple, Optional, Sequence
 from .fragments import db_hash, fragment_db, fragment_dbs, fragment_extents, fragment_key
 from .card_stats import CardStats
 
-from .cards.base import Card, CardIOError, Head, NodeIOError, ProcessRead, Read, object_key
+from .cards.base import Card, CardIOError, Head, NodeIOError, PlacedFile, ProcessRead, Read, object_key
 from .cards.objfmt import new_write_id
 from .placement import Placement, key_layout_fingerprint
 
@@ -123,6 +124,16 @@ class RegionBytes(NamedTuple):
     fd: int
     offset: int
     read_by: Optional[float]
+
+
+class OpenedFile(NamedTuple):
+    """A placed object's file the store opened read-only for MAP (``ObjectStore.open_verified``),
+    as its check in place sees it: the descriptor, the fragment key its header must name, and
+    the write id the object's head carries (None: any)."""
+
+    fd: int
+    fkey: bytes
+    write_id: Optional[int]
 
 
 class PutSource(abc.ABC):
@@ -379,6 +390,45 @@ class ObjectStore:
         then each other replica card in service that reads into regions (``direct_reads``)."""
         return [frag] + [frag._replace(card=c, others=()) for c in frag.others
                          if self._active[c] and self.cards[c].direct_reads]
+
+    def open_verified(self, keys: Sequence[bytes], marks: Optional[Sequence[int]], object_bytes: int,
+                      check: Callable[[list[OpenedFile]], list[Read]]) -> list[Optional[int]]:
+        """For MAP (on the pool): for each object, a read-only descriptor of its own file, verified
+        in place, that the caller now owns (to hand and close), or None. Only an object of one
+        fragment, on the card ``holders`` finds it on, when that card hands files
+        (``Card.hands_files``: ``Card.open_placed``, read-only, of the placed file); ``check``
+        gives the verdict on each file opened (``direct_reads.verify_in_place``: header, size,
+        the head's write id, the payload's checksum, where the file lies). A file whose verdict
+        is not ``HIT`` is closed, never handed, and its verdict goes to its card as a failed
+        read's does (``Card.placed_checked``: a corrupt object is removed). Contract: the
+        caller has checked that every key is of a namespace the asker owns."""
+        out: list[Optional[int]] = [None] * len(keys)
+        if len(fragment_extents(object_bytes, self.fragment_size)) != 1:
+            return out
+        opened: list[tuple[int, Card, PlacedFile, OpenedFile]] = []
+        for i, holder in enumerate(self.holders(keys, marks, object_bytes)):
+            if holder is None:
+                continue
+            card = self.cards[int(holder)]
+            if not card.hands_files:
+                continue
+            fkey = fragment_key(keys[i], 0)
+            placed = card.open_placed(fkey)
+            if placed is not None:
+                opened.append((i, card, placed, OpenedFile(placed.fd, fkey, getattr(holder, "write_id", None))))
+        try:
+            verdicts = check([item[3] for item in opened])
+        except BaseException:
+            for item in opened:
+                os.close(item[2].fd)
+            raise
+        for (i, card, placed, file), verdict in zip(opened, verdicts):
+            if verdict is Read.HIT:
+                out[i] = placed.fd
+                continue
+            os.close(placed.fd)
+            card.placed_checked(file.fkey, placed, verdict)
+        return out
 
     def process_reads(self, card: int, frags: Sequence[Fragment]) -> list[ProcessRead]:
         """For each fragment of ``card``: what an I/O process can read (``Card.process_reads``:
