@@ -12,8 +12,10 @@ a GET batch's lookup and reads (``plan_reads``, then ``read_many``, ``read_to_fd
 ``direct_replicas`` into a client's region, ``process_reads``/``process_reads_done`` around
 the I/O processes, ``read_from_replicas``), a PUT batch's (``put``: which exist, where, the
 writes), MAP's read-only files, verified in place (``open_verified``), EXIST (``exists``),
-DELETE, CLEAN, the pins, which cards are in service, and the namespace counters
-(``count_reads``, ``count_writes``). Every I/O answers an ``Outcome`` per object.
+DELETE, CLEAN, the pins, which cards are in service, the namespace counters (``count_reads``,
+``count_writes``), and the mover's work on one object of one card (``recorded_head``,
+``read_object``, ``write_copies``, ``remove_object``). Every batch's I/O answers an ``Outcome``
+per object.
 
 An object lives and dies whole: it is present on a card only when every fragment
 is there at its size (the head records the object's size for lookups that do not
@@ -581,15 +583,41 @@ class ObjectStore:
         """A read's verdict showed an object broken on a card: remove it whole, unless the
         card already did (``Card.drops_itself``: it knows whether the verdict is stale)."""
         if not self.cards[card].drops_itself:
-            self._remove_object(card, key, object_bytes, tag)
+            self.remove_object(card, key, object_bytes, tag)
 
-    def _remove_object(self, card: int, key: bytes, object_bytes: int, tag: bytes = b"") -> None:
-        """Remove every fragment of an object from one card (what is left of it)."""
+    def remove_object(self, card: int, key: bytes, object_bytes: int, tag: Optional[bytes] = b"") -> None:
+        """Remove every fragment of the object ``key`` of ``object_bytes`` bytes from ``card``
+        (what is left of it; ``tag`` its slot tag), whatever write they are of. A card that
+        does not answer is logged and keeps them (nothing raised)."""
         frags = self._frags(card, key, object_bytes)
         try:
             self.cards[card].delete_many([(f.db, f.fkey) for f in frags], [tag] * len(frags))
         except CardIOError as exc:
             logger.warning("%s", exc)
+
+    def recorded_head(self, card: int, key: bytes, tag: Optional[bytes]) -> Optional[Head]:
+        """What the head of the object ``key`` (slot tag ``tag``) records on ``card``
+        (``Card.heads``), None for no head. Raises ``CardIOError`` when the card does not answer."""
+        recorded, = self.cards[card].heads([(fragment_db(key, 0, self.num_dbs, self.spread), fragment_key(key, 0))],
+                                           [tag or b""])
+        return recorded
+
+    def read_object(self, card: int, key: bytes, head: Head, tag: Optional[bytes], buf: memoryview) -> Read:
+        """Read the object ``key`` whole from ``card`` into ``buf`` (``head.size`` bytes): every
+        fragment of the write ``head`` names (another write's is ``CHANGED``: a writer in
+        progress), each timed and accounted as any read. ``HIT`` when all are; else the first
+        other verdict, and nothing is removed (the caller decides: ``remove_object``)."""
+        for frag in self._frags(card, key, head.size, tag):
+            verdict = self._read(frag._replace(write_id=head.write_id), buf[frag.offset:frag.offset + frag.length])
+            if verdict is not Read.HIT:
+                return verdict
+        return Read.HIT
+
+    def write_copies(self, cards: Sequence[int], key: bytes, tag: Optional[bytes], obj: memoryview) -> bool:
+        """Write the object ``key`` (its bytes ``obj``; ``tag`` its slot tag, None: recorded as
+        not known) whole to each of ``cards``, one write id for all, head last
+        (``write_replicas``); True if at least one holds all of it."""
+        return self.write_replicas([self._frags(c, key, len(obj), tag) for c in cards], obj)
 
     def put(self, items: Sequence[PutItem], object_bytes: int) -> list[Outcome]:
         """Store the objects of (part of) a PUT batch: which exist already (``exists``: keys
@@ -650,7 +678,7 @@ class ObjectStore:
                 ok, transport_ok = self._card_write(frag, lambda card, f=frag: put(card, f))
                 if not ok:
                     if transport_ok:
-                        self._remove_object(frag.card, object_key(frag.fkey), object_bytes, frag.slot_tag)
+                        self.remove_object(frag.card, object_key(frag.fkey), object_bytes, frag.slot_tag)
                     return False
         return True
 
