@@ -6,7 +6,7 @@ Where the work comes from:
 - hits: a lookup that missed in the current placement and hit in the previous one
   (``ObjectStore.on_previous_hit``) is moved ``MOVE_AFTER_S`` after it was served (the read
   that found it is done by then);
-- the sweep: the mover lists the objects of every previous card (``Card.listed_heads``: fs,
+- the sweep: the mover lists the objects of every previous card (``ObjectStore.listed_heads``: fs,
   its index and each head's header; resp, a SCAN; a cluster card, a SCAN of each primary)
   with the slot tag each head records (``cards.objfmt``: with ``dialog`` placement the dialog
   mark, so the tag gives the slot as the PUT's mark did; with ``stripe`` the key alone) and
@@ -30,8 +30,9 @@ new one is whole). Two gateways moving the same object write the same bytes.
 
 When a sweep pass finds nothing left to move and no hit waits, the change is complete:
 ``on_complete`` drops the previous layout (once). Contract: ``store`` is the gateway's
-``ObjectStore`` with ``previous`` set; the mover only reads which cards are in service (``store.in_service``).
-"""
+``ObjectStore`` with ``previous`` set; the mover reaches the cards only through it (``listed_heads``,
+``keys_by_tag``, ``recorded_head``, ``read_object``, ``write_copies``, ``remove_object``) and
+reads which cards are in service there (``in_service``)."""
 
 from __future__ import annotations
 
@@ -158,7 +159,7 @@ class Mover:
                 clean = False
                 continue
             try:
-                listed = list(store.cards[card_index].listed_heads())
+                listed = store.listed_heads(card_index)
             except (CardIOError, OSError) as exc:
                 if card_index not in self._unlisted:        # once a card, not every pass
                     self._unlisted.add(card_index)
@@ -219,7 +220,7 @@ class Mover:
         module), removing it from ``old`` when ``old`` is not one of them. (whether nothing of
         it is left to do, whether it could be placed at all)."""
         store = self.store
-        if any(store.cards[c].kind == "resp-cluster" for c in set(targets) | {old}):
+        if any(store.keys_by_tag(c) for c in set(targets) | {old}):
             return True, False            # keyed by the tag it does not record: it stays (see the module)
         if not targets:
             return False, True            # no card of its slots in service now: the next pass

@@ -13,9 +13,9 @@ a GET batch's lookup and reads (``plan_reads``, then ``read_many``, ``read_to_fd
 the I/O processes, ``read_from_replicas``), a PUT batch's (``put``: which exist, where, the
 writes), MAP's read-only files, verified in place (``open_verified``), EXIST (``exists``),
 DELETE, CLEAN, the pins, which cards are in service, the namespace counters (``count_reads``,
-``count_writes``), and the mover's work on one object of one card (``recorded_head``,
-``read_object``, ``write_copies``, ``remove_object``). Every batch's I/O answers an ``Outcome``
-per object.
+``count_writes``), and the mover's (``listed_heads``, ``keys_by_tag``; on one object of one
+card ``recorded_head``, ``read_object``, ``write_copies``, ``remove_object``). Every batch's
+I/O answers an ``Outcome`` per object.
 
 An object lives and dies whole: it is present on a card only when every fragment
 is there at its size (the head records the object's size for lookups that do not
@@ -47,7 +47,8 @@ from typing import Callable, Collection, NamedTuple, Optional, Sequence
 from .fragments import db_hash, fragment_db, fragment_dbs, fragment_extents, fragment_key
 from .card_stats import CardStats
 
-from .cards.base import Card, CardIOError, Head, NodeIOError, PlacedFile, ProcessRead, Read, object_key
+from .cards.base import (Card, CardIOError, Head, Listed, NodeIOError, PlacedFile, ProcessRead, Read,
+                         object_key)
 from .cards.objfmt import new_write_id
 from .placement import Placement, key_layout_fingerprint
 
@@ -594,6 +595,17 @@ class ObjectStore:
             self.cards[card].delete_many([(f.db, f.fkey) for f in frags], [tag] * len(frags))
         except CardIOError as exc:
             logger.warning("%s", exc)
+
+    def listed_heads(self, card: int) -> list[Listed]:
+        """Every object whose head is on ``card``, with the slot tag its head records
+        (``Card.listed_heads``; slow: a header read per object). Raises ``CardIOError`` (or
+        ``OSError``) when the card cannot be listed now."""
+        return list(self.cards[card].listed_heads())
+
+    def keys_by_tag(self, card: int) -> bool:
+        """Whether ``card`` keys fragments by their slot tag (``Card.keys_by_tag``: the cluster
+        card), so that an object whose head records no tag cannot be copied to or from it."""
+        return self.cards[card].keys_by_tag
 
     def recorded_head(self, card: int, key: bytes, tag: Optional[bytes]) -> Optional[Head]:
         """What the head of the object ``key`` (slot tag ``tag``) records on ``card``

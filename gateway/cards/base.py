@@ -170,6 +170,7 @@ class Card(abc.ABC):
     batched_reads: bool = False  # read_many does better than a loop over read (the store uses it)
     drops_itself: bool = False   # a read whose verdict ``drops`` has already removed the object on the card
     hands_files: bool = False    # open_placed works: a stored fragment's own file, opened read-only (MAP)
+    keys_by_tag: bool = False    # fragments are keyed by their slot tag (see the module): found only with it
 
     def __init__(self, device: str):
         self.device = device
