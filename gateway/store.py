@@ -11,9 +11,11 @@ The interface the rest of the gateway uses (on the GET and PUT paths nothing els
 a GET batch's lookup and reads (``plan_reads``, then ``read_many``, ``read_to_fds`` and
 ``direct_replicas`` into a client's region, ``process_reads``/``process_reads_done`` around
 the I/O processes, ``read_from_replicas``), a PUT batch's (``put``: which exist, where, the
-writes), EXIST (``exists``), DELETE, CLEAN, the pins, which cards are in service, and the
-namespace counters (``count_reads``, ``count_writes``). Every I/O answers an ``Outcome`` per
-object.
+writes), MAP's read-only files, verified in place (``open_verified``), EXIST (``exists``),
+DELETE, CLEAN, the pins, which cards are in service, the namespace counters (``count_reads``,
+``count_writes``), and the mover's (``listed_heads``, ``keys_by_tag``; on one object of one
+card ``recorded_head``, ``read_object``, ``write_copies``, ``remove_object``). Every batch's
+I/O answers an ``Outcome`` per object.
 
 An object lives and dies whole: it is present on a card only when every fragment
 is there at its size (the head records the object's size for lookups that do not
@@ -37,6 +39,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import zlib
 from typing import Callable, Collection, NamedTuple, Optional, Sequence
@@ -44,7 +47,8 @@ from typing import Callable, Collection, NamedTuple, Optional, Sequence
 from .fragments import db_hash, fragment_db, fragment_dbs, fragment_extents, fragment_key
 from .card_stats import CardStats
 
-from .cards.base import Card, CardIOError, Head, NodeIOError, ProcessRead, Read, object_key
+from .cards.base import (Card, CardIOError, Head, Listed, NodeIOError, PlacedFile, ProcessRead, Read,
+                         object_key)
 from .cards.objfmt import new_write_id
 from .placement import Placement, key_layout_fingerprint
 
@@ -123,6 +127,16 @@ class RegionBytes(NamedTuple):
     fd: int
     offset: int
     read_by: Optional[float]
+
+
+class OpenedFile(NamedTuple):
+    """A placed object's file the store opened read-only for MAP (``ObjectStore.open_verified``),
+    as its check in place sees it: the descriptor, the fragment key its header must name, and
+    the write id the object's head carries (None: any)."""
+
+    fd: int
+    fkey: bytes
+    write_id: Optional[int]
 
 
 class PutSource(abc.ABC):
@@ -380,6 +394,45 @@ class ObjectStore:
         return [frag] + [frag._replace(card=c, others=()) for c in frag.others
                          if self._active[c] and self.cards[c].direct_reads]
 
+    def open_verified(self, keys: Sequence[bytes], marks: Optional[Sequence[int]], object_bytes: int,
+                      check: Callable[[list[OpenedFile]], list[Read]]) -> list[Optional[int]]:
+        """For MAP (on the pool): for each object, a read-only descriptor of its own file, verified
+        in place, that the caller now owns (to hand and close), or None. Only an object of one
+        fragment, on the card ``holders`` finds it on, when that card hands files
+        (``Card.hands_files``: ``Card.open_placed``, read-only, of the placed file); ``check``
+        gives the verdict on each file opened (``direct_reads.verify_in_place``: header, size,
+        the head's write id, the payload's checksum, where the file lies). A file whose verdict
+        is not ``HIT`` is closed, never handed, and its verdict goes to its card as a failed
+        read's does (``Card.placed_checked``: a corrupt object is removed). Contract: the
+        caller has checked that every key is of a namespace the asker owns."""
+        out: list[Optional[int]] = [None] * len(keys)
+        if len(fragment_extents(object_bytes, self.fragment_size)) != 1:
+            return out
+        opened: list[tuple[int, Card, PlacedFile, OpenedFile]] = []
+        for i, holder in enumerate(self.holders(keys, marks, object_bytes)):
+            if holder is None:
+                continue
+            card = self.cards[int(holder)]
+            if not card.hands_files:
+                continue
+            fkey = fragment_key(keys[i], 0)
+            placed = card.open_placed(fkey)
+            if placed is not None:
+                opened.append((i, card, placed, OpenedFile(placed.fd, fkey, getattr(holder, "write_id", None))))
+        try:
+            verdicts = check([item[3] for item in opened])
+        except BaseException:
+            for item in opened:
+                os.close(item[2].fd)
+            raise
+        for (i, card, placed, file), verdict in zip(opened, verdicts):
+            if verdict is Read.HIT:
+                out[i] = placed.fd
+                continue
+            os.close(placed.fd)
+            card.placed_checked(file.fkey, placed, verdict)
+        return out
+
     def process_reads(self, card: int, frags: Sequence[Fragment]) -> list[ProcessRead]:
         """For each fragment of ``card``: what an I/O process can read (``Card.process_reads``:
         an ``objfile.FileRead``), or why none does (``NoProcessRead``)."""
@@ -531,15 +584,52 @@ class ObjectStore:
         """A read's verdict showed an object broken on a card: remove it whole, unless the
         card already did (``Card.drops_itself``: it knows whether the verdict is stale)."""
         if not self.cards[card].drops_itself:
-            self._remove_object(card, key, object_bytes, tag)
+            self.remove_object(card, key, object_bytes, tag)
 
-    def _remove_object(self, card: int, key: bytes, object_bytes: int, tag: bytes = b"") -> None:
-        """Remove every fragment of an object from one card (what is left of it)."""
+    def remove_object(self, card: int, key: bytes, object_bytes: int, tag: Optional[bytes] = b"") -> None:
+        """Remove every fragment of the object ``key`` of ``object_bytes`` bytes from ``card``
+        (what is left of it; ``tag`` its slot tag), whatever write they are of. A card that
+        does not answer is logged and keeps them (nothing raised)."""
         frags = self._frags(card, key, object_bytes)
         try:
             self.cards[card].delete_many([(f.db, f.fkey) for f in frags], [tag] * len(frags))
         except CardIOError as exc:
             logger.warning("%s", exc)
+
+    def listed_heads(self, card: int) -> list[Listed]:
+        """Every object whose head is on ``card``, with the slot tag its head records
+        (``Card.listed_heads``; slow: a header read per object). Raises ``CardIOError`` (or
+        ``OSError``) when the card cannot be listed now."""
+        return list(self.cards[card].listed_heads())
+
+    def keys_by_tag(self, card: int) -> bool:
+        """Whether ``card`` keys fragments by their slot tag (``Card.keys_by_tag``: the cluster
+        card), so that an object whose head records no tag cannot be copied to or from it."""
+        return self.cards[card].keys_by_tag
+
+    def recorded_head(self, card: int, key: bytes, tag: Optional[bytes]) -> Optional[Head]:
+        """What the head of the object ``key`` (slot tag ``tag``) records on ``card``
+        (``Card.heads``), None for no head. Raises ``CardIOError`` when the card does not answer."""
+        recorded, = self.cards[card].heads([(fragment_db(key, 0, self.num_dbs, self.spread), fragment_key(key, 0))],
+                                           [tag or b""])
+        return recorded
+
+    def read_object(self, card: int, key: bytes, head: Head, tag: Optional[bytes], buf: memoryview) -> Read:
+        """Read the object ``key`` whole from ``card`` into ``buf`` (``head.size`` bytes): every
+        fragment of the write ``head`` names (another write's is ``CHANGED``: a writer in
+        progress), each timed and accounted as any read. ``HIT`` when all are; else the first
+        other verdict, and nothing is removed (the caller decides: ``remove_object``)."""
+        for frag in self._frags(card, key, head.size, tag):
+            verdict = self._read(frag._replace(write_id=head.write_id), buf[frag.offset:frag.offset + frag.length])
+            if verdict is not Read.HIT:
+                return verdict
+        return Read.HIT
+
+    def write_copies(self, cards: Sequence[int], key: bytes, tag: Optional[bytes], obj: memoryview) -> bool:
+        """Write the object ``key`` (its bytes ``obj``; ``tag`` its slot tag, None: recorded as
+        not known) whole to each of ``cards``, one write id for all, head last
+        (``write_replicas``); True if at least one holds all of it."""
+        return self.write_replicas([self._frags(c, key, len(obj), tag) for c in cards], obj)
 
     def put(self, items: Sequence[PutItem], object_bytes: int) -> list[Outcome]:
         """Store the objects of (part of) a PUT batch: which exist already (``exists``: keys
@@ -600,7 +690,7 @@ class ObjectStore:
                 ok, transport_ok = self._card_write(frag, lambda card, f=frag: put(card, f))
                 if not ok:
                     if transport_ok:
-                        self._remove_object(frag.card, object_key(frag.fkey), object_bytes, frag.slot_tag)
+                        self.remove_object(frag.card, object_key(frag.fkey), object_bytes, frag.slot_tag)
                     return False
         return True
 

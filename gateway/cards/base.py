@@ -129,6 +129,15 @@ class Listed(NamedTuple):
     tag: Optional[bytes]
 
 
+class PlacedFile(NamedTuple):
+    """A stored fragment's file a card opened read-only for MAP (``Card.open_placed``): the
+    descriptor, and the card's own record of what it opened (the fs card: the index entry),
+    handed back with the verdict of the file's check (``Card.placed_checked``)."""
+
+    fd: int
+    entry: tuple[int, int]
+
+
 def object_key(fkey: bytes) -> bytes:
     """The key of the object a fragment key belongs to."""
     return fkey[:-2]
@@ -160,6 +169,8 @@ class Card(abc.ABC):
     direct_writes: bool = False  # write_from_fd works: a client's region is stored without the ring
     batched_reads: bool = False  # read_many does better than a loop over read (the store uses it)
     drops_itself: bool = False   # a read whose verdict ``drops`` has already removed the object on the card
+    hands_files: bool = False    # open_placed works: a stored fragment's own file, opened read-only (MAP)
+    keys_by_tag: bool = False    # fragments are keyed by their slot tag (see the module): found only with it
 
     def __init__(self, device: str):
         self.device = device
@@ -270,6 +281,19 @@ class Card(abc.ABC):
         the client had given up, its engine may have reused the buffer); nothing is left
         behind. Only cards with ``direct_writes``."""
         raise NotImplementedError(f"{type(self).__name__} has no direct writes")
+
+    def open_placed(self, fkey: bytes) -> Optional[PlacedFile]:
+        """A read-only descriptor of a stored fragment's file, one that is never written again
+        while placed (what the descriptor reads stays that file's bytes whatever happens to
+        its name), for MAP to check in place and hand; None when it is not stored or does
+        not open. Only cards with ``hands_files``."""
+        raise NotImplementedError(f"{type(self).__name__} hands no files")
+
+    def placed_checked(self, fkey: bytes, placed: PlacedFile, verdict: Read) -> Read:
+        """Account for the verdict of the in-place check of a file ``open_placed`` opened, as a
+        read's (a verdict that ``drops`` removes the object unless it is stale): the verdict
+        the gateway acts on. Only cards with ``hands_files``."""
+        raise NotImplementedError(f"{type(self).__name__} hands no files")
 
     def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list[ProcessRead]:
         """For each fragment (expected of the write ``write_ids`` names), an

@@ -47,8 +47,8 @@ from .. import progress
 from ..quotas import TenantUsage
 
 from . import objfmt
-from .base import (Card, CardError, CardIOError, CardUsage, Head, Listed, NoProcessRead, ProcessRead, Read,
-                   claim_record, is_head, object_key, parse_claim)
+from .base import (Card, CardError, CardIOError, CardUsage, Head, Listed, NoProcessRead, PlacedFile, ProcessRead,
+                   Read, claim_record, is_head, object_key, parse_claim)
 from .fs_files import (CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, SUBDIR_NAMES, FileRef, check_file, object_name, open_dir,
                        open_root, own_dir, subdir_of, unlink_all, verdict_of)
 from . import fs_scan
@@ -84,6 +84,7 @@ class FsCard(Card):
     direct_reads = True
     direct_writes = True
     drops_itself = True
+    hands_files = True
 
     def __init__(self, device: str, num_dbs: int = 16, capacity_bytes: int = 0,
                  eviction_watermark: float = 0.95, eviction_ratio: float = 0.10,
@@ -374,9 +375,9 @@ class FsCard(Card):
                                    write_id)
         return self.read_result(fkey, verdict, entry)
 
-    def open_placed(self, fkey: bytes) -> Optional[tuple[int, Entry]]:
+    def open_placed(self, fkey: bytes) -> Optional[PlacedFile]:
         """A read-only descriptor (``O_RDONLY | O_NOFOLLOW``, by the database's checked
-        descriptor) of a stored fragment's file, and the index entry it was opened under (a
+        descriptor) of a stored fragment's file, with the index entry it was opened under (a
         failed check of it goes to ``read_result`` with that entry); None when it is not
         stored or does not open (that open's verdict applied). For MAP (``direct_reads``):
         placed files are never written again (``write``: a new file renamed into place), so
@@ -389,7 +390,10 @@ class FsCard(Card):
         except OSError as exc:
             self.read_result(fkey, verdict_of(exc), entry)
             return None
-        return fd, entry
+        return PlacedFile(fd, entry)
+
+    def placed_checked(self, fkey: bytes, placed: PlacedFile, verdict: Read) -> Read:
+        return self.read_result(fkey, verdict, placed.entry)
 
     def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list[ProcessRead]:
         """The index entries of many fragments under one lock (``FsIndex.locate_many``: each
