@@ -12,7 +12,7 @@ from the page cache. What the gateway does for one MAP (``DirectReads.serve``, o
   (``Card.hands_files``, ``Card.open_placed``: the fs card), the file opened ``O_RDONLY``; then
   the object checked where it lies (``verify_in_place``, given to the store: header, size,
   write id, xxh3 of the payload read through a private mapping of the page cache, no copy into
-  any buffer), in the I/O processes when the gateway has some (``io_procs.verify_task``).
+  any buffer), in the I/O processes when the gateway has some (``verify_paths`` run there).
   A failed check is a miss, never a descriptor, and its verdict goes to the card as a failed
   read's does (``Card.placed_checked``: a corrupt object is removed).
 - the reply, on the loop: ``MapOk`` with one descriptor per hit (``SCM_RIGHTS``); the
@@ -99,12 +99,11 @@ def open_verified(store: ObjectStore, keys: Sequence[bytes], marks: Optional[Seq
 def _verify(files: list[OpenedFile], n: int, procs) -> list[Read]:
     if procs is None or len(files) < 2:
         return [verify_in_place(f.fd, f.fkey, n, f.write_id) for f in files]
-    from .io_procs import verify_task
     share = -(-len(files) // procs.processes)
     futures = []
     for at in range(0, len(files), share):
         part = files[at:at + share]
-        futures.append(procs.submit(verify_task, [f"/proc/{os.getpid()}/fd/{f.fd}" for f in part],
+        futures.append(procs.submit(verify_paths, [f"/proc/{os.getpid()}/fd/{f.fd}" for f in part],
                                     [f.fkey for f in part], n, [f.write_id for f in part]))
     out: list[Read] = []
     for fut in futures:
