@@ -29,6 +29,7 @@ KV. Prints one line per measurement and a JSON report (``--out``/gpu_direct_rest
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -89,6 +90,22 @@ class Cache:
     @property
     def nbytes(self) -> int:
         return self.obj * self.chunks * len(self.kv)
+
+
+@contextlib.contextmanager
+def gateway_on(card: str, args, log_name: str, **settings):
+    """A real gateway process on a fresh fs card at ``card`` (the bench's ring, pool and I/O
+    processes, plus ``settings``); stopped, its log kept under ``--out`` and the card removed
+    after."""
+    shutil.rmtree(card, ignore_errors=True)
+    gw = GatewayProcess(card, shared_memory_size=args.ring_gib * GiB, thread_pool_size=args.threads,
+                        io_processes=args.io_processes, log_path=card + ".log", **settings).start(timeout_s=120)
+    try:
+        yield gw
+    finally:
+        gw.stop(timeout_s=120)
+        shutil.copy(card + ".log", os.path.join(args.out, log_name))
+        shutil.rmtree(card, ignore_errors=True)
 
 
 def keys_of(cache: Cache, kb: KeyBuilder, layer: int) -> list[bytes]:
@@ -184,14 +201,10 @@ def eviction_race(tokens: int, args, report: dict) -> None:
     g = GEOMETRIES[args.geometry]
     device = args.device
     card = os.path.join(args.card_root, f"card-evict-{tokens}")
-    shutil.rmtree(card, ignore_errors=True)
     cache = Cache(g, tokens, args.block, args.chunk, device)
     row: dict = {"tokens": tokens, "kv_GiB": cache.nbytes / GiB, "rounds": []}
-    gw = GatewayProcess(card, shared_memory_size=args.ring_gib * GiB, thread_pool_size=args.threads,
-                        io_processes=args.io_processes, capacity_bytes=int(cache.nbytes * 1.3),
-                        log_path=card + ".log").start(timeout_s=120)
     registrar = cuda_registrar() if device == "cuda" else None
-    try:
+    with gateway_on(card, args, f"gateway-evict-{tokens}.log", capacity_bytes=int(cache.nbytes * 1.3)) as gw:
         client = GatewayClient(ClientConfig(port=gw.port, timeout_s=600), f"direct-evict-{tokens}")
         ring = ring_tensor(client)
         stream = torch.cuda.Stream() if device == "cuda" else None
@@ -221,10 +234,6 @@ def eviction_race(tokens: int, args, report: dict) -> None:
                 raise RuntimeError("eviction race: a restored block differs from its source")
         del ring
         client.close()
-    finally:
-        gw.stop(timeout_s=120)
-        shutil.copy(card + ".log", os.path.join(args.out, f"gateway-evict-{tokens}.log"))
-        shutil.rmtree(card, ignore_errors=True)
     report.setdefault("eviction_race", []).append(row)
     del cache
     if device == "cuda":
@@ -253,15 +262,12 @@ def run(tokens: int, args, report: dict) -> None:
     device = args.device
     row: dict = {"tokens": tokens, "geometry": args.geometry, "chunk": args.chunk}
     card = os.path.join(args.card_root, f"card-{tokens}-{args.chunk}")
-    shutil.rmtree(card, ignore_errors=True)
     cache = Cache(g, tokens, args.block, args.chunk, device)
     gb = cache.nbytes / 1e9
     row["kv_GiB"] = cache.nbytes / GiB
     row["object_bytes"] = cache.obj
-    gw = GatewayProcess(card, shared_memory_size=args.ring_gib * GiB, thread_pool_size=args.threads,
-                        io_processes=args.io_processes, log_path=card + ".log").start(timeout_s=120)
     registrar = cuda_registrar() if device == "cuda" else None
-    try:
+    with gateway_on(card, args, f"gateway-direct-{tokens}.log") as gw:
         client = GatewayClient(ClientConfig(port=gw.port, timeout_s=600), f"direct-bench-{tokens}")
         ring = ring_tensor(client)
         if device == "cuda":
@@ -312,10 +318,6 @@ def run(tokens: int, args, report: dict) -> None:
             unpin_ring(ring)
         del ring
         client.close()
-    finally:
-        gw.stop(timeout_s=120)
-        shutil.copy(card + ".log", os.path.join(args.out, f"gateway-direct-{tokens}.log"))
-        shutil.rmtree(card, ignore_errors=True)
     if report.get("pinned_h2d_GBs"):
         row["direct_warm_vs_pinned"] = gb / row["direct_warm_s"] / report["pinned_h2d_GBs"]
     row["direct_warm_vs_ring_hot"] = row["ring_hot_s"] / row["direct_warm_s"]
