@@ -34,8 +34,8 @@ ChunkHash = Union[bytes, bytearray, memoryview, int, str]
 KIND_KV = 0          # the layer's (K, V) or latent cache as the engine lays it out (LMCache, SGLang's
                      # KV pool, vLLM's offloading spec); also cache group 0 of vLLM's KV connector
 KIND_AUX = 1         # SGLang: a page of an auxiliary pool (which pool: in the namespace)
-KIND_TIER_ROW = 7    # vLLM's secondary tier: one CPU-tier row (plugins/vllm/tier.py)
-# vLLM's KV connector (plugins/vllm/scheduler.py, worker.py): the kind byte is the cache
+KIND_TIER_ROW = 7    # vLLM's secondary tier: one CPU-tier row (plugins/vllm/tier/tier.py)
+# vLLM's KV connector (plugins/vllm/connector/scheduler.py, worker.py): the kind byte is the cache
 # group's index (0, 1, ...; ``CacheGroup.index``: group 0 is ``KIND_KV``). The group index is
 # not a field of its own: the key is 28 bytes (``KEY_BYTES``: the wire checks it on every
 # request, the cards name fragments by it) with no spare byte, and splitting the kind byte or
@@ -99,7 +99,7 @@ def key_namespace(namespace: str = "", identity: Optional[Mapping[str, Any]] = N
     geometry, TP size, chunk size, layout) and of the format of its objects (any
     other field the adapter adds, e.g. SGLang's attention kind). ``tp_size`` is the TP
     size of the objects' layout: an adapter whose objects read the same at every TP size
-    gives 1 at every size (vLLM's KV connector: ``plugins/vllm/heads.py``).
+    gives 1 at every size (vLLM's KV connector: ``plugins/vllm/connector/heads.py``).
 
     - No ``identity`` and not ``from_model``: ``namespace`` exactly as given
       (``default`` when empty). The operator names the deployment and keeps

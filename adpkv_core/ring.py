@@ -48,17 +48,21 @@ class Ring:
         self.size = size
         self.fd = fd
         self._owner = owner
-        # MAP_POPULATE: the pages are allocated and mapped now, not faulted in one by
-        # one during the first transfers (the ring is held for the engine's lifetime).
-        # The gateway maps a new ring without it (an engine's first RING must not wait for
-        # it) and populates it on its I/O pool (``populate``).
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        self._mmap = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        # ``populate``: the pages are allocated and mapped now, not faulted in one by one
+        # during the first transfers (the ring is held for the engine's lifetime). Not by
+        # MAP_POPULATE: Python's mmap() holds the GIL for all of it (seconds for a GiB ring on
+        # a loaded host), and a client's I/O thread, which sends the heartbeats, would stall
+        # until the gateway detached the rank. The gateway maps a new ring unpopulated (an
+        # engine's first RING must not wait for it) and populates it on its I/O pool.
+        self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = memoryview(self._mmap)
+        if populate:
+            self.populate()
 
     def populate(self) -> None:
         """Allocate and map every page of the ring now (``MADV_POPULATE_WRITE``, Linux 5.14+;
-        through ctypes, so other threads run meanwhile); a no-op where the kernel lacks it."""
+        through ctypes, which releases the GIL: other threads run meanwhile); a no-op where the
+        kernel lacks it (the pages are then faulted in by the first transfers)."""
         export = (ctypes.c_char * self.size).from_buffer(self._mmap)
         try:
             _libc.madvise(ctypes.addressof(export), self.size, _MADV_POPULATE_WRITE)

@@ -51,7 +51,7 @@ from adpkv_core.settings import ClientConfig  # noqa: E402
 from adpkv_gateway import control  # noqa: E402
 from adpkv_gateway.cards.fs import SNAPSHOT_FILE, FsCard  # noqa: E402
 from adpkv_gateway.store import ObjectStore  # noqa: E402
-from adpkv_gateway.spawn import GatewayProcess  # noqa: E402
+from adpkv_gateway.ops.spawn import GatewayProcess  # noqa: E402
 
 HEADER = 4096
 WATERMARK, RATIO = 0.95, 0.10

@@ -26,7 +26,7 @@ from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 from adpkv_gateway.placement import Placement
-from adpkv_gateway.spawn import GatewayProcess, RedisServer
+from adpkv_gateway.ops.spawn import GatewayProcess, RedisServer
 
 MiB = 1 << 20
 

@@ -20,7 +20,7 @@ import time
 from adpkv_core.client import GatewayClient
 from adpkv_core.door import door_path
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway.spawn import GatewayProcess
+from adpkv_gateway.ops.spawn import GatewayProcess
 
 CONNECTIONS = 1100
 NOBODY = 65534

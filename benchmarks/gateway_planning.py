@@ -33,7 +33,7 @@ import time
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway.spawn import GatewayProcess
+from adpkv_gateway.ops.spawn import GatewayProcess
 
 MiB = 1 << 20
 HEADER = 4096

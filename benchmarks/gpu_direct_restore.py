@@ -14,7 +14,10 @@ bf16; FlashAttention layout ``(2, num_blocks, 16, 8, 128)``, the prompt's blocks
   one H2D DMA from its registered mapping into a staging tensor, one ``index_copy_`` per layer
   into the paged blocks (``copy.PagedLayer.load_objects``);
 * ``ring_cold`` and ``direct_cold``: every object file dropped from the page cache
-  (``posix_fadvise(DONTNEED)``; mappings closed first), then a restore each way.
+  (``posix_fadvise(DONTNEED)``; mappings closed first), then a restore each way;
+* the eviction race (``--evict-rounds``): direct restores of a prompt while a second client's
+  stores evict it from a card of 1.3x its KV: restored blocks equal their source, the rest
+  untouched (misses).
 
 Every restore is checked on the GPU: ``torch.equal`` of every restored block against the source
 KV. Prints one line per measurement and a JSON report (``--out``/gpu_direct_restore.json).
@@ -26,6 +29,7 @@ KV. Prints one line per measurement and a JSON report (``--out``/gpu_direct_rest
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -38,8 +42,8 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.direct_map import DirectMaps, cuda_registrar
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway.spawn import GatewayProcess
-from adpkv_vllm.copy import PagedLayer, ring_tensor
+from adpkv_gateway.ops.spawn import GatewayProcess
+from adpkv_vllm.common.copy import PagedLayer, ring_tensor
 from gpu_restore import GEOMETRIES, log, pinned_bandwidth   # a sibling: benchmarks/ is on sys.path when run as a script
 
 GiB = 1 << 30
@@ -68,6 +72,11 @@ class Cache:
             t.view(torch.int16).random_(-30000, 30000)
         self.source = [t[:, self.dev_ids].clone() for t in self.kv]      # what every restore must give back
 
+    def refill(self) -> None:
+        """The source back into the blocks (what a store must take)."""
+        for t, s in zip(self.kv, self.source):
+            t[:, self.dev_ids] = s
+
     def zero(self) -> None:
         for t in self.kv:
             t.zero_()
@@ -81,6 +90,22 @@ class Cache:
     @property
     def nbytes(self) -> int:
         return self.obj * self.chunks * len(self.kv)
+
+
+@contextlib.contextmanager
+def gateway_on(card: str, args, log_name: str, **settings):
+    """A real gateway process on a fresh fs card at ``card`` (the bench's ring, pool and I/O
+    processes, plus ``settings``); stopped, its log kept under ``--out`` and the card removed
+    after."""
+    shutil.rmtree(card, ignore_errors=True)
+    gw = GatewayProcess(card, shared_memory_size=args.ring_gib * GiB, thread_pool_size=args.threads,
+                        io_processes=args.io_processes, log_path=card + ".log", **settings).start(timeout_s=120)
+    try:
+        yield gw
+    finally:
+        gw.stop(timeout_s=120)
+        shutil.copy(card + ".log", os.path.join(args.out, log_name))
+        shutil.rmtree(card, ignore_errors=True)
 
 
 def keys_of(cache: Cache, kb: KeyBuilder, layer: int) -> list[bytes]:
@@ -135,6 +160,86 @@ def direct_restore(client, maps: DirectMaps, cache: Cache, kb, stream, device: s
     return t, fetch_s
 
 
+def partial_direct_restore(client, maps: DirectMaps, cache: Cache, kb, stream, device: str) -> list[torch.Tensor]:
+    """A direct restore that takes what MAP hands and leaves the rest (an eviction racing it):
+    per layer, a bool tensor (one per object) of the objects copied."""
+    held_of = []
+    for i, layer in enumerate(cache.layers):
+        keys = keys_of(cache, kb, i)
+        maps.fetch(client, keys, cache.obj)
+        got = maps.acquire(keys)
+        present = [m for m in got if m is not None]
+        if present:
+            ids = torch.cat([cache.dev_ids[j * cache.nb:(j + 1) * cache.nb] for j, m in enumerate(got) if m is not None])
+            layer.load_objects([m.array for m in present], ids, cache.nb, stream=stream)
+        sync(device)
+        maps.release(got)
+        held_of.append(torch.tensor([m is not None for m in got], device=device))
+    return held_of
+
+
+def check_partial(cache: Cache, held_of: list[torch.Tensor]) -> tuple[int, int, bool]:
+    """(objects restored, objects missed, every restored block equal to its source and every
+    missed block still zero), compared bit for bit on the device."""
+    ok = True
+    for t, src, held in zip(cache.kv, cache.source, held_of):
+        got = t.view(torch.int16)[:, cache.dev_ids]
+        same = (got == src.view(torch.int16)).reshape(2, cache.chunks, -1).all(-1).all(0)
+        untouched = (got == 0).reshape(2, cache.chunks, -1).all(-1).all(0)
+        ok = ok and bool(torch.where(held, same, untouched).all())
+    restored = int(sum(int(h.sum()) for h in held_of))
+    return restored, sum(h.numel() for h in held_of) - restored, ok
+
+
+def eviction_race(tokens: int, args, report: dict) -> None:
+    """Direct restores while the card evicts the prompt: a card of 1.3x the prompt's KV, other
+    objects stored (0.6x the KV a round, in flight on the same client: one engine a gateway)
+    while the restore maps and copies.
+    What MAP hands stays the bytes stored (a mapping holds its file's inode; eviction unlinks
+    names); what it no longer finds is a miss. Every restored block compared with its source,
+    every missed block checked untouched."""
+    g = GEOMETRIES[args.geometry]
+    device = args.device
+    card = os.path.join(args.card_root, f"card-evict-{tokens}")
+    cache = Cache(g, tokens, args.block, args.chunk, device)
+    row: dict = {"tokens": tokens, "kv_GiB": cache.nbytes / GiB, "rounds": []}
+    registrar = cuda_registrar() if device == "cuda" else None
+    with gateway_on(card, args, f"gateway-evict-{tokens}.log", capacity_bytes=int(cache.nbytes * 1.3)) as gw:
+        client = GatewayClient(ClientConfig(port=gw.port, timeout_s=600), f"direct-evict-{tokens}")
+        ring = ring_tensor(client)
+        stream = torch.cuda.Stream() if device == "cuda" else None
+        kb = KeyBuilder(f"direct-evict-{tokens}")
+        churn_kb = KeyBuilder(f"direct-evict-churn-{tokens}")
+        per_round = int(cache.nbytes * 0.6) // cache.obj
+        for rnd in range(args.evict_rounds):
+            cache.refill()
+            store(client, ring, cache, kb, stream)
+            cache.zero()
+            sync(device)
+            churn_keys = churn_kb.keys([b"r%d-%d" % (rnd, i) for i in range(per_round)], [0])
+            futs = [client.put(churn_keys[at:at + 256], cache.obj, lambda b: None)
+                    for at in range(0, len(churn_keys), 256)]
+            maps = DirectMaps(int(cache.nbytes * 1.25) + GiB, registrar, require_registration=device == "cuda")
+            t0 = time.perf_counter()
+            held_of = partial_direct_restore(client, maps, cache, kb, stream, device)
+            t = time.perf_counter() - t0
+            churned = sum(sum(f.result().stored) for f in futs)
+            maps.close()
+            restored, missed, ok = check_partial(cache, held_of)
+            row["rounds"].append({"restored": restored, "missed": missed, "exact": ok, "s": t, "churned": churned})
+            log(f"{tokens} tokens eviction race {rnd}: {restored} objects restored, {missed} missed (evicted), "
+                f"{churned} objects stored meanwhile, {t:.3f} s; restored bytes equal and missed blocks "
+                f"untouched: {ok}")
+            if not ok:
+                raise RuntimeError("eviction race: a restored block differs from its source")
+        del ring
+        client.close()
+    report.setdefault("eviction_race", []).append(row)
+    del cache
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def drop_files(card: str) -> int:
     """posix_fadvise(DONTNEED) on every object file of the card: out of the page cache."""
     n = 0
@@ -157,19 +262,16 @@ def run(tokens: int, args, report: dict) -> None:
     device = args.device
     row: dict = {"tokens": tokens, "geometry": args.geometry, "chunk": args.chunk}
     card = os.path.join(args.card_root, f"card-{tokens}-{args.chunk}")
-    shutil.rmtree(card, ignore_errors=True)
     cache = Cache(g, tokens, args.block, args.chunk, device)
     gb = cache.nbytes / 1e9
     row["kv_GiB"] = cache.nbytes / GiB
     row["object_bytes"] = cache.obj
-    gw = GatewayProcess(card, shared_memory_size=args.ring_gib * GiB, thread_pool_size=args.threads,
-                        io_processes=args.io_processes, log_path=card + ".log").start(timeout_s=120)
     registrar = cuda_registrar() if device == "cuda" else None
-    try:
+    with gateway_on(card, args, f"gateway-direct-{tokens}.log") as gw:
         client = GatewayClient(ClientConfig(port=gw.port, timeout_s=600), f"direct-bench-{tokens}")
         ring = ring_tensor(client)
         if device == "cuda":
-            from adpkv_vllm.cuda_ring import pin_ring
+            from adpkv_vllm.common.cuda_ring import pin_ring
             row["ring_pinned"] = pin_ring(ring)
         stream = torch.cuda.Stream() if device == "cuda" else None
         kb = KeyBuilder(f"direct-bench-{tokens}-{args.chunk}")
@@ -212,14 +314,10 @@ def run(tokens: int, args, report: dict) -> None:
         measure("direct_cold", lambda: direct_restore(client, maps, cache, kb, stream, device))
         maps.close()
         if device == "cuda":
-            from adpkv_vllm.cuda_ring import unpin_ring
+            from adpkv_vllm.common.cuda_ring import unpin_ring
             unpin_ring(ring)
         del ring
         client.close()
-    finally:
-        gw.stop(timeout_s=120)
-        shutil.copy(card + ".log", os.path.join(args.out, f"gateway-direct-{tokens}.log"))
-        shutil.rmtree(card, ignore_errors=True)
     if report.get("pinned_h2d_GBs"):
         row["direct_warm_vs_pinned"] = gb / row["direct_warm_s"] / report["pinned_h2d_GBs"]
     row["direct_warm_vs_ring_hot"] = row["ring_hot_s"] / row["direct_warm_s"]
@@ -242,6 +340,9 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=256, help="tokens per stored object (256: 1 MiB a layer)")
     ap.add_argument("--repeats", type=int, default=3, help="hot restores of each kind (median reported)")
+    ap.add_argument("--evict-rounds", type=int, default=3,
+                    help="rounds of direct restores racing an eviction of the prompt (0: none)")
+    ap.add_argument("--evict-tokens", type=int, default=32768, help="the prompt length of the eviction race")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.card_root, exist_ok=True)
@@ -252,6 +353,10 @@ def main() -> int:
         log(f"pinned H2D (1 GiB copies): {report['pinned_h2d_GBs']:.1f} GB/s")
     for tokens in [int(t) for t in args.tokens.split(",")]:
         run(tokens, args, report)
+        with open(os.path.join(args.out, "gpu_direct_restore.json"), "w") as fh:
+            json.dump(report, fh, indent=1)
+    if args.evict_rounds:
+        eviction_race(args.evict_tokens, args, report)
         with open(os.path.join(args.out, "gpu_direct_restore.json"), "w") as fh:
             json.dump(report, fh, indent=1)
     for r in report["runs"]:

@@ -4,8 +4,8 @@ Runs on one GPU with PyTorch (and transformers for the prefill), no vLLM:
 
 * pinned H2D / D2H bandwidth (1 MiB and 1 GiB copies): the physical limit;
 * a real gateway process on an fs card on this machine's disk, the ring registered with
-  CUDA (``adpkv_vllm.cuda_ring.pin_ring``), and the vLLM connector's own copy code
-  (``adpkv_vllm.copy.PagedLayer``) scattering ring batches into a FlashAttention-layout
+  CUDA (``adpkv_vllm.common.cuda_ring.pin_ring``), and the vLLM connector's own copy code
+  (``adpkv_vllm.common.copy.PagedLayer``) scattering ring batches into a FlashAttention-layout
   paged KV cache ``(2, num_blocks, block_size, kv_heads, head_dim)``;
 * store, then restore with the page cache hot and cold (``drop_caches``), one GET per
   layer; every used block of every layer is compared byte for byte with what was stored
@@ -33,9 +33,9 @@ import torch
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway.spawn import GatewayProcess
-from adpkv_vllm.copy import PagedLayer, ring_tensor
-from adpkv_vllm.cuda_ring import pin_ring, unpin_ring
+from adpkv_gateway.ops.spawn import GatewayProcess
+from adpkv_vllm.common.copy import PagedLayer, ring_tensor
+from adpkv_vllm.common.cuda_ring import pin_ring, unpin_ring
 
 GiB, MiB = 1 << 30, 1 << 20
 

@@ -1,8 +1,8 @@
 """Tensor-parallel restores on several GPUs: the ring -> GPUs copy stage, pages already in the ring.
 
 One process per GPU (torch.distributed, NCCL), all mapping one ring file in /dev/shm and
-registering it with CUDA as the vLLM workers do (``adpkv_vllm.cuda_ring.pin_ring``); the
-copies are the connector's own (``adpkv_vllm.copy.PagedLayer``, ``adpkv_vllm.fanout``).
+registering it with CUDA as the vLLM workers do (``adpkv_vllm.common.cuda_ring.pin_ring``); the
+copies are the connector's own (``adpkv_vllm.common.copy.PagedLayer``, ``adpkv_vllm.connector.fanout``).
 Every restored layer is checked byte for byte against the ring.
 
 * ``gqa`` (Llama-3-70B-like: 80 layers, 8 KV heads of 128, bf16, FlashAttention layout, TP
@@ -45,10 +45,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from adpkv_vllm import copy as copy_mod
-from adpkv_vllm.copy import PagedLayer
-from adpkv_vllm.cuda_ring import pin_ring, unpin_ring
-from adpkv_vllm.fanout import Fanout
+from adpkv_vllm.common import copy as copy_mod
+from adpkv_vllm.common.copy import PagedLayer
+from adpkv_vllm.common.cuda_ring import pin_ring, unpin_ring
+from adpkv_vllm.connector.fanout import Fanout
 
 GiB, MiB = 1 << 30, 1 << 20
 GQA = dict(layers=80, kv_heads=8, head_dim=128, block=16)          # Llama-3-70B
@@ -235,7 +235,7 @@ def run_mla_restore(s: Setup, rank: int, world: int, group, stream, reps: int, g
     from adpkv_core.client import GatewayClient
     from adpkv_core.keys import KeyBuilder
     from adpkv_core.settings import ClientConfig
-    from adpkv_vllm.copy import ring_tensor
+    from adpkv_vllm.common.copy import ring_tensor
     client = GatewayClient(ClientConfig(port=gw_port, timeout_s=600), engine, rank, world)
     ring = ring_tensor(client)
     pinned = pin_ring(ring) if s.device.type == "cuda" else False
@@ -391,7 +391,7 @@ def main() -> int:
         port = sock.getsockname()[1]
     gw = None
     if "mla-restore" in args.parts.split(","):      # a real gateway on an fs card for the whole restores
-        from adpkv_gateway.spawn import GatewayProcess
+        from adpkv_gateway.ops.spawn import GatewayProcess
         card = os.path.join(args.card_root, f"card-{os.getpid()}")
         gw = GatewayProcess(card, shared_memory_size=args.gateway_ring_gib * GiB, thread_pool_size=16,
                             io_processes=args.io_processes, log_path=card + ".log").start(timeout_s=120)

@@ -142,7 +142,7 @@ def main() -> None:
     args = p.parse_args()
 
     from adpkv_gateway.control import request
-    from adpkv_gateway.spawn import GatewayProcess
+    from adpkv_gateway.ops.spawn import GatewayProcess
 
     root = args.dir or tempfile.mkdtemp(prefix="adpkv-lmc-bench-")
     os.makedirs(root, exist_ok=True)

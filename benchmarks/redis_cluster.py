@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from adpkv_core.client import GatewayClient          # noqa: E402
 from adpkv_core.keys import KeyBuilder                # noqa: E402
 from adpkv_core.settings import ClientConfig          # noqa: E402
-from adpkv_gateway.spawn import GatewayProcess        # noqa: E402
+from adpkv_gateway.ops.spawn import GatewayProcess        # noqa: E402
 from redis_cluster import RedisCluster                # noqa: E402
 
 MiB = 1 << 20

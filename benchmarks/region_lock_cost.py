@@ -27,7 +27,7 @@ import uuid
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway.spawn import GatewayProcess
+from adpkv_gateway.ops.spawn import GatewayProcess
 
 
 def write_cost(sizes, n, rounds, per_task=16) -> None:

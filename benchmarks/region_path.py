@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from adpkv_core.client import GatewayClient
     from adpkv_core.settings import ClientConfig
-    from adpkv_gateway.spawn import GatewayProcess
+    from adpkv_gateway.ops.spawn import GatewayProcess
     n, d = args.rows, args.dir
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)

@@ -32,7 +32,7 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.cards.resp_conn import RespConnection
-from adpkv_gateway.spawn import GatewayProcess, RedisServer
+from adpkv_gateway.ops.spawn import GatewayProcess, RedisServer
 
 MiB = 1 << 20
 THREADS = 4          # I/O threads of the gateway and of the raw loop (this is a 2-core machine)

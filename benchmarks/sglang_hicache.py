@@ -278,7 +278,7 @@ def run_hybrid(args, root, card, fdir) -> int:
     from sgl_pools import mamba_pool, mha_pool, storage_config
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
     from sglang.srt.mem_cache.utils import get_storage_hash_str
-    from adpkv_gateway.spawn import GatewayProcess
+    from adpkv_gateway.ops.spawn import GatewayProcess
     from adpkv_sglang import AdpHiCacheStorage
 
     g = QWEN3_NEXT
@@ -431,7 +431,7 @@ def main(argv=None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
     from sgl_pools import mha_pool, storage_config
-    from adpkv_gateway.spawn import GatewayProcess
+    from adpkv_gateway.ops.spawn import GatewayProcess
 
     root = os.path.abspath(args.dir)
     shutil.rmtree(root, ignore_errors=True)

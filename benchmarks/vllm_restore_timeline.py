@@ -52,8 +52,8 @@ def main() -> None:
     args = ap.parse_args()
 
     import engine_run
-    from adpkv_gateway.spawn import GatewayProcess
-    from adpkv_vllm import scheduler as sched_role, worker as worker_role
+    from adpkv_gateway.ops.spawn import GatewayProcess
+    from adpkv_vllm.connector import scheduler as sched_role, worker as worker_role
     from hybrid_models import HYBRID_MODELS
     from vllm.v1.core.sched.scheduler import Scheduler
 

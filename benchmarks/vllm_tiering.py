@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     global STEP_S
     STEP_S = args.step_ms / 1e3
 
-    from adpkv_gateway.spawn import GatewayProcess
+    from adpkv_gateway.ops.spawn import GatewayProcess
 
     row = args.row_kib << 10
     blocks_per_chunk = 16

@@ -79,7 +79,7 @@ def main() -> None:
                     help="llama (the tests' tiny Llama) or a model of tests/vllm/hybrid_models.py")
     args = ap.parse_args()
 
-    from adpkv_gateway.spawn import GatewayProcess
+    from adpkv_gateway.ops.spawn import GatewayProcess
     from engine_run import make_model
     from hybrid_models import HYBRID_MODELS, build
 

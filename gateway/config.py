@@ -147,7 +147,7 @@ def load_yaml(path: str) -> dict:
 
 
 # One line of ``adpkv-gateway --help`` per setting (the default is appended). A setting
-# missing here still gets its flag, with its default only; tests/core/test_cli_edges.py
+# missing here still gets its flag, with its default only; tests/core/ops/test_cli_edges.py
 # checks that every setting has a line.
 HELP: dict[str, str] = {
     "storage_backend": "the intended card kind, checked: resp refuses a device that is not a redis:// or "

@@ -7,13 +7,14 @@ from the page cache. What the gateway does for one MAP (``DirectReads.serve``, o
 - who: only a door session with an attached rank of an engine its user owns (as RING), and
   only for keys of namespaces that user owns (``NamespaceOwners.check``, and claimed as GET
   claims them). FORBIDDEN whole otherwise, before any card is asked about an object.
-- what: on the I/O pool (``open_verified``), for each key whose object is one fragment, held
-  by a card that can hand its file (``open_placed``: the fs card), the file opened
-  ``O_RDONLY``; then the object checked where it lies (``verify_in_place``: header, size,
+- what: on the I/O pool, through the store (``ObjectStore.open_verified``: it finds the card
+  and asks it), for each key whose object is one fragment, held by a card that hands its files
+  (``Card.hands_files``, ``Card.open_placed``: the fs card), the file opened ``O_RDONLY``; then
+  the object checked where it lies (``verify_in_place``, given to the store: header, size,
   write id, xxh3 of the payload read through a private mapping of the page cache, no copy into
-  any buffer), in the I/O processes when the gateway has some (``io_procs.verify_task``).
+  any buffer), in the I/O processes when the gateway has some (``verify_paths`` run there).
   A failed check is a miss, never a descriptor, and its verdict goes to the card as a failed
-  read's does (``read_result``: a corrupt object is removed).
+  read's does (``Card.placed_checked``: a corrupt object is removed).
 - the reply, on the loop: ``MapOk`` with one descriptor per hit (``SCM_RIGHTS``); the
   gateway's own copies are closed once sent. Never a path, never a directory, never a
   writable descriptor.
@@ -40,7 +41,7 @@ from .cards.base import Read
 from .cards.fs_files import verdict_of
 from .cards.objfile import HEADER_BYTES
 from .checksum import xxh3_64
-from .fragments import fragment_extents, fragment_key
+from .store import ObjectStore, OpenedFile
 
 logger = logging.getLogger("adpkv.gateway")
 
@@ -86,59 +87,31 @@ def verify_paths(paths: Sequence[str], fkeys: Sequence[bytes], n: int,
     return out
 
 
-def open_verified(store, keys: Sequence[bytes], marks: Optional[Sequence[int]], n: int,
+def open_verified(store: ObjectStore, keys: Sequence[bytes], marks: Optional[Sequence[int]], n: int,
                   procs=None) -> list[Optional[int]]:
     """On the I/O pool: for each key, a read-only descriptor of its object's file, checked in
-    place, or None (not stored, several fragments, a card that hands no files, a failed
-    check: its verdict applied by the card). ``procs``: the gateway's I/O processes (the
-    checks are shared among them), or None (checked on this thread)."""
-    out: list[Optional[int]] = [None] * len(keys)
-    if len(fragment_extents(n, store.fragment_size)) != 1:
-        return out
-    opened = []                                   # (i, card, fkey, fd, entry, write_id)
-    for i, holder in enumerate(store.holders(keys, marks, n)):
-        if holder is None:
-            continue
-        card = store.cards[int(holder)]
-        opener = getattr(card, "open_placed", None)
-        if opener is None:
-            continue
-        fkey = fragment_key(keys[i], 0)
-        got = opener(fkey)
-        if got is not None:
-            opened.append((i, card, fkey, got[0], got[1], getattr(holder, "write_id", None)))
-    try:
-        verdicts = _verify(opened, n, procs)
-    except BaseException:
-        for item in opened:
-            os.close(item[3])
-        raise
-    for (i, card, fkey, fd, entry, _), verdict in zip(opened, verdicts):
-        if verdict is Read.HIT:
-            out[i] = fd
-            continue
-        os.close(fd)
-        card.read_result(fkey, verdict, entry)
-    return out
+    place, or None (``ObjectStore.open_verified``: not stored, several fragments, a card that
+    hands no files, a failed check: its verdict applied by the card). ``procs``: the gateway's
+    I/O processes (the checks are shared among them), or None (checked on this thread)."""
+    return store.open_verified(keys, marks, n, lambda files: _verify(files, n, procs))
 
 
-def _verify(opened: list, n: int, procs) -> list[Read]:
-    if procs is None or len(opened) < 2:
-        return [verify_in_place(fd, fkey, n, w) for _, _, fkey, fd, _, w in opened]
-    from .io_procs import verify_task
-    share = -(-len(opened) // procs.processes)
+def _verify(files: list[OpenedFile], n: int, procs) -> list[Read]:
+    if procs is None or len(files) < 2:
+        return [verify_in_place(f.fd, f.fkey, n, f.write_id) for f in files]
+    share = -(-len(files) // procs.processes)
     futures = []
-    for at in range(0, len(opened), share):
-        part = opened[at:at + share]
-        futures.append(procs.submit(verify_task, [f"/proc/{os.getpid()}/fd/{item[3]}" for item in part],
-                                    [item[2] for item in part], n, [item[5] for item in part]))
+    for at in range(0, len(files), share):
+        part = files[at:at + share]
+        futures.append(procs.submit(verify_paths, [f"/proc/{os.getpid()}/fd/{f.fd}" for f in part],
+                                    [f.fkey for f in part], n, [f.write_id for f in part]))
     out: list[Read] = []
     for fut in futures:
         try:
             out.extend(fut.result())
         except Exception as exc:                 # a reader died: these are misses, nothing dropped
             logger.warning("MAP: a check in an I/O process failed (%s); its objects are misses", exc)
-            out.extend([Read.TRANSIENT] * (min(share, len(opened) - len(out))))
+            out.extend([Read.TRANSIENT] * (min(share, len(files) - len(out))))
     return out
 
 

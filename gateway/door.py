@@ -1,16 +1,12 @@
 """The gateway's side of the door (``adpkv_core.door``): who may come in, and as whom.
 
-- ``claim_door`` runs before anything else at start: it takes the lock beside the
-  door (``flock``), so a second gateway on the same port refuses to start instead of
-  touching anything the first one owns. The lock is this gateway's user's, mode 0600
-  (no other user can open it, so none can hold it); a lock (or door) owned by another
-  user is never used: the gateway refuses to start and names that user's uid. A lock
-  left by our own user is reclaimed. A door file left by a dead gateway is removed only
-  once the lock is held.
+- Before it, at start: the lock beside the door, then the door file (``door_claim``:
+  another user's lock or door is never used).
 - ``DoorServer`` accepts connections on the loop's thread (its descriptors sit in the
   loop's poller), reads each peer's credentials, and keeps one ``Session`` per
   connection: a token (and its proof) for the control port, the uid that owns what the
-  session attaches, whether it is an operator, and the regions it handed over.
+  session attaches, whether it is an operator, and the regions it handed over
+  (``door_region``: what descriptor may be one; at most ``MAX_REGIONS_PER_SESSION``).
 - Room at the door: root, the gateway's user and the attached engine's user are never
   refused for want of room (``privileged``). Every other user holds at most
   ``door_connections_per_user`` connections, and all of them together at most what the
@@ -28,21 +24,20 @@
 from __future__ import annotations
 
 import errno
-import fcntl
-import grp
 import logging
 import os
-import pwd
 import resource
 import secrets
 import socket
-import stat
 import time
 from typing import Callable, Optional
 
 from adpkv_core import door as D
 from adpkv_core import protocol as P
-from adpkv_core.ring import Ring, is_ring_fd
+from adpkv_core.ring import Ring
+
+from .door_claim import bind_door, group_id, user_name
+from .door_region import Region, take_region
 
 logger = logging.getLogger("adpkv.gateway")
 
@@ -53,74 +48,6 @@ ACCEPT_PAUSE_S = 0.5           # out of descriptors even for the spare: the list
 ACCEPTS_PER_WAKE = 256        # connections accepted per wake-up of the loop, at most
 DEADLINE_SCAN_S = 0.1          # how often the sessions are checked against their handshake deadline
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-
-
-class DoorBusy(SystemExit):
-    """Another live gateway owns this door (and port)."""
-
-
-def _user(uid: int) -> str:
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def _held_by_another(path: str, what: str, uid: int) -> SystemExit:
-    return SystemExit(f"the {what} {path} is held by {_user(uid)}, not by this gateway's user "
-                      f"({_user(os.geteuid())}): another user took this port's door; refusing to start. Have "
-                      "that user (or root) remove it, or give this gateway another port or control_socket")
-
-
-def _open_lock(lock: str) -> int:
-    """The lock's descriptor, read-write: an existing lock opened as it is, a missing one
-    created 0600 (``O_EXCL``). Never through a symlink. An existing file is opened without
-    ``O_CREAT``: fs.protected_regular refuses ``O_CREAT`` on another user's file in a
-    sticky directory, which would hide whose it is."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
-    for _ in range(3):
-        for extra in (0, os.O_CREAT | os.O_EXCL):
-            try:
-                return os.open(lock, flags | extra, 0o600)
-            except (FileNotFoundError, FileExistsError):
-                continue                  # missing: create it; created meanwhile: open that one
-            except OSError as exc:
-                try:
-                    owner = os.lstat(lock).st_uid
-                except OSError:
-                    owner = os.geteuid()
-                if owner != os.geteuid():
-                    raise _held_by_another(lock, "lock", owner) from None
-                what = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be opened: {exc.strerror}"
-                raise SystemExit(f"the lock {lock} {what}; refusing to start (remove it)") from None
-    raise SystemExit(f"cannot create the lock {lock}: it keeps appearing and vanishing")
-
-
-def claim_door(path: str) -> int:
-    """Take the lock beside ``path``; the lock's descriptor (held for the gateway's life).
-    Raises ``DoorBusy`` when another gateway of our user holds it, ``SystemExit`` naming the
-    owner when the lock is another user's, or not a plain file of its own."""
-    lock = D.lock_path(path)
-    fd = _open_lock(lock)
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise _held_by_another(lock, "lock", st.st_uid)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            raise SystemExit(f"the lock {lock} is not a plain file with one name (mode {st.st_mode:o}, "
-                             f"{st.st_nlink} links); refusing to start (remove it)")
-        if stat.S_IMODE(st.st_mode) != 0o600:
-            os.fchmod(fd, 0o600)          # a lock of ours from an older gateway (0644): no one else may open it
-            logger.info("Lock %s: mode %o reset to 0600", lock, stat.S_IMODE(st.st_mode))
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DoorBusy(f"another gateway is running on this port (it holds {lock}); refusing to start. "
-                       "Stop it first, or give this gateway another port") from None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def raise_open_files_limit() -> int:
@@ -170,44 +97,6 @@ class _Episode:
             logger.warning("Door: %s: over, %d connection(s) refused or closed in %.1f s", self.name, self.count,
                            time.monotonic() - self.since)
             self.count = 0
-
-
-class Region:
-    """A buffer of a client's own, as the open descriptor it handed over. The gateway never
-    maps it: data moves with ``pread``/``pwrite`` on the descriptor, so a client that
-    truncates its buffer makes those calls fail (its own objects miss), nothing else."""
-
-    __slots__ = ("fd", "offset", "size")
-
-    def __init__(self, fd: int, offset: int, size: int):
-        self.fd = fd
-        self.offset = offset
-        self.size = size
-
-    def places(self, at: list, nbytes: int) -> list[int]:
-        """File offsets of ``nbytes`` at each region offset in ``at``; BAD_REGION outside it."""
-        out = []
-        for off in at:
-            if not isinstance(off, int) or isinstance(off, bool) or off < 0 or off + nbytes > self.size:
-                raise P.ProtocolError(P.BAD_REGION, f"offset {off!r} + {nbytes} bytes is outside the region "
-                                      f"of {self.size} bytes")
-            out.append(self.offset + off)
-        return out
-
-    def size_now(self, write_by: Optional[float]) -> Optional[int]:
-        """The descriptor's size now, or None when nothing may be written into the region any
-        more: the client gave up on the request (``write_by`` passed, on CLOCK_MONOTONIC: its
-        engine may reuse the buffer) or the descriptor is gone. Checked before every write
-        into a region: a write past the size now would grow the client's file."""
-        if write_by is not None and time.monotonic() >= write_by:
-            return None
-        try:
-            return os.fstat(self.fd).st_size
-        except OSError:
-            return None
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 class Session:
@@ -283,7 +172,7 @@ class DoorServer:
         self._engine_uid = engine_uid
         self.per_user = per_user
         self.handshake_s = handshake_s
-        self.operator_gid = _group_id(operator_group) if operator_group else None
+        self.operator_gid = group_id(operator_group) if operator_group else None
         self.sessions: dict[int, Session] = {}          # by connection descriptor
         self.by_token: dict[bytes, Session] = {}
         self.by_uid: dict[int, int] = {}                # connections open, by user
@@ -303,7 +192,7 @@ class DoorServer:
                               "or use its token within %.1f s (door_handshake_s), e.g. pid %d (%s)")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            self._bind(path, mode, group)
+            bind_door(self.listener, path, mode, group)
         except BaseException:
             self.listener.close()
             if self._spare is not None:
@@ -315,41 +204,6 @@ class DoorServer:
         logger.info("Door %s (mode %o%s): local processes get their sessions here", path, mode,
                     f", group {group}" if group else "")
 
-    def _bind(self, path: str, mode: int, group: str) -> None:
-        """Bind the door at ``path`` (we hold its lock): a door left by a dead gateway of our
-        user is replaced; anything else there, or another user's door, is refused."""
-        me = os.geteuid()
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            st = None
-        if st is not None:
-            if st.st_uid != me:
-                raise _held_by_another(path, "door", st.st_uid)
-            if not stat.S_ISSOCK(st.st_mode):
-                raise SystemExit(f"{path} exists and is not a socket; refusing to remove it")
-            os.unlink(path)        # a dead gateway's door: we hold the lock, so it is not live
-        old = os.umask(0o177)      # no window in which the door is open to everyone
-        try:
-            self.listener.bind(path)
-        except OSError as exc:
-            try:
-                owner = os.lstat(path).st_uid
-            except OSError:
-                owner = me
-            if owner != me:
-                raise _held_by_another(path, "door", owner) from None
-            raise SystemExit(f"cannot create the door {path}: {exc.strerror}") from None
-        finally:
-            os.umask(old)
-        st = os.lstat(path)        # ours, as bound (in a sticky directory no one else can swap it)
-        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != me:
-            raise SystemExit(f"the door {path} changed under this gateway as it was created; refusing to start")
-        gid = _group_id(group) if group else -1
-        os.chown(path, -1, gid, follow_symlinks=False)
-        os.chmod(path, mode)
-
-    # ------------------------------------------------------------------ events
     def on_readable(self, fd: int) -> bool:
         """Handle readiness of ``fd``; False if it is not one of the door's."""
         if fd == self.listener.fileno():
@@ -398,7 +252,7 @@ class DoorServer:
         late = [fd for fd, s in self.sessions.items() if s.deadline is not None and now >= s.deadline]
         for fd in late:
             session = self.sessions[fd]
-            self._late.refused(self.handshake_s, session.pid, _user(session.uid))
+            self._late.refused(self.handshake_s, session.pid, user_name(session.uid))
             self._close(fd)
         if not late and not any(s.deadline is not None for s in self.sessions.values()):
             self._late.over()
@@ -484,7 +338,7 @@ class DoorServer:
             uid = max({s.uid for s in others}, key=lambda u: self.by_uid.get(u, 0))
             victim = max((s for s in others if s.uid == uid), key=lambda s: s.conn.fileno())
             logger.info("Door: closed a connection of pid %d (%s) to let a privileged user in",
-                        victim.pid, _user(victim.uid))
+                        victim.pid, user_name(victim.uid))
             self._close(victim.conn.fileno())
         return True
 
@@ -500,9 +354,9 @@ class DoorServer:
             held = self.by_uid.get(uid, 0)
             if held >= self.per_user:
                 episode = self._per_uid.setdefault(uid, _Episode(
-                    f"{_user(uid)} at its cap", "Door: %s holds %d connections (door_connections_per_user); "
+                    f"{user_name(uid)} at its cap", "Door: %s holds %d connections (door_connections_per_user); "
                     "refusing its new ones"))
-                episode.refused(_user(uid), held)
+                episode.refused(user_name(uid), held)
                 conn.close()
                 return
             budget = self._others_budget()
@@ -586,20 +440,7 @@ class DoorServer:
         if not session.privileged and self.others_descriptors + 1 > self._others_budget():
             raise P.ProtocolError(P.BAD_REGION, "the gateway has no descriptor to spare for another region of "
                                   "this user now")
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise P.ProtocolError(P.BAD_REGION, "a region must be a regular file (a shared-memory buffer)")
-        if is_ring_fd(fd):
-            raise P.ProtocolError(P.BAD_REGION, "a ring cannot be a region")
-        if not _is_shared_memory(fd):
-            raise P.ProtocolError(P.BAD_REGION, f"a region must be a shared-memory buffer: a file directly "
-                                  f"in {D.SHM_DIR} or a memfd")
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
-            raise P.ProtocolError(P.BAD_REGION, "the region's descriptor must be open for reading and writing")
-        if offset + size > st.st_size:
-            raise P.ProtocolError(P.BAD_REGION, f"[{offset}, {offset + size}) is beyond the end of the "
-                                  f"file ({st.st_size} bytes)")
-        session.regions.append(Region(fd, offset, size))
+        session.regions.append(take_region(fd, offset, size))
         if not session.privileged:
             self.others_descriptors += 1
         logger.info("pid %d (uid %d) registered region %d (%d bytes); its GET/PUT go straight to it",
@@ -621,29 +462,9 @@ class DoorServer:
             pass
 
 
-def _is_shared_memory(fd: int) -> bool:
-    """Whether a descriptor is a file directly in /dev/shm or a memfd (what engines share
-    their host KV buffers as); anything else is refused as a region, even one the client
-    may write (a region is a buffer, not a way to have the gateway write arbitrary files)."""
-    try:
-        target = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return False
-    if target.endswith(" (deleted)"):
-        target = target[:-len(" (deleted)")]
-    return target.startswith("/memfd:") or os.path.dirname(target) == D.SHM_DIR
-
-
 def _open_spare() -> Optional[int]:
     """A descriptor held in reserve (``/dev/null``); None when there is none to have."""
     try:
         return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
-
-
-def _group_id(name: str) -> int:
-    try:
-        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
-    except KeyError:
-        raise SystemExit(f"unknown group {name!r}") from None

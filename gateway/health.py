@@ -6,6 +6,11 @@ back when it answers again with the same serial: at once, or after
 ``IO_ERROR_COOLDOWN_S`` when an I/O error took it out. A card that was not
 available at startup joins (with the serial it holds, or a new one) when it
 answers.
+
+Two parts, made in the order the gateway needs them: ``CardHealth`` (the strikes and
+since when each card is out) is the store's ``CardObserver``, made before the store;
+``HealthMonitor`` (the check loop) is made with the store and takes cards out and
+back through it (``ObjectStore.take_out``, ``bring_back``).
 """
 
 from __future__ import annotations
@@ -13,10 +18,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Collection, Sequence
+from typing import Collection, Optional, Sequence
 
-from .cards.base import CardError
-from .store import ObjectStore
+from .cards.base import Card, CardError
+from .store import CardObserver, ObjectStore
 
 logger = logging.getLogger("adpkv.gateway.health")
 
@@ -24,28 +29,78 @@ IO_ERROR_COOLDOWN_S = 10.0
 CHECK_INTERVAL_S = 1.0
 
 
-class HealthMonitor:
-    """Watches the cards of a store and flips ``store.active``."""
+class CardHealth(CardObserver):
+    """The I/O strikes of each card and since when a card is out of service (the store's observer)."""
 
-    def __init__(self, store: ObjectStore, io_timeout_ms: int, io_timeout_strikes: int):
-        self.store = store
+    def __init__(self, cards: Sequence[Card], io_timeout_ms: int, io_timeout_strikes: int):
+        self.cards = list(cards)
         self.io_timeout_s = io_timeout_ms / 1000.0 if io_timeout_ms > 0 else None
         self.max_strikes = max(1, io_timeout_strikes)
-        n = len(store.cards)
+        n = len(self.cards)
         self.strikes = [0] * n
         self.out_since = [0.0] * n
         self.out_by_io = [False] * n
-        self.expected_fingerprint = ""
-        self._impostor: list = [None] * n
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="adpkv-health", daemon=True)
-        store.on_io = self.record_io
-        store.on_ios = self.record_ios
-        for i, card in enumerate(store.cards):
+        for i, card in enumerate(self.cards):
             if not card.serial:
                 logger.warning("Card %s is not available at startup; it joins when it answers", card.device)
                 self.out_since[i] = time.monotonic()
+
+    # ------------------------------------------------------------------ I/O strikes (I/O threads)
+    def io(self, card: int, transport_ok: bool, seconds: float) -> Optional[str]:
+        late = self.io_timeout_s is not None and seconds > self.io_timeout_s
+        with self._lock:
+            if transport_ok and not late:
+                self.strikes[card] = 0
+                return None
+            self.strikes[card] += 1
+            if self.strikes[card] < self.max_strikes:
+                return None
+        why = "I/O past io_timeout_ms" if transport_ok else "I/O errors"
+        return f"{self.max_strikes} commands in a row failed ({why})"
+
+    def ios(self, card: int, seconds: Sequence[float], failed: Collection[int] = ()) -> Optional[str]:
+        """One lock when every one went well and in time (they only clear the strikes), else
+        one by one."""
+        if not seconds:
+            return None
+        if not failed and (self.io_timeout_s is None or max(seconds) <= self.io_timeout_s):
+            with self._lock:
+                self.strikes[card] = 0
+            return None
+        out = None
+        for k, s in enumerate(seconds):
+            why = self.io(card, k not in failed, s)
+            out = out or why
+        return out
+
+    def left(self, card: int, why: str, by_io: bool) -> None:
+        with self._lock:
+            self.out_since[card] = time.monotonic()
+            self.out_by_io[card] = by_io
+        c = self.cards[card]
+        logger.warning("Card %s (%s) moved from active to inactive: %s", c.serial, c.device, why)
+
+    def cooling(self, card: int) -> bool:
+        """Whether an I/O error took the card out less than ``IO_ERROR_COOLDOWN_S`` ago."""
+        return self.out_by_io[card] and time.monotonic() - self.out_since[card] < IO_ERROR_COOLDOWN_S
+
+    def reset(self, card: int) -> None:
+        """The card is back: no strikes."""
+        with self._lock:
+            self.strikes[card] = 0
+
+
+class HealthMonitor:
+    """Checks the cards of a store every second and takes them out of service and back."""
+
+    def __init__(self, store: ObjectStore, health: CardHealth):
+        self.store = store
+        self.health = health
+        self.expected_fingerprint = ""
+        self._impostor: list = [None] * len(store.cards)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="adpkv-health", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -53,32 +108,6 @@ class HealthMonitor:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-    # ------------------------------------------------------------------ I/O strikes (I/O threads)
-    def record_io(self, card: int, transport_ok: bool, seconds: float) -> None:
-        late = self.io_timeout_s is not None and seconds > self.io_timeout_s
-        with self._lock:
-            if transport_ok and not late:
-                self.strikes[card] = 0
-                return
-            self.strikes[card] += 1
-            out = self.strikes[card] >= self.max_strikes and self.store.active[card]
-        if out:
-            why = "I/O past io_timeout_ms" if transport_ok else "I/O errors"
-            self._deactivate(card, f"{self.max_strikes} commands in a row failed ({why})", by_io=True)
-
-    def record_ios(self, card: int, seconds: Sequence[float], failed: Collection[int] = ()) -> None:
-        """``record_io`` of a card's I/Os in their order (an I/O process's task): ``seconds``
-        each, ``failed`` the positions that failed in the transport. One lock when every one
-        went well and in time (they only clear the strikes), else one by one."""
-        if not seconds:
-            return
-        if not failed and (self.io_timeout_s is None or max(seconds) <= self.io_timeout_s):
-            with self._lock:
-                self.strikes[card] = 0
-            return
-        for k, s in enumerate(seconds):
-            self.record_io(card, k not in failed, s)
 
     # ------------------------------------------------------------------ the check loop
     def _run(self) -> None:
@@ -91,9 +120,9 @@ class HealthMonitor:
 
     def check_card(self, i: int) -> None:
         card = self.store.cards[i]
-        if self.store.active[i]:
+        if self.store.in_service(i):
             if not card.check():
-                self._deactivate(i, "health check failed", by_io=False)
+                self.store.take_out(i, "health check failed")
             return
         if not card.serial:
             try:
@@ -107,7 +136,7 @@ class HealthMonitor:
                              self.store.fingerprint, self.expected_fingerprint)
             self._activate(i)
             return
-        if self.out_by_io[i] and time.monotonic() - self.out_since[i] < IO_ERROR_COOLDOWN_S:
+        if self.health.cooling(i):
             return
         if card.check():
             self._activate(i)
@@ -118,21 +147,10 @@ class HealthMonitor:
                 logger.warning("Card %s answers with serial %r, not %s: another card, left unused",
                                card.device, other, card.serial)
 
-    def _deactivate(self, i: int, why: str, by_io: bool) -> None:
-        with self._lock:
-            if not self.store.active[i]:
-                return
-            self.store.active[i] = False
-            self.out_since[i] = time.monotonic()
-            self.out_by_io[i] = by_io
-        card = self.store.cards[i]
-        logger.warning("Card %s (%s) moved from active to inactive: %s", card.serial, card.device, why)
-
     def _activate(self, i: int) -> None:
         card = self.store.cards[i]
         if hasattr(card, "reset_connections"):
             card.reset_connections()
-        with self._lock:
-            self.strikes[i] = 0
-            self.store.active[i] = True
+        self.health.reset(i)
+        self.store.bring_back(i)
         logger.info("Card %s (%s) moved from inactive to active; Group Health: active", card.serial, card.device)

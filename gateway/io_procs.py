@@ -298,10 +298,3 @@ def start(processes: int) -> ReaderPool:
                        READY_TIMEOUT_S)
     return pool
 
-
-def verify_task(paths: list[str], fkeys: list[bytes], n: int, write_ids: list) -> list[Read]:
-    """MAP's check in place in a reader process (``direct_reads.verify_paths``): the object
-    files the gateway opened, reached by ``/proc/<gateway>/fd/<n>``, each checked where it lies
-    (header and checksum over the page cache, no copy); one verdict each."""
-    from .direct_reads import verify_paths
-    return verify_paths(paths, fkeys, n, write_ids)

@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
-    from .door import Region
+    from .door_region import Region
 
 MAX_BATCHES_IN_FLIGHT = 2
 

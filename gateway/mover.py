@@ -6,7 +6,7 @@ Where the work comes from:
 - hits: a lookup that missed in the current placement and hit in the previous one
   (``ObjectStore.on_previous_hit``) is moved ``MOVE_AFTER_S`` after it was served (the read
   that found it is done by then);
-- the sweep: the mover lists the objects of every previous card (``Card.listed_heads``: fs,
+- the sweep: the mover lists the objects of every previous card (``ObjectStore.listed_heads``: fs,
   its index and each head's header; resp, a SCAN; a cluster card, a SCAN of each primary)
   with the slot tag each head records (``cards.objfmt``: with ``dialog`` placement the dialog
   mark, so the tag gives the slot as the PUT's mark did; with ``stripe`` the key alone) and
@@ -30,8 +30,9 @@ new one is whole). Two gateways moving the same object write the same bytes.
 
 When a sweep pass finds nothing left to move and no hit waits, the change is complete:
 ``on_complete`` drops the previous layout (once). Contract: ``store`` is the gateway's
-``ObjectStore`` with ``previous`` set; the mover only reads ``store.active``.
-"""
+``ObjectStore`` with ``previous`` set; the mover reaches the cards only through it (``listed_heads``,
+``keys_by_tag``, ``recorded_head``, ``read_object``, ``write_copies``, ``remove_object``) and
+reads which cards are in service there (``in_service``)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,6 @@ from adpkv_core.protocol import GatewayStats
 
 from . import metrics
 from .cards.base import CardIOError, Read
-from .fragments import fragment_db, fragment_key
 from .status import PREFIX
 from .store import ObjectStore
 
@@ -58,7 +58,6 @@ YIELD_S = 0.005               # while the engine's requests are in flight the mo
 YIELD_AT_MOST_S = 0.25        # ... and moves one object after this long anyway (a busy engine never stops it)
 MAX_WAITING = 1 << 18         # hits remembered at most (more: the sweep, or the next read, finds them)
 RETRY_S = 5.0                 # a sweep pass that could not move everything runs again after this
-HEAD_SUFFIX = fragment_key(b"", 0)
 
 
 class Mover:
@@ -156,11 +155,11 @@ class Mover:
         for card_index in sorted({c for c in prev.card_of if c is not None}):
             if self._stop.is_set():
                 return False
-            if not store.active[card_index]:
+            if not store.in_service(card_index):
                 clean = False
                 continue
             try:
-                listed = list(store.cards[card_index].listed_heads())
+                listed = store.listed_heads(card_index)
             except (CardIOError, OSError) as exc:
                 if card_index not in self._unlisted:        # once a card, not every pass
                     self._unlisted.add(card_index)
@@ -213,7 +212,7 @@ class Mover:
         for slot, ranking in enumerate(prev.placement.rankings):
             if old not in (prev.card_of[i] for i in ranking[:prev.replicas]):
                 continue
-            out.update([i for i in store.placement.rankings[slot] if store.active[i]][:store.replicas])
+            out.update([i for i in store.placement.rankings[slot] if store.in_service(i)][:store.replicas])
         return sorted(out)
 
     def _copy_untagged(self, key: bytes, old: int, targets: list[int]) -> tuple[bool, bool]:
@@ -221,7 +220,7 @@ class Mover:
         module), removing it from ``old`` when ``old`` is not one of them. (whether nothing of
         it is left to do, whether it could be placed at all)."""
         store = self.store
-        if any(store.cards[c].kind == "resp-cluster" for c in set(targets) | {old}):
+        if any(store.keys_by_tag(c) for c in set(targets) | {old}):
             return True, False            # keyed by the tag it does not record: it stays (see the module)
         if not targets:
             return False, True            # no card of its slots in service now: the next pass
@@ -254,33 +253,30 @@ class Mover:
         (``mark``: as a hit)."""
         store = self.store
         self._yield_to_engine()
-        card = store.cards[old]
-        head = (fragment_db(key, 0, store.num_dbs, store.spread), key + HEAD_SUFFIX)
         try:
-            recorded, = card.heads([head], [tag or b""])
+            recorded = store.recorded_head(old, key, tag)
         except CardIOError:
             self.failed += 1
             return False
-        size = recorded.size if recorded is not None else 0
-        if not size:
-            return True                   # gone (or a head without a size: read as one fragment, left)
+        if recorded is None:
+            return True                   # gone
+        size = recorded.size
         if store.is_pinned(key):
             return self._later(key, mark, old)
         buf = bytearray(size)
         view = memoryview(buf)
-        for frag in store._frags(old, key, size, tag):
-            # every fragment of the write its head names (another write's: a writer in progress)
-            verdict = store._read(frag._replace(write_id=recorded.write_id), view[frag.offset:frag.offset + frag.length])
-            if verdict is not Read.HIT:
-                if verdict.drops:         # missing or corrupt on the old card: evidence about it
-                    store._remove_object(old, key, size, tag or b"")
-                    return True
-                self.failed += 1
-                return False
+        # every fragment of the write its head names (another write's: a writer in progress)
+        verdict = store.read_object(old, key, recorded, tag, view)
+        if verdict is not Read.HIT:
+            if verdict.drops:             # missing or corrupt on the old card: evidence about it
+                store.remove_object(old, key, size, tag or b"")
+                return True
+            self.failed += 1
+            return False
         missing = [t for t in targets if not self._holds(t, key, tag, view)]
         if missing:
-            plans = [store._frags(t, key, size, tag) for t in missing]
-            if not store.write_replicas(plans, view) or not all(self._holds(t, key, tag, view) for t in missing):
+            if not store.write_copies(missing, key, tag, view) or not all(self._holds(t, key, tag, view)
+                                                                         for t in missing):
                 self.failed += 1          # a card failed, or another gateway wrote it at once: next pass
                 return False
             self.moved_bytes += size
@@ -290,7 +286,7 @@ class Mover:
             return True
         if store.is_pinned(key):
             return self._later(key, mark, old)
-        store._remove_object(old, key, size, tag or b"")
+        store.remove_object(old, key, size, tag or b"")
         self.moved_objects += 1
         return True
 
@@ -299,19 +295,15 @@ class Mover:
         the one write its head names there (two gateways copying an object at once may leave
         fragments of two writes: then it does not)."""
         store = self.store
-        head = (fragment_db(key, 0, store.num_dbs, store.spread), key + HEAD_SUFFIX)
         try:
-            recorded, = store.cards[card].heads([head], [tag or b""])
+            recorded = store.recorded_head(card, key, tag)
         except CardIOError:
             return False
         if recorded is None or recorded.size != len(obj):
             return False
         back = bytearray(len(obj))
-        view = memoryview(back)
-        for frag in store._frags(card, key, len(obj), tag):
-            if store._read(frag._replace(write_id=recorded.write_id),
-                           view[frag.offset:frag.offset + frag.length]) is not Read.HIT:
-                return False
+        if store.read_object(card, key, recorded, tag, memoryview(back)) is not Read.HIT:
+            return False
         return back == obj
 
     def _later(self, key: bytes, mark: Optional[int], old: int) -> bool:

@@ -1,9 +1,10 @@
 """Region copies of GET and PUT batches: bytes between the cards or the ring and a client's
 region, on the region's descriptor (``door.Region``: the client's file, passed at the door).
 
-Contract (every function runs on the I/O pool, takes a batch's items and returns
-``(j, ok)`` per item, ``j`` the object's index in its batch, as ``Transfers._io_done``
-expects):
+Contract (every function runs on the I/O pool, takes a batch's items and returns a
+``store.Outcome`` per item, ``j`` the object's index in its batch, as ``Transfers._io_done``
+expects; a PUT's sources, ``RingSource`` and ``RegionSource``, are read by ``ObjectStore.put``
+there):
 
 - The gateway never maps a region: ``pwritev``/``preadv`` on its descriptor only, so a
   region the client shrank or closed fails a call, it cannot fault the gateway.
@@ -15,8 +16,8 @@ expects):
 - Nothing read from a region is stored once the client gave up on a PUT (``read_by``), nor
   from a region shorter than the object.
 
-A scattered PUT (an object as pieces of several regions) goes through ``write_via_ring`` too
-(``Scatter.gather``); a scattered GET's copy out of the ring is ``scatter.to_scatter``.
+A scattered PUT (an object as pieces of several regions) goes through the ring too
+(``RegionSource.view``: ``Scatter.gather``); a scattered GET's copy out of the ring is ``scatter.to_scatter``.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from typing import Optional
 from adpkv_core.region_lock import holding
 
 from .scatter import Scatter
-from .store import ObjectStore
+from .store import ObjectStore, Outcome, PutSource, RegionBytes
 
 
-def direct_reads(store: ObjectStore, region, items: list, write_by: Optional[float]) -> list[tuple[int, bool]]:
+def direct_reads(store: ObjectStore, region, items: list, write_by: Optional[float]) -> list[Outcome]:
     """Read ``(j, fragment, file offset)`` items from their cards straight into a client's
     region (runs on the pool), each only while the client still waits for it (checked again
     before every write into the region) and only where the region is still as large as
@@ -42,21 +43,18 @@ def direct_reads(store: ObjectStore, region, items: list, write_by: Optional[flo
     with holding(_span(region, [(place, frag.length) for _, frag, place in items]), write_by) as may_write:
         for j, frag, place in items:
             ok = False
-            for card in (frag.card, *frag.others) if may_write else ():
-                if card != frag.card and not (store.active[card] and store.cards[card].direct_reads):
-                    continue
+            for replica in store.direct_replicas(frag) if may_write else ():
                 size_now = region.size_now(write_by)
                 if size_now is None or place + frag.length > size_now:
                     break
-                replica = frag if card == frag.card else frag._replace(card=card, others=())
-                (_, ok), = store.read_to_fds([(j, replica, region.fd, place)], write_by)
+                ok = store.read_to_fds([(j, replica, region.fd, place)], write_by)[0].ok
                 if ok:
                     break
-            out.append((j, ok))
+            out.append(Outcome(j, ok))
     return out
 
 
-def to_region(region, items: list, write_by: Optional[float]) -> list[tuple[int, bool]]:
+def to_region(region, items: list, write_by: Optional[float]) -> list[Outcome]:
     """Copy ``(j, ring view, file offset)`` items from the ring into a client's region with
     ``pwritev`` on its descriptor (runs on the pool). The gateway never maps a region: a
     region the client shrank fails these calls, it cannot fault the gateway. A region
@@ -72,7 +70,7 @@ def to_region(region, items: list, write_by: Optional[float]) -> list[tuple[int,
                     ok = os.pwritev(region.fd, [view], place) == len(view)
                 except OSError:
                     pass
-            out.append((j, ok))
+            out.append(Outcome(j, ok))
     return out
 
 
@@ -83,22 +81,41 @@ def _span(region, places: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [(region.fd, min(p for p, _ in places), max(p + n for p, n in places))]
 
 
-def write_via_ring(store: ObjectStore, region, items: list, read_by: Optional[float]) -> list[tuple[int, bool]]:
-    """Store ``(j, replica plans, ring view, file offset)`` items of a client's region on
-    cards that cannot read it themselves: ``preadv`` into the ring slot, then written as a
-    ring PUT (runs on the pool). A region shorter than the object stores nothing of it, nor
-    does a read that ended at or after ``read_by`` (the client had given up: its engine may
-    have put other bytes there)."""
-    out = []
-    for j, plans, view, place in items:
+class RingSource(PutSource):
+    """A PUT's object in the ring (its ranks filled it)."""
+
+    def __init__(self, view: memoryview):
+        self._view = view
+
+    def region(self) -> Optional[RegionBytes]:
+        return None
+
+    def view(self) -> Optional[memoryview]:
+        return self._view
+
+
+class RegionSource(PutSource):
+    """A PUT's object in a client's region (or pieces of several, a ``Scatter``), at ``place``;
+    ``slot`` its ring slot, for cards that cannot read the region themselves."""
+
+    def __init__(self, region, place, slot: memoryview, read_by: Optional[float]):
+        self._region, self._place, self._slot, self._read_by = region, place, slot, read_by
+
+    def region(self) -> Optional[RegionBytes]:
+        if isinstance(self._region, Scatter):
+            return None
+        return RegionBytes(self._region.fd, self._place, self._read_by)
+
+    def view(self) -> Optional[memoryview]:
+        """``preadv`` into the ring slot: nothing when the region is shorter than the object,
+        nor when the read ended at or after ``read_by`` (the client had given up: its engine
+        may have put other bytes there)."""
+        view = self._slot
         try:
-            if isinstance(region, Scatter):
-                ok = region.gather(view, place)
+            if isinstance(self._region, Scatter):
+                ok = self._region.gather(view, self._place)
             else:
-                ok = os.preadv(region.fd, [view], place) == len(view)
+                ok = os.preadv(self._region.fd, [view], self._place) == len(view)
         except OSError:
             ok = False
-        ok = ok and (read_by is None or time.monotonic() < read_by)
-        out.append((j, ok and store.write_replicas(plans, view)))
-    return out
-
+        return view if ok and (self._read_by is None or time.monotonic() < self._read_by) else None

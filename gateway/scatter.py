@@ -21,6 +21,8 @@ from typing import Optional
 
 from adpkv_core.region_lock import holding
 
+from .store import Outcome
+
 
 class Scatter:
     """The regions of a scattered region request: piece k of every object is ``lengths[k]``
@@ -68,9 +70,9 @@ class Scatter:
         return True
 
 
-def to_scatter(scatter: Scatter, items: list, write_by: Optional[float]) -> list[tuple[int, bool]]:
+def to_scatter(scatter: Scatter, items: list, write_by: Optional[float]) -> list[Outcome]:
     """Copy ``(j, ring view, places)`` items (checked objects in the ring) into their pieces
-    (runs on the gateway's I/O pool); ``(j, ok)`` each. The task's writes happen under a
+    (runs on the gateway's I/O pool); an ``Outcome`` each. The task's writes happen under a
     shared lock on each piece's span (``region_lock.holding``: none once the client took its
     buffers back)."""
     spans = []
@@ -79,4 +81,4 @@ def to_scatter(scatter: Scatter, items: list, write_by: Optional[float]) -> list
         if offs:
             spans.append((region.fd, min(offs), max(offs) + length))
     with holding(spans, write_by) as may_write:
-        return [(j, may_write and scatter.scatter(view, place, write_by)) for j, view, place in items]
+        return [Outcome(j, may_write and scatter.scatter(view, place, write_by)) for j, view, place in items]

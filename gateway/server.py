@@ -38,14 +38,15 @@ from .cards import open_cards
 from .config import GatewayConfig, socket_mode
 from .data_requests import DataRequests
 from .direct_reads import DirectReads
-from .door import DoorServer, Session, claim_door, raise_open_files_limit
+from .door import DoorServer, Session, raise_open_files_limit
+from .door_claim import claim_door
 from .engines import EngineRegistry, EngineSession, Peer
-from .health import HealthMonitor
+from .health import CardHealth, HealthMonitor
 from .layout_change import LayoutChange
 from . import stats
 from .metrics import GatewayMetrics
 from .namespaces import KEEP_CLAIMS_S, NamespaceOwners
-from .store import ObjectStore
+from .store import ObjectStore, Pins
 from .transfers import Transfers
 
 logger = logging.getLogger("adpkv.gateway")
@@ -137,15 +138,16 @@ class Gateway:
     def _open_store(self, config: GatewayConfig, undo: contextlib.ExitStack) -> None:
         """Open the cards (closed by ``undo`` when the start fails later), check the key
         layout, and build the store, its health monitor (not started) and its metrics."""
-        holder: dict = {}
-        # a card's scan at start may evict before the store exists: nothing is pinned yet then
-        cards = open_cards(config, is_pinned=lambda key: "store" in holder and holder["store"].is_pinned(key))
+        # made before the cards: a card's scan at start passes pinned objects over (none yet then)
+        pins = Pins()
+        cards = open_cards(config, is_pinned=pins.holds)
         for card in cards:
             undo.callback(card.close)
-        self.store = holder["store"] = ObjectStore(cards, config.storage_slots, config.num_dbs,
-                                                   config.key_placement, config.fragment_size,
-                                                   config.fragment_spread_across_dbs, config.replicas)
-        self.health = HealthMonitor(self.store, config.io_timeout_ms, config.io_timeout_strikes)
+        self.card_health = card_health = CardHealth(cards, config.io_timeout_ms, config.io_timeout_strikes)
+        self.store = ObjectStore(cards, config.storage_slots, config.num_dbs, config.key_placement,
+                                 config.fragment_size, config.fragment_spread_across_dbs, config.replicas,
+                                 observer=card_health, pins=pins)
+        self.health = HealthMonitor(self.store, card_health)
         self.metrics = GatewayMetrics(self.store.cards, self.store.stats)
         # with every card: the layout recorded on them and the fingerprint (gateway/layout_record.py)
         self.layout_change = LayoutChange.open(self.store, config)

@@ -25,7 +25,7 @@ def loop_snapshot(gateway) -> dict:
     """Everything STATS shows but the cards' usage. Runs on the loop's thread."""
     store = gateway.store
     cards = []
-    for card, st, active, strikes in zip(store.cards, store.stats, store.active, gateway.health.strikes):
+    for card, st, active, strikes in zip(store.cards, store.stats, store.active, gateway.card_health.strikes):
         cards.append({"serial": card.serial or card.device, "device": card.device, "kind": card.kind,
                       "active": bool(active), "strikes": strikes, "oldest_io_age_s": st.oldest_io_age(),
                       "reads": st.reads, "writes": st.writes, "bytes_read": st.bytes_read,

@@ -6,14 +6,15 @@ so the ring never limits a request. Each batch goes through its stages in order;
 stage ends when its work (card I/O, the ranks' copies, a region copy) is all done, and
 ``_advance`` then starts the next — the only place that moves a batch on:
 
-    GET:  LOOKUP (which card holds each object) -> READ (card -> ring, checked)
-          -> TO_RANKS (BATCH; every rank copies out and RELEASEs)
+    GET:  LOOKUP (``store.plan_reads``: which card holds each object, its fragments'
+          reads) -> READ (card -> ring, checked; a card with ``direct_reads`` straight into
+          the engine's region) -> TO_RANKS (BATCH; every rank copies out and RELEASEs)
              or TO_REGION (the gateway pwrites into the engine's region)  -> RETIRED
     PUT:  FILL (BATCH; every rank fills and answers FILLED; none for a region)
-          -> LOOKUP (which objects exist already)
-          -> WRITE (ring -> cards; from a region: a card with ``direct_writes`` reads the
-             object from the region's descriptor itself, one copy; any other card gets it
-             through the ring, preadv into the slot, then written)  -> RETIRED
+          -> WRITE (``store.put``: which objects exist already, and ring -> cards of the
+             others; from a region: a card with ``direct_writes`` reads the object from the
+             region's descriptor itself, one copy; any other card gets it through the ring,
+             preadv into the slot, then written)  -> RETIRED
 
 ``batch.flags`` carries one byte per object through the stages: found / still good
 (GET), in the ring / stored (PUT). At RETIRED they become the job's results, the ring
@@ -22,7 +23,9 @@ open answers DONE to its participants (``_finish``, from ``_pump``: after ``star
 ``_retire``).
 
 Everything here runs on the gateway loop's thread; card I/O runs on the pool (or the
-I/O processes) through ``run`` and comes back to ``_io_done`` on the loop. The copies
+I/O processes) through ``run`` and comes back to ``_io_done`` on the loop. Transfers never
+touches a card: every card call, the choice of what a card can do, and their accounting
+are the store's (``store.ObjectStore``). The copies
 between the cards or the ring and a client's region are ``region_io.py``'s.
 
 Rings: every engine has a ring of its own (``ring_alloc.EngineRing``, made by ``engine_ring``
@@ -48,12 +51,13 @@ from adpkv_core import protocol as P
 from adpkv_core.ring import Ring, align_up
 
 from . import io_procs
+from .cards.base import NoProcessRead
 from .jobs import Batch, DataJob
 from .latency import LatencyBuckets
-from .region_io import direct_reads, to_region, write_via_ring
+from .region_io import RegionSource, RingSource, direct_reads, to_region
 from .ring_alloc import EngineRing
 from .scatter import Scatter, to_scatter
-from .store import ObjectStore
+from .store import ObjectStore, Outcome, PutItem, ReadPlan
 
 logger = logging.getLogger("adpkv.gateway")
 
@@ -176,9 +180,13 @@ class Transfers:
                 job.next += count
                 job.batches[batch.id] = batch
                 self.batches[batch.id] = batch
-                if job.op == "PUT" and job.region is not None:
+                if job.op == "GET":
+                    self._enter(batch, Stage.LOOKUP)
+                elif job.region is not None:
                     batch.flags[:] = b"\x01" * count          # in the region: to be stored
-                self._enter(batch, Stage.LOOKUP if job.op == "GET" or job.region is not None else Stage.FILL)
+                    self._enter(batch, Stage.WRITE)
+                else:
+                    self._enter(batch, Stage.FILL)
             if job.finished() and id(job) in self.jobs:
                 self._finish(job)         # a request of no keys has no batch to retire
 
@@ -196,9 +204,20 @@ class Transfers:
         marks = job.marks[batch.first:batch.first + batch.count] if job.marks else None
         if stage is Stage.LOOKUP:
             batch.pending += 1
-            lookup = self.store.holders if job.op == "GET" else self.store.exists
-            self._run(self.pool, lambda: lookup(keys, marks, job.object_bytes),
-                      lambda found: self._looked_up(batch, found), lambda exc: self._looked_up(batch, None))
+            into_region = job.region is not None and not isinstance(job.region, Scatter)
+            self._run(self.pool, lambda: self.store.plan_reads(keys, marks, job.object_bytes, into_region),
+                      lambda plan: self._looked_up(batch, plan),
+                      lambda exc: self._looked_up(batch, ReadPlan([], [])))
+        elif stage is Stage.WRITE:
+            items = []
+            for j in range(batch.count):
+                if batch.flags[j]:
+                    i = batch.first + j
+                    source = RingSource(self._slot(batch, j)) if job.region is None else \
+                        RegionSource(job.region, job.places[i], self._slot(batch, j), job.region_by)
+                    items.append(PutItem(j, job.keys[i], job.mark(i), source))
+            batch.flags[:] = bytes(batch.count)
+            self._submit(batch, lambda group: self.store.put(group, job.object_bytes), items)
         elif stage in (Stage.TO_RANKS, Stage.FILL):
             batch.waiting = {p.identity for p in job.participants if self._attached(p.identity)}
             if stage is Stage.FILL and not batch.waiting:
@@ -221,11 +240,7 @@ class Transfers:
         """The batch's current stage is complete: go on to the next."""
         job, stage = batch.job, batch.stage
         if stage is Stage.READ:
-            hits = sum(batch.flags)
-            counters = self.store.counters[job.namespace]
-            counters["hits"] += hits
-            counters["misses"] += batch.count - hits
-            counters["restored_bytes"] += hits * job.object_bytes
+            self.store.count_reads(job.namespace, sum(batch.flags), batch.count, job.object_bytes)
             self._enter(batch, Stage.TO_REGION if job.region is not None else Stage.TO_RANKS)
         elif stage is Stage.FILL:
             if batch.filled:
@@ -233,70 +248,31 @@ class Transfers:
             else:
                 batch.flags[:] = bytes(batch.count)      # a rank did not fill its part: store none
             if any(batch.flags):
-                self._enter(batch, Stage.LOOKUP)
+                self._enter(batch, Stage.WRITE)
             else:
                 self._retire(batch)
         elif stage in (Stage.TO_RANKS, Stage.TO_REGION, Stage.WRITE):
             self._retire(batch)
 
-    def _looked_up(self, batch: Batch, found: Optional[list]) -> None:
-        """LOOKUP is done: ``found`` per object (GET: the card holding it; PUT: whether it
-        exists), or None when the lookup failed (GET: all miss; PUT: store nothing)."""
+    def _looked_up(self, batch: Batch, plan: ReadPlan) -> None:
+        """A GET's LOOKUP is done: ``plan`` has the fragments to read of every object found
+        (none when the lookup failed: all miss); start them (READ)."""
         batch.pending -= 1
         job = batch.job
-        if job.op == "GET":
-            # the whole batch planned at once (the loop's per-object work is what holds back
-            # the first reads of a restore); every fragment of an object is on its holder card
-            first, count = batch.first, batch.count
-            plans = self.store.read_plans(found or [None] * count, job.keys[first:first + count],
-                                          job.marks[first:first + count] if job.marks else None, job.object_bytes)
-            into_region = job.region is not None and not isinstance(job.region, Scatter)
-            cards, flags, base, stride = self.store.cards, batch.flags, batch.offset, job.stride
-            reads, direct = [], []                  # reads: (j, fragment, its ring offset)
-            for j, f in plans:
-                flags[j] = 1
-                if into_region and cards[f.card].direct_reads:
-                    # card -> the engine's region in one copy, by its descriptor (no ring)
-                    batch.direct.add(j)
-                    direct.append((j, f, job.places[first + j] + f.offset))
-                else:
-                    reads.append((j, f, base + j * stride + f.offset))
-            batch.stage = Stage.READ
-            if self.procs:
-                reads = self._read_in_processes(batch, reads)
-            slot = job.ring.ring.slot
-            self._submit(batch, self.store.read_many, [(j, f, slot(at, f.length)) for j, f, at in reads])
-            region, write_by = job.region, job.region_by
-            self._submit(batch, lambda group: direct_reads(self.store, region, group, write_by), direct)
-        else:
-            writes, direct, via_ring = [], [], []
-            in_ring = bytes(batch.flags)
-            batch.flags[:] = bytes(batch.count)
-            for j in range(batch.count):
-                i = batch.first + j
-                if not in_ring[j] or found is None:
-                    continue
-                if found[j]:
-                    # keys name content: an object stored under this key already holds these bytes
-                    batch.flags[j] = 1
-                    job.existed[i] = 1
-                    continue
-                plans = self.store.write_plans(job.keys[i], job.mark(i), job.object_bytes)
-                if not plans:     # no card in service for this key: not stored
-                    continue
-                if job.region is None:
-                    writes.append((j, plans, self._slot(batch, j)))
-                elif not isinstance(job.region, Scatter) and \
-                        all(self.store.cards[f.card].direct_writes for frags in plans for f in frags):
-                    # the engine's region -> the card in one copy, by its descriptor (no ring)
-                    direct.append((j, plans, job.region.fd, job.places[i], job.object_bytes))
-                else:
-                    via_ring.append((j, plans, self._slot(batch, j), job.places[i]))
-            batch.stage = Stage.WRITE
-            self._submit(batch, self.store.write_many, writes)
-            region, read_by = job.region, job.region_by
-            self._submit(batch, lambda group: self.store.write_from_fds(group, read_by), direct)
-            self._submit(batch, lambda group: write_via_ring(self.store, region, group, read_by), via_ring)
+        first, flags, base, stride = batch.first, batch.flags, batch.offset, job.stride
+        for j in plan.found():
+            flags[j] = 1
+        reads = [(j, f, base + j * stride + f.offset) for j, f in plan.ring]   # (j, fragment, ring offset)
+        # card -> the engine's region in one copy, by its descriptor (no ring)
+        direct = [(j, f, job.places[first + j] + f.offset) for j, f in plan.direct]
+        batch.direct.update(j for j, _ in plan.direct)
+        batch.stage = Stage.READ
+        if self.procs:
+            reads = self._read_in_processes(batch, reads)
+        slot = job.ring.ring.slot
+        self._submit(batch, self.store.read_many, [(j, f, slot(at, f.length)) for j, f, at in reads])
+        region, write_by = job.region, job.region_by
+        self._submit(batch, lambda group: direct_reads(self.store, region, group, write_by), direct)
         if batch.pending == 0:
             self._advance(batch)
 
@@ -315,11 +291,7 @@ class Transfers:
         batch.stage = Stage.RETIRED
         job.results[batch.first:batch.first + batch.count] = batch.flags
         if job.op == "PUT":
-            stored = sum(batch.flags)
-            counters = self.store.counters[job.namespace]
-            counters["stored"] += stored
-            counters["store_failed"] += batch.count - stored
-            counters["stored_bytes"] += stored * job.object_bytes
+            self.store.count_writes(job.namespace, sum(batch.flags), batch.count, job.object_bytes)
         job.ring.alloc.free(batch.offset, batch.nbytes)
         job.ring.batches -= 1
         del job.batches[batch.id]
@@ -354,18 +326,21 @@ class Transfers:
             group = items[k:k + per]
             batch.pending += 1
             self._run(self.pool, lambda g=group: work(g), lambda results: self._io_done(batch, results),
-                      lambda exc, g=group: self._io_done(batch, [(item[0], False) for item in g]))
+                      lambda exc, g=group: self._io_done(batch, [Outcome(item[0], False) for item in g]))
 
-    def _io_done(self, batch: Batch, results: list) -> None:
-        """One I/O task of the batch's stage finished with ``(j, ok)`` per object."""
+    def _io_done(self, batch: Batch, results: list[Outcome]) -> None:
+        """One I/O task of the batch's stage finished with an ``Outcome`` per object."""
         batch.pending -= 1
         if batch.stage in _CLEARS:
-            for j, ok in results:
-                if not ok:
-                    batch.flags[j] = 0
+            for r in results:
+                if not r.ok:
+                    batch.flags[r.j] = 0
         elif batch.stage in _SETS:
-            for j, ok in results:
-                batch.flags[j] = 1 if ok else 0
+            existed = batch.job.existed
+            for r in results:
+                batch.flags[r.j] = 1 if r.ok else 0
+                if r.existed:
+                    existed[batch.first + r.j] = 1
         if batch.pending == 0 and not batch.waiting:
             self._advance(batch)
 
@@ -379,14 +354,13 @@ class Transfers:
         for read in reads:
             by_card[read[1].card].append(read)
         for card, group in by_card.items():
-            tasks = self.store.cards[card].process_reads([frag.fkey for _, frag, _ in group],
-                                                         [frag.write_id for _, frag, _ in group])
-            if False in tasks or None in tasks:
+            tasks = self.store.process_reads(card, [frag for _, frag, _ in group])
+            if NoProcessRead.ABSENT in tasks or NoProcessRead.HERE in tasks:
                 kept = []
                 for read, task in zip(group, tasks):
-                    if task is None:
+                    if task is NoProcessRead.HERE:
                         rest.append(read)
-                    elif task is False:        # the card knows the object is gone
+                    elif task is NoProcessRead.ABSENT:        # the card knows the object is gone
                         batch.flags[read[0]] = 0
                     else:
                         kept.append((read, task))
@@ -400,30 +374,24 @@ class Transfers:
                 self._run(self.procs, functools.partial(io_procs.read_task, task),
                           lambda result, c=card, p=part, f=files, t=task:
                           self._process_reads_done(batch, c, p, f, t, result),
-                          lambda exc, p=part: self._io_done(batch, [(j, False) for j, _, _ in p]))
+                          lambda exc, p=part: self._io_done(batch, [Outcome(j, False) for j, _, _ in p]))
         return rest
 
     def _process_reads_done(self, batch: Batch, card: int, part: list, files: list, task: "io_procs.ReadTask",
                             result: tuple) -> None:
         """An I/O process ran ``task`` (``part``'s reads of one card, the card's ``files``):
-        its missed reads' ``(k, verdict)`` and every read's seconds, accounted as the thread
-        path does (the card's statistics and health strikes at once for the task; the card's
-        own bookkeeping for each verdict). A read that missed goes to the object's next
-        replica on the pool, as ``store.read_many`` does there."""
+        its missed reads' ``(k, verdict)`` and every read's seconds, accounted by the store
+        (``process_reads_done``). A read that missed goes to the object's next replica on the
+        pool, as ``store.read_many`` does there."""
         misses, seconds = result
-        store = self.store
-        lost = sum(task.lengths[k] for k, _ in misses)
-        store.stats[card].record_reads(seconds, sum(task.lengths) - lost, len(misses))
-        store.on_ios(card, seconds, {k for k, verdict in misses if verdict.strike})
+        self.store.process_reads_done(card, files, task.lengths, misses, seconds)
         done, again = [], []
-        for k, verdict in misses:
+        for k, _ in misses:
             j, frag, offset = part[k]
-            store.cards[card].process_read_result(files[k], verdict)
             if frag.others:
                 again.append((j, frag, batch.job.ring.ring.slot(offset, frag.length)))
             else:
-                done.append((j, False))
+                done.append(Outcome(j, False))
         if again:
             self._submit(batch, self.store.read_from_replicas, again)
         self._io_done(batch, done)
-

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest
 
-from adpkv_gateway.spawn import GatewayProcess
+from adpkv_gateway.ops.spawn import GatewayProcess
 
 
 @pytest.fixture

@@ -1,3 +1,3 @@
-"""Real redis-server processes for the resp card tests (see adpkv_gateway.spawn.RedisServer)."""
+"""Real redis-server processes for the resp card tests (see adpkv_gateway.ops.spawn.RedisServer)."""
 
-from adpkv_gateway.spawn import REDIS, RedisServer  # noqa: F401
+from adpkv_gateway.ops.spawn import REDIS, RedisServer  # noqa: F401

@@ -37,9 +37,12 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .objfile import FileRead
 
 
 @dataclasses.dataclass
@@ -96,12 +99,24 @@ class Read(enum.Enum):
         return self is Read.IO_ERROR
 
 
+class NoProcessRead(enum.Enum):
+    """What ``Card.process_reads`` answers for a fragment that no I/O process reads."""
+
+    ABSENT = "not stored"                    # the card knows it is not stored: a miss, nothing to read
+    HERE = "read here"                       # this card's reads cannot run in another process
+
+
+ProcessRead = Union["FileRead", NoProcessRead]
+
+
 _DROPS = frozenset((Read.ABSENT, Read.TRUNCATED, Read.BAD_HEADER, Read.BAD_CHECKSUM, Read.FOREIGN))
 
 
 class Head(NamedTuple):
-    """What an object's head fragment records: the whole object's size (0: not recorded)
-    and the write id stamped in every fragment of the write that stored it."""
+    """What an object's head fragment records: the whole object's size (always recorded, more
+    than 0: every readable header is of ``objfmt.FORMAT`` 2, which has always carried it, and
+    objects are never empty) and the write id stamped in every fragment of the write that
+    stored it."""
 
     size: int
     write_id: int
@@ -116,18 +131,16 @@ class FirstExtent:
     object_bytes: Optional[int]
     fragment_size: int
 
-    def __call__(self, head: Head) -> Optional[int]:
-        """The payload length for a head that records ``head.size`` (None: any: a head
-        written before sizes were recorded), as ``heads_holding``'s ``payload_len``."""
+    def __call__(self, head: Head) -> int:
+        """The payload length for a head that records ``head.size``, as ``heads_holding``'s
+        ``payload_len`` (every supported head records its object's size, never 0)."""
         size = self.object_bytes or head.size
-        return (min(size, self.fragment_size) if self.fragment_size > 0 else size) or None
+        return min(size, self.fragment_size) if self.fragment_size > 0 else size
 
     def lengths(self, sizes: np.ndarray) -> np.ndarray:
-        """The same for heads recording ``sizes`` (``int64``), -1 for any."""
+        """The same for heads recording ``sizes`` (``int64``)."""
         size = np.full(len(sizes), self.object_bytes, np.int64) if self.object_bytes else sizes.astype(np.int64)
-        if self.fragment_size > 0:
-            size = np.minimum(size, self.fragment_size)
-        return np.where(size > 0, size, -1)
+        return np.minimum(size, self.fragment_size) if self.fragment_size > 0 else size
 
 
 class HeadsFound(NamedTuple):
@@ -152,6 +165,15 @@ class Listed(NamedTuple):
     db: int
     key: bytes
     tag: Optional[bytes]
+
+
+class PlacedFile(NamedTuple):
+    """A stored fragment's file a card opened read-only for MAP (``Card.open_placed``): the
+    descriptor, and the card's own record of what it opened (the fs card: the index entry),
+    handed back with the verdict of the file's check (``Card.placed_checked``)."""
+
+    fd: int
+    entry: tuple[int, int]
 
 
 def object_key(fkey: bytes) -> bytes:
@@ -185,6 +207,8 @@ class Card(abc.ABC):
     direct_writes: bool = False  # write_from_fd works: a client's region is stored without the ring
     batched_reads: bool = False  # read_many does better than a loop over read (the store uses it)
     drops_itself: bool = False   # a read whose verdict ``drops`` has already removed the object on the card
+    hands_files: bool = False    # open_placed works: a stored fragment's own file, opened read-only (MAP)
+    keys_by_tag: bool = False    # fragments are keyed by their slot tag (see the module): found only with it
 
     def __init__(self, device: str):
         self.device = device
@@ -304,13 +328,27 @@ class Card(abc.ABC):
         behind. Only cards with ``direct_writes``."""
         raise NotImplementedError(f"{type(self).__name__} has no direct writes")
 
-    def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list:
+    def open_placed(self, fkey: bytes) -> Optional[PlacedFile]:
+        """A read-only descriptor of a stored fragment's file, one that is never written again
+        while placed (what the descriptor reads stays that file's bytes whatever happens to
+        its name), for MAP to check in place and hand; None when it is not stored or does
+        not open. Only cards with ``hands_files``."""
+        raise NotImplementedError(f"{type(self).__name__} hands no files")
+
+    def placed_checked(self, fkey: bytes, placed: PlacedFile, verdict: Read) -> Read:
+        """Account for the verdict of the in-place check of a file ``open_placed`` opened, as a
+        read's (a verdict that ``drops`` removes the object unless it is stale): the verdict
+        the gateway acts on. Only cards with ``hands_files``."""
+        raise NotImplementedError(f"{type(self).__name__} hands no files")
+
+    def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list[ProcessRead]:
         """For each fragment (expected of the write ``write_ids`` names), an
         ``objfile.FileRead`` that an I/O process can do (the gateway packs them into
-        ``io_procs.ReadTask``s), False when the card knows it is not stored, or None when this
-        card's reads cannot run in another process. Called with a GET batch's fragments at
-        once, on the gateway's loop (a card with an index looks them all up under one lock)."""
-        return [None] * len(fkeys)
+        ``io_procs.ReadTask``s), ``NoProcessRead.ABSENT`` when the card knows it is not
+        stored, or ``NoProcessRead.HERE`` when this card's reads cannot run in another
+        process. Called with a GET batch's fragments at once, on the gateway's loop (a card
+        with an index looks them all up under one lock)."""
+        return [NoProcessRead.HERE] * len(fkeys)
 
     def process_read_result(self, task, verdict: Read) -> Read:
         """Account for the verdict of a ``process_reads`` task (in the gateway's process): the

@@ -51,10 +51,11 @@ from .. import progress
 from ..quotas import TenantUsage
 
 from . import objfmt
-from .base import (Card, CardError, CardIOError, CardUsage, FirstExtent, Head, HeadsFound, Listed, Read, claim_record,
-                   is_head, object_key, parse_claim)
+from .base import (Card, CardError, CardIOError, CardUsage, FirstExtent, Head, HeadsFound, Listed, NoProcessRead,
+                   PlacedFile, ProcessRead, Read, claim_record, is_head, object_key, parse_claim)
 from .fs_files import (CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, SUBDIR_NAMES, FileRef, check_file, object_name, open_dir,
                        open_root, own_dir, subdir_of, unlink_all, verdict_of)
+from . import fs_scan
 from .fs_index import FKEY_BYTES, TRIM_CHUNK, Entry, FsIndex
 from .objfile import (ALIGN, HEADER_BYTES, FdSlice, FileRead, Scratch, copy_object_file, read_object_file,
                       write_object_file)
@@ -87,6 +88,7 @@ class FsCard(Card):
     direct_reads = True
     direct_writes = True
     drops_itself = True
+    hands_files = True
 
     def __init__(self, device: str, num_dbs: int = 16, capacity_bytes: int = 0,
                  eviction_watermark: float = 0.95, eviction_ratio: float = 0.10,
@@ -218,7 +220,7 @@ class FsCard(Card):
         """The index from the snapshot of the last clean stop, when it still matches the
         files (``FsIndex.load``); the snapshot is removed either way (a crash after this start
         must not find it). Whether it was taken (then each object's files are checked against
-        it in the background, ``FsIndex.verify``, instead of a scan)."""
+        it in the background, ``fs_scan.verify``, instead of a scan)."""
         problem = self.index.load(self._root_fd, SNAPSHOT_FILE, self.serial, self._stamps())
         unlink_all([FileRef(self._root_fd, SNAPSHOT_FILE)])
         if problem is not None:
@@ -231,8 +233,8 @@ class FsCard(Card):
         return True
 
     def _start_scan(self, from_snapshot: bool) -> None:
-        """Index the card's files on a thread (``FsIndex.scan``), or check the snapshot's
-        index against them (``FsIndex.verify``); wait ``SCAN_FOREGROUND_S`` for it, then serve
+        """Index the card's files on a thread (``fs_scan.scan``), or check the snapshot's
+        index against them (``fs_scan.verify``); wait ``SCAN_FOREGROUND_S`` for it, then serve
         while it runs."""
         self.index.begin_scan()
         started = time.time()
@@ -246,9 +248,9 @@ class FsCard(Card):
     def _scan(self, started: float, from_snapshot: bool) -> None:
         try:
             if from_snapshot:
-                done = self.index.verify(self._own_file, started, self._scan_stop)
+                done = fs_scan.verify(self.index, self._own_file, started, self._scan_stop)
             else:
-                done = self.index.scan(self._walk, self._own_file, started, self._scan_stop)
+                done = fs_scan.scan(self.index, self._walk, self._own_file, started, self._scan_stop)
             if done is None:
                 return
             self.index.end_scan()
@@ -393,9 +395,9 @@ class FsCard(Card):
                                    write_id)
         return self.read_result(fkey, verdict, entry)
 
-    def open_placed(self, fkey: bytes) -> Optional[tuple[int, Entry]]:
+    def open_placed(self, fkey: bytes) -> Optional[PlacedFile]:
         """A read-only descriptor (``O_RDONLY | O_NOFOLLOW``, by the database's checked
-        descriptor) of a stored fragment's file, and the index entry it was opened under (a
+        descriptor) of a stored fragment's file, with the index entry it was opened under (a
         failed check of it goes to ``read_result`` with that entry); None when it is not
         stored or does not open (that open's verdict applied). For MAP (``direct_reads``):
         placed files are never written again (``write``: a new file renamed into place), so
@@ -408,14 +410,17 @@ class FsCard(Card):
         except OSError as exc:
             self.read_result(fkey, verdict_of(exc), entry)
             return None
-        return fd, entry
+        return PlacedFile(fd, entry)
 
-    def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list:
+    def placed_checked(self, fkey: bytes, placed: PlacedFile, verdict: Read) -> Read:
+        return self.read_result(fkey, verdict, placed.entry)
+
+    def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list[ProcessRead]:
         """The index entries of many fragments under one lock (``FsIndex.locate_many``: each
         object's LRU place refreshed once per fragment), a ``FileRead`` each (carrying the index entry it was
-        handed, for ``read_result``) or False where it is not stored."""
+        handed, for ``read_result``) or ``NoProcessRead.ABSENT`` where it is not stored."""
         refs, o_direct = self._db_refs, self.o_direct
-        return [False if e is None else FileRead(refs[e[0]], fkey, o_direct, w, e)
+        return [NoProcessRead.ABSENT if e is None else FileRead(refs[e[0]], fkey, o_direct, w, e)
                 for fkey, w, e in zip(fkeys, write_ids, self.index.locate_many(fkeys))]
 
     def process_read_result(self, task, verdict: Read) -> Read:

@@ -3,13 +3,13 @@
 Contract (``FsIndex``):
 
 - **What it holds.** One row per whole object (its head is in place) in a compact table of
-  numpy columns (``_Rows``: the 28-byte key, bytes on disk, the size its head records, the
+  numpy columns (``fs_rows.Rows``: the 28-byte key, bytes on disk, the size its head records, the
   head's payload length, fragment count, databases, write generation, the head's write id,
-  last use, namespace: 72 bytes) found through an open-addressing hash table of row numbers (linear probing, at
-  most half full: 8 to 16 bytes an object). A row is exact: the full key is compared, so a
-  lookup never hits another object. Fragments are not rows: fragment ``i`` of an object
-  has the length ``fragment_extents(size, head length)`` gives it and lives in database
-  ``db0`` (or ``(db0 + i) % dbmod`` when its fragments are spread). Fragments written
+  last use, namespace: 72 bytes) found through an open-addressing hash table of row numbers
+  (``fs_rows.key_hash``; linear probing, at most half full: 8 to 16 bytes an object). A row
+  is exact: the full key is compared, so a lookup never hits another object. Fragments are
+  not rows: fragment ``i`` of an object has the length ``fragment_extents(size, head
+  length)`` gives it and lives in database ``db0`` (or ``(db0 + i) % dbmod`` when its fragments are spread). Fragments written
   before their head (a write in flight) are kept apart (``_pending``) until the head
   commits them; they are not found by lookups.
 - **Accounting.** ``used`` is the bytes on disk of every indexed file plus the bytes reserved
@@ -26,17 +26,18 @@ Contract (``FsIndex``):
   evicts its own objects first (its own queue) and is refused when that is not enough;
   the card past ``watermark`` of its capacity evicts any namespace's objects down to
   ``watermark - ratio``.
-- **The scan at start.** ``scan`` indexes the files already on the card; the card runs it
-  on a thread while it serves (``FsCard.open``). A lookup of an object the scan has not
-  reached is a miss. The scan never indexes an object that was committed, deleted or
-  evicted since the card opened (``index_scanned`` checks under the lock; deletions and
-  evictions during the scan are remembered in ``_gone`` until it ends), so a PUT racing the
-  scan is counted once and a deleted object does not come back. It judges (and removes)
-  only files older than the card's start: a newer file is one of this gateway's writes.
-  Once it has indexed everything, ``trim`` brings the card within its capacity and every
-  namespace within its quota.
-- **Locking and I/O.** Every method takes the index's own lock; none touches a file except
-  the scan. A method that drops objects returns their files (head first) and the
+- **The scan at start.** ``fs_scan`` judges the files already on the card (or checks a
+  snapshot's rows against them) on a thread while the card serves (``FsCard.open``), and
+  indexes each whole object with ``index_scanned``; a lookup of an object it has not reached
+  is a miss. Between ``begin_scan`` and ``end_scan`` the index never indexes a scanned
+  object that was committed, deleted or evicted since the card opened (``index_scanned``
+  checks under the lock; deletions and evictions during the scan are remembered in
+  ``_gone`` until it ends), so a PUT racing the scan is counted once and a deleted object
+  does not come back. Once the scan has indexed everything, ``trim`` brings the card within
+  its capacity and every namespace within its quota.
+- **Locking and I/O.** Every method takes the index's own lock; none touches an object
+  file (``save`` and ``load`` write and read the snapshot's, through ``fs_snapshot``). A
+  method that drops objects returns their files (head first) and the
   caller unlinks them after the lock is released: an object leaves the index before its
   files go, so a reader that still holds a reference finds the file gone ("missing", a
   miss), never another object's bytes.
@@ -44,17 +45,14 @@ Contract (``FsIndex``):
   object with ``drop_if(fkey, entry)``, which does nothing once any fragment of the object
   was stored again (a new generation): a stale verdict never removes a newer,
   acknowledged store.
-- **Writes.** Each row records its head's write id (``commit``; ``heads``: the id every
-  fragment read is checked against), and the scan removes an object whose fragments carry
-  other write ids than its head (an overwrite cut short by a crash: a torn object), when
-  its files are older than the start.
-- **Snapshot.** ``save`` writes the table (write ids too) to a file at a clean stop
-  (``FsCard.close``, once the scan had ended), with the card's serial and the modification
-  time of each database directory; ``load`` takes it instead of a scan only when it is
-  whole (its checksum), this card's, of this format and columns (a snapshot of an index
-  without write ids is ignored), and every directory's time is still the recorded one (a
-  file created, renamed or removed in a directory since changes it): a snapshot older than
-  the files is never used. Anything else is ignored with one line, and the card scans.
+- **Writes.** Each row records its head's write id (``commit``): the id every fragment read
+  is checked against (``heads``).
+- **Snapshot.** ``save`` writes the table (write ids too) at a clean stop (``FsCard.close``,
+  once the scan had ended; none while writes are in flight) and ``load`` takes it instead of
+  a scan, both through ``fs_snapshot`` (its contract says when a snapshot is taken: never
+  one older than the files). A snapshot not taken is ignored with one line, and the card
+  scans. After ``load`` the card checks each object's files against it (``fs_scan.verify``,
+  through ``held``, ``age`` and ``forget``).
 - **Files.** The index stores databases, not paths: ``path_of(db, fragment key)`` is the
   card's reference of a file (``fs_files.FileRef``: its database's checked descriptor and
   the name), what the methods that drop objects return, for ``fs_files.unlink_all``; the
@@ -65,27 +63,23 @@ Contract (``FsIndex``):
 from __future__ import annotations
 
 import collections
-import errno
-import json
 import logging
-import mmap
 import os
-import stat
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
-import xxhash
 
 from adpkv_core.keys import KEY_BYTES
 
-from .. import progress
 from ..fragments import fragment_extents
 from ..quotas import TenantUsage, tenant_of
-from . import objfmt
+from . import fs_snapshot
 from .base import FirstExtent, Head, HeadsFound, is_head, object_key
-from .fs_files import READ_FLAGS, FileRef, object_name, unlink_all
+from .fs_files import FileRef
+from .fs_rows import Rows, key_hash, key_hashes, mapped
+from .fs_snapshot import Snapshot
 from .objfile import ALIGN, HEADER_BYTES
 
 logger = logging.getLogger("adpkv.gateway.fs")
@@ -96,11 +90,17 @@ EMPTY = -1                     # a free slot of the hash table
 START_TICK = 1 << 31           # the clock at start; scanned objects get older ticks (by file age)
 MIN_QUEUE = 256                # eviction queue: at least this many rows, or 1/32 of them
 TRIM_CHUNK = 2048              # objects one step of the trim at start evicts under the lock
-SNAPSHOT_MAGIC = b"ADPKVIDX"
-SNAPSHOT_FORMAT = 2            # 2: rows carry write ids; a format 1 snapshot is ignored (the card scans)
-HASH_NAME = "xor-multiply-4w+fmix64"   # ``key_hash``: a snapshot's rows were hashed with it
 
 Entry = tuple[int, int]        # what ``locate`` hands out: (database, write generation)
+
+
+class Held(NamedTuple):
+    """What the index holds of an object (``FsIndex.held``): its files as (database, bytes on
+    disk), head first; its write generation; its LRU tick."""
+
+    files: list[tuple[int, int]]
+    gen: int
+    tick: int
 
 
 def sizes_on_disk(n: int) -> tuple[int, int]:
@@ -108,89 +108,10 @@ def sizes_on_disk(n: int) -> tuple[int, int]:
     return HEADER_BYTES + n, HEADER_BYTES + -(-n // ALIGN) * ALIGN
 
 
-_M = (1 << 64) - 1
-_C1, _C2, _C3 = 0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
-
-
-def key_hash(okey: bytes, seed: int) -> int:
-    """The 64-bit hash of a 28-byte object key that places it in the hash table: its four
-    little-endian words (the last zero-padded) folded into the per-process ``seed`` by
-    xor-multiply, then murmur3's finaliser (keys chosen to collide cannot be made without the
-    seed). ``key_hashes`` is the same over many keys at once."""
-    h = seed
-    for at in (0, 8, 16, 24):
-        h = ((h ^ int.from_bytes(okey[at:at + 8], "little")) * _C1) & _M
-    h ^= h >> 33
-    h = (h * _C2) & _M
-    h ^= h >> 33
-    h = (h * _C3) & _M
-    return h ^ (h >> 33)
-
-
-def key_hashes(okeys: np.ndarray, seed: int) -> np.ndarray:
-    """``key_hash`` of each row of ``okeys`` (``uint8``, shape (n, 28)), as ``uint64``."""
-    n = len(okeys)
-    words = np.zeros((n, 4), np.uint64)
-    words.view(np.uint8).reshape(n, 32)[:, :KEY_BYTES] = okeys
-    h = np.full(n, seed, np.uint64)
-    with np.errstate(over="ignore"):
-        for w in range(4):
-            h = (h ^ words[:, w]) * np.uint64(_C1)
-        h ^= h >> np.uint64(33)
-        h *= np.uint64(_C2)
-        h ^= h >> np.uint64(33)
-        h *= np.uint64(_C3)
-        h ^= h >> np.uint64(33)
-    return h
-
-
-def _mapped(shape: tuple, dtype) -> np.ndarray:
-    """An array in its own anonymous mapping: its pages take memory only once written, and
-    all of it goes back to the system when the array goes (a heap allocation freed after a
-    table grew would stay in the process's heap)."""
-    nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype, int(np.prod(shape))).reshape(shape)
-
-
-def _bytes_of(column: np.ndarray) -> memoryview:
-    """The bytes of a contiguous piece of a column (a view: no copy)."""
-    return memoryview(column.reshape(-1).view(np.uint8))
-
-
 def _free_slots(size: int) -> np.ndarray:
-    slots = _mapped((size,), np.int32)
+    slots = mapped((size,), np.int32)
     slots.fill(EMPTY)
     return slots
-
-
-class _Rows:
-    """The columns of the object table; rows ``0 .. n-1`` are objects (dense: a removed row
-    is replaced by the last one)."""
-
-    COLUMNS = (("key", np.uint8, (KEY_BYTES,)), ("disk", np.uint64, ()), ("total", np.uint64, ()),
-               ("flen", np.uint32, ()), ("nfrag", np.uint16, ()), ("db0", np.uint16, ()),
-               ("dbmod", np.uint16, ()), ("gen", np.uint32, ()), ("wid", np.uint64, ()),
-               ("tick", np.uint32, ()), ("ns", np.uint16, ()))
-    BYTES = sum(np.dtype(t).itemsize * (s[0] if s else 1) for _, t, s in COLUMNS)
-
-    def __init__(self, capacity: int = 1024):
-        self.n = 0
-        self.capacity = capacity
-        for name, dtype, shape in self.COLUMNS:
-            setattr(self, name, _mapped((capacity,) + shape, dtype))
-
-    def grow(self) -> None:
-        self.capacity *= 2
-        for name, dtype, shape in self.COLUMNS:
-            old = getattr(self, name)
-            new = _mapped((self.capacity,) + shape, dtype)
-            new[:self.n] = old[:self.n]
-            setattr(self, name, new)
-
-    def move(self, src: int, dst: int) -> None:
-        for name, _, _ in self.COLUMNS:
-            col = getattr(self, name)
-            col[dst] = col[src]
 
 
 class _Namespace:
@@ -228,7 +149,7 @@ class FsIndex:
         self.evicted = 0                       # objects evicted (quota or capacity) since start
         self._lock = threading.Lock()
         self._seed = int.from_bytes(os.urandom(8), "little")
-        self._rows = _Rows()
+        self._rows = Rows()
         self._slots = _free_slots(2048)
         self._mask = len(self._slots) - 1
         self._clock = START_TICK
@@ -492,7 +413,7 @@ class FsIndex:
             r = rows[hit]
             size[hit], wid[hit], flen[hit] = self._rows.total[r], self._rows.wid[r], self._rows.flen[r]
         want = first.lengths(size)
-        hit &= (want < 0) | (want == flen)
+        hit &= want == flen
         size[~hit], wid[~hit] = 0, 0
         return HeadsFound(hit, size, wid)
 
@@ -681,7 +602,7 @@ class FsIndex:
         caller removes the files (``FsCard.clean`` walks the databases)."""
         with self._lock:
             n = self._rows.n
-            self._rows = _Rows()
+            self._rows = Rows()
             self._slots = _free_slots(2048)
             self._mask = len(self._slots) - 1
             self._pending.clear()
@@ -807,83 +728,33 @@ class FsIndex:
     # ------------------------------------------------------------------ snapshot
     def save(self, dir_fd: int, name: str, serial: str, stamps: dict[str, int],
              own_file: Callable[[int], None]) -> None:
-        """Write the table to file ``name`` of the directory ``dir_fd`` (through a temporary
-        file created there with ``O_EXCL | O_NOFOLLOW``, renamed into place):
-        ``serial`` the card's, ``stamps`` each database directory's modification time (ns)."""
+        """Write the table to file ``name`` of the directory ``dir_fd`` (``fs_snapshot.write``,
+        under the lock): ``serial`` the card's, ``stamps`` each database directory's
+        modification time (ns). Nothing while writes are in flight or the scan unfinished."""
         with self._lock:
             if self._pending or self._scanning:
                 logger.info("fs card %s: writes in flight or a scan unfinished: no index snapshot", self.root)
                 return
             rows = self._rows
-            head = json.dumps({"serial": serial, "rows": rows.n, "num_dbs": self.num_dbs, "stamps": stamps,
-                               "namespaces": [ns.tid.hex() for ns in self._ns], "gen": self._gen,
-                               "clock": self._clock, "seed": self._seed, "hash": HASH_NAME,
-                               "saved": time.time(), "columns": [c[0] for c in _Rows.COLUMNS]}).encode()
-            tmp = name + ".tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                         dir_fd=dir_fd)
-            try:
-                own_file(fd)
-                digest = xxhash.xxh3_64()
-                with os.fdopen(os.dup(fd), "wb") as out:
-                    for piece in [SNAPSHOT_MAGIC, SNAPSHOT_FORMAT.to_bytes(4, "little"),
-                                  len(head).to_bytes(4, "little"), head] + \
-                            [_bytes_of(getattr(rows, c[0])[:rows.n]) for c in _Rows.COLUMNS]:
-                        out.write(piece)
-                        digest.update(piece)
-                    out.write(digest.intdigest().to_bytes(8, "little"))
-                    out.flush()
-                    os.fsync(out.fileno())
-            except BaseException:
-                os.close(fd)
-                unlink_all([FileRef(dir_fd, tmp)])
-                raise
-            os.close(fd)
-            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            fs_snapshot.write(dir_fd, name, serial, stamps, self.num_dbs,
+                              Snapshot(rows, [ns.tid for ns in self._ns], self._gen, self._clock, self._seed,
+                                       time.time()), own_file)
         logger.info("fs card %s: index of %d objects saved", self.root, rows.n)
 
     def load(self, dir_fd: int, name: str, serial: str, stamps: dict[str, int]) -> Optional[str]:
-        """Take the table from a snapshot ``save`` wrote (file ``name`` of the directory
-        ``dir_fd``, opened without following a symlink). None when it did; else why not (no
+        """Take the table from a snapshot ``save`` wrote (``fs_snapshot.read``: file ``name`` of
+        the directory ``dir_fd``, when it may be taken). None when it did; else why not (no
         snapshot, not whole, another card's, older than the files), the index unchanged."""
-        try:
-            with open(os.open(name, READ_FLAGS, dir_fd=dir_fd), "rb", buffering=0) as src:
-                if os.fstat(src.fileno()).st_uid != os.geteuid():
-                    return "not the gateway's own file"
-                got = src.read(16)
-                if len(got) < 16 or got[:8] != SNAPSHOT_MAGIC:
-                    return "not an index snapshot"
-                if int.from_bytes(got[8:12], "little") != SNAPSHOT_FORMAT:
-                    return "of another format"
-                raw = src.read(int.from_bytes(got[12:16], "little"))
-                digest = xxhash.xxh3_64(got)
-                digest.update(raw)
-                head = json.loads(raw)
-                if head.get("serial") != serial:
-                    return f"of another card ({head.get('serial')})"
-                if head.get("stamps") != stamps or head.get("num_dbs") != self.num_dbs:
-                    return "older than the files (a database directory changed since)"
-                if head.get("columns") != [c[0] for c in _Rows.COLUMNS] or head.get("hash") != HASH_NAME:
-                    return "of another layout"
-                n = int(head["rows"])
-                rows = _Rows(max(1024, 1 << max(0, n - 1).bit_length()))
-                for name, _, _ in _Rows.COLUMNS:
-                    view = _bytes_of(getattr(rows, name)[:n])
-                    if src.readinto(view) != len(view):
-                        return "truncated"
-                    digest.update(view)
-                if src.read(8) != digest.intdigest().to_bytes(8, "little") or src.read(1):
-                    return "damaged (checksum)"
-        except FileNotFoundError:
-            return "none"
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            return f"unreadable ({exc})"
-        rows.n = n
+        snapshot = fs_snapshot.read(dir_fd, name, serial, stamps, self.num_dbs)
+        if isinstance(snapshot, str):
+            return snapshot
+        rows = snapshot.rows
+        n = rows.n
         with self._lock:
             self._rows = rows
             self._ns, self._ns_of = [], {}
-            for tid in head["namespaces"]:
-                self._namespace(bytes.fromhex(tid))
+            for tid in snapshot.namespaces:
+                self._namespace(tid)
             for tid in self.quotas:
                 self._namespace(tid)
             ns = rows.ns[:n]
@@ -893,11 +764,11 @@ class FsIndex:
                 t.used, t.objects = int(used[i]), int(count[i])
             self._used = int(rows.disk[:n].sum())
             self._files = int(rows.nfrag[:n].sum())
-            self._seed = int(head["seed"])         # the rows' hashes were made with it
-            self._gen = int(head["gen"])
-            self._clock = max(int(head["clock"]), START_TICK)
+            self._seed = snapshot.seed             # the rows' hashes were made with it
+            self._gen = snapshot.gen
+            self._clock = max(snapshot.clock, START_TICK)
             self._queues.clear()
-            self.saved_at = float(head["saved"])
+            self.saved_at = snapshot.saved
             size = 2048
             while 2 * n > size:
                 size *= 2
@@ -936,189 +807,45 @@ class FsIndex:
             self._scanning = False
             self._gone.clear()
 
-    def verify(self, own_file: Callable[[int], None], started: float, stop: threading.Event) -> Optional[int]:
-        """After ``load``: check each indexed object's files against the snapshot (one
-        ``lstat`` each: the size its row gives, not changed since the snapshot was saved).
-        An object whose file differs is judged again from its files (its head's header, as
-        the scan does): indexed anew when sound, removed when broken, dropped from the index
-        when gone. Runs while the card serves, as the scan (``begin_scan``). How many objects
-        it changed, or None when ``stop`` was set first."""
+    def in_flight(self, okey: bytes) -> bool:
+        """Whether fragments of a write of the object wait for their head (``commit``)."""
+        with self._lock:
+            return okey in self._pending
+
+    def object_keys(self) -> np.ndarray:
+        """A copy of every indexed object's key (``uint8`` (n, 28), in its own mapping)."""
         with self._lock:
             n = self._rows.n
-            keys = _mapped((n, KEY_BYTES), np.uint8)
+            keys = mapped((n, KEY_BYTES), np.uint8)
             keys[:] = self._rows.key[:n]
-        header = memoryview(bytearray(objfmt.HEADER_CORE))
-        changed = 0
-        with progress.track(f"fs card {self.root}: checking the index snapshot", n, "objects", log=logger) as shown:
-            for j in range(n):
-                if stop.is_set():
-                    return None
-                shown.advance()
-                okey = keys[j].tobytes()
-                with self._lock:
-                    r = self._row(okey)
-                    files = [] if r < 0 else [(self._fragment_db(r, i), self._fragment_size(r, i))
-                                              for i in range(int(self._rows.nfrag[r]))]
-                    gen, tick = (int(self._rows.gen[r]), int(self._rows.tick[r])) if r >= 0 else (-1, -1)
-                if not files:
-                    continue
-                mtime = self._files_match(okey, files)
-                if mtime is not None:
-                    with self._lock:               # its LRU place by age, as a scan gives it (unless used since)
-                        r = self._row(okey)
-                        if r >= 0 and int(self._rows.gen[r]) == gen and int(self._rows.tick[r]) == tick:
-                            self._rows.tick[r] = _tick_of_age(time.time() - mtime)
-                    continue
-                changed += 1
-                with self._lock:
-                    r = self._row(okey)
-                    if r < 0 or int(self._rows.gen[r]) != gen:
-                        continue                   # stored or dropped since: not the snapshot's any more
-                    self._take(okey, r)
-                db = files[0][0]
-                found = self._scan_object(db, okey, header, own_file, started)
-                if found is not None and not isinstance(found, str):
-                    self.index_scanned(okey, *found, now=time.time())
-        logger.info("fs card %s: index snapshot checked against the files, %d objects changed since", self.root,
-                    changed)
-        return changed
+        return keys
 
-    def _files_match(self, okey: bytes, files: list[tuple[int, int]]) -> Optional[float]:
-        """The newest mtime of an object's files when they are still as the snapshot has them
-        (size, not changed since it was saved), else None."""
-        newest = 0.0
-        for i, (db, size) in enumerate(files):
-            try:
-                dir_fd, name = self.path_of(db, okey + i.to_bytes(2, "big"))
-                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            except OSError:
+    def held(self, okey: bytes) -> Optional[Held]:
+        """What the index holds of an object now (None: not indexed); no use is stamped."""
+        with self._lock:
+            r = self._row(okey)
+            if r < 0:
                 return None
-            if st.st_size != size or st.st_mtime > self.saved_at or not stat.S_ISREG(st.st_mode):
-                return None
-            newest = max(newest, st.st_mtime)
-        return newest
+            files = [(self._fragment_db(r, i), self._fragment_size(r, i)) for i in range(int(self._rows.nfrag[r]))]
+            return Held(files, int(self._rows.gen[r]), int(self._rows.tick[r]))
 
-    def scan(self, walk: Callable[[], Iterator[tuple[int, int, str]]],
-             own_file: Callable[[int], None], started: float, stop: threading.Event) -> Optional[int]:
-        """Index the files ``walk()`` yields as (database, its directory's descriptor, name) (walked twice: a
-        count for the progress, ``listed``, then the work), checking each head's header
-        against its size and its object's fragments against the size it records. A file older than ``started`` (the card's
-        open, wall clock) that does not match (truncated, corrupt), or a fragment whose head
-        is missing, is removed; so is every file of an object whose fragments do not add up
-        to the size its head records, or whose fragments carry other write ids than its head
-        (a torn object: an overwrite cut short). Every file is opened, checked and removed
-        relative to its database's descriptor, following no symlink. Leftovers of interrupted writes (dot files) older than
-        ``started`` go. ``own_file(fd)`` gives each file the card's mode and group. Returns
-        how many objects it indexed, or None when ``stop`` was set first."""
-        t0 = time.monotonic()
-        header = memoryview(bytearray(objfmt.HEADER_CORE))
-        indexed = bad = 0
-        with progress.track(f"fs card {self.root}: indexing", 0, "files", log=logger) as shown:
-            shown.total = self.listed = sum(1 for _ in walk())
-            for db, dir_fd, name in walk():
-                if stop.is_set():
-                    return None
-                shown.advance()
-                ref = FileRef(dir_fd, name)
-                if name.startswith("."):
-                    if _older(ref, started):
-                        unlink_all([ref])  # a temp file of a write that never finished
-                    continue
-                try:
-                    fkey = bytes.fromhex(name)
-                except ValueError:
-                    continue
-                if len(fkey) != FKEY_BYTES:
-                    continue
-                okey = object_key(fkey)
-                if not is_head(fkey):
-                    if not self._has_head(okey, fkey, db) and okey not in self._pending and _older(ref, started):
-                        # no head: a fragmented write cut short (the head goes last); it can never be read
-                        logger.warning("fs card %s: %s has no head fragment; removing it", self.root,
-                                       self._where(db, object_name(fkey)))
-                        unlink_all([ref])
-                        bad += 1
-                    continue
-                found = self._scan_object(db, okey, header, own_file, started)
-                if found is None:
-                    continue
-                if isinstance(found, str):
-                    bad += 1
-                    continue
-                indexed += self.index_scanned(okey, *found, now=time.time())
-        used, files = self.usage()
-        logger.info("fs card %s: %d objects in %d files, %.1f MiB indexed in %.2f s%s",
-                    self.root, indexed, files, used / 2**20, time.monotonic() - t0,
-                    f"; {bad} broken removed" if bad else "")
-        return indexed
+    def age(self, okey: bytes, held: Held, mtime: float) -> None:
+        """Give an object the LRU place of files last written at ``mtime`` (as the scan gives
+        it), unless it was stored or used since ``held`` was taken."""
+        with self._lock:
+            r = self._row(okey)
+            if r >= 0 and int(self._rows.gen[r]) == held.gen and int(self._rows.tick[r]) == held.tick:
+                self._rows.tick[r] = _tick_of_age(time.time() - mtime)
 
-    def _has_head(self, okey: bytes, fkey: bytes, db: int) -> bool:
-        """Whether the head of the object whose fragment ``fkey`` is in ``db`` is where a
-        gateway puts it (spread: ``index`` databases back; else the same database)."""
-        back = (db - int.from_bytes(fkey[-2:], "big")) % self.num_dbs
-        return any(_exists(self.path_of(d, okey + HEAD_SUFFIX)) for d in {back, db})
-
-    def _where(self, db: int, name: str) -> str:
-        """The path of a file of database ``db`` (``name`` relative to it: "ab/<hex>"), for messages."""
-        return os.path.join(self.root, f"db{db:03d}", name)
-
-    def _scan_object(self, db: int, okey: bytes, header: memoryview, own_file: Callable[[int], None],
-                     started: float):
-        """(parts, total, head length, write id, newest mtime) of a whole object whose head is
-        in database ``db``, None when it cannot be judged now (gone, unreadable, newer than the
-        start, a write in flight), or a string when it was broken (a bad head, missing
-        fragments, fragments of another write than its head's: torn) and removed."""
-        head_ref = self.path_of(db, okey + HEAD_SUFFIX)
-        path = self._where(db, head_ref.name)
-        try:
-            info = _scan_file(head_ref.dir_fd, head_ref.name, okey + HEAD_SUFFIX, header, own_file)
-        except OSError as exc:
-            if exc.errno != errno.ELOOP or not _older(head_ref, started):
-                return None
-            info = "not a file of the card (a symlink)"
-        if isinstance(info, str):
-            if not _older(head_ref, started):
-                return None
-            logger.warning("fs card %s: %s is %s; removing it", self.root, path, info)
-            unlink_all([head_ref])
-            return info
-        size, mtime, flen, total, write_id = info
-        parts = {okey + HEAD_SUFFIX: (db, size)}
-        if total <= flen:
-            return parts, total, flen, write_id, mtime
-        try:
-            extents = fragment_extents(total, flen)
-        except ValueError:
-            extents = []
-        problem = None if extents else "a head of impossible size"
-        spread_ok = True
-        for i, (_, length) in enumerate(extents[1:], 1):
-            fkey = okey + i.to_bytes(2, "big")
-            got = None
-            for d in ((db + i) % self.num_dbs, db) if spread_ok else (db,):
-                ref = self.path_of(d, fkey)
-                try:
-                    got = _scan_file(ref.dir_fd, ref.name, fkey, header, own_file)
-                except OSError:
-                    continue
-                break
-            if got is None or isinstance(got, str) or got[2] != length:
-                problem = "missing fragments"
-                break
-            parts[fkey] = (d, got[0])
-            mtime = max(mtime, got[1])
-            if got[4] != write_id:
-                problem = "torn (fragments of different writes)"
-                break
-        if problem is None:
-            return parts, total, flen, write_id, mtime
-        if mtime >= started or okey in self._pending:
-            return None
-        logger.warning("fs card %s: object %s is %s; removing it", self.root, okey.hex(),
-                       problem if problem.startswith("torn") else f"lacking fragments ({problem})")
-        unlink_all([self.path_of(d, fk) for fk, (d, _) in parts.items()])
-        return problem
-
+    def forget(self, okey: bytes, held: Held) -> bool:
+        """Take an object out of the index, its files left to the caller to judge, unless it
+        was stored or dropped since ``held`` was taken; whether it was taken out."""
+        with self._lock:
+            r = self._row(okey)
+            if r < 0 or int(self._rows.gen[r]) != held.gen:
+                return False
+            self._take(okey, r)
+            return True
 
 def _tick_of_age(age_s: float) -> int:
     """The LRU tick of a file last written ``age_s`` ago: older than any use since the start,
@@ -1126,41 +853,3 @@ def _tick_of_age(age_s: float) -> int:
     ms = int(max(age_s, 0.0) * 1000)
     fine = 1 << 30
     return START_TICK - 1 - (ms if ms < fine else min(fine + (ms - fine) // 1000, START_TICK - 2))
-
-
-def _older(ref: FileRef, started: float) -> bool:
-    """Whether the file was last changed before ``started`` (wall clock): not a write of
-    this gateway's."""
-    try:
-        return os.stat(ref.name, dir_fd=ref.dir_fd, follow_symlinks=False).st_mtime < started
-    except OSError:
-        return False
-
-
-def _exists(ref: FileRef) -> bool:
-    """Whether a name is in its directory (a symlink too)."""
-    try:
-        os.stat(ref.name, dir_fd=ref.dir_fd, follow_symlinks=False)
-        return True
-    except OSError:
-        return False
-
-
-def _scan_file(dir_fd: int, name: str, fkey: bytes, header: memoryview, own_file: Callable[[int], None]):
-    """(size on disk, mtime, payload length, recorded object size, write id) of a sound
-    object file, or what is wrong with it ("bad header", "truncated ..."); gives the file
-    the card's mode. Raises ``OSError`` for a name that is no file (a symlink: ELOOP)."""
-    fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
-    try:
-        st = os.fstat(fd)
-        got = os.preadv(fd, [header], 0)
-        if stat.S_ISREG(st.st_mode):
-            own_file(fd)
-    finally:
-        os.close(fd)
-    parsed = objfmt.read_header(header[:got], fkey) if stat.S_ISREG(st.st_mode) else None
-    if parsed is None:
-        return "bad header"
-    if st.st_size not in sizes_on_disk(parsed.payload_len):
-        return f"truncated ({st.st_size} bytes for a payload of {parsed.payload_len})"
-    return st.st_size, st.st_mtime, parsed.payload_len, parsed.object_bytes, parsed.write_id

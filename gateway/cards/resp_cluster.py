@@ -73,6 +73,7 @@ class ClusterCard(ClusterRouting, Card):
 
     kind = "resp-cluster"
     batched_reads = True
+    keys_by_tag = True
 
     def __init__(self, device: str, io_timeout_s: Optional[float] = None, wait_ms: int = 0):
         super().__init__(device)

@@ -12,6 +12,8 @@ vLLM loads them by name from this module::
                             [{"type":"AdpSecondaryTier","module_path":"adpkv_vllm","port":5557}]}}'
 
 The classes import vLLM lazily, so ``import adpkv_vllm`` works without vLLM.
+Each integration is a subpackage (``connector``, ``offloading``, ``tier``) over the
+part they share (``common``).
 """
 
 __all__ = ["AdpKVConnector", "AdpOffloadingSpec", "AdpSecondaryTier"]
@@ -19,12 +21,12 @@ __all__ = ["AdpKVConnector", "AdpOffloadingSpec", "AdpSecondaryTier"]
 
 def __getattr__(name):
     if name == "AdpKVConnector":
-        from .connector import AdpKVConnector
+        from .connector.connector import AdpKVConnector
         return AdpKVConnector
     if name == "AdpOffloadingSpec":
-        from .offloading import AdpOffloadingSpec
+        from .offloading.spec import AdpOffloadingSpec
         return AdpOffloadingSpec
     if name == "AdpSecondaryTier":
-        from .tier import AdpSecondaryTier
+        from .tier.tier import AdpSecondaryTier
         return AdpSecondaryTier
     raise AttributeError(name)

@@ -1,11 +1,14 @@
 """Peers of the adversary tests: a control connection of one's own (``Raw``), what a reply
 said (``answer``), and what an unprivileged child does with them (``store_own``,
-``read_back``: run them through ``test_security.as_nobody``)."""
+``read_back``: run them through ``as_nobody``, a forked child that is uid/gid ``NOBODY``), and
+root's objects written through the ring (``ring_fill``)."""
 
 from __future__ import annotations
 
 import itertools
+import multiprocessing as mp
 import os
+import traceback
 
 import msgpack
 import zmq
@@ -15,6 +18,7 @@ from adpkv_core.door import DoorSession, door_path
 
 from .rankproc import pattern
 
+NOBODY = 65534
 OBJ = 8192
 ANSWER_S = 10.0
 
@@ -107,3 +111,38 @@ def read_back(port: int, keys: list, rank_pattern: int) -> dict:
         got = raw.ask("GET", keys=keys, obj=OBJ, region=0, at=at)
         return {"hello": answer(raw.hello), "get": answer(got), "hits": list(got.get("hits", b"")),
                 "exact": [raw.read(a, OBJ) == pattern(k, rank_pattern, OBJ) for k, a in zip(keys, at)]}
+
+
+def as_nobody(fn, *args, timeout: float = 60.0):
+    """Run ``fn(*args)`` in a forked child that is uid/gid 65534; its return value, or the
+    child's exception re-raised here as AssertionError with its traceback."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+
+    def child():
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            assert os.geteuid() == NOBODY
+            q.put(("ok", fn(*args)))
+        except BaseException:
+            q.put(("error", traceback.format_exc()))
+
+    p = ctx.Process(target=child)
+    p.start()
+    try:
+        kind, value = q.get(timeout=timeout)
+    finally:
+        p.join(10)
+    if kind == "error":
+        raise AssertionError("in the unprivileged child:\n" + value)
+    return value
+
+
+def ring_fill(client, keys):
+    def fill(b):
+        for j in range(b.count):
+            o = b.offset + j * b.stride
+            client.ring[o:o + OBJ] = pattern(keys[b.first + j], 0, OBJ)
+    return fill

@@ -21,7 +21,7 @@ else:
     sys.path.insert(0, os.path.dirname(__file__))
     import pytest
 
-    from adpkv_gateway.spawn import GatewayProcess
+    from adpkv_gateway.ops.spawn import GatewayProcess
 
     @pytest.fixture(scope="session")
     def lmc_gateway(tmp_path_factory):

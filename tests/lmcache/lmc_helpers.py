@@ -108,7 +108,7 @@ class LMCacheServerProcess:
 
     def __init__(self, l2_adapters: list[dict], log_path: str, l1_size_gb: float = 0.25,
                  port: int | None = None, http_port: int | None = None, extra: tuple = ()):
-        from adpkv_gateway.spawn import free_port
+        from adpkv_gateway.ops.spawn import free_port
 
         self.l2_adapters = l2_adapters
         self.log_path = log_path

@@ -14,7 +14,7 @@ from lmcache.cli.main import register_commands
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
 
-from adpkv_gateway.spawn import GatewayProcess, free_port
+from adpkv_gateway.ops.spawn import GatewayProcess, free_port
 from adpkv_lmcache import AdpL2Adapter
 
 MANIFEST = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "lmcache.yaml"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from adpkv_gateway.spawn import free_port
+from adpkv_gateway.ops.spawn import free_port
 from lmc_helpers import bits, fresh_prefix, gateway_stats, load, lookup, make_key, make_obj, same_bytes, store
 
 

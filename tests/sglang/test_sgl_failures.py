@@ -8,7 +8,7 @@ import torch
 
 from sgl_pools import fill_random, mha_pool, page_bytes, page_hashes, storage_config
 
-from adpkv_gateway.spawn import free_port
+from adpkv_gateway.ops.spawn import free_port
 
 N = 4
 

@@ -426,7 +426,7 @@ def test_hybrid_without_interface_v1_uses_the_generic_kv_path(gateway, backends)
 def test_v2_without_a_gateway_and_with_bad_indices_never_raises(gateway, backends):
     """The cache never stops the engine: no gateway means misses and failed sets; bad host indices
     or an unregistered pool fail that pool's pages only, and nothing is written into the pools."""
-    from adpkv_gateway.spawn import free_port
+    from adpkv_gateway.ops.spawn import free_port
     pools = make_pools("qwen3next", "page_first", seed=60)
     down = storage_config({"port": free_port(), "model_id": "m", "interface_v1": 1, "connect_timeout_s": 0.5,
                            "reconnect_s": 0})

@@ -35,7 +35,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from adpkv_vllm.connector import AdpKVConnector
+from adpkv_vllm.connector.connector import AdpKVConnector
 
 init_none_hash(sha256)
 _ids = itertools.count(1)

@@ -1,4 +1,4 @@
-"""Block <-> ring copies of adpkv_vllm.copy on the layouts vLLM 0.29-0.33 hand a connector.
+"""Block <-> ring copies of adpkv_vllm.common.copy on the layouts vLLM 0.29-0.33 hand a connector.
 
 Pure tensor tests (no gateway, no engine); the CUDA cases run where a GPU is present.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adpkv_vllm.copy import PagedLayer, block_major_view
+from adpkv_vllm.common.copy import PagedLayer, block_major_view
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 NB = 64
@@ -61,7 +61,7 @@ def test_block_dim_is_found_or_refused():
 
 
 def test_rows_of_strided_ring_parts():
-    from adpkv_vllm.copy import rows_of
+    from adpkv_vllm.common.copy import rows_of
     ring = torch.zeros(10_000, dtype=torch.uint8)
     parts = ring.as_strided((5, 300), (1000, 1), 64)          # a rank's slice of 5 ring slots
     assert rows_of(parts) == (300, 5, 1000)
@@ -74,8 +74,8 @@ def test_rows_of_strided_ring_parts():
 def test_strided_parts_go_by_one_2d_dma_not_a_host_copy():
     """A TP rank's slices, strided in a pinned ring, are copied by cuMemcpy2DAsync (the driver
     path is taken and stays on), byte for byte, both ways."""
-    from adpkv_vllm import copy as copy_mod
-    from adpkv_vllm.cuda_ring import pin_ring, unpin_ring
+    from adpkv_vllm.common import copy as copy_mod
+    from adpkv_vllm.common.cuda_ring import pin_ring, unpin_ring
     ring = torch.zeros(64 << 20, dtype=torch.uint8)
     assert pin_ring(ring)
     try:

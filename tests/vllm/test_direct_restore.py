@@ -23,7 +23,7 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.direct_map import DirectMaps
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
-from adpkv_vllm.copy import PagedLayer, ring_tensor
+from adpkv_vllm.common.copy import PagedLayer, ring_tensor
 from engine_run import engine_prompts, run_subprocess
 from test_engine import connector, floor_hit
 

@@ -12,7 +12,7 @@ Two drafters, each with tiny random-weight checkpoints:
 
 Both with ``num_speculative_tokens`` 1 and a chunk of one block. The drafter's KV at a chunk's
 last position depends on the next token, so its objects are named by the next token's hash
-block (``plugins/vllm/drafter.py``) and a hit is one block short of the prompt's full blocks,
+block (``plugins/vllm/connector/drafter.py``) and a hit is one block short of the prompt's full blocks,
 the same boundary vLLM's own prefix cache gives (it drops the last block of an EAGLE/MTP hit).
 
 The greedy output does not depend on the drafter's KV (the target verifies every draft), so
@@ -164,7 +164,7 @@ def _config(model_dir, method, groups, multi_module=False):
     import types
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
-    from adpkv_vllm.metadata import ConnectorConfig
+    from adpkv_vllm.connector.metadata import ConnectorConfig
     vc = VllmConfig(model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32"),
                     cache_config=CacheConfig(block_size=32), device_config=DeviceConfig("cpu"))
     spec = types.SimpleNamespace(method=method, use_eagle=lambda: True, num_speculative_tokens=2,
@@ -181,7 +181,7 @@ def test_drafter_rules(model_dir):
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
     from adpkv_core.keys import chunk_digest
-    from adpkv_vllm.drafter import clip_hit, draft_digests, save_range
+    from adpkv_vllm.connector.drafter import clip_hit, draft_digests, save_range
     full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
     slide = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32,
                               sliding_window=64)

@@ -1,4 +1,4 @@
-"""NVLink fan-out of MLA restores (adpkv_vllm.fanout): which rank copies which share of a
+"""NVLink fan-out of MLA restores (adpkv_vllm.connector.fanout): which rank copies which share of a
 ring batch, how the ranks agree on sources and misses, the exchange, and when fan-out turns
 itself off.
 
@@ -20,10 +20,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from adpkv_core.client import RingBatch
-from adpkv_vllm.copy import PagedLayer
-from adpkv_vllm.fanout import Fanout, nvlink_between, share, sources, why_not
-from adpkv_vllm.metadata import ChunkPlan
-from adpkv_vllm.worker import ChunkPlanIndex
+from adpkv_vllm.common.copy import PagedLayer
+from adpkv_vllm.connector.fanout import Fanout, nvlink_between, share, sources, why_not
+from adpkv_vllm.connector.metadata import ChunkPlan
+from adpkv_vllm.connector.worker import ChunkPlanIndex
 
 NB = 96                 # blocks in each rank's paged cache
 PAGE = (4, 72)          # one block's latent page (float32: 1152 bytes)
@@ -203,8 +203,8 @@ def _worker_rank(rank: int, port: int, gw_port: int, model_dir: str, engine_id: 
 
     from adpkv_core.client import GatewayClient
     from adpkv_core.settings import ClientConfig
-    from adpkv_vllm.connector import AdpKVConnector
-    from adpkv_vllm.metadata import AdpConnectorMetadata
+    from adpkv_vllm.connector.connector import AdpKVConnector
+    from adpkv_vllm.connector.metadata import AdpConnectorMetadata
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     ps.get_tensor_model_parallel_rank = lambda: rank

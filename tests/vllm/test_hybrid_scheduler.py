@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
                                         MLAAttentionSpec, SlidingWindowSpec, SparseCacheRole,
                                         UniformTypeKVCacheSpecs)
 
-from adpkv_vllm.metadata import ConnectorConfig
+from adpkv_vllm.connector.metadata import ConnectorConfig
 from harness import Harness, prefix_values
 
 BLOCK, CHUNK = 32, 64
@@ -91,7 +91,7 @@ def test_a_group_missing_a_chunk_shortens_the_hit_for_all(gateway, model_dir):
     h, req = store_and_restore(model_dir, gateway.port, groups, toks)
     try:
         # delete chunk 4 of the full group only: the hit stops at 4 chunks for both groups
-        from adpkv_vllm.common import chunk_hashes
+        from adpkv_vllm.common.settings import chunk_hashes
         digests = chunk_hashes(req.block_hashes, CHUNK // BLOCK, 10)
         cfg = h.worker.config
         keys = cfg.keys.keys([digests[4]], [cfg.layer_index[layers(1)[0]]], kind=1)
@@ -111,7 +111,7 @@ def test_a_lost_object_of_one_group_is_recomputed_in_every_group_and_saved_again
     toks = tokens(700, 4)
     h, req = store_and_restore(model_dir, gateway.port, groups, toks)
     try:
-        from adpkv_vllm.common import chunk_hashes
+        from adpkv_vllm.common.settings import chunk_hashes
         cfg = h.worker.config
         digests = chunk_hashes(req.block_hashes, CHUNK // BLOCK, 10)
         # chunk 8 (blocks 16, 17) is inside the window at the hit (640 tokens)
@@ -198,8 +198,8 @@ def test_mamba_state_rules(model_dir):
     default), a hit needs the state at exactly its boundary, only hand-offs at chunk
     boundaries are stored; in ``none`` mode (prefix caching off) the cache is off, with why.
     The real-engine restores are in test_recurrent.py."""
-    from adpkv_vllm.recurrent import plan_state_saves
-    from adpkv_vllm.scheduler import hit_chunks
+    from adpkv_vllm.connector.recurrent import plan_state_saves
+    from adpkv_vllm.connector.scheduler import hit_chunks
     vc = _vllm_config(model_dir)     # only the configuration: no engine, no gateway
     for mode in ("align", "none"):
         mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64), (8, 16, 16)), dtypes=(torch.float32,) * 2,
@@ -242,7 +242,7 @@ def test_a_hit_whose_load_cannot_be_planned_is_recomputed(gateway, model_dir, mo
     come back as a failed load (block errors for one group; a failed request for several),
     never as KV."""
     import types
-    from adpkv_vllm.scheduler import AdpConnectorScheduler
+    from adpkv_vllm.connector.scheduler import AdpConnectorScheduler
     groups = ([(layers(0), sliding()), (layers(1), full())] if several else [(layers(0, 1), full())])
     toks = tokens(700, 6)
     h, req = store_and_restore(model_dir, gateway.port, groups, toks)

@@ -81,7 +81,8 @@ def _lookup_all(manager, keys, ctx, timeout=10):
 def test_missing_middle_chunk_restores_only_the_prefix(gateway):
     from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext, make_offload_key
 
-    from adpkv_vllm.offloading import AdpOffloadingSpec, object_digest
+    from adpkv_vllm.offloading.backend import object_digest
+    from adpkv_vllm.offloading.spec import AdpOffloadingSpec
 
     spec = AdpOffloadingSpec(_config(gateway.port))
     src, caches = _caches(seed=1)

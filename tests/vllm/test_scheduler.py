@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from adpkv_vllm.common import check_hash_stability, chunk_hashes
+from adpkv_vllm.common.settings import check_hash_stability, chunk_hashes
 from harness import Harness
 
 CHUNK = 64          # tokens per stored chunk (2 blocks of 32)
@@ -182,7 +182,7 @@ def test_decode_chunks_are_saved_in_one_request_per_step(gateway, model_dir):
 
 
 def test_no_gateway_means_no_hits_and_requests_complete(model_dir, caplog):
-    from adpkv_gateway.spawn import free_port
+    from adpkv_gateway.ops.spawn import free_port
     h = Harness(model_dir, free_port(), namespace="none", chunk_size=CHUNK,
                 extra={"adpkv.connect_timeout_s": 0.5})
     try:
@@ -197,7 +197,7 @@ def test_no_gateway_means_no_hits_and_requests_complete(model_dir, caplog):
 
 
 def test_unstable_hash_settings_are_reported(monkeypatch, caplog):
-    import adpkv_vllm.common as common
+    import adpkv_vllm.common.settings as common
     cfg = types.SimpleNamespace(cache_config=types.SimpleNamespace(prefix_caching_hash_algo="xxhash"))
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     monkeypatch.setattr(common, "_warned_hash", False)
@@ -223,7 +223,7 @@ def test_tensor_parallel_ranks_store_and_restore_their_slices(gateway, model_dir
 
     import uuid as _uuid
 
-    from adpkv_vllm.connector import AdpConnectorMetadata, AdpKVConnector, ChunkPlan
+    from adpkv_vllm.connector.connector import AdpConnectorMetadata, AdpKVConnector, ChunkPlan
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
     spec = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)
@@ -309,7 +309,7 @@ def test_namespace_settings():
     now counts too (an explicit adpkv.namespace used to replace it). An unknown field (a local
     model without --revision) gives a namespace private to the engine: its scheduler and workers
     agree, nobody else shares it."""
-    from adpkv_vllm.common import AdapterSettings, resolve_namespace
+    from adpkv_vllm.common.settings import AdapterSettings, resolve_namespace
 
     mc = types.SimpleNamespace(model="/models/llama", revision="abc", dtype="bfloat16",
                                hf_text_config=types.SimpleNamespace(num_hidden_layers=2),

@@ -3,8 +3,8 @@ engine tests in test_offloading.py run loads through it with the default ``auto`
 
 import pytest
 
-from adpkv_vllm.offload_worker import shard_ranges
-from adpkv_vllm.offloading import parse_shard_reads
+from adpkv_vllm.offloading.worker import shard_ranges
+from adpkv_vllm.offloading.backend import parse_shard_reads
 
 
 def test_auto_and_explicit_shards_cover_every_chunk_once():

@@ -71,12 +71,12 @@ class _Geometry:
 
     def __init__(self, *windows):
         import types
-        from adpkv_vllm.metadata import CacheGroup
+        from adpkv_vllm.connector.metadata import CacheGroup
         groups = [CacheGroup(i, "sliding" if w else "full", (f"l{i}",), w) for i, w in enumerate(windows)]
         self.cfg = types.SimpleNamespace(groups=groups, block_size=32, chunk_size=CHUNK, blocks_per_chunk=8)
 
     def hit(self, *present, local=0):
-        from adpkv_vllm.scheduler import hit_chunks
+        from adpkv_vllm.connector.scheduler import hit_chunks
         return hit_chunks(self.cfg, list(present), local)
 
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from adpkv_core.ring import object_stride
-from adpkv_vllm.copy import PagedLayer, as_index
-from adpkv_vllm.heads import HeadShare
+from adpkv_vllm.common.copy import PagedLayer, as_index
+from adpkv_vllm.connector.heads import HeadShare
 
 NB, HEADS, BS, HD, BPC = 40, 4, 32, 64, 2     # blocks, KV heads, block tokens, head size, blocks per object
 OBJECTS = 7
@@ -117,7 +117,7 @@ def test_the_2d_dma_plan_of_a_head_share_copies_what_a_per_page_copy_does(page, 
     of ``copy.dma_plan`` (run here by emulating each on CPU tensors): from a ring of canonical
     objects they give exactly this rank's heads of every page (a per-page reference copy), and
     into the ring they write those bytes and no other (the other ranks' heads, the slot padding)."""
-    from adpkv_vllm.copy import dma_plan
+    from adpkv_vllm.common.copy import dma_plan
     hdim = len(page) - 3
     es = torch.empty(0, dtype=dtype).element_size()
     cpage = math.prod(page) * es
@@ -161,7 +161,7 @@ def test_the_2d_dma_plan_of_a_head_share_copies_what_a_per_page_copy_does(page, 
 
 
 def test_the_2d_dma_plan_refuses_rows_it_cannot_describe():
-    from adpkv_vllm.copy import dma_plan
+    from adpkv_vllm.common.copy import dma_plan
     ring = torch.zeros(10_000, dtype=torch.uint8)
     assert dma_plan(torch.zeros(4, 6).t().contiguous(), torch.zeros(4, 6).t()) is None   # last dim strided
     assert dma_plan(torch.zeros(5, 300, dtype=torch.uint8), ring.as_strided((5, 300), (100, 1), 0)) is None  # overlap
@@ -172,7 +172,7 @@ def test_the_2d_dma_plan_refuses_rows_it_cannot_describe():
 def _config(model_dir, tp: int, dtype="float32", block=32, heads=None, extra=None, mamba=False):
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
-    from adpkv_vllm.metadata import ConnectorConfig
+    from adpkv_vllm.connector.metadata import ConnectorConfig
     # a revision: a derived namespace needs one (a local directory has none of its own)
     mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, revision="r1")
     pc = ParallelConfig()

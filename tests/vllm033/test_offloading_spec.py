@@ -141,11 +141,11 @@ def test_config_info_reaches_the_info_metric(gateway, model_dir):
         assert AdpOffloadingSpec.config_info_keys(extra) == ("adpkv_gateway", "adpkv_namespace",
                                                              "adpkv_shard_reads")
         stats = h.connector.get_kv_connector_stats()
-        spec = h.connector.connector_scheduler.manager.spec
+        backend = h.connector.connector_scheduler.manager.backend
         prom = KVConnectorProm(h.vllm_config, ["model_name", "engine"], {0: ["m", "0"]})
         prom.observe(stats.data, 0)
         labels = {"model_name": "m", "engine": "0", "adpkv_gateway": f"127.0.0.1:{gateway.port}",
-                  "adpkv_namespace": spec.namespace, "adpkv_shard_reads": "3"}
+                  "adpkv_namespace": backend.namespace, "adpkv_shard_reads": "3"}
         assert REGISTRY.get_sample_value("vllm:kv_offload_config_info", labels) == 1.0
     finally:
         unregister_vllm_metrics()

@@ -22,7 +22,7 @@ import uuid
 
 import torch
 
-from adpkv_vllm.kv_gate import KVGate
+from adpkv_vllm.connector.kv_gate import KVGate
 from harness import Harness
 
 CHUNK = 64

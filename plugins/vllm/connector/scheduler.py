@@ -1,0 +1,431 @@
+"""The scheduler role of ``AdpKVConnector``: which chunks of a prompt are stored,
+and each step's load and save plans.
+
+``get_num_new_matched_tokens`` asks the gateway once per prompt (one EXIST over
+the chunk keys of the first and the last layer, or of every layer) which chunks
+are stored, from the start up to the first missing one (``hit_chunks``); vLLM
+counts them as computed and reserves blocks. ``build_connector_meta`` hands the
+workers a load plan (chunks to restore into which blocks) and a save plan
+(chunks that became full this step); ``update_connector_output`` plans a chunk
+whose load failed for saving again once vLLM recomputed it.
+
+The scheduler is not a rank: it attaches as a lookup-only peer of the engine
+(``Attachment(rank=None)``), re-attached between steps only (after
+``build_connector_meta``), never while a lookup is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from adpkv_core.affinity import dialog_marks
+from adpkv_core.attachment import Attachment
+
+from ..common.settings import chunk_hashes
+from .drafter import clip_hit, draft_digests, draft_key_count, save_range
+from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
+from .recurrent import plan_state_saves
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("adpkv.vllm")
+
+# vLLM's BlockPool hands out block 0 as the null block: the block-table entry of a block that
+# was never allocated or was freed (sliding window: blocks that left the window)
+NULL_BLOCK_ID = 0
+
+
+# =============================================================================== hit rule
+def skipped_blocks(group: CacheGroup, block_size: int, num_computed_tokens: int) -> int:
+    """Blocks at the start of a request that vLLM may have freed (null blocks) in this
+    group once ``num_computed_tokens`` are computed: those wholly before the sliding
+    window. vLLM's SlidingWindowManager frees ``(n - window + 1) // block_size`` blocks or
+    fewer (it may retain extra tokens), so this is an upper bound; 0 for full attention."""
+    if group.sliding_window is None:
+        return 0
+    return max(0, num_computed_tokens - group.sliding_window + 1) // block_size
+
+
+def hit_chunks(cfg: ConnectorConfig, present: list[list[bool]], local: int) -> int:
+    """The longest run of chunks every KV cache group can restore.
+
+    ``present[g][c]``: chunk c of group ``cfg.groups[g]`` is stored. A hit of h chunks
+    needs, in every group, the chunks that group reads at the boundary h past vLLM's
+    own hit ``local``: a full-attention (or MLA) group every one of them, a sliding-
+    window group only those inside the window that ends at h (vLLM gives the blocks
+    before it null blocks, so they need not be stored), a recurrent-state group the state
+    at exactly boundary h (``present[g][h-1]``: the state after chunk h-1)."""
+    n = min((len(p) for p in present), default=0)
+    first_local = local // cfg.chunk_size
+    bpc = cfg.blocks_per_chunk
+    for h in range(n, first_local, -1):
+        if all(p[h - 1] if g.recurrent else
+               all(p[max(skipped_blocks(g, cfg.block_size, h * cfg.chunk_size) // bpc, first_local):h])
+               for g, p in zip(cfg.groups, present)):
+            return h
+    return 0
+
+
+def stored_chunks(flags: list[bool], at: int, exist_layers: list[list[int]],
+                  n: int) -> tuple[list[list[bool]], int]:
+    """Per group (``exist_layers``: the layers asked for it), whether each of ``n`` chunks is
+    stored in all those layers, read from an EXIST's ``flags`` from ``at`` on (per group, layer
+    by layer, ``n`` flags each); and where the flags after these groups start."""
+    present = []
+    for layers in exist_layers:
+        present.append([all(flags[at + li * n + c] for li in range(len(layers))) for c in range(n)])
+        at += n * len(layers)
+    return present, at
+
+
+@dataclass
+class _ReqState:
+    block_ids: dict[int, list[int]] = field(default_factory=dict)   # group index -> its block table
+    saved_chunks: int = 0          # chunks stored or planned for saving
+    draft_saved: int = 0           # drafter chunks stored, planned or passed over (drafter.py)
+    had_saves: bool = False
+    restored_chunks: int = 0       # the external hit loaded into its blocks (states stored already)
+    load: Optional[tuple[int, int, int]] = None   # (first chunk, end chunk, blocks to skip in first)
+
+    def set_blocks(self, groups: list[CacheGroup], ids, extend: bool = False) -> None:
+        """``ids``: vLLM's block ids per KV cache group (a tuple indexed by group id)."""
+        if not ids:
+            return
+        for g in groups:
+            new = list(ids[g.index]) if g.index < len(ids) else []
+            if extend:
+                self.block_ids.setdefault(g.index, []).extend(new)
+            else:
+                self.block_ids[g.index] = new
+
+    def blocks(self, g: CacheGroup) -> list[int]:
+        return self.block_ids.get(g.index, [])
+
+
+# =============================================================================== role
+class AdpConnectorScheduler:
+    """The scheduler-side half of ``AdpKVConnector`` (one per engine, in the EngineCore process)."""
+
+    def __init__(self, cfg: ConnectorConfig, kv_transfer_config):
+        self.cfg = cfg
+        if (getattr(kv_transfer_config, "kv_load_failure_policy", "recompute") == "fail"
+                and not cfg.settings.respect_fail_policy):
+            # A best-effort cache must never fail a request: a chunk that cannot be
+            # read is recomputed. (adpkv.respect_fail_policy=true keeps "fail".)
+            try:
+                kv_transfer_config.kv_load_failure_policy = "recompute"
+                logger.info("adpkv: kv_load_failure_policy set to 'recompute' (a load that fails "
+                            "is recomputed, never an error)")
+            except Exception:  # pragma: no cover - frozen config
+                logger.warning("adpkv: set kv_load_failure_policy=recompute so that a failed load "
+                               "is recomputed rather than failing the request")
+        # a lookup-only peer of the engine (the scheduler is not a rank); re-attached between
+        # steps. None where the cache is off for this model: nothing to look up
+        self.lookup: Optional[Attachment] = (
+            Attachment(cfg.settings.client, cfg.engine_id, None, cfg.tp_size, {"role": "vllm-scheduler"},
+                       reconnect_s=cfg.reconnect_s, install="on_refresh", name="adpkv-vllm-scheduler")
+            if cfg.supported else None)
+        # req -> (num_tokens, future, digests, drafter digests)
+        self._lookups: dict[str, tuple[int, Any, list[bytes], list[bytes]]] = {}
+        self._hits: dict[str, tuple[int, int]] = {}     # req -> (hit chunks, local computed tokens)
+        self._reqs: dict[str, _ReqState] = {}
+        self._requests: dict[str, "Request"] = {}
+        self._step = 0
+        self._last_step_loads: dict[str, list[int]] = {}
+        self._load_failed: set[str] = set()     # asynchronous loads that failed: no second try
+        # per group, the layers whose keys an EXIST asks for: its first and last (or all); an
+        # EAGLE/MTP drafter's layers are asked apart, under their own keys (drafter.py)
+        index = cfg.layer_index
+        drafter = cfg.drafter.layers if cfg.drafter is not None else frozenset()
+        self._exist_layers: list[list[int]] = []
+        self._draft_exist: list[list[int]] = []    # per group with drafter layers
+        self._draft_groups: list[CacheGroup] = []
+        ends = cfg.settings.exist_layers == "ends"
+
+        def asked(layers: list[int]) -> list[int]:
+            return sorted({layers[0], layers[-1]} if layers and ends else layers)
+
+        for g in cfg.groups:
+            self._exist_layers.append(asked([index[n] for n in g.layer_names if n not in drafter]))
+            draft = [index[n] for n in g.layer_names if n in drafter]
+            if draft:
+                self._draft_exist.append(asked(draft))
+                self._draft_groups.append(g)
+
+    def _digests(self, request: "Request", limit_chunks: int) -> list[bytes]:
+        return chunk_hashes(request.block_hashes, self.cfg.hashes_per_chunk, limit_chunks)
+
+    def _draft_digests(self, request: "Request", limit_chunks: int) -> list[bytes]:
+        if not self._draft_groups:
+            return []
+        return draft_digests(request.block_hashes, self.cfg.hashes_per_chunk, limit_chunks)
+
+    def _marks(self, digests: list[bytes]) -> list[int]:
+        return dialog_marks(digests, self.cfg.settings.client.affinity_chunks)
+
+    # ------------------------------------------------------------------ lookups
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        """Tokens past vLLM's own hit that the gateway holds; None: ask again next step
+        (the EXIST has not answered within ``lookup_wait_s``)."""
+        cfg = self.cfg
+        if not cfg.supported or not cfg.layer_names:
+            return 0, False
+        req_id = request.request_id
+        if req_id in self._load_failed:      # vLLM recomputes it whole (a retry could fail again)
+            return 0, False
+        # A prompt of N tokens hits at most floor((N-1)/C)*C tokens: vLLM must compute
+        # at least one token itself.
+        limit = (request.num_tokens - 1) // cfg.chunk_size
+        if limit * cfg.chunk_size <= num_computed_tokens:
+            self._hits[req_id] = (0, num_computed_tokens)
+            return 0, False
+        entry = self._lookups.get(req_id)
+        if entry is None or entry[0] != request.num_tokens:
+            digests = self._digests(request, limit)
+            s = self.lookup.session
+            if not digests or s is None or not s.enabled:
+                self._hits[req_id] = (0, num_computed_tokens)
+                return 0, False
+            marks = self._marks(digests)
+            keys, all_marks = [], []
+            for g, layers in zip(cfg.groups, self._exist_layers):
+                keys += cfg.keys.keys(digests, layers, kind=g.index)
+                all_marks += marks * len(layers)
+            ddig = self._draft_digests(request, limit)
+            for g, layers in zip(self._draft_groups, self._draft_exist):
+                keys += cfg.keys.keys(ddig, layers, kind=g.index)
+                all_marks += marks[:len(ddig)] * len(layers)
+            fut = s.client.exist(keys, marks=all_marks)
+            entry = (request.num_tokens, fut, digests, ddig)
+            self._lookups[req_id] = entry
+        _, fut, digests, ddig = entry
+        n, nd = len(digests), len(ddig)
+        n_keys = n * sum(len(layers) for layers in self._exist_layers) + nd * sum(map(len, self._draft_exist))
+        try:
+            flags = fut.result(timeout=cfg.settings.lookup_wait_s)
+        except Exception:  # not answered yet: ask again at the next step
+            if fut.done():
+                flags = [False] * n_keys
+            else:
+                return None, False
+        present, at = stored_chunks(flags, 0, self._exist_layers, n)
+        hit = hit_chunks(cfg, present, num_computed_tokens)
+        if self._draft_groups:    # the drafter's layers restore the same hit, or a shorter one
+            draft_present, _ = stored_chunks(flags, at, self._draft_exist, nd)
+            hit = clip_hit(hit, draft_present, num_computed_tokens // cfg.chunk_size)
+        self._hits[req_id] = (hit, num_computed_tokens)
+        ext = hit * cfg.chunk_size - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        return ext, cfg.loads_async
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        cfg = self.cfg
+        req_id = request.request_id
+        st = self._reqs.setdefault(req_id, _ReqState())
+        self._requests[req_id] = request
+        st.set_blocks(cfg.groups, blocks.get_block_ids())
+        hit, local = self._hits.pop(req_id, (0, 0))
+        self._lookups.pop(req_id, None)
+        st.saved_chunks = max(st.saved_chunks, hit)
+        st.restored_chunks = max(st.restored_chunks, hit)
+        st.draft_saved = max(st.draft_saved, hit)
+        if num_external_tokens > 0 and cfg.supported:
+            end_chunk = (local + num_external_tokens) // cfg.chunk_size
+            first_chunk = local // cfg.chunk_size
+            skip = (local % cfg.chunk_size) // cfg.block_size
+            st.load = (first_chunk, end_chunk, skip)
+
+    # ------------------------------------------------------------------ step plans
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> AdpConnectorMetadata:
+        self._step += 1
+        meta = AdpConnectorMetadata(step=self._step)
+        meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.setdefault(new.req_id, _ReqState())
+            st.set_blocks(self.cfg.groups, new.block_ids)
+            computed[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.setdefault(req_id, _ReqState())
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                st.block_ids = {}
+                st.set_blocks(self.cfg.groups, new_ids)
+            else:
+                st.set_blocks(self.cfg.groups, new_ids, extend=True)
+            computed[req_id] = cached.num_computed_tokens[i]
+
+        self._last_step_loads = {}
+        if self.cfg.loads_async:
+            # asynchronous loads: the request waits for its KV, unscheduled, with its blocks
+            for req_id, st in self._reqs.items():
+                if st.load is not None and req_id not in computed and req_id in self._requests:
+                    self._plan_load(meta, req_id, self._requests[req_id], st, st.load[1] * self.cfg.chunk_size)
+        for req_id, before in computed.items():
+            st = self._reqs[req_id]
+            request = self._requests.get(req_id)
+            if request is None or not self.cfg.supported:
+                continue
+            if st.load is not None:
+                self._plan_load(meta, req_id, request, st, before)
+            self._plan_save(meta, scheduler_output, req_id, request, st, before)
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offloads = getattr(block_state, "boundary_state_offloads", None)
+        if offloads and self.cfg.supported:
+            meta.state_saves = plan_state_saves(self.cfg, offloads, self._followed, self._digests, self._marks)
+        if self.lookup is not None:
+            self.lookup.refresh()   # between steps: a fresh attachment, when one is ready, from now on
+        return meta
+
+    def _followed(self, req_id: str) -> Optional[tuple["Request", int]]:
+        request, st = self._requests.get(req_id), self._reqs.get(req_id)
+        return None if request is None or st is None else (request, st.restored_chunks)
+
+    def _plan_load(self, meta: AdpConnectorMetadata, req_id: str, request: "Request",
+                   st: _ReqState, before: int) -> None:
+        cfg = self.cfg
+        bpc = cfg.blocks_per_chunk
+        c0, c1, skip = st.load
+        st.load = None
+        digests = self._digests(request, c1)
+        ddig = self._draft_digests(request, c1)
+        if (len(digests) != c1 or (self._draft_groups and len(ddig) != c1)
+                or any(len(st.blocks(g)) < c1 * bpc for g in cfg.groups)
+                or any(st.blocks(g)[c1 * bpc - 1] == NULL_BLOCK_ID for g in cfg.groups if g.recurrent)):
+            # vLLM counts the hit as computed: a load that cannot be planned is a failed one
+            meta.failed_loads[req_id] = [b for g in cfg.groups for b in st.blocks(g)[c0 * bpc:c1 * bpc]
+                                         if b != NULL_BLOCK_ID]
+            return
+        marks = self._marks(digests)
+        loads: list[int] = []
+        for g in cfg.groups:
+            ids = st.blocks(g)
+            if g.recurrent:
+                # the state at the hit boundary, into the block vLLM reserved for it (the last
+                # one of the hit, as for its own prefix-cache hit); nothing else of the group
+                b = ids[c1 * bpc - 1]
+                meta.loads.append(ChunkPlan(req_id, [digests[c1 - 1]], [marks[c1 - 1]], [b], group=g.index))
+                loads.append(b)
+                continue
+            # blocks to write: past vLLM's own hit and inside the group's sliding window
+            # (the blocks before it are null blocks: vLLM never allocates them)
+            first_block = max(c0 * bpc + skip, skipped_blocks(g, cfg.block_size, before))
+            dst, pos, objs = [], [], []
+            for c in range(c0, c1):
+                blocks = [b for b in range(max(first_block - c * bpc, 0), bpc)
+                          if ids[c * bpc + b] != NULL_BLOCK_ID]
+                if not blocks:
+                    continue
+                for b in blocks:
+                    dst.append(ids[c * bpc + b])
+                    pos.append(len(objs) * bpc + b)
+                objs.append(c)
+            if objs:
+                whole = len(dst) == len(objs) * bpc
+                meta.loads.append(ChunkPlan(req_id, [digests[c] for c in objs], [marks[c] for c in objs],
+                                            dst, None if whole else pos, group=g.index))
+                if g in self._draft_groups:    # the drafter's pages of the same blocks, under its keys
+                    meta.loads.append(ChunkPlan(req_id, [ddig[c] for c in objs], [marks[c] for c in objs],
+                                                dst, None if whole else pos, group=g.index, drafter=True))
+                loads += dst
+        if loads:
+            self._last_step_loads[req_id] = loads
+        elif cfg.loads_async:
+            meta.failed_loads[req_id] = []
+
+    def _plan_save(self, meta: AdpConnectorMetadata, scheduler_output: "SchedulerOutput", req_id: str,
+                   request: "Request", st: _ReqState, before: int) -> None:
+        """Chunks that are full once this step has run, per KV cache group."""
+        cfg = self.cfg
+        bpc = cfg.blocks_per_chunk
+        n_sched = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        n_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+        after = before + n_sched - n_spec
+        full = min([after // cfg.chunk_size, len(request.block_hashes) // cfg.hashes_per_chunk]
+                   + [len(st.blocks(g)) // bpc for g in cfg.groups if not g.recurrent])
+        if self._draft_groups:
+            self._plan_draft_save(meta, req_id, request, st, before, after)
+        if full <= st.saved_chunks:
+            return
+        digests = self._digests(request, full)
+        marks = self._marks(digests)
+        decode = before >= request.num_prompt_tokens
+        for g in cfg.groups:
+            if g.recurrent:
+                continue      # states are saved as vLLM hands them off (``state_saves``)
+            # sliding window: a chunk with a block vLLM may already have freed (before the
+            # window at the start of this step) cannot be read any more: it is not saved
+            c0 = max(st.saved_chunks, -(-skipped_blocks(g, cfg.block_size, before) // bpc))
+            if full > c0:
+                ids = st.blocks(g)[c0 * bpc: full * bpc]
+                plan = ChunkPlan(req_id, digests[c0:full], marks[c0:full], ids, group=g.index)
+                (meta.deferred_saves if decode else meta.saves).append(plan)
+                st.had_saves = True
+        st.saved_chunks = full
+
+    def _plan_draft_save(self, meta: AdpConnectorMetadata, req_id: str, request: "Request", st: _ReqState,
+                         before: int, after: int) -> None:
+        """The drafter chunks whose last position this step's drafter pass computes and whose
+        key exists now; saved from the drafter layers' own hook (``drafter.save_range``)."""
+        cfg = self.cfg
+        bpc = cfg.blocks_per_chunk
+        n_keys = min([draft_key_count(len(request.block_hashes), cfg.hashes_per_chunk)]
+                     + [len(st.blocks(g)) // bpc for g in self._draft_groups])
+        c0, c1 = save_range(st.draft_saved, before, after, cfg.chunk_size, n_keys)
+        st.draft_saved = max(st.draft_saved, after // cfg.chunk_size)
+        if c1 <= c0:
+            return
+        ddig = self._draft_digests(request, c1)
+        marks = self._marks(self._digests(request, c1))
+        for g in self._draft_groups:
+            meta.saves.append(ChunkPlan(req_id, ddig[c0:c1], marks[c0:c1], st.blocks(g)[c0 * bpc:c1 * bpc],
+                                        group=g.index, drafter=True))
+        st.had_saves = True
+
+    def update_connector_output(self, connector_output) -> None:
+        """Chunks whose load failed are saved again once vLLM has recomputed them."""
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            # an asynchronous load failed: vLLM recomputes the request from its start
+            self._load_failed.add(req_id)
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.saved_chunks = st.restored_chunks = st.draft_saved = 0
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        bpc = self.cfg.blocks_per_chunk
+        for req_id, dst in self._last_step_loads.items():
+            st = self._reqs.get(req_id)
+            bad = [b for b in dst if b in invalid] if st is not None else []
+            if bad:
+                # the first chunk holding a failed block (and the ones after) must be saved again
+                c = min(next((ids.index(b) // bpc for ids in st.block_ids.values() if b in ids), 0)
+                        for b in bad)
+                st.saved_chunks = min(st.saved_chunks, c)
+                st.draft_saved = min(st.draft_saved, c)
+
+    # ------------------------------------------------------------------ end of a request
+    def request_finished(self, request: "Request") -> tuple[bool, Optional[dict]]:
+        """True: vLLM keeps the request's blocks until the workers report it in
+        ``get_finished`` (its pages are then in the ring)."""
+        req_id = request.request_id
+        self._lookups.pop(req_id, None)
+        self._hits.pop(req_id, None)
+        self._requests.pop(req_id, None)
+        self._load_failed.discard(req_id)
+        st = self._reqs.pop(req_id, None)
+        return (st is not None and st.had_saves), None
+
+    def shutdown(self) -> None:
+        if self.lookup is not None:
+            self.lookup.close()

@@ -1,0 +1,108 @@
+"""The bookkeeping of one step's transfers on a worker (``worker.py``): where a load's
+objects go (``ChunkPlanIndex``), which requests an asynchronous load serves and whether
+each got every object (``AsyncLoad``), when a PUT's pages are in the ring (``PutJob``).
+Nothing here talks to the gateway; the copies are ``common/copy.py``'s."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import torch
+
+from .metadata import ChunkPlan
+
+
+class ChunkPlanIndex:
+    """The objects of one step's loads, in request order, and where their blocks go."""
+
+    def __init__(self, plans: list[ChunkPlan], blocks_per_chunk: int):
+        self.bpc = blocks_per_chunk
+        self.digests: list[bytes] = []
+        self.marks: list[int] = []
+        dst: list[int] = []
+        pos: list[int] = []       # global block position: object*bpc + block in object
+        self._obj_blocks: list[list[int]] = []
+        obj = 0
+        for p in plans:
+            positions = p.positions if p.positions is not None else list(range(len(p.digests) * self.bpc))
+            per_obj: list[list[int]] = [[] for _ in p.digests]
+            for b, q in zip(p.block_ids, positions):
+                dst.append(b)
+                pos.append(obj * self.bpc + q)
+                per_obj[q // self.bpc].append(b)
+            self._obj_blocks.extend(per_obj)
+            self.digests.extend(p.digests)
+            self.marks.extend(p.marks)
+            obj += len(p.digests)
+        self.dst = torch.as_tensor(dst, dtype=torch.long)
+        self.pos = torch.as_tensor(pos, dtype=torch.long)
+        self.all_blocks = dst
+        self.full = len(dst) == obj * self.bpc   # every block of every object is written
+
+    def object_blocks(self, i: int) -> list[int]:
+        return self._obj_blocks[i]
+
+    def batch_blocks(self, first: int, count: int, hits) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(destination block ids, positions within the batch or None) for a ring batch."""
+        lo, hi = first * self.bpc, (first + count) * self.bpc
+        if self.full and (hits is None or all(hits)):
+            return self.dst[lo:hi], None
+        sel = (self.pos >= lo) & (self.pos < hi)
+        if hits is not None and not all(hits):
+            hit_obj = torch.as_tensor([bool(h) for h in hits], dtype=torch.bool)
+            sel &= hit_obj[((self.pos - lo) // self.bpc).clamp(0, count - 1)]
+        if not bool(sel.any()):
+            return None, None
+        return self.dst[sel], self.pos[sel] - lo
+
+
+class AsyncLoad:
+    """One step's asynchronous loads: the GET of every layer and which objects of each
+    group belong to which request."""
+
+    def __init__(self, spans: dict[str, dict[tuple[int, bool], tuple[int, int]]]):
+        self.spans = spans          # req -> (group index, drafter) -> (first object, end)
+        self.gets: list[tuple[tuple[int, bool], Any]] = []   # ((group, drafter), Future[list[bool]]) per layer
+
+    def ended(self) -> bool:
+        return all(f.done() for _, f in self.gets)
+
+    def received(self) -> set[str]:
+        """Requests with every object of every layer read."""
+        ok = set(self.spans) if self.gets else set()
+        for group, fut in self.gets:
+            try:
+                hits = fut.result()
+            except Exception:
+                hits = None
+            for req, by_group in self.spans.items():
+                span = by_group.get(group)
+                if span is not None and (hits is None or not all(hits[span[0]:span[1]])):
+                    ok.discard(req)
+        return ok
+
+
+class PutJob:
+    """One PUT: when all its pages are in the ring, the blocks may be reused."""
+
+    __slots__ = ("n", "_copied", "_event")
+
+    def __init__(self, n: int):
+        self.n = n
+        self._copied = 0
+        self._event = threading.Event()
+
+    def copied(self, count: int) -> None:
+        self._copied += count
+        if self._copied >= self.n:
+            self._event.set()
+
+    def done(self) -> None:
+        self._event.set()
+
+    def is_copied(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)

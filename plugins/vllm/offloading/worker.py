@@ -1,0 +1,268 @@
+"""The worker half of ``AdpOffloadingSpec``: store and load jobs between this
+rank's KV blocks and the gateway.
+
+One object per (offloaded chunk, KV tensor); a job is one PUT or GET per tensor
+(a long load's chunks of one tensor go out as several parallel GETs:
+``shard_ranges``), gathered/scattered with the KV connector's copy code
+(``copy.PagedLayer``). ``get_finished`` reports a job once all its requests are
+done: a store always as a success (a lost store is a future miss; vLLM 0.32
+asserts on failed jobs), a load as failed when any object was not read.
+
+The rank holds the gateway through ``adpkv_core.attachment.Attachment``; a fresh
+attachment is put to use at the start of a ``submit_*`` (between jobs), and
+every job runs to its end on the attachment it started on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Optional
+
+import torch
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+    get_offload_group_idx,
+)
+
+from adpkv_core.attachment import Attachment, Session
+
+from ..common.copy import PagedLayer, as_index
+from .backend import OffloadBackend, object_digest
+
+logger = logging.getLogger("adpkv.vllm")
+
+
+def shard_ranges(count: int, shards: int) -> list[tuple[int, int]]:
+    """Split ``count`` chunks of one layer's load into contiguous parallel requests.
+
+    ``shards`` 0 (auto): one request per 32 chunks, at most 8, so a long load keeps
+    several gateway requests (each with its own batches) in flight at once.
+    """
+    if count <= 0:
+        return []
+    n = shards or min(8, -(-count // 32))
+    n = max(1, min(n, count))
+    step = -(-count // n)
+    return [(i, min(i + step, count)) for i in range(0, count, step)]
+
+
+class _Job:
+    __slots__ = ("job_id", "futures", "kind", "nbytes", "t0", "result")
+
+    def __init__(self, job_id: int, kind: str):
+        self.job_id = job_id
+        self.kind = kind
+        self.futures: list[Any] = []
+        self.nbytes = 0
+        self.t0 = time.perf_counter()
+        self.result: Optional[bool] = None
+
+
+class AdpOffloadingWorker(OffloadingWorker):
+    def __init__(self, backend: OffloadBackend, kv_caches: CanonicalKVCaches):
+        self.backend = backend
+        cfg = backend.config
+        self.rank = cfg.parallel.rank
+        self.bpc = cfg.cache.blocks_per_chunk
+        self.keys = backend.keys_for_rank(self.rank)
+        # per group: [(layer index for the key, PagedLayer)], one per distinct tensor
+        self.groups: list[list[tuple[int, PagedLayer]]] = []
+        tensors = kv_caches.tensors
+        for refs in kv_caches.group_data_refs:
+            seen: set[int] = set()
+            layers: list[tuple[int, PagedLayer]] = []
+            for i, ref in enumerate(refs):
+                if ref.tensor_idx in seen:
+                    continue
+                seen.add(ref.tensor_idx)
+                t = tensors[ref.tensor_idx].tensor
+                layers.append((i, PagedLayer(f"t{ref.tensor_idx}", t, t.shape[0])))
+            self.groups.append(layers)
+        first = self.groups[0][0][1]
+        self._on_gpu = first.on_gpu
+        self._stream = torch.cuda.Stream(device=first.device) if first.on_gpu else None
+        self._jobs: dict[int, _Job] = {}
+        self._lock = threading.Lock()
+        layout = {"engine": "vllm-offloading", "tensors": len(tensors), "page_bytes": first.page_bytes,
+                  "blocks_per_chunk": self.bpc}
+        self.attachment = Attachment(backend.client_config, backend.engine_id, self.rank,
+                                     backend.world, layout, reconnect_s=backend.reconnect_s,
+                                     install="on_refresh",
+                                     on_attach=self._on_attach, on_detach=self._on_detach,
+                                     name="adpkv-vllm-offload")
+        self.session: Optional[Session] = self.attachment.session
+        logger.info("adpkv offloading worker rank %d: %d tensors, page %d bytes, %d blocks per chunk",
+                    self.rank, len(tensors), first.page_bytes, self.bpc)
+
+    # ---------------------------------------------------------------- attachment
+    def _on_attach(self, s: Session) -> None:
+        s.state["ring"] = s.ring.tensor() if s.ring is not None else None
+        if s.state["ring"] is not None and self._on_gpu:
+            from ..common.cuda_ring import pin_ring
+            pin_ring(s.state["ring"])     # DMA copies ring <-> GPU on our stream
+
+    def _on_detach(self, s: Session) -> None:
+        ring = s.state.get("ring")
+        if ring is not None and self._on_gpu:
+            if self._stream is not None:
+                self._stream.synchronize()
+            from ..common.cuda_ring import unpin_ring
+            unpin_ring(ring)
+
+    @property
+    def client(self):
+        """The client jobs start on now (None after shutdown)."""
+        return self.session.client if self.session is not None else None
+
+    def _begin(self) -> Optional[Session]:
+        """A job starts: put a fresh attachment to use, when one is ready; the session
+        to run the whole job on, or None when the external cache is off."""
+        self.session = self.attachment.refresh()
+        s = self.session
+        return s if s is not None and s.enabled and s.state.get("ring") is not None else None
+
+    def _group_blocks(self, spec: GPULoadStoreSpec):
+        ids = [int(b) for b in spec.block_ids]
+        sizes = list(spec.group_sizes) if spec.group_sizes else [len(ids)]
+        out, at = [], 0
+        for g, size in enumerate(sizes):
+            out.append((g, ids[at:at + size], int(spec.block_indices[g]) if spec.block_indices else 0))
+            at += size
+        return out
+
+    def _keys_by_group(self, keys: list[bytes]) -> dict[int, list[bytes]]:
+        by: dict[int, list[bytes]] = {}
+        for k in keys:
+            by.setdefault(get_offload_group_idx(k), []).append(k)
+        return by
+
+    # ---------------------------------------------------------------- stores
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        job = _Job(job_id, "store")
+        with self._lock:
+            self._jobs[job_id] = job
+        keys_by_group = self._keys_by_group(dst_spec.keys)
+        s = self._begin()
+        if s is None:
+            return True          # a store that cannot happen is a future miss
+        client, ring = s.client, s.state["ring"]
+        for g, block_ids, first_index in self._group_blocks(src_spec):
+            keys = keys_by_group.get(g, [])
+            if not keys:
+                continue
+            # the stored chunks are the last len(keys) full chunks of these blocks
+            skip = (-first_index) % self.bpc
+            ids = block_ids[skip: skip + len(keys) * self.bpc]
+            if len(ids) != len(keys) * self.bpc:
+                logger.warning("adpkv: store job %d: %d blocks for %d chunks; skipped", job_id,
+                               len(ids), len(keys))
+                continue
+            blocks = as_index(ids)
+            digests = [object_digest(k) for k in keys]
+            for layer_idx, layer in self.groups[g]:
+                obj = layer.page_bytes * self.bpc
+
+                def on_batch(b, layer=layer, blocks=blocks, obj=obj):
+                    layer.gather(ring, b.offset, b.stride, b.count, 0, obj,
+                                 blocks[b.first * self.bpc:(b.first + b.count) * self.bpc], self.bpc,
+                                 self._stream)
+                    return True
+
+                job.futures.append(client.put(self.keys.keys(digests, [layer_idx]), obj, on_batch))
+                job.nbytes += obj * len(keys)
+        return True
+
+    # ---------------------------------------------------------------- loads
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        """``expedited`` (vLLM >= 0.33: a load its request waits for within this step, through
+        ``wait``): the same GETs. Nothing here queues a load behind another: every job's
+        GETs go to the gateway at once."""
+        job = _Job(job_id, "load")
+        with self._lock:
+            self._jobs[job_id] = job
+        keys_by_group = self._keys_by_group(src_spec.keys)
+        s = self._begin()
+        if s is None:
+            job.result = False
+            return True
+        client, ring = s.client, s.state["ring"]
+        for g, block_ids, first_index in self._group_blocks(dst_spec):
+            keys = keys_by_group.get(g, [])
+            if not keys or not block_ids:
+                continue
+            skip = first_index % self.bpc            # first GPU block inside the first chunk
+            positions = as_index(range(skip, skip + len(block_ids)))
+            if positions[-1] >= len(keys) * self.bpc:
+                logger.error("adpkv: load job %d: %d blocks do not fit %d chunks", job_id,
+                             len(block_ids), len(keys))
+                job.result = False
+                continue
+            dst = as_index(block_ids)
+            digests = [object_digest(k) for k in keys]
+            for layer_idx, layer in self.groups[g]:
+                obj = layer.page_bytes * self.bpc
+                layer_keys = self.keys.keys(digests, [layer_idx])
+                for start, stop in shard_ranges(len(keys), self.backend.shard_reads):
+
+                    def on_batch(b, layer=layer, dst=dst, positions=positions, start=start, obj=obj):
+                        lo, hi = (start + b.first) * self.bpc, (start + b.first + b.count) * self.bpc
+                        sel = (positions >= lo) & (positions < hi)
+                        if not bool(sel.any()):
+                            return True
+                        layer.scatter(ring, b.offset, b.stride, b.count, 0, obj, dst[sel],
+                                      positions[sel] - lo, self.bpc, self._stream)
+                        return True
+
+                    job.futures.append(client.get(layer_keys[start:stop], obj, on_batch))
+                job.nbytes += obj * len(keys)
+        return True
+
+    # ---------------------------------------------------------------- completion
+    def _finish(self, job: _Job) -> TransferResult:
+        ok = job.result is not False and all(
+            all(f.result().stored if job.kind == "store" else f.result()) for f in job.futures)
+        if job.kind == "store":
+            ok = True            # vLLM 0.32 asserts on failed jobs; a lost store is a future miss
+        elif not ok:
+            logger.error("adpkv: load job %d failed after its chunks were found; vLLM's "
+                         "OffloadingConnector cannot recompute it (it stops rather than serve a "
+                         "wrong KV cache). Use AdpKVConnector where a failed load must be recomputed.",
+                         job.job_id)
+        return TransferResult(job_id=job.job_id, success=ok, transfer_size=job.nbytes,
+                              transfer_time=time.perf_counter() - job.t0)
+
+    def get_finished(self) -> list[TransferResult]:
+        out = []
+        with self._lock:
+            for job_id, job in list(self._jobs.items()):
+                if all(f.done() for f in job.futures):
+                    del self._jobs[job_id]
+                    out.append(self._finish(job))
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        with self._lock:
+            jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
+        for job in jobs:
+            for f in job.futures:
+                f.result()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            for f in job.futures:
+                try:
+                    f.result(timeout=5)
+                except Exception:
+                    pass
+        self.attachment.close()      # BYE; on_detach unpins the ring
+        self.session = None
