@@ -50,7 +50,8 @@ from adpkv_core.client import GatewayClient  # noqa: E402
 from adpkv_core.settings import ClientConfig  # noqa: E402
 from adpkv_gateway import control  # noqa: E402
 from adpkv_gateway.cards.fs import SNAPSHOT_FILE, FsCard  # noqa: E402
-from adpkv_gateway.store import ObjectStore  # noqa: E402
+from adpkv_gateway.health import CardHealth  # noqa: E402
+from adpkv_gateway.store import ObjectStore, Pins  # noqa: E402
 from adpkv_gateway.ops.spawn import GatewayProcess  # noqa: E402
 
 HEADER = 4096
@@ -201,7 +202,7 @@ def store_exist_us(root: str, keys: list[bytes], rounds: int) -> float:
     card.open()                                # takes the snapshot (and removes it)
     try:
         card.scanned.wait(600)                 # its check of the files ended: a gateway's steady state
-        store = ObjectStore([card], 16, 16, "dialog", 0, True)
+        store = ObjectStore([card], 16, 16, "dialog", 0, True, 1, CardHealth([card], 0, 3), Pins())
         rng = np.random.default_rng(2)
         times = []
         for _ in range(rounds):

@@ -498,10 +498,11 @@ def test_the_batch_head_lookup_answers_as_heads_and_contains_many(tmp_path):
     extent) answers, for objects of one and of several fragments, absent ones, a GET's size that
     is and is not the stored one."""
     from adpkv_gateway.cards.base import Card, FirstExtent
-    from adpkv_gateway.store import ObjectStore
+    from adpkv_gateway.health import CardHealth
+    from adpkv_gateway.store import ObjectStore, Pins
     card = FsCard(str(tmp_path / "card"), num_dbs=4)
     card.open()
-    store = ObjectStore([card], 16, 4, "dialog", 2048, True)
+    store = ObjectStore([card], 16, 4, "dialog", 2048, True, 1, CardHealth([card], 0, 3), Pins())
     keys = card_keys(400, "heads")
     sizes = [random.Random(i).choice([100, 2048, 3000, 5000]) for i in range(len(keys))]
     for key, size in zip(keys[:300], sizes):
