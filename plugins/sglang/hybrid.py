@@ -33,7 +33,7 @@ thread; the registration calls on the scheduler's thread before any of them.
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -55,6 +55,9 @@ from .housekeeping import Tally
 from .pools import HostPool, page_io
 from .shm import ShmRegions
 
+if TYPE_CHECKING:   # as SGLang's hicache_storage does: imported at run time it would be circular
+    from sglang.srt.mem_cache.pool_host import HostKVCache
+
 logger = logging.getLogger("adpkv.sglang")
 
 
@@ -67,7 +70,7 @@ class HybridPools:
     is_mla: bool
     is_writer: bool
     interface_v1: bool
-    mem_pool_host: object
+    mem_pool_host: Optional[HostKVCache]   # None until register_mem_pool_host
     kv: Optional[HostPool]
     pools: dict[str, HostPool]
     hybrid: bool
