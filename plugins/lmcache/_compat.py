@@ -26,7 +26,7 @@ def lmcache_version() -> str:
         return version("lmcache")
     except Exception:  # pragma: no cover - editable/dev installs without metadata
         try:
-            from lmcache._version import __version__  # type: ignore
+            from lmcache._version import __version__
 
             return str(__version__)
         except Exception:
@@ -62,7 +62,7 @@ LMCACHE_VERSION = check_lmcache_version()
 try:  # 0.5.x
     from lmcache.lmcache_native import Bitmap  # noqa: F401
 except ImportError:  # pragma: no cover - older 0.5 builds
-    from lmcache.native_storage_ops import Bitmap  # type: ignore # noqa: F401
+    from lmcache.native_storage_ops import Bitmap  # noqa: F401
 
 from lmcache.v1.distributed.api import ObjectKey  # noqa: E402,F401
 from lmcache.v1.distributed.internal_api import L2StoreResult  # noqa: E402,F401

@@ -105,13 +105,17 @@ class AdpL2Adapter(L2AdapterInterface):
         self._known: dict[bytes, tuple[str, int]] = {}
         self._usage_cache: Optional[tuple[float, GatewayStats]] = None
         self._stop = threading.Event()          # set when close() begins: new tasks fail fast
-        layout = {"engine": "lmcache", "lmcache_version": LMCACHE_VERSION, "namespace": self._keys.namespace}
+        layout: dict[str, str | int] = {"engine": "lmcache", "lmcache_version": LMCACHE_VERSION,
+                                        "namespace": self._keys.namespace}
         if l1_memory_desc is not None:
             layout["l1_bytes"] = int(getattr(l1_memory_desc, "size", 0) or 0)
         self._attachment = Attachment(self._client_config, self.engine_id, 0, 1, layout,
                                       reconnect_s=config.reconnect_s, on_attach=self._on_attach,
                                       name="adpkv-lmc")
         first = self._attachment.session
+        # attach_now (the default): the constructor attached, so a session is installed (enabled
+        # or not); only close() takes it away
+        assert first is not None
         if not first.enabled:
             logger.warning("adpkv L2 adapter: no gateway on %s:%d (%s); lookups miss and stores fail until "
                            "it is reachable", config.host, config.port,

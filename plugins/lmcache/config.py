@@ -134,7 +134,8 @@ class AdpL2AdapterConfig(L2AdapterConfigBase):
         return f"AdpL2AdapterConfig({self.as_dict()})"
 
 
-def _coerce(f: _Field, raw: Any) -> Any:
+def _coerce(f: _Field, raw: Any) -> bool | int | float | str:
+    value: bool | int | float | str
     if f.kind is bool:
         value = parse_bool(raw, f.name)
     elif f.kind is int:

@@ -125,7 +125,8 @@ def send(s: Session, l1: L1Pool, op: str, keys: Sequence[bytes], marks: Optional
     parts: list[tuple[list[int], Future]] = []
     direct_count = 0
     for size, idx in group_by_size([b[1] for b in bufs]).items():
-        direct, ringed = [], []
+        direct: list[int] = []
+        ringed: list[int] = []
         for i in idx:
             (direct if l1.holds(s, bufs[i]) else ringed).append(i)
         for sub in (direct, ringed):
@@ -133,13 +134,25 @@ def send(s: Session, l1: L1Pool, op: str, keys: Sequence[bytes], marks: Optional
                 continue
             sub_keys = [keys[i] for i in sub]
             sub_marks = [marks[i] for i in sub] if marks is not None else None
+            fut: Future
             if sub is direct:
+                region = l1.region(s)
+                assert region is not None   # holds() said the pool is a region of s
                 at = [bufs[i][0] - l1.desc.ptr for i in sub]
-                call = s.client.get_into if op == "GET" else s.client.put_from
-                fut = call(l1.region(s), at, sub_keys, size, marks=sub_marks)
+                if op == "GET":
+                    fut = s.client.get_into(region, at, sub_keys, size, marks=sub_marks)
+                else:
+                    fut = s.client.put_from(region, at, sub_keys, size, marks=sub_marks)
             else:
-                call = s.client.get if op == "GET" else s.client.put
-                fut = call(sub_keys, size, ring_copier(s.ring, [bufs[i] for i in sub], op), marks=sub_marks)
+                ring = s.ring
+                # the adapter sends on enabled sessions of rank 0, and those have their ring
+                # (Session.enabled)
+                assert ring is not None, "an enabled session of a rank without a ring"
+                copier = ring_copier(ring, [bufs[i] for i in sub], op)
+                if op == "GET":
+                    fut = s.client.get(sub_keys, size, copier, marks=sub_marks)
+                else:
+                    fut = s.client.put(sub_keys, size, copier, marks=sub_marks)
             parts.append((sub, fut))
         direct_count += len(direct)
     return parts, direct_count

@@ -87,7 +87,7 @@ def key_namespace(settings: SglangSettings, storage_config, geometry: Optional[d
     """
     geo = dict(geometry or {})
     mla = bool(getattr(storage_config, "is_mla_model", False))
-    fields = {
+    fields: dict[str, Any] = {
         "engine": "sglang",
         "deployment": settings.client.namespace,
         "attention": "mla" if mla else "mha",

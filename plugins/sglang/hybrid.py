@@ -33,11 +33,12 @@ thread; the registration calls on the scheduler's thread before any of them.
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import numpy as np
 
 from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
     PoolHitPolicy,
@@ -54,6 +55,9 @@ from .housekeeping import Tally
 from .pools import HostPool, page_io
 from .shm import ShmRegions
 
+if TYPE_CHECKING:   # as SGLang's hicache_storage does: imported at run time it would be circular
+    from sglang.srt.mem_cache.pool_host import HostKVCache
+
 logger = logging.getLogger("adpkv.sglang")
 
 
@@ -66,7 +70,7 @@ class HybridPools:
     is_mla: bool
     is_writer: bool
     interface_v1: bool
-    mem_pool_host: object
+    mem_pool_host: Optional[HostKVCache]   # None until register_mem_pool_host
     kv: Optional[HostPool]
     pools: dict[str, HostPool]
     hybrid: bool
@@ -88,7 +92,8 @@ class HybridPools:
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """An auxiliary pool of a hybrid model (SGLang's v2 registration); the KV pool itself
         moves through v1 and is registered by ``register_mem_pool_host``."""
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        # the facade lists HiCacheStorage right after this mixin (module docstring): what super() reaches
+        HiCacheStorage.register_mem_host_pool_v2(self, host_pool, host_pool_name)
         name = str(host_pool_name)
         if name == PoolName.KV.value:
             if host_pool is not self.mem_pool_host:
@@ -123,11 +128,14 @@ class HybridPools:
                         "each page group checked against its KV pages" if self.interface_v1 else
                         "without interface_v1 auxiliary pages are checked window by window only")
 
-    def _binds_to_kv(self, hp: HostPool) -> bool:
-        """Whether this rank checks ``hp``'s page groups against the KV pages' write ids: it
-        needs stamped KV pages written by the same rank as the group (an MLA model's KV
+    def _bound_kv(self, hp: HostPool) -> Optional[HostPool]:
+        """The KV pool whose pages' write ids this rank checks ``hp``'s page groups against, or
+        None: it needs stamped KV pages written by the same rank as the group (an MLA model's KV
         pages are written by the storage writer only, its rank-sharded states by every rank)."""
-        return self.kv is not None and self.kv.stamped and (hp.replicated or not self.is_mla or self.is_writer)
+        kv = self.kv
+        if kv is not None and kv.stamped and (hp.replicated or not self.is_mla or self.is_writer):
+            return kv
+        return None
 
     @staticmethod
     def _closing_pages(t: PoolTransfer, keys: Sequence[str]) -> Optional[list[str]]:
@@ -152,7 +160,7 @@ class HybridPools:
             marks = self._marks(keys, extra_info)
             asked: list[bytes] = self._kv_keys(keys)
             all_marks = list(marks) if marks is not None else None
-            spans = []
+            spans: list[tuple[PoolTransfer, Optional[int], int]] = []   # (transfer, first in asked or None, count)
             for t in pool_transfers or []:
                 if str(t.name) == PoolName.KV.value:
                     continue                     # the KV pages themselves: counted above
@@ -164,7 +172,10 @@ class HybridPools:
                 spans.append((t, len(asked), len(pool_keys)))
                 asked += hp.storage_keys(pool_keys)
                 if all_marks is not None:
-                    all_marks += self._marks(pool_keys, extra_info) if pool_keys is not keys else marks
+                    pool_marks = self._marks(pool_keys, extra_info) if pool_keys is not keys else marks
+                    # marked as the KV keys were (same extra_info, and those marks were not None)
+                    assert pool_marks is not None
+                    all_marks += pool_marks
             self._tally.count("exist_requests")
             found = s.client.exist(asked, all_marks).result()
             presences = []
@@ -206,7 +217,8 @@ class HybridPools:
                                                     groups.Stamps(skeys, [write_id] * n), False, self._tally,
                                                     regions=self.regions)
             closing = self._closing_pages(t, keys)
-            if closing is not None and self._binds_to_kv(hp) and self.is_writer:
+            kv = self._bound_kv(hp)
+            if closing is not None and kv is not None and self.is_writer:
                 # the KV pages of what this write stored carry its write id (a page whose pool
                 # object was stored already belongs to that earlier write: not bound)
                 new = [st and not ex for st, ex in zip(stored, existed)]
@@ -215,7 +227,7 @@ class HybridPools:
                 else:
                     pages = [c for c, fresh in zip(closing, new) if fresh]
                 if pages:
-                    self.write_ids.bind(self.kv.storage_keys(pages), write_id)
+                    self.write_ids.bind(kv.storage_keys(pages), write_id)
             return stored
         except Exception:
             logger.exception("adpkv: batch_set_v2 of %d pages of pool %s failed", n, t.name)
@@ -273,8 +285,9 @@ class HybridPools:
             # write than the KV page it belongs to, a window of two writes)
             stale = [h and not v for h, v in zip(hits, valid)]
             closing = self._closing_pages(t, keys)
-            if closing is not None and self._binds_to_kv(hp):
-                kv_ids = self.write_ids.loaded(self.kv.storage_keys(closing))
+            kv = self._bound_kv(hp)
+            if closing is not None and kv is not None:
+                kv_ids = self.write_ids.loaded(kv.storage_keys(closing))
                 stale = [st or (h and k is not None and k != w) for st, h, k, w in zip(stale, hits, kv_ids, ids)]
             if t.hit_policy == PoolHitPolicy.TRAILING_PAGES and all(hits) and len(set(ids)) > 1:
                 stale = list(hits)

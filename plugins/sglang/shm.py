@@ -249,7 +249,9 @@ class ShmRegions:
         row = None
         if stamps is not None:
             arena = self._arena
-            sid = None if arena is None else self._ids(s, "stamps", arena.fd, arena.size)
+            if arena is None:
+                return None
+            sid = self._ids(s, "stamps", arena.fd, arena.size)
             if sid is None:
                 return None
             row = arena.take(len(starts), timeout_s=1.0)
@@ -264,7 +266,11 @@ class ShmRegions:
     def read_stamps(self, route: Route, stamps: Stamps) -> None:
         """The stamps a GET wrote into the arena, into ``stamps``."""
         n = len(stamps.array)
-        stamps.array[:] = self._arena.rows[route.stamp_row:route.stamp_row + n]
+        arena, row = self._arena, route.stamp_row
+        # a route made with stamps holds a row of the arena (route() gives None without one) until
+        # release, and the caller reads before release; the arena goes only at close()
+        assert arena is not None and row is not None, "read_stamps on a route without a stamp row"
+        stamps.array[:] = arena.rows[row:row + n]
 
     def release(self, route: Route) -> None:
         arena = self._arena

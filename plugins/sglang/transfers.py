@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, List, Optional, Sequence, TypeVar, overload
 
 import numpy as np
 import torch
 
 from adpkv_core.attachment import Session
 from adpkv_core.client import RingBatch, StoreResult
+from adpkv_core.ringview import RingView
 from adpkv_core.grouping import group_by_size
 
 from .groups import Stamps
@@ -42,8 +43,24 @@ from .pools import HostPool
 from .shm import Route, ShmRegions
 
 
-def _pick(seq: Optional[Sequence], idx: Sequence[int]) -> Optional[list]:
+T = TypeVar("T")
+
+
+@overload
+def _pick(seq: Sequence[T], idx: Sequence[int]) -> list[T]: ...
+@overload
+def _pick(seq: Optional[Sequence[T]], idx: Sequence[int]) -> Optional[list[T]]: ...
+def _pick(seq: Optional[Sequence[T]], idx: Sequence[int]) -> Optional[list[T]]:
     return None if seq is None else [seq[i] for i in idx]
+
+
+def _ring(s: Session) -> RingView:
+    """The session's ring view. The facade passes only enabled sessions (``backend._live``) of a
+    rank (every SGLang process attaches with one), and such a session has its ring
+    (``Session.enabled``)."""
+    ring = s.ring
+    assert ring is not None, "an enabled session of a rank without a ring"
+    return ring
 
 
 # ---------------------------------------------------------------------------- pool pages (v1 and v2)
@@ -114,10 +131,11 @@ def write_pages(s: Session, hp: HostPool, starts: np.ndarray, keys: List[bytes],
     n = len(keys)
     stored, existed = [False] * n, [False] * n
     todo = list(range(n))
-    must = rewrite is not None and any(rewrite)
-    if skip_existing or must:
+    if rewrite is not None and not any(rewrite):
+        rewrite = None   # nothing to rewrite
+    if skip_existing or rewrite is not None:
         have = list(s.client.exist(keys, marks).result())
-        if must:
+        if rewrite is not None:
             stale = [i for i in range(n) if have[i] and rewrite[i]]
             if stale:
                 s.client.delete(_pick(keys, stale), _pick(marks, stale)).result()
@@ -163,7 +181,7 @@ def get_values(s: Session, keys: List[bytes], targets: List[torch.Tensor],
     for a miss. No dialog marks: SGLang's generic path passes no prefix keys."""
     n = len(keys)
     results: List[Optional[torch.Tensor]] = [None] * n
-    ring = s.ring
+    ring = _ring(s)
     futures: list[tuple[list[int], Future]] = []
     for size, idx in group_by_size(tensor_nbytes(t) for t in targets).items():
 
@@ -185,7 +203,7 @@ def get_values(s: Session, keys: List[bytes], targets: List[torch.Tensor],
 
 def set_values(s: Session, keys: List[bytes], values: List[torch.Tensor], tally: Tally) -> bool:
     """PUT the flat ``values`` under ``keys`` (one request per size); True when all were stored."""
-    ring = s.ring
+    ring = _ring(s)
     futures: list[Future[StoreResult]] = []
     for size, idx in group_by_size(tensor_nbytes(v) for v in values).items():
 

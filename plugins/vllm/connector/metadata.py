@@ -269,16 +269,18 @@ def cache_groups(vllm_config, kv_cache_config) -> tuple[list[CacheGroup], str]:
                         "sliding window, MLA or Mamba-type state in align mode)")
         # a sliding group keeps its blocks from ``window + extra_retained_tokens`` back (vLLM
         # retains, unattended, the extra ones for multi-module spec decoding): all are restored
-        windows = ({sp.sliding_window + getattr(sp, "extra_retained_tokens", 0) for sp in specs}
-                   if kind == "sliding" else {None})
-        if len(windows) != 1:
-            return [], f"KV cache group {gid} mixes sliding windows {sorted(windows)}"
+        window: Optional[int] = None
+        if kind == "sliding":
+            windows = {sp.sliding_window + getattr(sp, "extra_retained_tokens", 0) for sp in specs}
+            if len(windows) != 1:
+                return [], f"KV cache group {gid} mixes sliding windows {sorted(windows)}"
+            window = windows.pop()
         per_layer = getattr(g.kv_cache_spec, "kv_cache_specs", None)
         roles = {n: getattr(per_layer[n] if isinstance(per_layer, dict) else g.kv_cache_spec,
                             "cache_role", None) for n in g.layer_names}
         groups.append(CacheGroup(index=gid, kind=kind,
                                  layer_names=tuple(ordered_layer_names(g.layer_names)),
-                                 sliding_window=windows.pop(),
+                                 sliding_window=window,
                                  before_pass=tuple(n for n in g.layer_names
                                                    if getattr(roles[n], "value", roles[n]) == "indexer")))
     if not groups:

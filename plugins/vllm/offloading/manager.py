@@ -69,9 +69,10 @@ class AdpOffloadingManager(OffloadingManager):
         layers = self._layers[min(get_offload_group_idx(offload_key), len(self._layers) - 1)]
         return [b.key(d, layer) for b in self._builders for layer in layers]
 
-    def _enabled(self) -> bool:
+    def _live(self) -> Optional[Session]:
+        """The session pins are taken on, when it is attached; else None."""
         s = self._session
-        return s is not None and s.enabled
+        return s if s is not None and s.enabled else None
 
     # ---------------------------------------------------------------- lookups
     def lookup(self, key, req_context: ReqContext) -> LookupResult:
@@ -83,7 +84,7 @@ class AdpOffloadingManager(OffloadingManager):
             return LookupResult.HIT if res else LookupResult.MISS
         if (req, key) in self._asked:
             return LookupResult.RETRY          # its EXIST is on the way
-        if not self._enabled():
+        if self._live() is None:
             return LookupResult.MISS
         self._pending.setdefault(req, set()).add(key)
         return LookupResult.RETRY
@@ -96,14 +97,15 @@ class AdpOffloadingManager(OffloadingManager):
             return
         items = [(req, k) for req, keys in self._pending.items() for k in keys]
         self._pending = {}
-        if not self._enabled():
+        s = self._live()
+        if s is None:
             for req, k in items:
                 self._results.setdefault(req, {})[k] = False
             return
         keys: list[bytes] = []
         for _, k in items:
             keys += self._storage_keys(k)
-        self._inflight = (self._session.client.exist(keys, lock=True), items)
+        self._inflight = (s.client.exist(keys, lock=True), items)
         self._asked = set(items)
 
     def _refresh(self) -> None:
@@ -144,8 +146,9 @@ class AdpOffloadingManager(OffloadingManager):
         return bool(self._pending) or self._inflight is not None
 
     def _unlock(self, storage_keys: list[bytes]) -> None:
-        if storage_keys and self._enabled():
-            self._session.client.unlock(storage_keys)
+        s = self._live()
+        if storage_keys and s is not None:
+            s.client.unlock(storage_keys)
 
     def _release(self, req: str, keys: Optional[Iterable[bytes]] = None) -> None:
         pins = self._pinned.get(req)
