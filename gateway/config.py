@@ -200,8 +200,8 @@ HELP: dict[str, str] = {
 
 
 def _default_text(f: dataclasses.Field) -> str:
-    if f.default_factory is not dataclasses.MISSING:   # type: ignore[misc]
-        value = f.default_factory()                     # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
     else:
         value = f.default
     if isinstance(value, list):

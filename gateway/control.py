@@ -37,7 +37,7 @@ def request(port: int, msg: dict, host: str = "127.0.0.1", timeout_s: float = 3.
                 return {"op": "ERROR", "code": P.FORBIDDEN, "msg": f"no permission to open the gateway's door: {exc}"}
             return None
         msg["session"] = session.token
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(f"tcp://{host}:{port}")

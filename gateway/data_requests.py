@@ -56,7 +56,7 @@ class DataRequests:
         self.max_batch_bytes = transfers.max_batch_bytes
         self.object_sizes_logged: set[int] = set()
         # tag -> rank -> (its connection, its request): the parts of collectives not complete yet
-        self.collectives: dict[str, dict[int, tuple[bytes, P.Message]]] = {}
+        self.collectives: dict[str, dict[int, tuple[bytes, Union[P.Get, P.Put]]]] = {}
 
     def check(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put]) -> Optional[tuple]:
         """Refuse a bad GET or PUT (see the module's contract); ``(target, places)`` of a region
@@ -74,17 +74,19 @@ class DataRequests:
         if stride > self.max_batch_bytes:
             raise P.ProtocolError(P.TOO_LARGE, f"an object of {obj} bytes does not fit half the ring "
                                   f"({self.max_batch_bytes} bytes); raise shared_memory_size")
-        if msg.pieces is None and region is None:
+        at = msg.at
+        if at is None:                  # through the ring (a region or scattered request names its places: decoded so)
             return None
         regions = self.sessions_by_peer[identity].regions
         if msg.pieces is not None:
             if any(piece.region >= len(regions) for piece in msg.pieces):
                 raise P.ProtocolError(P.BAD_REGION, "a piece names a region this session did not register")
             target = Scatter([regions[p.region] for p in msg.pieces], [p.length for p in msg.pieces])
-            return target, target.places(msg.at, len(msg.keys))
+            return target, target.places(at, len(msg.keys))
+        assert region is not None       # at names places of a region or of pieces (the protocol's check)
         if region >= len(regions):
             raise P.ProtocolError(P.BAD_REGION, f"region {region} is not registered by this session")
-        return regions[region], regions[region].places(msg.at, obj)
+        return regions[region], regions[region].places(at, obj)
 
     def on_data(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put], placed: Optional[tuple]) -> None:
         """One rank's GET or PUT that passed ``check`` (see the module's contract)."""
@@ -103,12 +105,14 @@ class DataRequests:
         if tag is None or engine is None or engine.world == 1:
             self._start(DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock))
             return
+        rank = peer.rank
+        assert rank is not None             # check() refused a lookup peer (no rank)
         parts = self.collectives.setdefault(tag, {})
-        if peer.rank in parts:
+        if rank in parts:
             del self.collectives[tag]
             self._fail_collective(parts, f"rank {peer.rank} sent tag {tag!r} twice")
             raise P.ProtocolError(P.COLLECTIVE_MISMATCH, f"rank {peer.rank} sent tag {tag!r} twice")
-        parts[peer.rank] = (identity, msg)
+        parts[rank] = (identity, msg)
         if len(parts) < engine.world:
             return
         del self.collectives[tag]
@@ -126,7 +130,8 @@ class DataRequests:
 
     def _start(self, job: DataJob) -> None:
         self.counters[job.op.lower() + "_requests"] += 1
-        engine = self.engines.engine       # attached: the request came from one of its ranks
+        engine = self.engines.engine
+        assert engine is not None          # attached: the request came from one of its ranks
         job.namespace = engine.namespace
         job.ring = self.transfers.engine_ring(engine)      # only the asking engine's ring carries its data
         self.transfers.start(job)

@@ -25,7 +25,7 @@ import time
 from array import array
 from concurrent.futures import Executor, Future
 from multiprocessing.connection import wait
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from adpkv_core.ring import Ring
 
@@ -40,9 +40,12 @@ _scratch: Optional[Scratch] = None
 _dirs: dict[str, int] = {}          # a FileRead's dir_ref -> this process's descriptor of that directory
 
 
-def _init() -> None:
+def _process_scratch() -> Scratch:
+    """This process's scratch buffers, made on first use (a reader makes them as it starts)."""
     global _scratch
-    _scratch = Scratch()
+    if _scratch is None:
+        _scratch = Scratch()
+    return _scratch
 
 
 def _ring_of(number: int, path: str, size: int, oldest_live: int) -> Ring:
@@ -109,7 +112,7 @@ def read_task(task: ReadTask) -> tuple[list[tuple[int, Read]], array]:
     each read's duration."""
     misses: list[tuple[int, Read]] = []
     seconds = array("d", bytes(8 * len(task.fkeys)))
-    buf, o_direct, scratch, clock = _ring_of(*task.ring).buf, task.o_direct, _scratch, time.monotonic
+    buf, o_direct, scratch, clock = _ring_of(*task.ring).buf, task.o_direct, _process_scratch(), time.monotonic
     for k, (ref, fkey, write_id, offset, length) in enumerate(zip(task.dirs, task.fkeys, task.write_ids,
                                                                   task.offsets, task.lengths)):
         t0 = clock()
@@ -128,7 +131,7 @@ def read_task(task: ReadTask) -> tuple[list[tuple[int, Read]], array]:
 
 def _serve(tasks, task_lock, results, result_lock) -> None:
     """A reader process: run the tasks of the shared task pipe until told to stop (None)."""
-    _init()
+    _process_scratch()
     with result_lock:
         results.send((None, True, None))          # ready
     while True:
@@ -174,13 +177,12 @@ class ReaderPool(Executor):
         self._generation = self._spawn()
 
     def _spawn(self) -> "_Generation":
-        gen = _Generation(self._ctx)
+        gen = _Generation(self._ctx, self._collect)
         gen.procs = [self._ctx.Process(target=_serve, args=(gen.task_r, gen.task_lock,
                                                             gen.result_w, gen.result_lock),
                                        name=f"adpkv-io-{i}", daemon=True) for i in range(self.processes)]
         for proc in gen.procs:
             proc.start()
-        gen.collector = threading.Thread(target=self._collect, args=(gen,), name="adpkv-io-results", daemon=True)
         gen.collector.start()
         return gen
 
@@ -269,14 +271,14 @@ class ReaderPool(Executor):
 class _Generation:
     """One set of readers: their pipes and locks, the futures of the tasks sent to them."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, collect: Callable[["_Generation"], None]):
         self.task_r, self.task_w = ctx.Pipe(duplex=False)
         self.result_r, self.result_w = ctx.Pipe(duplex=False)
         self.task_lock, self.result_lock = ctx.Lock(), ctx.Lock()
         self.send_lock = threading.Lock()
         self.futures: dict[int, Future] = {}
         self.procs: list = []
-        self.collector: Optional[threading.Thread] = None
+        self.collector = threading.Thread(target=collect, args=(self,), name="adpkv-io-results", daemon=True)
         self.started = 0                        # readers that started
         self.ready = threading.Event()
         try:

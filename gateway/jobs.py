@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
     from .door_region import Region
+    from .ring_alloc import EngineRing
 
 MAX_BATCHES_IN_FLIGHT = 2
 
@@ -77,7 +78,7 @@ class DataJob:
         # after this moment (the client's give-up time, monotonic clock)
         self.region_by: Optional[float] = None
         self.namespace = ""                       # of the engine that asked (the metrics' label)
-        self.ring = None                          # ring_alloc.EngineRing: the ring of the engine that asked
+        self.ring: Optional[EngineRing] = None    # the ring of the engine that asked
         self.started = time.monotonic()           # every part arrived (the request latency's start)
 
     @property

@@ -75,8 +75,10 @@ class LayoutChange:
         """Leave card ``serial`` out of the layout (on the gateway's loop, after ``drain_refusal``
         found nothing): lookups fall back to the layout with it; ``record_drain`` (on the pool)
         then records the change on every card and starts the mover. The layout after it."""
-        store, old = self.store, self.record.layout
-        self.record = CardRecord(old.without([serial]), old, self.record.epoch + 1)
+        recorded = self.record
+        assert recorded is not None         # drain_refusal found nothing: a layout is recorded
+        store, old = self.store, recorded.layout
+        self.record = CardRecord(old.without([serial]), old, recorded.epoch + 1)
         self._begin(old)
         store.left_out = store.left_out | {serial}
         store.rebuild_placement()
@@ -85,9 +87,11 @@ class LayoutChange:
         return self.record.layout
 
     def record_drain(self) -> None:
-        write_all(self.store.cards, self.record)
-        self.mover.engine_busy = self.engine_busy
-        self.mover.start()
+        record, mover = self.record, self.mover
+        assert record is not None and mover is not None     # drain set both (_begin made the mover)
+        write_all(self.store.cards, record)
+        mover.engine_busy = self.engine_busy
+        mover.start()
 
     def start(self, engine_busy: Callable[[], bool]) -> None:
         """Start the mover, which yields to the engine while ``engine_busy()`` (any thread)."""
@@ -106,12 +110,13 @@ class LayoutChange:
 
     def _complete(self) -> None:
         """Nothing is left to move (the mover's thread): the previous layout is dropped."""
-        record = CardRecord(self.record.layout, None, self.record.epoch + 1)
+        recorded, m = self.record, self.mover
+        assert recorded is not None and m is not None   # only the mover calls this: _begin made it, with a record
+        record = CardRecord(recorded.layout, None, recorded.epoch + 1)
         self.store.on_previous_hit = lambda key, mark, card: None
         self.store.previous = None
         write_all(self.store.cards, record)
         self.record = record
-        m = self.mover
         logger.info("Card-set change to key layout %s complete: %d objects (%d bytes) moved, %d copies of objects "
                     "without a recorded slot tag, %d such objects left in place; the previous layout is dropped",
                     record.layout.fingerprint, m.moved_objects, m.moved_bytes, m.copied_objects,

@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import msgspec
 
 from .cards.base import Card, CardIOError
-from .cards.resp import LAYOUT_KEY
+from .cards.fs import FsCard
 from .placement import key_layout_fingerprint
 
 logger = logging.getLogger("adpkv.gateway.layout")
@@ -91,7 +91,7 @@ class LayoutError(Exception):
 def read_record(card: Card) -> Optional[CardRecord]:
     """The card's record, or None when it has none. Raises ``LayoutError`` on a record that
     cannot be read (the gateway must not guess), ``CardIOError`` when the card fails."""
-    if card.kind == "fs":
+    if isinstance(card, FsCard):
         path = os.path.join(card.root, LAYOUT_FILE)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -105,9 +105,10 @@ def read_record(card: Card) -> Optional[CardRecord]:
         except OSError as exc:
             raise LayoutError(f"fs card {card.root}: cannot read {LAYOUT_FILE}: {exc}") from None
     else:
-        raw = _kv_command(card, b"GET", LAYOUT_KEY)
-        if raw is None:
+        kept = _keyed(card).get_layout_record()
+        if kept is None:
             return None
+        raw = kept
     try:
         return msgspec.json.decode(raw, type=CardRecord)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -117,8 +118,8 @@ def read_record(card: Card) -> Optional[CardRecord]:
 def write_record(card: Card, record: CardRecord) -> None:
     """Replace the card's record atomically. Raises ``CardIOError`` or ``OSError``."""
     data = msgspec.json.encode(record)
-    if card.kind != "fs":
-        _kv_command(card, b"SET", LAYOUT_KEY, data)
+    if not isinstance(card, FsCard):
+        _keyed(card).set_layout_record(data)
         return
     path = os.path.join(card.root, LAYOUT_FILE)
     tmp = path + _TMP_SUFFIX
@@ -126,7 +127,7 @@ def write_record(card: Card, record: CardRecord) -> None:
         os.unlink(tmp)                    # what an interrupted write left
     except FileNotFoundError:
         pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, getattr(card, "file_mode", 0o600))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, card.file_mode)
     try:
         if os.write(fd, data) != len(data):
             raise OSError(errno.EIO, "short write")
@@ -141,14 +142,11 @@ def write_record(card: Card, record: CardRecord) -> None:
         os.close(dfd)
 
 
-def _kv_command(card: Card, *args: bytes):
-    """One command about ``LAYOUT_KEY`` on a resp card (its connection) or a cluster card (the
-    key's primary)."""
-    if card.kind == "resp":
-        return card._io(lambda c: c.command(*args))
-    if card.kind == "resp-cluster":
-        return card._run(LAYOUT_KEY, lambda c: c.command(*args))
-    raise LayoutError(f"card {card.device}: kind {card.kind!r} keeps no layout record")
+def _keyed(card: Card) -> Card:
+    """``card``, which keeps its record under a key of its own (resp, cluster: ``Card.keyed_layout_record``)."""
+    if not card.keyed_layout_record:
+        raise LayoutError(f"card {card.device}: kind {card.kind!r} keeps no layout record")
+    return card
 
 
 def write_all(cards: Sequence[Card], record: CardRecord) -> None:

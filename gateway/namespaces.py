@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import pwd
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Collection, Mapping, Optional, Sequence, Union
 
 from adpkv_core import protocol as P
 
@@ -55,13 +55,14 @@ def parse_owners(value: Union[None, str, Mapping]) -> dict[str, list[int]]:
     resolved on this host. Raises ValueError with the reason."""
     if value is None or value == "":
         return {}
+    pairs: list[tuple[object, object]]     # (namespace, its users) as given: checked below
     if isinstance(value, str):
         pairs = []
         for item in value.split(","):
-            name, sep, users = item.strip().rpartition("=")
-            if not sep or not name:
+            ns_name, sep, user_list = item.strip().rpartition("=")
+            if not sep or not ns_name:
                 raise ValueError(f"namespace_owners: {item.strip()!r} is not NAME=USER[+USER...]")
-            pairs.append((name, users.split("+")))
+            pairs.append((ns_name, user_list.split("+")))
     elif isinstance(value, Mapping):
         pairs = list(value.items())
     else:
@@ -122,7 +123,7 @@ class NamespaceOwners:
                                   f"namespaces, this one {len(nsids)}")
         unknown = []
         for ns in nsids:
-            owners = self.configured.get(ns)
+            owners: Optional[Collection[int]] = self.configured.get(ns)
             if owners is None:
                 owner = self.claims.get(ns)
                 if owner is None:

@@ -209,6 +209,7 @@ class Card(abc.ABC):
     drops_itself: bool = False   # a read whose verdict ``drops`` has already removed the object on the card
     hands_files: bool = False    # open_placed works: a stored fragment's own file, opened read-only (MAP)
     keys_by_tag: bool = False    # fragments are keyed by their slot tag (see the module): found only with it
+    keyed_layout_record: bool = False   # the layout record is a key of the card's: get/set_layout_record work
 
     def __init__(self, device: str):
         self.device = device
@@ -400,6 +401,22 @@ class Card(abc.ABC):
     def keep_claims(self) -> None:
         """Keep the claim records from the card's own eviction (a Redis server evicts by
         its ``maxmemory-policy``, claims as any key): called every few seconds."""
+
+    # ------------------------------------------------------------------ the layout record
+    # The key layout the gateways on this card run with (``adpkv_gateway.layout_record``
+    # decides what it says). A card with ``keyed_layout_record`` keeps it under a key of its
+    # own (resp and cluster cards: ``resp.LAYOUT_KEY``); the fs card keeps it as a file in its
+    # directory, which ``layout_record`` reads and writes itself.
+
+    def get_layout_record(self) -> Optional[bytes]:
+        """The layout record as last written, None when the card holds none. Raises
+        ``CardIOError`` when the card cannot answer now. Only cards with ``keyed_layout_record``."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no keyed layout record")
+
+    def set_layout_record(self, data: bytes) -> None:
+        """Replace the layout record with ``data`` (one command: atomic on the server). Raises
+        ``CardIOError`` when the card cannot answer now. Only cards with ``keyed_layout_record``."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no keyed layout record")
 
     def close(self) -> None:
         """Release resources."""

@@ -26,8 +26,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from .base import NodeIOError
-from .cluster_map import TRANSPORT_ERRORS, Addr, Redirect, fmt_addr, is_retryable, key_slot, redirect_of
-from .resp_conn import RespConnection, RespError
+from .cluster_map import TRANSPORT_ERRORS, Addr, Redirect, SlotMap, fmt_addr, is_retryable, key_slot, redirect_of
+from .resp_conn import RespConnection, RespError, ThreadConnections
 
 MAX_REDIRECTS = 5
 _TRANSPORT = TRANSPORT_ERRORS
@@ -35,6 +35,14 @@ _TRANSPORT = TRANSPORT_ERRORS
 
 class ClusterRouting:
     """Connections, redirections and pipelines of a card that is a Redis Cluster (see the module's contract)."""
+
+    # set by the card before any call (the module's contract)
+    device: str
+    password: Optional[str]
+    timeout_s: float
+    map: SlotMap
+    _conns: ThreadConnections
+    counters: dict[str, int]
 
     # ------------------------------------------------------------------ connections
     def _connect(self, addr: Addr, timeout: Optional[float]) -> RespConnection:
@@ -146,8 +154,9 @@ class ClusterRouting:
             self.map.node_ok(addr)
         for i, j in retry:
             name, *args = commands[j]
-            try:
-                out[i * m + j] = self._run(keys[i], lambda c, cmd=(name, keys[i], *args): c.command(*cmd))
+            cmd = (name, keys[i], *args)
+            try:                         # _run calls the function before it returns: cmd is this one's
+                out[i * m + j] = self._run(keys[i], lambda c: c.command(*cmd))
             except (NodeIOError, RespError) as exc:
                 out[i * m + j] = exc
         return out

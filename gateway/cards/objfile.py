@@ -239,7 +239,7 @@ def page_cached(fd: int) -> Optional[bool]:
     looks, it starts no readahead, unlike a probing ``RWF_NOWAIT`` read); None where the
     kernel cannot tell."""
     global _SYS_CACHESTAT
-    if _SYS_CACHESTAT is None:
+    if _SYS_CACHESTAT is None or _libc is None:    # _libc is None only where _SYS_CACHESTAT is
         return None
     rng, stat = _CachestatRange(0, ALIGN), _Cachestat()
     if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(stat), 0) != 0:

@@ -48,6 +48,7 @@ class RespCard(Card):
     """A card on a Redis-protocol server at ``redis://host:port[/db]``."""
 
     kind = "resp"
+    keyed_layout_record = True
 
     def __init__(self, device: str, io_timeout_s: Optional[float] = None):
         super().__init__(device)
@@ -222,7 +223,8 @@ class RespCard(Card):
     def namespace_owner(self, nsid: bytes) -> Optional[int]:
         """A field of the hash ``adpkv:card:owners`` (no object key can be that: theirs are
         ``adpkv:<3 digits>:...``; CLEAN does not match it)."""
-        return self._owner(self._claim_io(lambda c: c.command(b"HGET", OWNERS_KEY, nsid.hex().encode())), nsid)
+        value = self._claim_io(lambda c: c.command(b"HGET", OWNERS_KEY, nsid.hex().encode()))
+        return None if value is None else self._owner(value, nsid)
 
     def claim_namespace(self, nsid: bytes, uid: int) -> int:
         """``HSETNX`` (the first claim wins, atomically on the server), then the field as it is."""
@@ -231,7 +233,10 @@ class RespCard(Card):
         def run(c: RespConnection):
             c.command(b"HSETNX", OWNERS_KEY, field, claim_record(uid))
             return c.command(b"HGET", OWNERS_KEY, field)
-        return self._owner(self._claim_io(run), nsid, missing_is_error=True)
+        value = self._claim_io(run)
+        if value is None:
+            raise CardIOError(f"resp card {self.device}: the claim of namespace {nsid.hex()} vanished")
+        return self._owner(value, nsid)
 
     def keep_claims(self) -> None:
         """Read the hash, so that an LRU/LFU ``maxmemory-policy`` counts it as in use."""
@@ -243,11 +248,14 @@ class RespCard(Card):
         except RespError as exc:          # a refusal (OOM, a key of another type): no answer now
             raise CardIOError(f"resp card {self.device}: {exc}") from None
 
-    def _owner(self, value, nsid: bytes, missing_is_error: bool = False) -> Optional[int]:
-        if value is None:
-            if missing_is_error:
-                raise CardIOError(f"resp card {self.device}: the claim of namespace {nsid.hex()} vanished")
-            return None
+    # ------------------------------------------------------------------ the layout record
+    def get_layout_record(self) -> Optional[bytes]:
+        return self._io(lambda c: c.command(b"GET", LAYOUT_KEY))
+
+    def set_layout_record(self, data: bytes) -> None:
+        self._io(lambda c: c.command(b"SET", LAYOUT_KEY, data))
+
+    def _owner(self, value: bytes, nsid: bytes) -> int:
         return parse_claim(value, f"resp card {self.device}: namespace {nsid.hex()}")
 
     def close(self) -> None:

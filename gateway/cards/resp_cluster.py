@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import xxhash
@@ -56,7 +57,7 @@ from .base import (Card, CardIOError, CardUnavailable, CardUsage, Head, Listed, 
                    is_head, object_key, parse_claim)
 from .cluster_map import TRANSPORT_ERRORS, Addr, SlotMap, is_retryable, key_slot, parse_cluster_url
 from .cluster_route import ClusterRouting
-from .resp import _DEL, _GETRANGE_HEADER, _STRLEN, OWNERS_KEY, RESERVED_KEYS, SERIAL_KEY, _heads_holding
+from .resp import _DEL, _GETRANGE_HEADER, _STRLEN, LAYOUT_KEY, OWNERS_KEY, RESERVED_KEYS, SERIAL_KEY, _heads_holding
 from .resp_conn import RespConnection, RespError, ThreadConnections
 
 logger = logging.getLogger("adpkv.gateway.resp_cluster")
@@ -68,12 +69,24 @@ _TRANSPORT = TRANSPORT_ERRORS
 _EXISTS = ((b"EXISTS",),)
 
 
+@dataclass
+class _NodeReads:
+    """One node's part of a ``read_many``: its connection, its items (indexes into the
+    batch), how many of their GETs were sent and how many replies were read."""
+    addr: Addr
+    conn: RespConnection
+    idx: list[int]
+    sent: int = 0
+    read: int = 0
+
+
 class ClusterCard(ClusterRouting, Card):
     """A card that is a whole Redis Cluster."""
 
     kind = "resp-cluster"
     batched_reads = True
     keys_by_tag = True
+    keyed_layout_record = True
 
     def __init__(self, device: str, io_timeout_s: Optional[float] = None, wait_ms: int = 0):
         super().__init__(device)
@@ -205,62 +218,59 @@ class ClusterCard(ClusterRouting, Card):
                 out[i] = exc
         header = self._header_buf()
         again: list[int] = []
-        # per node: [addr, conn, its items, how many sent, how many read]
-        nodes: list[list] = []
+        nodes: list[_NodeReads] = []
 
-        def send(node: list) -> None:
-            _, conn, idx, sent, read = node
-            inflight = sum(len(items[i][2]) for i in idx[read:sent])
-            end = sent
-            while end < len(idx) and (end - read < 2 or inflight + len(items[idx[end]][2]) <= READ_WINDOW_BYTES):
+        def send(node: _NodeReads) -> None:
+            idx = node.idx
+            inflight = sum(len(items[i][2]) for i in idx[node.read:node.sent])
+            end = node.sent
+            while end < len(idx) and (end - node.read < 2 or inflight + len(items[idx[end]][2]) <= READ_WINDOW_BYTES):
                 inflight += len(items[idx[end]][2])
                 end += 1
-            if end > sent:
-                conn.sock.sendall(b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(keys[i]), keys[i])
-                                           for i in idx[sent:end]))
-                node[3] = end
+            if end > node.sent:
+                node.conn.sock.sendall(b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(keys[i]), keys[i])
+                                                for i in idx[node.sent:end]))
+                node.sent = end
 
-        def failed(node: list, exc: BaseException) -> None:
-            err = self._node_failed(node[0], exc) if isinstance(exc, _TRANSPORT) else exc
-            for i in node[2][node[4]:]:
+        def failed(addr: Addr, rest: list[int], exc: BaseException) -> None:
+            err = self._node_failed(addr, exc) if isinstance(exc, _TRANSPORT) else exc
+            for i in rest:
                 out[i] = err
-            node[4] = len(node[2])
 
         for addr, idx in by_node.items():
-            node = [addr, None, idx, 0, 0]
             try:
-                node[1] = self._conn(addr)
+                node = _NodeReads(addr, self._conn(addr), idx)
                 send(node)
             except (_TRANSPORT + (NodeIOError,)) as exc:
-                failed(node, exc)
+                failed(addr, idx, exc)
                 continue
             nodes.append(node)
         try:
             while nodes:
                 for node in list(nodes):
-                    addr, conn, idx, _, read = node
-                    i = idx[read]
+                    i = node.idx[node.read]
                     _, fkey, buf, _, write_id = items[i]
                     try:
                         try:
-                            out[i] = self._checked(conn.read_value_into(header, buf), header, fkey, buf, write_id)
+                            out[i] = self._checked(node.conn.read_value_into(header, buf), header, fkey, buf, write_id)
                         except RespError as exc:
                             if is_retryable(exc):
                                 again.append(i)
                             else:
                                 logger.warning("cluster card %s: GET %s: %s; a miss, nothing removed",
                                                self.device, fkey.hex(), exc)
-                        node[4] = read + 1
+                        node.read += 1
                         send(node)
                     except _TRANSPORT as exc:
-                        failed(node, exc)
-                    if node[4] == len(idx):
+                        failed(node.addr, node.idx[node.read:], exc)
+                        node.read = len(node.idx)
+                    if node.read == len(node.idx):
                         nodes.remove(node)
-                        if not isinstance(out[idx[-1]], NodeIOError):
-                            self.map.node_ok(addr)
+                        if not isinstance(out[node.idx[-1]], NodeIOError):
+                            self.map.node_ok(node.addr)
         except BaseException:
             for node in nodes:          # replies left unread: these connections are out of step
-                self._drop(node[0])
+                self._drop(node.addr)
             raise
         for i in again:
             db, fkey, buf, tag, write_id = items[i]
@@ -438,6 +448,13 @@ class ClusterCard(ClusterRouting, Card):
     def keep_claims(self) -> None:
         """Read the hash, so that an LRU/LFU ``maxmemory-policy`` counts it as in use."""
         self._claim_io(lambda c: c.command(b"HLEN", OWNERS_KEY))
+
+    # ------------------------------------------------------------------ the layout record
+    def get_layout_record(self) -> Optional[bytes]:
+        return self._run(LAYOUT_KEY, lambda c: c.command(b"GET", LAYOUT_KEY))
+
+    def set_layout_record(self, data: bytes) -> None:
+        self._run(LAYOUT_KEY, lambda c: c.command(b"SET", LAYOUT_KEY, data))
 
     def _claim_io(self, fn):
         try:

@@ -178,8 +178,10 @@ def bench_raw(directory: str, size: int, count: int, threads: int, direct: bool)
         list(pool.map(read, range(count)))
         t_read = time.perf_counter() - t0
     ok = all(srcv[i * padded:i * padded + size] == dstv[i * padded:i * padded + size] for i in range(count))
-    srcv.release(), dstv.release()
-    src.close(), dst.close()
+    srcv.release()
+    dstv.release()
+    src.close()
+    dst.close()
     shutil.rmtree(directory, ignore_errors=True)
     if not ok:
         raise RuntimeError("raw baseline read back different bytes")

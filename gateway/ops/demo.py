@@ -70,14 +70,14 @@ def run_demo(directory: str, tokens: int, layers: int) -> int:
         print(f"lookup : {sum(hits)} of {n} chunks stored -> {sum(hits) * CHUNK} of {tokens} tokens restorable")
         out = [bytearray(obj * n) for _ in range(layers)]
         t0 = time.perf_counter()
-        futs = []
+        reads = []
         for layer in range(layers):
             dst = memoryview(out[layer])
 
             def copy(b, dst=dst):
                 dst[b.first * obj:(b.first + b.count) * obj] = b_client.ring[b.offset:b.offset + b.count * obj]
-            futs.append(b_client.get(kb.keys(hashes, [layer]), obj, copy, marks=marks))
-        restored = sum(sum(f.result()) for f in futs)
+            reads.append(b_client.get(kb.keys(hashes, [layer]), obj, copy, marks=marks))
+        restored = sum(sum(f.result()) for f in reads)
         t_restore = time.perf_counter() - t0
         exact = all(xxhash.xxh3_64_intdigest(out[l]) == xxhash.xxh3_64_intdigest(kv[l]) for l in range(layers))
         b_client.close()

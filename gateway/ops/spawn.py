@@ -58,8 +58,11 @@ class GatewayProcess:
 
     def _wait_until_up(self, timeout_s: float) -> bool:
         """PING until the gateway answers; False at the deadline or as soon as it exited."""
+        proc = self.proc
+        if proc is None:                   # not started, or stopped: it will not come up
+            return False
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.proc.poll() is None:
+        while time.monotonic() < deadline and proc.poll() is None:
             if wait_until_up(self.port, 0.5, door=self.settings.get("control_socket") or None):
                 return True
         return False
@@ -137,6 +140,8 @@ class RedisServer:
 
     def start(self) -> "RedisServer":
         from ..cards.resp_conn import RespConnection
+        if REDIS is None:
+            raise RuntimeError("redis-server is not installed (not on PATH)")
         args = [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
                 "--dbfilename", "dump.rdb", "--save", "3600 1", "--appendonly", "no",
                 "--protected-mode", "no", "--daemonize", "no", "--logfile", os.path.join(self.dir, "redis.log")]
@@ -162,10 +167,15 @@ class RedisServer:
             self.proc = None
 
     def pause(self) -> None:
-        self.proc.send_signal(signal.SIGSTOP)
+        self._running().send_signal(signal.SIGSTOP)
 
     def resume(self) -> None:
-        self.proc.send_signal(signal.SIGCONT)
+        self._running().send_signal(signal.SIGCONT)
+
+    def _running(self) -> subprocess.Popen:
+        if self.proc is None:
+            raise RuntimeError(f"redis-server on {self.port} is not running")
+        return self.proc
 
     def kill(self) -> None:
         if self.proc is not None:
