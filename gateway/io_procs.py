@@ -29,9 +29,9 @@ from typing import Callable, Optional, Sequence
 
 from adpkv_core.ring import Ring
 
-from .cards.base import Read
+from .cards.base import FileRead, Read
 from .cards.fs_files import object_name, verdict_of
-from .cards.objfile import FileRead, Scratch, read_object_file
+from .cards.objfile import Scratch, read_object_file
 
 logger = logging.getLogger("adpkv.gateway")
 

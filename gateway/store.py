@@ -449,7 +449,7 @@ class ObjectStore:
 
     def process_reads(self, card: int, frags: Sequence[Fragment]) -> list[ProcessRead]:
         """For each fragment of ``card``: what an I/O process can read (``Card.process_reads``:
-        an ``objfile.FileRead``), or why none does (``NoProcessRead``)."""
+        an ``cards.base.FileRead``), or why none does (``NoProcessRead``)."""
         return self.cards[card].process_reads([f.fkey for f in frags], [f.write_id for f in frags])
 
     def process_reads_done(self, card: int, files: Sequence, lengths: Sequence[int],

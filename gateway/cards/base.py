@@ -37,12 +37,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .objfile import FileRead
 
 
 @dataclasses.dataclass
@@ -106,7 +104,25 @@ class NoProcessRead(enum.Enum):
     HERE = "read here"                       # this card's reads cannot run in another process
 
 
-ProcessRead = Union["FileRead", NoProcessRead]
+class FileRead:
+    """A read of one object file that an I/O process does (``Card.process_reads``): its
+    directory as the reader opens it (``dir_ref``: ``/proc/<gateway>/fd/<the card's
+    descriptor of the database>``, the very directory the card checked, reached through the
+    gateway's descriptor, not by a path), its fragment key (the file's name there:
+    ``fs_files.object_name``),
+    O_DIRECT or not, the write id expected (None: any), and ``entry``, the card's index
+    entry of the file (it stays in the gateway's process: the card's ``process_read_result``
+    applies a failed read's verdict only while the index still holds that entry). The
+    gateway packs a batch's reads into ``io_procs.ReadTask``s; the reader calls
+    ``objfile.read_object_file``."""
+
+    __slots__ = ("dir_ref", "fkey", "o_direct", "write_id", "entry")
+
+    def __init__(self, dir_ref: str, fkey: bytes, o_direct: bool, write_id: Optional[int], entry: tuple[int, int]):
+        self.dir_ref, self.fkey, self.o_direct, self.write_id, self.entry = dir_ref, fkey, o_direct, write_id, entry
+
+
+ProcessRead = Union[FileRead, NoProcessRead]
 
 
 _DROPS = frozenset((Read.ABSENT, Read.TRUNCATED, Read.BAD_HEADER, Read.BAD_CHECKSUM, Read.FOREIGN))
@@ -344,7 +360,7 @@ class Card(abc.ABC):
 
     def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list[ProcessRead]:
         """For each fragment (expected of the write ``write_ids`` names), an
-        ``objfile.FileRead`` that an I/O process can do (the gateway packs them into
+        ``FileRead`` that an I/O process can do (the gateway packs them into
         ``io_procs.ReadTask``s), ``NoProcessRead.ABSENT`` when the card knows it is not
         stored, or ``NoProcessRead.HERE`` when this card's reads cannot run in another
         process. Called with a GET batch's fragments at once, on the gateway's loop (a card

@@ -51,13 +51,13 @@ from .. import progress
 from ..quotas import TenantUsage
 
 from . import objfmt
-from .base import (Card, CardError, CardIOError, CardUsage, FirstExtent, Head, HeadsFound, Listed, NoProcessRead,
+from .base import (Card, CardError, CardIOError, CardUsage, FileRead, FirstExtent, Head, HeadsFound, Listed, NoProcessRead,
                    PlacedFile, ProcessRead, Read, claim_record, is_head, object_key, parse_claim)
 from .fs_files import (CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, SUBDIR_NAMES, FileRef, check_file, object_name, open_dir,
                        open_root, own_dir, subdir_of, unlink_all, verdict_of)
 from . import fs_scan
 from .fs_index import FKEY_BYTES, TRIM_CHUNK, Entry, FsIndex
-from .objfile import (ALIGN, HEADER_BYTES, FdSlice, FileRead, Scratch, copy_object_file, read_object_file,
+from .objfile import (ALIGN, HEADER_BYTES, FdSlice, Scratch, copy_object_file, read_object_file,
                       write_object_file)
 
 logger = logging.getLogger("adpkv.gateway.fs")

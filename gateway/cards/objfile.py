@@ -368,19 +368,3 @@ def write_object_file(fd: int, fkey: bytes, payload, object_bytes: int, o_direct
         raise OSError("short write")
 
 
-class FileRead:
-    """A read of one object file that an I/O process does (``Card.process_reads``): its
-    directory as the reader opens it (``dir_ref``: ``/proc/<gateway>/fd/<the card's
-    descriptor of the database>``, the very directory the card checked, reached through the
-    gateway's descriptor, not by a path), its fragment key (the file's name there:
-    ``fs_files.object_name``),
-    O_DIRECT or not, the write id expected (None: any), and ``entry``, the card's index
-    entry of the file (it stays in the gateway's process: the card's ``process_read_result``
-    applies a failed read's verdict only while the index still holds that entry). The
-    gateway packs a batch's reads into ``io_procs.ReadTask``s; the reader calls
-    ``read_object_file``."""
-
-    __slots__ = ("dir_ref", "fkey", "o_direct", "write_id", "entry")
-
-    def __init__(self, dir_ref: str, fkey: bytes, o_direct: bool, write_id: Optional[int], entry: tuple[int, int]):
-        self.dir_ref, self.fkey, self.o_direct, self.write_id, self.entry = dir_ref, fkey, o_direct, write_id, entry
