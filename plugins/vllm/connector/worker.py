@@ -40,6 +40,7 @@ from typing import Any, Optional
 import torch
 
 from adpkv_core.attachment import Attachment, Session
+from adpkv_core.client import GatewayClient
 from adpkv_core.direct_map import DirectMaps, Mapping, cuda_registrar
 
 from ..common.copy import PagedLayer, as_index
@@ -61,7 +62,7 @@ class AdpConnectorWorker:
         self.supported = cfg.supported         # False also when a layer has no KV tensor
         self.attachment: Optional[Attachment] = None
         self.session: Optional[Session] = None
-        self.client = None                     # this step's client and ring (see _use)
+        self.client: Optional[GatewayClient] = None   # this step's client and ring (see _use)
         self.ring: Optional[torch.Tensor] = None
         self.layers: dict[str, PagedLayer] = {}
         self.shares: dict[str, HeadShare] = {}   # canonical objects, several ranks: each layer's heads
@@ -294,8 +295,9 @@ class AdpConnectorWorker:
         direct = self.direct if (share is None and heads is None and tag is None) else None
         if direct is not None:
             held = direct.acquire(keys)
-            if all(m is not None for m in held):
-                return self._load_mapped(direct, held, layer, index, sl, ticket)
+            mapped = [m for m in held if m is not None]
+            if len(mapped) == len(held):
+                return self._load_mapped(direct, mapped, layer, index, sl, ticket)
             direct.release(held)
 
         def copy(b):
@@ -465,6 +467,8 @@ class AdpConnectorWorker:
         keys = cfg.keys.keys(digests, [self._layer_index[name] for name in layer_names], kind=group.index)
         job = PutJob(len(keys))
         client, ring = self.client, self.ring
+        # every caller checks _active() first, which holds only with a client
+        assert client is not None
         ticket = self._gate.ticket()
 
         def copy(b):
