@@ -25,7 +25,7 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
 
@@ -254,7 +254,7 @@ class _Driver:
         return ctx
 
 
-_driver: "Optional[_Driver] | bool" = None
+_driver: "_Driver | Literal[False] | None" = None   # None: not loaded yet; False: not usable
 
 
 def _check(rc: int, what: str) -> None:
@@ -351,12 +351,13 @@ def _dma_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
             logger.warning("adpkv: no CUDA driver 2-D copy (%s): strided ring parts are made contiguous "
                            "on the host before each copy", exc)
             _driver = False
-    if not _driver:
+    driver = _driver
+    if driver is None or driver is False:
         return False
     gpu = dst if dst.is_cuda else src
     stream = torch.cuda.current_stream(gpu.device)
     try:
-        _check(_driver.push(_driver.context(gpu.device.index)), "cuCtxPushCurrent")
+        _check(driver.push(driver.context(gpu.device.index)), "cuCtxPushCurrent")
     except OSError as exc:
         logger.warning("adpkv: %s: strided ring parts go through a host copy", exc)
         _driver = False
@@ -371,7 +372,7 @@ def _dma_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
                 else:
                     setattr(p, side + "MemoryType", _CU_MEMORYTYPE_HOST)
                     setattr(p, side + "Host", t.data_ptr() + at)
-            rc = _driver.memcpy2d(ctypes.byref(p), ctypes.c_void_p(stream.cuda_stream))
+            rc = driver.memcpy2d(ctypes.byref(p), ctypes.c_void_p(stream.cuda_stream))
             if rc != 0:
                 logger.warning("adpkv: cuMemcpy2DAsync returned CUDA error %d (rows of %d bytes, pitches "
                                "%d/%d): strided ring parts go through a host copy from now on",
@@ -379,7 +380,7 @@ def _dma_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
                 _driver = False
                 return False
     finally:
-        _driver.pop(ctypes.byref(ctypes.c_void_p()))
+        driver.pop(ctypes.byref(ctypes.c_void_p()))   # the context pushed above
     return True
 
 
