@@ -188,7 +188,8 @@ class AdpConnectorScheduler:
         entry = self._lookups.get(req_id)
         if entry is None or entry[0] != request.num_tokens:
             digests = self._digests(request, limit)
-            s = self.lookup.session
+            # no lookup attachment (the cache is off for this model): no session, no hit
+            s = self.lookup.session if self.lookup is not None else None
             if not digests or s is None or not s.enabled:
                 self._hits[req_id] = (0, num_computed_tokens)
                 return 0, False
@@ -295,6 +296,8 @@ class AdpConnectorScheduler:
                    st: _ReqState, before: int) -> None:
         cfg = self.cfg
         bpc = cfg.blocks_per_chunk
+        # both callers plan only a request whose st.load is set
+        assert st.load is not None
         c0, c1, skip = st.load
         st.load = None
         digests = self._digests(request, c1)
@@ -320,7 +323,9 @@ class AdpConnectorScheduler:
             # blocks to write: past vLLM's own hit and inside the group's sliding window
             # (the blocks before it are null blocks: vLLM never allocates them)
             first_block = max(c0 * bpc + skip, skipped_blocks(g, cfg.block_size, before))
-            dst, pos, objs = [], [], []
+            dst: list[int] = []
+            pos: list[int] = []
+            objs: list[int] = []
             for c in range(c0, c1):
                 blocks = [b for b in range(max(first_block - c * bpc, 0), bpc)
                           if ids[c * bpc + b] != NULL_BLOCK_ID]
@@ -406,7 +411,9 @@ class AdpConnectorScheduler:
         bpc = self.cfg.blocks_per_chunk
         for req_id, dst in self._last_step_loads.items():
             st = self._reqs.get(req_id)
-            bad = [b for b in dst if b in invalid] if st is not None else []
+            if st is None:
+                continue
+            bad = [b for b in dst if b in invalid]
             if bad:
                 # the first chunk holding a failed block (and the ones after) must be saved again
                 c = min(next((ids.index(b) // bpc for ids in st.block_ids.values() if b in ids), 0)
