@@ -101,31 +101,41 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.connector_scheduler is not None:
             self.connector_scheduler.shutdown()
 
+    def _scheduler(self) -> AdpConnectorScheduler:
+        # vLLM calls the scheduler's methods only on the SCHEDULER-role instance, which has one
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler
+
+    def _worker(self) -> AdpConnectorWorker:
+        # vLLM calls these worker methods only on a WORKER-role instance, which has one
+        assert self.connector_worker is not None
+        return self.connector_worker
+
     # ========================================================================== scheduler
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[Optional[int], bool]:
-        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
-        self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self.connector_scheduler.build_connector_meta(scheduler_output)
+        return self._scheduler().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        self.connector_scheduler.update_connector_output(connector_output)
+        self._scheduler().update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
-        return self.connector_scheduler.request_finished(request)
+        return self._scheduler().request_finished(request)
 
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict]]:
-        return self.connector_scheduler.request_finished(request)
+        return self._scheduler().request_finished(request)
 
     # ========================================================================== worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.connector_worker.register_kv_caches(kv_caches)
+        self._worker().register_kv_caches(kv_caches)
 
     def unregister_kv_caches(self) -> None:
         """Sleep mode (vLLM >= 0.33): before the KV cache's memory is released."""
@@ -143,20 +153,20 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.connector_worker.bind()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        self.connector_worker.handle_preemptions(kv_connector_metadata)
+        self._worker().handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        self.connector_worker.start_load_kv(self._connector_metadata)
+        self._worker().start_load_kv(self._connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.connector_worker.wait_for_layer_load(layer_name)
+        self._worker().wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        self.connector_worker.save_kv_layer(self._connector_metadata, layer_name)
+        self._worker().save_kv_layer(self._connector_metadata, layer_name)
 
     def wait_for_save(self) -> None:
-        self.connector_worker.wait_for_save(self._connector_metadata)
+        self._worker().wait_for_save(self._connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         if self.connector_worker is None:
