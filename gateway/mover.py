@@ -49,7 +49,7 @@ from adpkv_core.protocol import GatewayStats
 from . import metrics
 from .cards.base import CardIOError, Read
 from .status import PREFIX
-from .store import ObjectStore
+from .store import ObjectStore, PreviousPlacement
 
 logger = logging.getLogger("adpkv.gateway.mover")
 
@@ -134,7 +134,7 @@ class Mover:
         """Move the hits that are due; whether any was."""
         now = time.monotonic()
         with self._lock:
-            due = []
+            due: list[tuple[bytes, int, int]] = []
             while self._waiting and len(due) < 64:
                 key, (mark, card, at) = next(iter(self._waiting.items()))
                 if at > now:
@@ -149,7 +149,7 @@ class Mover:
 
     def _sweep_pass(self) -> bool:
         """One pass over the previous cards; whether it found nothing left to move."""
-        store, prev = self.store, self.store.previous
+        store, prev = self.store, self._previous()
         clean = True
         unplaceable = 0
         for card_index in sorted({c for c in prev.card_of if c is not None}):
@@ -186,12 +186,18 @@ class Mover:
                 if mark is not None:
                     done = self._move(key, mark, card_index)
                 else:
+                    assert untagged_targets is not None     # set above when this untagged object was listed
                     done, placeable = self._copy_untagged(key, card_index, untagged_targets)
                     unplaceable += not placeable
                 clean = clean and done
                 self.left_objects -= 1
         self.unplaceable_objects = unplaceable
         return clean
+
+    def _previous(self) -> PreviousPlacement:
+        prev = self.store.previous
+        assert prev is not None     # set before the mover is made; dropped only by its own _finish, after the sweep
+        return prev
 
     def _mark_of(self, tag: Optional[bytes]) -> Optional[int]:
         """The dialog mark that gives an object the slot tag its head records (0: none, the key
@@ -207,7 +213,7 @@ class Mover:
     def _untagged_targets(self, old: int) -> list[int]:
         """The cards (in service) that now hold the replicas of a slot whose replicas card
         ``old`` held in the previous layout: where an object of ``old`` without a tag may belong."""
-        store, prev = self.store, self.store.previous
+        store, prev = self.store, self._previous()
         out: set[int] = set()
         for slot, ranking in enumerate(prev.placement.rankings):
             if old not in (prev.card_of[i] for i in ranking[:prev.replicas]):

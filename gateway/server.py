@@ -24,7 +24,7 @@ import queue
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import zmq
 
@@ -114,14 +114,14 @@ class Gateway:
                                        run=self._run, send=self._send,
                                        attached=lambda ident: ident in self.engines.peers,
                                        unpin=lambda ident, keys: self._release_pins(self.engines.peers[ident], keys))
-            self.counters = collections.Counter()
+            self.counters: collections.Counter[str] = collections.Counter()
             self.data_requests = DataRequests(self.engines, self.sessions_by_peer, self.transfers, self.counters,
                                               self._send)
             self.namespaces = NamespaceOwners(config.namespace_owners, self._cards_in_service)
             self.direct_reads = DirectReads(self)         # MAP at the door (gateway/direct_reads.py)
             # requests that name keys, in the order they came: (identity, peer, request, what
             # DataRequests.check found); the first waits while its namespaces' owners are looked up
-            self.keyed_waiting: "collections.deque[tuple]" = collections.deque()
+            self.keyed_waiting: "collections.deque[tuple[bytes, Peer, Keyed, Optional[tuple]]]" = collections.deque()
             self.next_keep_claims = 0.0
             self.stopping = False
             self.layout_change.start(engine_busy=lambda: bool(self.transfers.jobs))
@@ -282,6 +282,7 @@ class Gateway:
             if peer is None and not isinstance(msg, (P.Hello, P.Ping, P.Stats, P.Clean, P.Drain)):
                 raise P.ProtocolError(P.NOT_ATTACHED, f"{msg.op} before HELLO")
             if isinstance(msg, KEYED):
+                assert peer is not None     # checked above: only HELLO, PING, STATS, CLEAN, DRAIN come before HELLO
                 self._on_keyed(identity, peer, msg)
             else:
                 self._handlers[type(msg)](self, identity, peer, msg)
@@ -301,7 +302,7 @@ class Gateway:
             logger.error("Internal error on a request", exc_info=exc)
             self._send(identity, P.error(req_id, P.INTERNAL, str(exc)))
 
-    def _session(self, identity: bytes, msg: Union[P.Hello, P.Stats, P.Clean]) -> Session:
+    def _session(self, identity: bytes, msg: Union[P.Hello, P.Stats, P.Clean, P.Drain]) -> Session:
         """The door session behind a request: the one its connection attached with, or the
         one its ``session`` token names. FORBIDDEN without one."""
         session = self.sessions_by_peer.get(identity)
@@ -402,7 +403,9 @@ class Gateway:
             raise P.ProtocolError(P.FORBIDDEN, "only an operator drains a card (root, the gateway's user, or "
                                   "operator_group); nothing changed")
         card = next((c for c in self.store.cards if c.serial and msg.card in (c.serial, c.device)), None)
-        why = f"no card {msg.card!r} in service" if card is None else self.layout_change.drain_refusal(card.serial)
+        if card is None:
+            raise P.ProtocolError(P.DRAIN_REFUSED, f"no card {msg.card!r} in service; nothing changed")
+        why = self.layout_change.drain_refusal(card.serial)
         if why:
             raise P.ProtocolError(P.DRAIN_REFUSED, f"{why}; nothing changed")
         layout = self.layout_change.drain(card.serial)
@@ -428,7 +431,7 @@ class Gateway:
                                                  ranks=figures.engine.ranks, namespace="(another user's)")
             self._send(identity, P.StatsOk(id=msg.id, stats=figures))
 
-        self._collect_stats(answer, identity, msg)
+        self._collect_stats(answer, (identity, msg))
 
     def _offload(self, work, then, identity: bytes, msg: P.Message) -> None:
         """Card metadata for a request: ``work()`` on the pool, ``then(result)`` back on the
@@ -547,18 +550,19 @@ class Gateway:
             self.transfers.retire_ring(engine.ring)      # the engine is gone: so is its ring
 
     # ---------------------------------------------------------------- stats
-    def _collect_stats(self, then, identity: Optional[bytes] = None, msg: Optional[P.Message] = None) -> None:
+    def _collect_stats(self, then, request: Optional[tuple[bytes, P.Message]] = None) -> None:
         """``then(stats)`` on the loop: the loop's own state now, the cards' usage from the pool
-        (for the status file, no request: a failure leaves the file as it was)."""
+        (``request``: the STATS request's (identity, message); None: for the status file, and a
+        failure leaves the file as it was)."""
         snapshot = stats.loop_snapshot(self)
         merged = lambda usages: then(stats.merge(snapshot, usages))   # noqa: E731
         usages = functools.partial(stats.card_usages, self.store)
-        if identity is not None:
-            self._offload(usages, merged, identity, msg)
+        if request is not None:
+            self._offload(usages, merged, *request)
         else:
             self._run(self.pool, usages, merged, lambda exc: setattr(self, "status_writing", False))
 
-    _handlers = {
+    _handlers: dict[type, Callable[..., None]] = {
         P.Hello: _on_hello, P.Bye: _on_bye, P.Ping: _on_ping, P.Exist: _on_exist, P.Unlock: _on_unlock,
         P.Delete: _on_delete, P.Clean: _on_clean, P.Drain: _on_drain, P.Stats: _on_stats,
         P.Release: _on_ack, P.Filled: _on_ack,

@@ -540,8 +540,9 @@ class FsIndex:
             ns.objects -= 1
             self._remove_row(r)
         disk = sum(size for _, size in parts.values())
-        dbs = [parts.get(okey + i.to_bytes(2, "big"), (None,))[0] for i in range(nfrag)]
-        dbmod = self._layout(dbs)
+        found = [parts.get(okey + i.to_bytes(2, "big"), (None,))[0] for i in range(nfrag)]
+        dbs = [d for d in found if d is not None]
+        dbmod = self._layout(dbs) if len(dbs) == len(found) else None     # None: one is missing
         if dbmod is None or len(parts) != nfrag:
             logger.warning("fs card %s: object %s lacks fragments or has them out of place; removing it",
                            self.root, okey.hex())
@@ -552,11 +553,9 @@ class FsIndex:
         self._set_row(r, disk, object_bytes, payload, nfrag, dbs[0], dbmod, write_id, self._tick(), ns_index)
         return stale
 
-    def _layout(self, dbs: list[Optional[int]]) -> Optional[int]:
+    def _layout(self, dbs: list[int]) -> Optional[int]:
         """The ``dbmod`` of an object whose fragments are in ``dbs`` (0: all in the first),
-        or None when they are not where a gateway puts them (or one is missing)."""
-        if None in dbs:
-            return None
+        or None when they are not where a gateway puts them."""
         if all(d == dbs[0] for d in dbs):
             return 0
         for mod in (self.num_dbs, max(dbs) + 1):
@@ -666,7 +665,9 @@ class FsIndex:
                 skipped.append((okey, tick))
                 continue
             ns = self._ns[int(rows.ns[r])]
-            victims.extend(self._take(okey, r))
+            taken = self._take(okey, r)
+            assert taken is not None                # r >= 0 (checked above): the row was there
+            victims.extend(taken)
             fruitful = True
             if self._scanning:
                 self._gone.add(okey)
@@ -707,7 +708,7 @@ class FsIndex:
             left = limit
             for i, ns in enumerate(self._ns):
                 if left and ns.quota and ns.over_by(0):
-                    n = self._evict(i, lambda ns=ns: ns.over_by(0) > 0, b"", victims, pins, left)
+                    n = self._evict(i, lambda: ns.over_by(0) > 0, b"", victims, pins, left)
                     self.evicted += n
                     left -= n
             if left and self.capacity_bytes and self._used > self.capacity_bytes * self.watermark:
