@@ -8,6 +8,9 @@ object was written; a missing or corrupt fragment makes the object a miss.
 from __future__ import annotations
 
 import struct
+from typing import Sequence
+
+import numpy as np
 import xxhash
 
 _FRAG = struct.Struct(">H")
@@ -43,6 +46,14 @@ def fragment_db(key: bytes, index: int, num_dbs: int, spread: bool = True) -> in
         return 0
     h = db_hash(key)
     return (h + index) % num_dbs if spread else h % num_dbs
+
+
+def head_dbs(keys: Sequence[bytes], num_dbs: int) -> np.ndarray:
+    """``fragment_db(key, 0, num_dbs)`` of every key of a batch (``int64``): the database of
+    each object's head, spread or not (fragment 0 is in ``db_hash % num_dbs`` either way)."""
+    if num_dbs <= 1:
+        return np.zeros(len(keys), np.int64)
+    return (np.fromiter(map(db_hash, keys), np.uint64, len(keys)) % np.uint64(num_dbs)).astype(np.int64)
 
 
 def fragment_dbs(key: bytes, count: int, num_dbs: int, spread: bool = True) -> list[int]:

@@ -46,7 +46,7 @@ from typing import Callable, Collection, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from .fragments import db_hash, fragment_db, fragment_dbs, fragment_extents, fragment_key
+from .fragments import db_hash, fragment_db, fragment_dbs, fragment_extents, fragment_key, head_dbs
 from .card_stats import CardStats
 
 from .cards.base import (Card, CardIOError, FirstExtent, Head, Listed, NodeIOError, PlacedFile, ProcessRead, Read,
@@ -745,7 +745,7 @@ class ObjectStore:
         if not n:
             return found
         all_keys = np.array(keys, dtype=object)
-        dbs = (np.fromiter(map(db_hash, keys), np.uint64, n) % np.uint64(self.num_dbs)).astype(np.int64)
+        dbs = head_dbs(keys, self.num_dbs)
         tags = self._tags(marks, n)
         pending = np.arange(n)
         for r in range(self.replicas):

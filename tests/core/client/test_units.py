@@ -9,7 +9,7 @@ import pytest
 
 from adpkv_core import protocol as P
 from adpkv_core.affinity import dialog_mark, dialog_marks
-from adpkv_gateway.fragments import fragment_db, fragment_extents, fragment_key
+from adpkv_gateway.fragments import fragment_db, fragment_extents, fragment_key, head_dbs
 from adpkv_core.keys import KEY_BYTES, KeyBuilder, namespace_id
 from adpkv_core.ring import max_parallel_ios, object_stride
 from adpkv_core.settings import ClientConfig
@@ -48,6 +48,10 @@ def test_fragments():
     dbs = {fragment_db(key, i, 16) for i in range(16)}
     assert len(dbs) == 16
     assert {fragment_db(key, i, 16, spread=False) for i in range(4)} == {fragment_db(key, 0, 16, spread=False)}
+    keys = [KeyBuilder("n").key(i) for i in range(200)]
+    for num_dbs in (1, 3, 16):
+        assert head_dbs(keys, num_dbs).tolist() == [fragment_db(k, 0, num_dbs) for k in keys] \
+            == [fragment_db(k, 0, num_dbs, spread=False) for k in keys]
     with pytest.raises(ValueError):
         fragment_extents(0, 10)
 
