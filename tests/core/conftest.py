@@ -61,15 +61,31 @@ def redis_cluster(tmp_path):
         c.stop()
 
 
-@pytest.fixture
-def shm_buffer():
-    """A /dev/shm file mapped shared in this process, like LMCache's L1 pool (removed at the end)."""
+def _shm_region(size: int, views_may_remain: bool = False):
+    """A /dev/shm file of ``size`` bytes mapped shared in this process: ``(path, mapping)``,
+    removed at the end. ``views_may_remain``: a test's arrays may still view the mapping then
+    (it goes with them); else closing it must succeed."""
     path = f"/dev/shm/adpkv-test-region-{uuid.uuid4().hex[:8]}"
-    size = 8 << 20
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     os.ftruncate(fd, size)
     mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
     os.close(fd)
     yield path, mm
-    mm.close()
+    try:
+        mm.close()
+    except BufferError:
+        if not views_may_remain:
+            raise
     os.unlink(path)
+
+
+@pytest.fixture
+def shm_buffer():
+    """A /dev/shm file mapped shared in this process, like LMCache's L1 pool (removed at the end)."""
+    yield from _shm_region(8 << 20)
+
+
+@pytest.fixture
+def big_region():
+    """A 64 MiB /dev/shm region for the region store races (tests/core/regions)."""
+    yield from _shm_region(64 << 20, views_may_remain=True)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import random
 import socket
-import uuid
 
 import msgspec
 import pytest
@@ -310,23 +308,6 @@ def test_a_stalled_gateway_never_stores_what_the_engine_put_in_the_region_after_
         c.close()
 
 
-@pytest.fixture
-def big_region():
-    """A 64 MiB /dev/shm region for the store races below."""
-    path = f"/dev/shm/adpkv-test-region-{uuid.uuid4().hex[:8]}"
-    size = 64 << 20
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    os.ftruncate(fd, size)
-    mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
-    os.close(fd)
-    yield path, mm
-    try:
-        mm.close()
-    except BufferError:
-        pass
-    os.unlink(path)
-
-
 BIG = 1 << 20
 
 
@@ -356,7 +337,6 @@ def test_a_region_truncated_during_a_store_stores_whole_objects_or_none(start_ga
     reading the region by descriptor): each object is stored whole with the bytes it had, or
     not at all; the gateway serves on."""
     import threading
-    import time
     gw = start_gateway()
     path, arr = big_region
     n = 48
