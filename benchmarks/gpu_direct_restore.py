@@ -5,14 +5,17 @@ For each prompt length (Llama-3-8B geometry by default: 32 layers, 8 KV heads, h
 bf16; FlashAttention layout ``(2, num_blocks, 16, 8, 128)``, the prompt's blocks shuffled):
 
 * pinned H2D of 1 GiB (the physical limit);
+* on CUDA, prefill of each prompt by a transformers Llama of that geometry (random bf16
+  weights, SDPA attention: ``gpu_restore.prefill_seconds``), the peer a restore replaces;
 * a real gateway process (fs card under ``--card-root``, ``io_processes``), the KV stored once;
 * ``ring_hot``: one GET per layer through the CUDA-registered ring, the vLLM connector's
   scatter (``PagedLayer.scatter``);
 * ``direct_cold_reg``: page cache hot, no mapping held: MAP (the gateway checks every object in
   place), ``mmap`` + ``cudaHostRegister(..., ReadOnly)`` of each, then the copies;
-* ``direct_warm``: the mappings held and registered (``DirectMaps``): copies only — each object
-  one H2D DMA from its registered mapping into a staging tensor, one ``index_copy_`` per layer
-  into the paged blocks (``copy.PagedLayer.load_objects``);
+* ``direct_warm``: the mappings held and registered (``DirectMaps``): copies only — each layer's
+  objects were fetched together, so they are one span (one registration) and one H2D DMA into a
+  staging tensor, then one ``index_copy_`` into the paged blocks (``copy.PagedLayer.load_objects``);
+  the time of each layer's copies is recorded for a timeline (``--timeline``, a PNG);
 * ``ring_cold`` and ``direct_cold``: every object file dropped from the page cache
   (``posix_fadvise(DONTNEED)``; mappings closed first), then a restore each way;
 * the eviction race (``--evict-rounds``): direct restores of a prompt while a second client's
@@ -44,7 +47,7 @@ from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.ops.spawn import GatewayProcess
 from adpkv_vllm.common.copy import PagedLayer, ring_tensor
-from gpu_restore import GEOMETRIES, log, pinned_bandwidth   # a sibling: benchmarks/ is on sys.path when run as a script
+from gpu_restore import GEOMETRIES, build_model, log, pinned_bandwidth, prefill_seconds   # a sibling: benchmarks/ is on sys.path when run as a script
 
 GiB = 1 << 30
 
@@ -149,15 +152,43 @@ def direct_restore(client, maps: DirectMaps, cache: Cache, kb, stream, device: s
             raise RuntimeError("MAP did not hand every object")
     fetch_s = time.perf_counter() - t0
     held = []
+    marks = []
     for i, layer in enumerate(cache.layers):
         got = maps.acquire(all_keys[i])
         held.append(got)
-        layer.load_objects([m.array for m in got], cache.dev_ids, cache.nb, stream=stream)
+        if stream is not None:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record(stream)
+        layer.load_objects(got, cache.dev_ids, cache.nb, stream=stream)
+    if stream is not None:
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record(stream)
     sync(device)
     t = time.perf_counter() - t0
     for got in held:
         maps.release(got)
+    if marks:      # each layer's copies on the stream, ms from the first copy's start
+        LAST_LAYER_SPANS[:] = [(marks[0].elapsed_time(a), marks[0].elapsed_time(b)) for a, b in zip(marks, marks[1:])]
     return t, fetch_s
+
+
+LAST_LAYER_SPANS: list[tuple[float, float]] = []      # direct_restore's last per-layer stream times (ms)
+
+
+def plot_timeline(spans: list[tuple[float, float]], title: str, path: str) -> None:
+    """One bar per layer: when its copies ran on the connector's stream."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for i, (a, b) in enumerate(spans):
+        ax.barh(i, b - a, left=a, height=0.8, color="tab:blue")
+    ax.set_xlabel("ms since the first layer's copies began (CUDA events on the copy stream)")
+    ax.set_ylabel("layer")
+    ax.set_title(title)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def partial_direct_restore(client, maps: DirectMaps, cache: Cache, kb, stream, device: str) -> list[torch.Tensor]:
@@ -171,7 +202,7 @@ def partial_direct_restore(client, maps: DirectMaps, cache: Cache, kb, stream, d
         present = [m for m in got if m is not None]
         if present:
             ids = torch.cat([cache.dev_ids[j * cache.nb:(j + 1) * cache.nb] for j, m in enumerate(got) if m is not None])
-            layer.load_objects([m.array for m in present], ids, cache.nb, stream=stream)
+            layer.load_objects(present, ids, cache.nb, stream=stream)
         sync(device)
         maps.release(got)
         held_of.append(torch.tensor([m is not None for m in got], device=device))
@@ -305,7 +336,15 @@ def run(tokens: int, args, report: dict) -> None:
             maps.close()
         for _ in range(args.repeats):
             measure("direct_warm", lambda: direct_restore(client, maps, cache, kb, stream, device))
+        if LAST_LAYER_SPANS:
+            row["direct_warm_layers_ms"] = list(LAST_LAYER_SPANS)
+            if args.timeline:
+                path = os.path.join(args.out, f"timeline-direct-{tokens}.png")
+                plot_timeline(LAST_LAYER_SPANS, f"copy-free restore, {tokens} tokens ({gb:.1f} GB): "
+                              f"{row['direct_warm_all_s'][-1]:.3f} s", path)
+                log(f"timeline: {path}")
         row["direct_stats"] = maps.stats()
+        log(f"{tokens} tokens direct maps: {row['direct_stats']}")
         maps.close()
         row["dropped_files"] = drop_files(card)
         measure("ring_cold", lambda: ring_restore(client, ring, cache, kb, stream, device))
@@ -321,6 +360,10 @@ def run(tokens: int, args, report: dict) -> None:
     if report.get("pinned_h2d_GBs"):
         row["direct_warm_vs_pinned"] = gb / row["direct_warm_s"] / report["pinned_h2d_GBs"]
     row["direct_warm_vs_ring_hot"] = row["ring_hot_s"] / row["direct_warm_s"]
+    if tokens in report.get("prefill_s", {}):
+        row["prefill_s"] = report["prefill_s"][tokens]
+        row["prefill_over_direct_warm"] = row["prefill_s"] / row["direct_warm_s"]
+        row["prefill_over_ring_hot"] = row["prefill_s"] / row["ring_hot_s"]
     report["runs"].append(row)
     del cache
     if device == "cuda":
@@ -343,6 +386,8 @@ def main() -> int:
     ap.add_argument("--evict-rounds", type=int, default=3,
                     help="rounds of direct restores racing an eviction of the prompt (0: none)")
     ap.add_argument("--evict-tokens", type=int, default=32768, help="the prompt length of the eviction race")
+    ap.add_argument("--skip-prefill", action="store_true", help="no prefill peer (it needs transformers)")
+    ap.add_argument("--timeline", action="store_true", help="a PNG of the last warm direct restore's layers")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.card_root, exist_ok=True)
@@ -351,7 +396,17 @@ def main() -> int:
     if args.device == "cuda":
         report["pinned_h2d_GBs"] = pinned_bandwidth()["h2d_1024MiB_GBs"]
         log(f"pinned H2D (1 GiB copies): {report['pinned_h2d_GBs']:.1f} GB/s")
-    for tokens in [int(t) for t in args.tokens.split(",")]:
+    counts = [int(t) for t in args.tokens.split(",")]
+    if args.device == "cuda" and not args.skip_prefill:
+        g = GEOMETRIES[args.geometry]
+        model = build_model(g)
+        report["prefill_s"] = {}
+        for tokens in counts:
+            report["prefill_s"][tokens] = prefill_seconds(model, tokens, g["vocab"])
+            log(f"prefill {tokens} tokens: {report['prefill_s'][tokens]:.2f} s")
+        del model
+        torch.cuda.empty_cache()
+    for tokens in counts:
         run(tokens, args, report)
         with open(os.path.join(args.out, "gpu_direct_restore.json"), "w") as fh:
             json.dump(report, fh, indent=1)
@@ -364,7 +419,9 @@ def main() -> int:
             + ", ".join(f"{k[:-2]} {r[k]:.3f} s" for k in ("ring_hot_s", "direct_cold_reg_s", "direct_warm_s",
                                                            "ring_cold_s", "direct_cold_s"))
             + (f"; direct warm = {r['direct_warm_vs_pinned']:.2f} of pinned H2D" if "direct_warm_vs_pinned" in r
-               else "") + f", {r['direct_warm_vs_ring_hot']:.2f}x the ring")
+               else "") + f", {r['direct_warm_vs_ring_hot']:.2f}x the ring"
+            + (f"; prefill {r['prefill_s']:.2f} s = {r['prefill_over_direct_warm']:.1f}x direct warm, "
+               f"{r['prefill_over_ring_hot']:.1f}x ring hot" if "prefill_s" in r else ""))
     log("done")
     return 0
 

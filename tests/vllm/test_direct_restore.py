@@ -63,7 +63,7 @@ def test_load_objects_from_mapped_files_equals_the_ring_scatter(start_gateway):
     assert maps.fetch(client, keys, obj) == count
     held = maps.acquire(keys)
     layer.view.zero_()
-    layer.load_objects([m.array for m in held], dst, nb, pos, obj // 2, obj // 2)
+    layer.load_objects(held, dst, nb, pos, obj // 2, obj // 2)
     maps.release(held)
     assert torch.equal(kv.view(torch.int16), via_ring.view(torch.int16))
     assert int(kv.view(torch.int16).count_nonzero()) > 0

@@ -29,6 +29,8 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
+from adpkv_core.direct_map import Mapping, runs
+
 logger = logging.getLogger("adpkv.vllm")
 
 
@@ -130,16 +132,18 @@ class PagedLayer:
         self.view.index_copy_(0, dst_block_ids, src)
 
     # ------------------------------------------------------------------ from mapped objects (direct_map)
-    def load_objects(self, objects: Sequence, dst_block_ids: torch.Tensor, nblocks: int,
+    def load_objects(self, objects: Sequence[Mapping], dst_block_ids: torch.Tensor, nblocks: int,
                      src_positions: Optional[torch.Tensor] = None, slice_offset: int = 0,
                      part_bytes: Optional[int] = None, stream: "torch.cuda.Stream | None" = None) -> None:
         """Copy objects straight from their read-only host mappings (``adpkv_core.direct_map``:
-        uint8 arrays, one per object, this rank's part ``part_bytes`` at ``slice_offset``: ``nblocks``
-        of this layer's pages back to back) into the KV blocks: block ``src_positions[k]`` of the
-        objects (``j*nblocks+b``; None: all, in order) into ``dst_block_ids[k]``. On CUDA each
-        object is one host->device DMA (asynchronous on ``stream`` from a CUDA-registered mapping)
-        into a staging tensor, then one ``index_copy_``: the caller keeps the mappings until the
-        stream has passed them. On CPU the same copies, synchronous. Nothing writes the mappings."""
+        acquired ``Mapping``s, this rank's part ``part_bytes`` at ``slice_offset`` of each:
+        ``nblocks`` of this layer's pages back to back) into the KV blocks: block
+        ``src_positions[k]`` of the objects (``j*nblocks+b``; None: all, in order) into
+        ``dst_block_ids[k]``. Objects in consecutive slots of one span (``direct_map.runs``) are
+        one transfer into a staging tensor (on CUDA one DMA, asynchronous on ``stream`` from the
+        CUDA-registered span; a TP rank's slices one 2-D DMA, ``copy_parts``), then one
+        ``index_copy_``: the caller keeps the mappings until the stream has passed them. On CPU
+        the same copies, synchronous. Nothing writes the mappings."""
         part = self.page_bytes * nblocks if part_bytes is None else part_bytes
         count = len(objects)
         with torch.cuda.stream(stream) if (self.on_gpu and stream is not None) else _null(), \
@@ -147,9 +151,10 @@ class PagedLayer:
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             staged = torch.empty((count * nblocks, *self.page_shape), dtype=self.dtype, device=self.device)
             flat = staged.view(count, -1).view(torch.uint8)
-            for j, arr in enumerate(objects):
-                host = torch.from_numpy(arr[slice_offset:slice_offset + part])
-                flat[j].copy_(host, non_blocking=self.on_gpu)
+            for run in runs(objects):
+                at = run.lead + slice_offset
+                host = torch.from_numpy(run.rows)[:, at:at + part]
+                copy_parts(flat[run.first:run.first + run.count], host)
             if src_positions is not None:
                 staged = staged.index_select(0, src_positions.to(self.device, non_blocking=True))
             self.view.index_copy_(0, dst_block_ids.to(self.device, non_blocking=True), staged)
@@ -206,11 +211,12 @@ class PagedLayer:
 
 # ---------------------------------------------------------------------------- ring <-> GPU DMA
 def copy_parts(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ring parts to or from the GPU on the current stream: ``dst`` and ``src`` have one
-    shape and dtype, one of them in the ring (strided: a TP rank's (count, part_bytes) uint8
-    slices, ``stride`` apart, or ``HeadShare.view``), the other a contiguous GPU tensor.
-    Back-to-back parts are one plain copy; strided ones go by 2-D DMA straight from/to the
-    (pinned) ring (``dma_plan``). Asynchronous when the ring is pinned."""
+    """Copy host parts to or from the GPU on the current stream: ``dst`` and ``src`` have one
+    shape and dtype, one of them in host memory (the ring or a ``direct_map`` span; strided:
+    a TP rank's (count, part_bytes) uint8 slices, ``stride`` apart, or ``HeadShare.view``), the
+    other a contiguous GPU tensor. Back-to-back parts are one plain copy; strided ones go by
+    2-D DMA straight from/to the (pinned) host memory (``dma_plan``). Asynchronous when the
+    host memory is pinned (registered)."""
     host = src if dst.is_cuda else dst
     if host.is_contiguous():
         dst.copy_(src, non_blocking=True)

@@ -20,7 +20,7 @@ is followed) and opens it.
 Direct restores (``adpkv.direct_map_bytes`` > 0, ``adpkv_core.direct_map``): a layer's GET whose
 objects this rank holds mapped (read-only descriptors the gateway handed and checked) is no GET:
 its blocks are copied straight from the mappings (``PagedLayer.load_objects``: on CUDA one DMA
-per object from its read-only registration); a layer that does not hold them all goes through the
+per run of objects mapped together, from their span's read-only registration); a layer that does not hold them all goes through the
 ring as before and its objects are mapped in the background for the next restore. Only a
 rank's own GETs (no TP collective, no fan-out, no canonical head shares); the rest go by the ring.
 
@@ -329,7 +329,7 @@ class AdpConnectorWorker:
         dst, pos = index.batch_blocks(0, len(held), None)
 
         def copy():
-            layer.load_objects([m.array for m in held], dst, index.bpc, pos, sl[0], sl[1], self._stream)
+            layer.load_objects(held, dst, index.bpc, pos, sl[0], sl[1], self._stream)
             if self._stream is not None:
                 self._stream.synchronize()
         try:

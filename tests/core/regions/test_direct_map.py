@@ -19,6 +19,7 @@ import os
 
 import pytest
 
+from adpkv_core import direct_map
 from adpkv_core import protocol as P
 from adpkv_core.client import GatewayClient
 from adpkv_core.direct_map import DirectMaps
@@ -92,6 +93,60 @@ def test_map_hands_checked_read_only_descriptors_of_own_objects(start_gateway, i
     counters = c.stats().result(10).counters
     assert (counters["map_requests"], counters["map_handed"], counters["map_misses"]) == (2, 12, 1), counters
     maps.close()
+    c.close()
+
+
+def _vmas(start: int, end: int) -> list[tuple[int, int, str, str]]:
+    """This process's mappings that overlap [start, end): (from, to, permissions, path)."""
+    out = []
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo < end and hi > start:
+                out.append((lo, hi, parts[1], parts[5].strip() if len(parts) > 5 else ""))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nbytes", [OBJ, OBJ + 100])
+def test_a_fetch_is_one_span_of_read_only_file_mappings_back_to_back(start_gateway, tmp_path, nbytes):
+    """The objects one fetch keeps are one span: each object's own file mapped read-only and
+    shared (``r--s``, nothing else in the range), slot after slot; ``runs`` cuts a list of held
+    mappings into runs of consecutive slots of one span, and each run's rows hold exactly the
+    objects' bytes (a payload that does not fill its last page too: then each payload is its
+    own slot's first ``nbytes``)."""
+    card = str(tmp_path / "card")
+    gw = start_gateway(card_dirs=[card])
+    c = _client(gw.port)
+    keys, others = make_keys(6), make_keys(3, salt=b"second")
+    assert _put(c, keys, nbytes=nbytes).stored == [True] * 6
+    assert _put(c, others, nbytes=nbytes).stored == [True] * 3
+    absent = make_keys(1, salt=b"absent")
+    maps = DirectMaps(64 * (nbytes + 8192))
+    assert maps.fetch(c, keys[:3] + absent + keys[3:], nbytes) == 6
+    assert maps.fetch(c, others, nbytes) == 3
+    assert maps.stats()["spans"] == 2
+    order = [keys[0], keys[1], keys[2], others[0], keys[3], others[1], others[2], keys[5], keys[4]]
+    held = maps.acquire(order)
+    try:
+        span = held[0].span
+        assert [m.index for m in held[:3]] + [held[4].index] == [0, 1, 2, 3]       # the miss took no slot
+        vmas = _vmas(span.base, span.base + span.bytes)
+        assert [v[2] for v in vmas] == ["r--s"] * 6, vmas
+        assert [v[3] for v in vmas] == [_file_of(card, k) for k in keys], vmas
+        got = [(r.first, r.count) for r in direct_map.runs(held)]
+        assert got == [(0, 3), (3, 1), (4, 1), (5, 2), (7, 1), (8, 1)]
+        for r in direct_map.runs(held):
+            assert not r.rows.flags.writeable
+            for j in range(r.count):
+                payload = bytes(r.rows[j, r.lead:r.lead + nbytes])
+                assert payload == pattern(order[r.first + j], 0, nbytes)
+                assert payload == bytes(held[r.first + j].array)
+    finally:
+        maps.release(held)
+    maps.close()
+    assert _vmas(span.base, span.base + span.bytes) == [], "closed spans leave no mapping behind"
     c.close()
 
 
@@ -244,8 +299,9 @@ def test_another_user_gets_forbidden_for_roots_namespace(start_gateway, open_dir
 @pytest.mark.timeout(120)
 def test_the_lru_bounds_mapped_bytes_and_keeps_mappings_in_use(start_gateway, caplog):
     """``direct_map_bytes`` of 3 objects: after mapping 5, 3 are held (the most recent), a
-    mapping in use survives its eviction until released; a registrar that refuses (CUDA
-    refusing) with registration required keeps nothing and logs once."""
+    mapping in use survives its eviction until released; the objects of one fetch are one span
+    and leave the LRU together; a registrar that refuses (CUDA refusing) a span and then each of
+    its objects, with registration required, keeps nothing and logs once."""
     gw = start_gateway()
     c = _client(gw.port)
     keys = make_keys(5)
@@ -253,15 +309,16 @@ def test_the_lru_bounds_mapped_bytes_and_keeps_mappings_in_use(start_gateway, ca
     maps = DirectMaps(3 * OBJ)
     assert maps.fetch(c, keys[:1], OBJ) == 1
     [first] = maps.acquire(keys[:1])
-    assert maps.fetch(c, keys[1:], OBJ) == 3
+    assert maps.fetch(c, keys[1:], OBJ) == 3                            # the batch's last 3 fit the bound
     assert [maps.held(k) for k in keys] == [False, False, True, True, True]
-    assert maps.stats()["mapped_bytes"] == 3 * OBJ
+    assert maps.stats()["mapped_bytes"] == 3 * OBJ and maps.stats()["spans"] == 1
     assert bytes(first.array) == pattern(keys[0], 0, OBJ)              # evicted, in use: still mapped
     maps.release([first])
     assert first.array is None                                         # unmapped once released
     maps.prefetch(c, keys[:2], OBJ)
     assert maps.drain(30)
-    assert [maps.held(k) for k in keys] == [True, True, False, False, True]      # the oldest went
+    assert [maps.held(k) for k in keys] == [True, True, False, False, False]   # the older span went whole
+    assert maps.stats()["mapped_bytes"] == 2 * OBJ
     maps.close()
 
     calls = []
@@ -269,7 +326,7 @@ def test_the_lru_bounds_mapped_bytes_and_keeps_mappings_in_use(start_gateway, ca
                           require_registration=True)
     with caplog.at_level(logging.WARNING, logger="adpkv.direct_map"):
         assert refusing.fetch(c, keys, OBJ) == 0
-    assert len(calls) == 5 and all(n >= OBJ for n in calls)
+    assert calls == [5 * OBJ] + [OBJ] * 5                 # the span, then each object
     assert sum("refused to register" in r.getMessage() for r in caplog.records) == 1
     refusing.close()
     with pytest.raises(ValueError):
