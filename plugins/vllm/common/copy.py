@@ -134,20 +134,25 @@ class PagedLayer:
     # ------------------------------------------------------------------ from mapped objects (direct_map)
     def load_objects(self, objects: Sequence[Mapping], dst_block_ids: torch.Tensor, nblocks: int,
                      src_positions: Optional[torch.Tensor] = None, slice_offset: int = 0,
-                     part_bytes: Optional[int] = None, stream: "torch.cuda.Stream | None" = None) -> None:
+                     part_bytes: Optional[int] = None,
+                     stream: "torch.cuda.Stream | None" = None) -> "Optional[torch.cuda.Event]":
         """Copy objects straight from their read-only host mappings (``adpkv_core.direct_map``:
         acquired ``Mapping``s, this rank's part ``part_bytes`` at ``slice_offset`` of each:
         ``nblocks`` of this layer's pages back to back) into the KV blocks: block
         ``src_positions[k]`` of the objects (``j*nblocks+b``; None: all, in order) into
         ``dst_block_ids[k]``. Objects in consecutive slots of one span (``direct_map.runs``) are
-        one transfer into a staging tensor (on CUDA one DMA, asynchronous on ``stream`` from the
-        CUDA-registered span; a TP rank's slices one 2-D DMA, ``copy_parts``), then one
-        ``index_copy_``: the caller keeps the mappings until the stream has passed them. On CPU
-        the same copies, synchronous. Nothing writes the mappings."""
+        one transfer into a staging tensor (on CUDA one DMA on ``stream`` from the span's
+        registration; a TP rank's slices one 2-D DMA, ``copy_parts``), then one ``index_copy_``
+        into the blocks. On CUDA with a ``stream`` all of it is asynchronous and the scatter runs
+        on a second stream of the device (``_scatter_stream``), so that it overlaps the next
+        layer's DMA; the returned event passes once the blocks hold the objects and nothing
+        reads the mappings any more: the caller keeps the mappings acquired, and reads the
+        blocks, only after it. Otherwise (CPU, or no stream) synchronous: None. Nothing writes
+        the mappings."""
         part = self.page_bytes * nblocks if part_bytes is None else part_bytes
         count = len(objects)
-        with torch.cuda.stream(stream) if (self.on_gpu and stream is not None) else _null(), \
-                warnings.catch_warnings():
+        asynchronous = self.on_gpu and stream is not None
+        with torch.cuda.stream(stream) if asynchronous else _null(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             staged = torch.empty((count * nblocks, *self.page_shape), dtype=self.dtype, device=self.device)
             flat = staged.view(count, -1).view(torch.uint8)
@@ -155,9 +160,23 @@ class PagedLayer:
                 at = run.lead + slice_offset
                 host = torch.from_numpy(run.rows)[:, at:at + part]
                 copy_parts(flat[run.first:run.first + run.count], host)
-            if src_positions is not None:
-                staged = staged.index_select(0, src_positions.to(self.device, non_blocking=True))
-            self.view.index_copy_(0, dst_block_ids.to(self.device, non_blocking=True), staged)
+        if not asynchronous:
+            self._scatter_staged(staged, dst_block_ids, src_positions)
+            return None
+        side = _scatter_stream(self.device)
+        side.wait_stream(stream)
+        staged.record_stream(side)          # the allocator keeps it until the scatter is done
+        with torch.cuda.stream(side):
+            self._scatter_staged(staged, dst_block_ids, src_positions)
+            done = torch.cuda.Event(enable_timing=True)     # timed: a benchmark's timeline reads it
+            done.record(side)
+        return done
+
+    def _scatter_staged(self, staged: torch.Tensor, dst_block_ids: torch.Tensor,
+                        src_positions: Optional[torch.Tensor]) -> None:
+        if src_positions is not None:
+            staged = staged.index_select(0, src_positions.to(self.device, non_blocking=True))
+        self.view.index_copy_(0, dst_block_ids.to(self.device, non_blocking=True), staged)
 
     # ------------------------------------------------------------------ a rank's heads (connector/heads.py)
     def gather_share(self, share: torch.Tensor, block_ids: torch.Tensor,
@@ -210,6 +229,18 @@ class PagedLayer:
 
 
 # ---------------------------------------------------------------------------- ring <-> GPU DMA
+_SCATTER_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _scatter_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The device's stream for the scatters of ``load_objects`` (made once; a scatter there
+    overlaps the DMA of the next layer on the caller's stream)."""
+    s = _SCATTER_STREAMS.get(device)
+    if s is None:
+        s = _SCATTER_STREAMS[device] = torch.cuda.Stream(device=device)
+    return s
+
+
 def copy_parts(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy host parts to or from the GPU on the current stream: ``dst`` and ``src`` have one
     shape and dtype, one of them in host memory (the ring or a ``direct_map`` span; strided:

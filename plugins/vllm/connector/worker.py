@@ -329,9 +329,9 @@ class AdpConnectorWorker:
         dst, pos = index.batch_blocks(0, len(held), None)
 
         def copy():
-            layer.load_objects(held, dst, index.bpc, pos, sl[0], sl[1], self._stream)
-            if self._stream is not None:
-                self._stream.synchronize()
+            done = layer.load_objects(held, dst, index.bpc, pos, sl[0], sl[1], self._stream)
+            if done is not None:
+                done.synchronize()
         try:
             ok = dst is None or self._gate.run(ticket, copy)
         finally:
