@@ -145,7 +145,7 @@ class GatewayClient:
             return resolved(None)
         try:
             with self._door_lock:
-                reply = self._door.register_region(fd, offset, size)
+                reply = self._door.register_region(fd, offset, size, timeout_s=self.config.timeout_s)
         except (OSError, EOFError, P.ProtocolError) as exc:
             logger.warning("Registering region %s failed: %s", path, exc)
             reply = None
@@ -167,8 +167,8 @@ class GatewayClient:
         (off, or a lookup peer); ``OSError``/``EOFError``/``ProtocolError`` from the door."""
         if not self._link.enabled or self.rank is None or self._door is None:
             raise ConnectionError("no gateway attachment to map objects through")
-        with self._door_lock:
-            return self._door.map_objects(keys, object_bytes, marks)
+        with self._door_lock:       # as long as a data request may take (the gateway checks each object)
+            return self._door.map_objects(keys, object_bytes, marks, timeout_s=self.config.timeout_s)
 
     def get_into(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
                  marks: Optional[Sequence[int]] = None, unlock: bool = False) -> "Future[list[bool]]":

@@ -117,13 +117,20 @@ class DoorSession:
     """A client's session at the gateway's door: its token, its engine's ring, its regions.
 
     Requests on the door are synchronous and serialised by the caller (one at a time);
-    they are rare (once at attach, once per registered region).
+    they are rare (once at attach, once per registered region, MAP batches). A reply carries
+    no request id: it is the answer to the one request in flight. So a request that fails
+    between its send and its reply (a timeout above all: the reply may still come) ends the
+    session: the door is shut down at once (the gateway sees the hang-up and detaches what
+    the session attached; the client's link turns the cache off) and every later request
+    raises ``ConnectionError`` — a late reply is never taken as the answer to a later
+    request (MAP's descriptors of other objects under these keys).
     """
 
     def __init__(self, path: str, timeout_s: float, trusted_uids: Optional[frozenset[int]] = None):
         """Connect, check the gateway's user (``trusted_uids``, default root and ours:
         ``UntrustedGateway`` before anything is sent), and open a session."""
         self.path = path
+        self.broken: Optional[str] = None        # why the session ended (see the class)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout_s)
         try:
@@ -153,33 +160,55 @@ class DoorSession:
         return Ring.from_fd(fds[0], reply.size)
 
     def request(self, msg: P.Message, replies: P.ReplyDecoder, fds: Sequence[int] = (),
-                max_fds: int = MAX_FDS) -> tuple[P.Message, list[int]]:
-        """Send ``msg`` (with ``fds``); the reply, decoded by ``replies``, and its descriptors."""
-        send(self.sock, msg, fds)
-        data, got = recv(self.sock, max_fds)
+                max_fds: int = MAX_FDS, timeout_s: Optional[float] = None) -> tuple[P.Message, list[int]]:
+        """Send ``msg`` (with ``fds``); the reply, decoded by ``replies``, and its descriptors,
+        within ``timeout_s`` (None: the session's). ``ConnectionError`` once the session has
+        ended; any failure between the send and the reply ends it (see the class)."""
+        if self.broken is not None:
+            raise ConnectionError(f"the door session at {self.path} has ended ({self.broken})")
+        try:
+            if timeout_s is not None:
+                self.sock.settimeout(timeout_s)
+            send(self.sock, msg, fds)
+            data, got = recv(self.sock, max_fds)
+        except BaseException as exc:
+            self._end(f"{type(msg).__name__} failed: {exc or type(exc).__name__}")
+            raise
         try:
             return replies.decode(data), got
-        except P.ProtocolError:
+        except P.ProtocolError as exc:
             close_fds(got)
+            self._end(f"an undecodable reply to {type(msg).__name__}: {exc}")
             raise
 
-    def register_region(self, fd: int, offset: int, size: int) -> P.Message:
+    def _end(self, why: str) -> None:
+        """End the session: shut the door down (the gateway sees the hang-up), never reuse it."""
+        self.broken = why
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def register_region(self, fd: int, offset: int, size: int, timeout_s: Optional[float] = None) -> P.Message:
         """Hand the gateway ``size`` bytes at ``offset`` of an open file; the reply
         (``RegionOk`` or ``Error``)."""
-        reply, fds = self.request(P.RegionRequest(offset=int(offset), size=int(size)), _REGION_REPLY, [fd])
+        reply, fds = self.request(P.RegionRequest(offset=int(offset), size=int(size)), _REGION_REPLY, [fd],
+                                  timeout_s=timeout_s)
         close_fds(fds)
         return reply
 
-    def map_objects(self, keys: Sequence[bytes], object_bytes: int,
-                    marks: Optional[Sequence[int]] = None) -> tuple[P.Message, list[int]]:
+    def map_objects(self, keys: Sequence[bytes], object_bytes: int, marks: Optional[Sequence[int]] = None,
+                    timeout_s: Optional[float] = None) -> tuple[P.Message, list[int]]:
         """MAP (at most ``protocol.MAX_MAP_KEYS`` keys): the reply (``MapOk`` or ``Error``) and
         the read-only descriptors it carried, one per hit in key order (the caller's to close).
-        ``ValueError`` (descriptors closed) when their count is not the reply's hits."""
+        ``ValueError`` (descriptors closed, the session ended) when their count is not the
+        reply's hits."""
         msg = P.MapRequest(keys=list(keys), obj=int(object_bytes), marks=list(marks) if marks is not None else None)
-        reply, fds = self.request(msg, _MAP_REPLY, max_fds=P.MAX_MAP_KEYS)
+        reply, fds = self.request(msg, _MAP_REPLY, max_fds=P.MAX_MAP_KEYS, timeout_s=timeout_s)
         hits = sum(1 for b in reply.hits if b) if isinstance(reply, P.MapOk) else 0
         if len(fds) != hits or (isinstance(reply, P.MapOk) and len(reply.hits) != len(keys)):
             close_fds(fds)
+            self._end("a MAP reply that does not match its request")
             raise ValueError(f"the gateway at {self.path} answered MAP with {len(fds)} descriptors for "
                              f"{hits} hits of {len(keys)} keys")
         return reply, fds

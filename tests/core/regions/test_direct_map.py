@@ -16,6 +16,7 @@ import fcntl
 import logging
 import mmap
 import os
+import signal
 
 import pytest
 
@@ -331,4 +332,32 @@ def test_the_lru_bounds_mapped_bytes_and_keeps_mappings_in_use(start_gateway, ca
     refusing.close()
     with pytest.raises(ValueError):
         DirectMaps(0)
+    c.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_map_that_times_out_ends_the_door_session_its_late_reply_never_answers_another(start_gateway):
+    """A MAP that times out (the gateway stopped past the deadline) ends the door session: the
+    gateway's late reply, its descriptors of the first keys' files, is never taken as the
+    answer to the next MAP (of other keys), which raises ``ConnectionError``; ``DirectMaps``
+    then holds nothing. (Door replies carry no request id: before, the next MAP got the
+    first one's descriptors under its own keys.)"""
+    gw = start_gateway()
+    c = GatewayClient(ClientConfig(port=gw.port, timeout_s=30.0), "engine-direct")
+    assert c.enabled, c.attach_error
+    first, other = make_keys(4, salt=b"first"), make_keys(4, salt=b"other")
+    assert _put(c, first).stored == [True] * 4 and _put(c, other).stored == [True] * 4
+    door = c._door
+    os.kill(gw.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(OSError):
+            door.map_objects(first, OBJ, timeout_s=0.5)
+    finally:
+        os.kill(gw.proc.pid, signal.SIGCONT)
+    assert door.broken and "timed out" in door.broken
+    with pytest.raises(ConnectionError):
+        door.map_objects(other, OBJ)
+    maps = DirectMaps(64 * OBJ)
+    assert maps.fetch(c, other, OBJ) == 0 and not any(maps.held(k) for k in first + other)
+    maps.close()
     c.close()
