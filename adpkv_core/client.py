@@ -97,6 +97,10 @@ class GatewayClient:
         """False once the external cache was turned off on this rank."""
         return self._link.enabled
 
+    def restores_in_flight(self) -> int:
+        """This client's GETs not answered yet."""
+        return self._link.restores_in_flight()
+
     def exist(self, keys: Sequence[bytes], marks: Optional[Sequence[int]] = None,
               lock: bool = False) -> "Future[list[bool]]":
         """Which keys are stored (one round trip). ``lock`` pins the hits against eviction."""

@@ -36,6 +36,7 @@ import mmap
 import os
 import queue
 import threading
+import time
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -45,6 +46,8 @@ from . import protocol as P
 logger = logging.getLogger("adpkv.direct_map")
 
 CUDA_HOST_REGISTER_READ_ONLY = 0x08      # cudaHostRegisterReadOnly
+QUIET_WAIT_S = 5.0       # a prefetch waits at most this long for the client's restores to end
+QUIET_POLL_S = 0.005
 
 Registrar = Callable[[int, int], bool]       # (address, bytes) -> registered
 Unregistrar = Callable[[int], None]
@@ -395,13 +398,17 @@ class DirectMaps:
 
     def prefetch(self, client, keys: Sequence[bytes], object_bytes: int,
                  marks: Optional[Sequence[int]] = None) -> None:
-        """``fetch`` on the maps' own thread (queued; returns at once)."""
+        """``fetch`` on the maps' own thread (queued; returns at once), once ``client`` has no
+        GET in flight or ``QUIET_WAIT_S`` after this call, whichever comes first: the gateway
+        checks every object it hands, and that work must not slow the restores it follows (a
+        cold restore's layers each queue their prefetch as they land)."""
         if self._closed:
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="adpkv-direct-map", daemon=True)
             self._thread.start()
-        self._work.put((client, list(keys), object_bytes, list(marks) if marks is not None else None))
+        self._work.put((time.monotonic() + QUIET_WAIT_S, client, list(keys), object_bytes,
+                        list(marks) if marks is not None else None))
 
     def _serve(self) -> None:
         while True:
@@ -411,8 +418,11 @@ class DirectMaps:
             if isinstance(item, threading.Event):      # drain()
                 item.set()
                 continue
+            until, client, *request = item
+            while client.restores_in_flight() and time.monotonic() < until and not self._closed:
+                time.sleep(QUIET_POLL_S)
             try:
-                self.fetch(*item)
+                self.fetch(client, *request)
             except Exception:
                 logger.exception("adpkv: mapping objects failed")
 

@@ -115,6 +115,11 @@ class Link:
         self._wake()
         return returned if returned is not None else pending.future
 
+    def restores_in_flight(self) -> int:
+        """GET requests queued or sent and not answered yet (any thread may ask)."""
+        return sum(1 for _, p, _ in list(self._outbox) if p.op == "GET") + \
+            sum(1 for p in list(self._pending.values()) if p.op == "GET")
+
     def stop(self) -> None:
         """Stop the I/O thread (without a turn-off line): what is in flight or queued resolves
         as a miss / not stored."""

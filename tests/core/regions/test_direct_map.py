@@ -17,6 +17,7 @@ import logging
 import mmap
 import os
 import signal
+import threading
 
 import pytest
 
@@ -359,5 +360,40 @@ def test_a_map_that_times_out_ends_the_door_session_its_late_reply_never_answers
         door.map_objects(other, OBJ)
     maps = DirectMaps(64 * OBJ)
     assert maps.fetch(c, other, OBJ) == 0 and not any(maps.held(k) for k in first + other)
+    maps.close()
+    c.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_prefetch_waits_for_the_restores_in_flight(start_gateway):
+    """A background prefetch queued while a GET of the client is in flight (the gateway
+    stopped for a moment) sends its MAP only once that GET is answered: the gateway's check of
+    what MAP hands does not compete with the restore it follows."""
+    gw = start_gateway()
+    c = GatewayClient(ClientConfig(port=gw.port, timeout_s=30.0), "engine-direct")
+    assert c.enabled, c.attach_error
+    keys = make_keys(4)
+    assert _put(c, keys).stored == [True] * 4
+    in_flight_at_map: list[int] = []
+    map_objects = c.map_objects
+
+    def recording(*args, **kwargs):
+        in_flight_at_map.append(c.restores_in_flight())
+        return map_objects(*args, **kwargs)
+    c.map_objects = recording
+    maps = DirectMaps(64 * OBJ)
+    os.kill(gw.proc.pid, signal.SIGSTOP)
+    resume = threading.Timer(0.5, os.kill, (gw.proc.pid, signal.SIGCONT))
+    try:
+        fut = c.get(keys, OBJ, lambda b: None)
+        assert c.restores_in_flight() == 1
+        maps.prefetch(c, keys, OBJ)
+        resume.start()
+        assert fut.result(30) == [True] * 4
+        assert maps.drain(30)
+    finally:
+        resume.cancel()
+        os.kill(gw.proc.pid, signal.SIGCONT)
+    assert in_flight_at_map == [0] and all(maps.held(k) for k in keys)
     maps.close()
     c.close()
