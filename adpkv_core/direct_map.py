@@ -165,12 +165,12 @@ class Mapping:
 
 
 class Run(NamedTuple):
-    """Objects ``first .. first+count-1`` of a list of mappings, in consecutive slots of one span:
-    ``rows`` (``(count, slot_bytes)`` uint8, read-only) holds them, each payload ``lead`` bytes
+    """Objects ``first .. first+objects-1`` of a list of mappings, in consecutive slots of one
+    span: ``rows`` (``(objects, slot_bytes)`` uint8, read-only) holds them, each payload ``lead`` bytes
     into its row; contiguous payloads when ``lead`` is 0 and a payload fills its row."""
 
     first: int
-    count: int
+    objects: int
     rows: np.ndarray
     lead: int
 
@@ -271,9 +271,11 @@ class DirectMaps:
         """MAP the keys not held yet and keep what the gateway hands as one span (see the
         module; a batch larger than ``limit_bytes`` keeps its last keys); how many of ``keys``
         are held now. Never raises for the gateway's or CUDA's refusals (logged once)."""
-        seen: set[bytes] = set()
+        first_of: dict[bytes, int] = {}            # each key once, at its first position
+        for i, k in enumerate(keys):
+            first_of.setdefault(k, i)
         with self._lock:
-            todo = [(i, k) for i, k in enumerate(keys) if k not in self._maps and not (k in seen or seen.add(k))]
+            todo = [(i, k) for k, i in first_of.items() if k not in self._maps]
         room = max(1, self.limit_bytes // (-(-object_bytes // PAGE) * PAGE))     # objects the bound holds
         todo = todo[max(0, len(todo) - room):]
         span: Optional[Span] = None

@@ -159,7 +159,7 @@ class PagedLayer:
             for run in runs(objects):
                 at = run.lead + slice_offset
                 host = torch.from_numpy(run.rows)[:, at:at + part]
-                copy_parts(flat[run.first:run.first + run.count], host)
+                copy_parts(flat[run.first:run.first + run.objects], host)
         if not asynchronous:
             self._scatter_staged(staged, dst_block_ids, src_positions)
             return None

@@ -137,11 +137,11 @@ def test_a_fetch_is_one_span_of_read_only_file_mappings_back_to_back(start_gatew
         vmas = _vmas(span.base, span.base + span.bytes)
         assert [v[2] for v in vmas] == ["r--s"] * 6, vmas
         assert [v[3] for v in vmas] == [_file_of(card, k) for k in keys], vmas
-        got = [(r.first, r.count) for r in direct_map.runs(held)]
+        got = [(r.first, r.objects) for r in direct_map.runs(held)]
         assert got == [(0, 3), (3, 1), (4, 1), (5, 2), (7, 1), (8, 1)]
         for r in direct_map.runs(held):
             assert not r.rows.flags.writeable
-            for j in range(r.count):
+            for j in range(r.objects):
                 payload = bytes(r.rows[j, r.lead:r.lead + nbytes])
                 assert payload == pattern(order[r.first + j], 0, nbytes)
                 assert payload == bytes(held[r.first + j].array)
