@@ -79,14 +79,14 @@ from . import fs_snapshot
 from .base import FirstExtent, Head, HeadsFound, is_head, object_key
 from .fs_files import FileRef
 from .fs_rows import Rows, key_hash, key_hashes, mapped
-from .fs_snapshot import Snapshot
+from .fs_snapshot import EMPTY_SLOT, Snapshot
 from .objfile import ALIGN, HEADER_BYTES
 
 logger = logging.getLogger("adpkv.gateway.fs")
 
 HEAD_SUFFIX = b"\0\0"
 FKEY_BYTES = KEY_BYTES + 2
-EMPTY = -1                     # a free slot of the hash table
+EMPTY = EMPTY_SLOT             # a free slot of the hash table
 START_TICK = 1 << 31           # the clock at start; scanned objects get older ticks (by file age)
 MIN_QUEUE = 256                # eviction queue: at least this many rows, or 1/32 of them
 TRIM_CHUNK = 2048              # objects one step of the trim at start evicts under the lock
@@ -739,7 +739,7 @@ class FsIndex:
             rows = self._rows
             fs_snapshot.write(dir_fd, name, serial, stamps, self.num_dbs,
                               Snapshot(rows, [ns.tid for ns in self._ns], self._gen, self._clock, self._seed,
-                                       time.time()), own_file)
+                                       time.time(), self._slots), own_file)
         logger.info("fs card %s: index of %d objects saved", self.root, rows.n)
 
     def load(self, dir_fd: int, name: str, serial: str, stamps: dict[str, int]) -> Optional[str]:
@@ -770,10 +770,13 @@ class FsIndex:
             self._clock = max(snapshot.clock, START_TICK)
             self._queues.clear()
             self.saved_at = snapshot.saved
-            size = 2048
-            while 2 * n > size:
-                size *= 2
-            self._rehash(size)
+            if snapshot.slots is not None:     # the table as it was saved (fs_snapshot checked it whole)
+                self._slots, self._mask = snapshot.slots, len(snapshot.slots) - 1
+            else:
+                size = 2048
+                while 2 * n > size:
+                    size *= 2
+                self._rehash(size)
         return None
 
     # ------------------------------------------------------------------ the scan at start

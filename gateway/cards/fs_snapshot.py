@@ -10,8 +10,13 @@ Contract:
   they are written).
 - The file: ``SNAPSHOT_MAGIC``, ``SNAPSHOT_FORMAT`` and the length of a JSON head (4 bytes
   each, little-endian), the head (serial, rows, databases, stamps, namespaces, generation,
-  clock, seed, hash name, when saved, column names), each column's first ``rows`` entries
-  in ``Rows.COLUMNS`` order, then the xxh3-64 of everything before it.
+  clock, seed, hash name, when saved, column names, the size of the hash table or 0), each
+  column's first ``rows`` entries in ``Rows.COLUMNS`` order, the index's hash table (``int32``
+  slots, ``EMPTY`` or a row: the index takes it as it is instead of hashing every key again,
+  which at millions of objects was most of a restart), then the xxh3-64 of everything before it.
+  ``read`` takes a table only when its size is a power of two of at least twice the rows and
+  it holds every row exactly once (a damaged table must not make a row unreachable or point
+  past the rows); otherwise the snapshot comes without one and the index hashes its keys.
 - ``read`` gives the ``Snapshot`` only when the file is the gateway's own (its uid), whole
   (its checksum), of this format, this card's (serial), of the same databases whose
   directories' times are still the recorded ones (a file created, renamed or removed in a
@@ -26,22 +31,25 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
+import numpy as np
 import xxhash
 
 from .fs_files import READ_FLAGS, FileRef, unlink_all
-from .fs_rows import HASH_NAME, Rows, bytes_of
+from .fs_rows import HASH_NAME, Rows, bytes_of, mapped
 
 SNAPSHOT_MAGIC = b"ADPKVIDX"
-SNAPSHOT_FORMAT = 2            # 2: rows carry write ids; a format 1 snapshot is ignored (the card scans)
+SNAPSHOT_FORMAT = 3            # 3: the hash table too; 2: rows carry write ids. Others are ignored (the card scans)
+EMPTY_SLOT = -1                # a free slot of the hash table (``fs_index.EMPTY``)
 
 
 @dataclass(frozen=True)
 class Snapshot:
     """An index as its snapshot holds it: the rows (``rows.n`` objects), the namespace ids in
     the index's order (a row's ``ns`` is a position in it), the index's write generation and
-    LRU clock, the seed its keys were hashed with, and when it was saved (wall clock)."""
+    LRU clock, the seed its keys were hashed with, when it was saved (wall clock), and the
+    hash table built with that seed (``int32`` slots) when it has one."""
 
     rows: Rows
     namespaces: list[bytes]
@@ -49,6 +57,15 @@ class Snapshot:
     clock: int
     seed: int
     saved: float
+    slots: Optional[np.ndarray] = None      # the hash table of ``rows`` under ``seed`` (None: hash again)
+
+
+def _whole_table(slots: np.ndarray, n: int) -> bool:
+    """Whether a hash table holds rows ``0 .. n-1`` each exactly once and nothing else."""
+    used = slots[slots != EMPTY_SLOT]
+    if len(used) != n or (n and (used.min() < 0 or used.max() >= n)):
+        return False
+    return bool(n == 0 or (np.bincount(used, minlength=n) == 1).all())
 
 
 def _columns() -> list[str]:
@@ -63,7 +80,8 @@ def write(dir_fd: int, name: str, serial: str, stamps: dict[str, int], num_dbs: 
     head = json.dumps({"serial": serial, "rows": rows.n, "num_dbs": num_dbs, "stamps": stamps,
                        "namespaces": [tid.hex() for tid in snapshot.namespaces], "gen": snapshot.gen,
                        "clock": snapshot.clock, "seed": snapshot.seed, "hash": HASH_NAME,
-                       "saved": snapshot.saved, "columns": _columns()}).encode()
+                       "saved": snapshot.saved, "columns": _columns(),
+                       "slots": 0 if snapshot.slots is None else len(snapshot.slots)}).encode()
     tmp = name + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                  dir_fd=dir_fd)
@@ -73,7 +91,8 @@ def write(dir_fd: int, name: str, serial: str, stamps: dict[str, int], num_dbs: 
         with os.fdopen(os.dup(fd), "wb") as out:
             for piece in [SNAPSHOT_MAGIC, SNAPSHOT_FORMAT.to_bytes(4, "little"),
                           len(head).to_bytes(4, "little"), head] + \
-                    [bytes_of(getattr(rows, c[0])[:rows.n]) for c in Rows.COLUMNS]:
+                    [bytes_of(getattr(rows, c[0])[:rows.n]) for c in Rows.COLUMNS] + \
+                    ([] if snapshot.slots is None else [bytes_of(snapshot.slots)]):
                 out.write(piece)
                 digest.update(piece)
             out.write(digest.intdigest().to_bytes(8, "little"))
@@ -117,11 +136,22 @@ def read(dir_fd: int, name: str, serial: str, stamps: dict[str, int], num_dbs: i
                 if src.readinto(view) != len(view):
                     return "truncated"
                 digest.update(view)
+            size = int(head.get("slots", 0))
+            slots = None
+            if size:
+                if size & (size - 1) or size < 2 * n:
+                    return "of another layout (its hash table)"
+                slots = mapped((size,), np.int32)
+                view = bytes_of(slots)
+                if src.readinto(view) != len(view):
+                    return "truncated"
+                digest.update(view)
             if src.read(8) != digest.intdigest().to_bytes(8, "little") or src.read(1):
                 return "damaged (checksum)"
             rows.n = n
             return Snapshot(rows, [bytes.fromhex(tid) for tid in head["namespaces"]], int(head["gen"]),
-                            int(head["clock"]), int(head["seed"]), float(head["saved"]))
+                            int(head["clock"]), int(head["seed"]), float(head["saved"]),
+                            slots if slots is not None and _whole_table(slots, n) else None)
     except FileNotFoundError:
         return "none"
     except (OSError, ValueError, KeyError, TypeError) as exc:
