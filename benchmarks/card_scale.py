@@ -12,6 +12,8 @@ on it and measured:
 - ``scan_s``: from the spawn to the end of the scan of the card's files (STATS ``work``);
 - ``snap_s``: from the spawn to the first answer of a restart after a clean stop (the index
   snapshot instead of a scan);
+- ``rss_snap_b``: the gateway's memory per object after that restart, once its check of the
+  snapshot against the files ended;
 - ``exist512_ms`` / ``exist16k_ms``: EXIST of 512 and 16,384 stored keys, p50 and p99 of
   real client round trips (``--rounds``);
 - ``store16k_us``: the gateway's share of a 16,384-key EXIST, µs a key (p50): the gateway's
@@ -19,7 +21,7 @@ on it and measured:
   in this process from the snapshot of the gateway's clean stop (put back afterwards: the
   files are unchanged), timed once the card's check of its files ended;
 - ``get_obj_s``: GET of 512 hot objects at a time, objects a second;
-- ``hit`` / ``lru_hit`` / ``evict`` / ``lru_evict``: a Zipf trace (s=0.9) of ``--trace``
+- ``hit`` / ``lru_hit`` / ``evict`` / ``lru_evict`` (not with ``--trace 0``): a Zipf trace (s=0.9) of ``--trace``
   lookups in batches of 64 (GET, then PUT of the misses) on the gateway restarted with a
   capacity of a tenth of the card, against an exact LRU with the same watermarks simulated on the
   same trace from the same start (the newest objects kept): hit ratio and evictions per
@@ -158,7 +160,13 @@ def measure(gw, root, keys, n, size, rounds, trace_len, empty_rss, built, served
     gw.start(wait=False)
     control.wait_until_up(gw.port, 600)
     out["snap_s"] = round(time.monotonic() - t0, 2)
+    while scanning(gw.port):                   # its check of the snapshot against the files
+        time.sleep(0.05)
+    out["rss_snap_b"] = round((rss_anon(gw.proc.pid) - empty_rss) / n, 1)
     gw.stop()
+    if not trace_len:
+        print(json.dumps(out), flush=True)
+        return out
 
     print(json.dumps(out), flush=True)        # the figures so far
     # the skewed trace, on a tenth of the card's room

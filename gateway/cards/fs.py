@@ -57,6 +57,7 @@ from .fs_files import (CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, SUBDIR_NAMES, FileRe
                        open_root, own_dir, subdir_of, unlink_all, verdict_of)
 from . import fs_scan
 from .fs_index import FKEY_BYTES, TRIM_CHUNK, Entry, FsIndex
+from .fs_rows import give_back_heap
 from .objfile import (ALIGN, HEADER_BYTES, FdSlice, Scratch, copy_object_file, read_object_file,
                       write_object_file)
 
@@ -257,6 +258,7 @@ class FsCard(Card):
             if self._auto_capacity:
                 self.index.capacity_bytes = self._free_bytes() + self.index.usage()[0]
             self._trim()
+            give_back_heap()
         except Exception:                              # the card serves on; what is not indexed is a miss
             logger.exception("fs card %s: the scan of its files failed", self.root)
         finally:

@@ -78,7 +78,7 @@ from ..quotas import TenantUsage, tenant_of
 from . import fs_snapshot
 from .base import FirstExtent, Head, HeadsFound, is_head, object_key
 from .fs_files import FileRef
-from .fs_rows import Rows, key_hash, key_hashes, mapped
+from .fs_rows import Rows, give_back_heap, key_hash, key_hashes, mapped
 from .fs_snapshot import EMPTY_SLOT, Snapshot
 from .objfile import ALIGN, HEADER_BYTES
 
@@ -247,6 +247,8 @@ class FsIndex:
             lost = pending[slots[pos[pending]] != EMPTY]
             pos[lost] = (pos[lost] + 1) & mask
         self._slots, self._mask = slots, mask
+        del home, pending, pos
+        give_back_heap()
 
     def _remove_row(self, r: int) -> None:
         """(lock held) Take row ``r`` out of the table (its slot freed by backward shift, the
