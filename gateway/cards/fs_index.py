@@ -774,6 +774,7 @@ class FsIndex:
             self.saved_at = snapshot.saved
             if snapshot.slots is not None:     # the table as it was saved (fs_snapshot checked it whole)
                 self._slots, self._mask = snapshot.slots, len(snapshot.slots) - 1
+                give_back_heap()               # that check's temporaries
             else:
                 size = 2048
                 while 2 * n > size:
