@@ -159,10 +159,6 @@ class Mapping:
     def nbytes(self) -> int:
         return self.span.nbytes
 
-    @property
-    def address(self) -> int:
-        return self.span.slot_address(self.index) + self.span.lead
-
 
 class Run(NamedTuple):
     """Objects ``first .. first+objects-1`` of a list of mappings, in consecutive slots of one
@@ -326,11 +322,10 @@ class DirectMaps:
             self.handed += 1
             try:
                 placed.append((key, span.place(fd)))
-            except ValueError as exc:
+            except (ValueError, OSError) as exc:
                 self._once("mmap", "adpkv: cannot map an object's file (%s); those objects go through the ring", exc)
-            except OSError as exc:
-                self._once("mmap", "adpkv: cannot map an object's file (%s); those objects go through the ring", exc)
-                return False
+                if isinstance(exc, OSError):       # the kernel refused: the span takes no more
+                    return False
         return True
 
     def _keep(self, span: Span, placed: list[tuple[bytes, int]]) -> None:

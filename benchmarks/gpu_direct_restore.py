@@ -126,14 +126,19 @@ def store(client, ring, cache: Cache, kb, stream) -> None:
         raise RuntimeError("store failed")
 
 
+def ring_scatter(cache: Cache, ring, layer: PagedLayer, stream):
+    """A GET's batch callback: the batch's objects scattered from the ring into ``layer``'s blocks."""
+    def copy(b):
+        ids = cache.block_ids[b.first * cache.nb:(b.first + b.count) * cache.nb]
+        layer.scatter(ring, b.offset, b.stride, b.count, 0, cache.obj, ids, None, cache.nb, stream=stream)
+    return copy
+
+
 def ring_restore(client, ring, cache: Cache, kb, stream, device: str) -> float:
     futs = []
     t0 = time.perf_counter()
     for i, layer in enumerate(cache.layers):
-        def copy(b, layer=layer):
-            ids = cache.block_ids[b.first * cache.nb:(b.first + b.count) * cache.nb]
-            layer.scatter(ring, b.offset, b.stride, b.count, 0, cache.obj, ids, None, cache.nb, stream=stream)
-        futs.append(client.get(keys_of(cache, kb, i), cache.obj, copy))
+        futs.append(client.get(keys_of(cache, kb, i), cache.obj, ring_scatter(cache, ring, layer, stream)))
     hits = [all(f.result()) for f in futs]
     sync(device)
     t = time.perf_counter() - t0
@@ -192,10 +197,7 @@ def policy_restore(client, ring, maps: DirectMaps, cache: Cache, kb, stream, dev
             continue
         maps.release(got)
 
-        def copy(b, layer=layer):
-            ids = cache.block_ids[b.first * cache.nb:(b.first + b.count) * cache.nb]
-            layer.scatter(ring, b.offset, b.stride, b.count, 0, cache.obj, ids, None, cache.nb, stream=stream)
-        fut = client.get(keys, cache.obj, copy)
+        fut = client.get(keys, cache.obj, ring_scatter(cache, ring, layer, stream))
         fut.add_done_callback(lambda _, keys=keys: maps.prefetch(client, keys, cache.obj))
         futs.append(fut)
     hits = [all(f.result()) for f in futs]
