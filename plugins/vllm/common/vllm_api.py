@@ -29,6 +29,17 @@ def required_vllm_api(user: str, needs: str, instead: str) -> Iterator[None]:
         raise ImportError(f"{user} needs {needs}; this vLLM lacks it ({exc}). {instead}") from exc
 
 
+def transfer_results_type() -> Any:
+    """vLLM's ``KVConnectorTransferResults`` (what ``get_transfer_results`` returns; 0.32 and
+    0.33 have it, 0.26 to 0.29 do not), or None on a release without it: such a release never
+    calls ``get_transfer_results`` and takes a connector's finished loads from ``get_finished``."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    except ImportError:
+        return None
+    return KVConnectorTransferResults
+
+
 def tiering_rows_file(spec: Any) -> Optional[str]:
     """A path that opens the shared file of the CPU tier's rows of vLLM's
     ``TieringOffloadingSpec`` (the rows start at its offset 0), or None when this vLLM does

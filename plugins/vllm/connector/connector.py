@@ -26,7 +26,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
 )
 
 try:  # vLLM >= 0.10
@@ -35,6 +34,7 @@ except ImportError:  # pragma: no cover - old vLLM
     class SupportsHMA:  # type: ignore[no-redef]
         pass
 
+from ..common.vllm_api import transfer_results_type
 from ..common.settings import check_hash_stability, ensure_logging, warn_once
 from .metadata import AdpConnectorMetadata, ChunkPlan, ConnectorConfig
 from .scheduler import AdpConnectorScheduler
@@ -177,10 +177,11 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Also the asynchronous loads of a model with several KV cache groups: a request
         whose load failed is in ``failed_recving`` (vLLM recomputes it whole)."""
         if self.connector_worker is None:
-            return super().get_transfer_results(finished_req_ids)
+            return super().get_transfer_results(finished_req_ids)  # type: ignore[misc]
         sending, recving, failed = self.connector_worker.transfer_results(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
-                                          failed_recving=failed)
+        results = transfer_results_type()
+        assert results is not None, "only a vLLM that has KVConnectorTransferResults calls this"
+        return results(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.connector_worker is None:
