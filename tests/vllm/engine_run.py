@@ -137,6 +137,8 @@ def run(spec: dict) -> dict:
                 os.kill(kill["pid"], signal.SIGKILL)
         if spec.get("reset_prefix_cache_between_rounds", True):
             _reset_prefix_cache(llm, spec.get("reset_wait_s"))
+        if spec.get("drain_maps_between_rounds"):
+            _drain_direct_maps(spec["drain_maps_between_rounds"])
         if spec.get("sleep_between_rounds"):
             time.sleep(spec["sleep_between_rounds"])
     if spec.get("wait_after_s"):
@@ -160,6 +162,15 @@ def _reset_prefix_cache(llm, wait_s) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"vLLM's prefix cache could not be reset within {wait_s} s")
         llm.generate([TokensPrompt(prompt_token_ids=[1])], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def _drain_direct_maps(timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until the connector's background mappings
+    (``adpkv.direct_map_bytes``) are done: the engine runs in this process."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    direct = getattr(getattr(get_kv_transfer_group(), "connector_worker", None), "direct", None)
+    if direct is not None and not direct.drain(timeout_s):
+        raise RuntimeError(f"the connector's mappings were not done within {timeout_s} s")
 
 
 def run_subprocess(model_dir, prompts, conn=None, salts=None, log_path=None, timeout=300, **spec):

@@ -60,7 +60,7 @@ class Harness:
     def __init__(self, model_dir: str, port: int, namespace: str = "t", block_size: int = 32,
                  chunk_size: int = 64, num_blocks: int = 256, layers: int = 2,
                  max_batched: int = 512, extra: dict | None = None, groups: list | None = None,
-                 worker_specs: dict | None = None, offloading: bool = False):
+                 worker_specs: dict | None = None, offloading: bool = False, cudagraph_mode: str | None = None):
         self.block_size = block_size
         if groups is None:
             groups = [([f"model.layers.{i}.self_attn.attn" for i in range(layers)], FullAttentionSpec(
@@ -89,6 +89,12 @@ class Harness:
             device_config=DeviceConfig("cpu"),
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        if cudagraph_mode is not None:
+            # the CUDA graph mode vLLM settled on (on a GPU; a CPU config says NONE): the
+            # connectors read it when they are made, and ``forward`` replays as vLLM would
+            from vllm.config import CUDAGraphMode
+            self.vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode[cudagraph_mode]
+        self.full_graph_steps = 0      # steps ``forward`` ran as a FULL graph (no layer hook called)
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(list(names), spec) for names, spec in groups])
@@ -172,8 +178,22 @@ class Harness:
                                  kv_connector_worker_meta=worker_meta)
 
     def forward(self, so) -> None:
-        """The pass: per layer what its attention op calls on the connector around its KV write."""
+        """The pass: per layer what its attention op calls on the connector around its KV write.
+        A step vLLM would replay as a FULL CUDA graph (the mode's decode or mixed batches; a
+        uniform decode batch: every request computes one token) calls no layer hook: the
+        attention reads what the blocks hold when the pass begins, checked here then."""
         w = self.worker
+        mode = self.vllm_config.compilation_config.cudagraph_mode
+        n = list(so.num_scheduled_tokens.values())
+        uniform_decode = bool(n) and all(x == 1 for x in n)
+        if n and (mode.mixed_mode().name == "FULL" or (uniform_decode and mode.decode_mode().name == "FULL")):
+            self.full_graph_steps += 1
+            for req_id, k in so.num_scheduled_tokens.items():
+                req = self.requests[req_id]
+                self.check_kv(req, req.num_computed_tokens - k)   # what the graph's attention reads
+            for li, name in enumerate(self.layer_names):
+                self._compute(so, li, name)
+            return
         for li, name in enumerate(self.layer_names):
             w.wait_for_layer_load(name)
             self._compute(so, li, name)

@@ -8,6 +8,8 @@ mapped read-only.
 - an engine with direct restores on: the first round restores through the ring and maps the
   objects in the background, the second (vLLM's prefix cache reset) restores from the mappings;
   outputs equal recompute's in both, and the connector counts the layer loads it served so;
+- what an engine stores is mapped once stored: its first return (prefix cache reset) in that engine
+  restores from the mappings;
 - objects the gateway cannot hand as one file (``fragment_size``): every load goes by the ring,
   outputs still exact.
 """
@@ -89,6 +91,18 @@ def test_engine_restores_from_mapped_files_and_outputs_match(model_dir, baseline
     assert [r["cached"] for r in b] == [floor_hit(1000), floor_hit(2500), floor_hit(4000)] * 2
     assert "restores from mapped object files" in log
     # round 2: every layer of the three restores from the mappings the first round made
+    assert _loads(log) >= 3 * 2, log[-3000:]
+
+
+def test_what_an_engine_stores_is_restored_copy_free_on_its_first_return(model_dir, baseline, start_gateway):
+    """The objects a PUT stored are mapped in the background: the first return of a prompt to
+    the engine that stored it (vLLM's prefix cache reset) is served from the mappings."""
+    gw = start_gateway(shared_memory_size=256 << 20)
+    conn = connector(gw.port, "direct-stored", **{"adpkv.direct_map_bytes": 256 << 20})
+    b, log = run_subprocess(model_dir, [P1, P2, P3], conn, rounds=2, reset_wait_s=60, drain_maps_between_rounds=30)
+    assert [r["tokens"] for r in b] == baseline * 2
+    assert [r["cached"] for r in b] == [0, 0, 0] + [floor_hit(1000), floor_hit(2500), floor_hit(4000)]
+    # round 2: every layer of the three restores from the mappings of round 1's stores
     assert _loads(log) >= 3 * 2, log[-3000:]
 
 

@@ -84,11 +84,13 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Always: a single-group model's restore fences each layer in ``wait_for_layer_load``
-        and saves from ``save_kv_layer``, hooks a FULL CUDA graph replay skips (a batch of
-        one-token queries, e.g. a restore that leaves one token to compute, may be replayed
-        as one): vLLM then runs PIECEWISE graphs, which call them."""
-        return True
+        """Never: vLLM keeps the CUDA graph mode it picks (FULL_AND_PIECEWISE by default).
+        A step vLLM may replay as a FULL graph calls no layer hook, so the scheduler marks
+        it (``ConnectorConfig.full_graphs``, ``AdpConnectorMetadata.loads_before_pass``) and
+        the worker settles its loads in ``start_load_kv``, before the pass; its saves go out
+        from ``wait_for_save``, after the pass, for every layer whose hook did not run (the
+        seed's "writes of a step go out as one batched request")."""
+        return False
 
     @property
     def requires_kv_delivery(self) -> bool:

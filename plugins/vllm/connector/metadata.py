@@ -66,6 +66,9 @@ class AdpConnectorMetadata(KVConnectorMetadata):
     state_saves: list[ChunkPlan] = field(default_factory=list)     # recurrent states, end of step
     preempted: list[str] = field(default_factory=list)
     failed_loads: dict[str, list[int]] = field(default_factory=dict)   # req -> its hit's blocks
+    # every load of the step settled in start_load_kv, before the pass: vLLM may replay the
+    # step as a FULL CUDA graph, which calls no layer hook (``ConnectorConfig.full_graphs``)
+    loads_before_pass: bool = False
 
 
 # =============================================================================== configuration
@@ -125,6 +128,10 @@ class ConnectorConfig:
     tp_dependent: str = ""
     # attention layers (not MLA): (this rank's KV heads, head size), as vLLM's spec says
     layer_heads: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # which steps vLLM may run as a FULL CUDA graph (no layer hook called in them): "none",
+    # "uniform_decode" (FULL_AND_PIECEWISE, FULL_DECODE_ONLY: a batch whose every request
+    # computes one token, plus its speculative ones), "all" (FULL)
+    full_graphs: str = "none"
 
     @property
     def head_sharded(self) -> bool:
@@ -205,7 +212,19 @@ class ConnectorConfig:
                    layout=layout, namespace=namespace, keys=KeyBuilder(namespace),
                    supported=supported, why=why, groups=groups if supported else [],
                    drafter=drafter if supported else None, tp_dependent=tp_dependent,
-                   layer_heads=layer_heads if supported else {})
+                   layer_heads=layer_heads if supported else {}, full_graphs=full_graph_steps(vllm_config))
+
+
+def full_graph_steps(vllm_config) -> str:
+    """``ConnectorConfig.full_graphs`` from vLLM's final CUDA graph mode (``CUDAGraphMode``:
+    its ``mixed_mode()`` is what a batch with a prefill runs, ``decode_mode()`` what a
+    uniform decode batch runs)."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    if mode is None or not hasattr(mode, "mixed_mode"):
+        return "none"
+    if mode.mixed_mode().name == "FULL":
+        return "all"
+    return "uniform_decode" if mode.decode_mode().name == "FULL" else "none"
 
 
 # the spec classes the connector restores, by exact class (a subclass such as R-SWA or

@@ -279,6 +279,8 @@ class AdpConnectorScheduler:
                 continue
             if st.load is not None:
                 self._plan_load(meta, req_id, request, st, before)
+                if req_id in self._last_step_loads and self._may_run_as_full_graph(scheduler_output, req_id):
+                    meta.loads_before_pass = True
             self._plan_save(meta, scheduler_output, req_id, request, st, before)
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         offloads = getattr(block_state, "boundary_state_offloads", None)
@@ -287,6 +289,19 @@ class AdpConnectorScheduler:
         if self.lookup is not None:
             self.lookup.refresh()   # between steps: a fresh attachment, when one is ready, from now on
         return meta
+
+    def _may_run_as_full_graph(self, scheduler_output: "SchedulerOutput", req_id: str) -> bool:
+        """Whether vLLM may replay the step that loads ``req_id`` as a FULL CUDA graph: under
+        FULL graphs for every batch, always; under FULL graphs for uniform decode batches
+        (vLLM's default FULL_AND_PIECEWISE), when the request computes one token (and its
+        speculative ones) after its restore: then every request of the batch may do so."""
+        if self.cfg.full_graphs == "all":
+            return True
+        if self.cfg.full_graphs != "uniform_decode":
+            return False
+        n_sched = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        n_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+        return n_sched <= 1 + n_spec
 
     def _followed(self, req_id: str) -> Optional[tuple["Request", int]]:
         request, st = self._requests.get(req_id), self._reqs.get(req_id)

@@ -279,6 +279,9 @@ class AdpConnectorWorker:
             fut = self._get_layer(client, ring, name, index, self._tag("L", meta.step, name), load)
             self._load_futs[name] = (fut, index, load)
         self._settle_before_pass()
+        if meta.loads_before_pass:     # a FULL CUDA graph calls no wait_for_layer_load
+            for name in list(self._load_futs):
+                self._settle_load(name, *self._load_futs.pop(name))
 
     def _get_layer(self, client, ring, name: str, index: ChunkPlanIndex, tag: Optional[str],
                    share: Optional[LayerLoad] = None):
@@ -491,6 +494,12 @@ class AdpConnectorWorker:
 
         fut = client.put(keys, obj, on_batch, marks=marks * len(layer_names), tag=tag, slice=sl)
         fut.add_done_callback(lambda f: job.done())
+        direct = self.direct
+        if direct is not None and tag is None and not any(h is not None for h in heads) and not group.recurrent:
+            # what this rank stored is mapped in the background (within direct_map_bytes), so a
+            # prompt that returns to this engine restores by the copy-free path the first time
+            all_marks = marks * len(layer_names)
+            fut.add_done_callback(lambda f: _map_stored(direct, client, keys, obj, all_marks, f))
         if group.sliding_window is not None or group.recurrent:
             self._step_jobs.append(job)      # in the ring before the step ends (wait_for_save)
         if not group.recurrent:
@@ -558,3 +567,16 @@ class AdpConnectorWorker:
                         self.direct_layers, self.direct.stats())
             self.direct.close()
         self._use(None)
+
+
+def _map_stored(direct: DirectMaps, client: GatewayClient, keys: list[bytes], obj: int, marks: list[int],
+                fut: "Future[Any]") -> None:
+    """A PUT's done callback: the objects the card now holds (stored, or held already) queued
+    for mapping (``DirectMaps.prefetch``: after the restores in flight)."""
+    try:
+        res = fut.result()
+    except Exception:
+        return
+    held = [i for i, (s, e) in enumerate(zip(res.stored, res.existed)) if s or e]
+    if held:
+        direct.prefetch(client, [keys[i] for i in held], obj, [marks[i] for i in held])

@@ -1,0 +1,203 @@
+"""One engine process of the GPU engine benchmark (``gpu_vllm_engine.py``): a real vLLM ``LLM``
+built from a spec file, a list of steps run in order, one ``PHASE_RESULT {json}`` line printed.
+
+    python benchmarks/gpu_engine_phase.py SPEC.json
+
+The spec (written by the driver; prompts are (length, seed) pairs, made here, so no argv holds
+128k token ids):
+
+    {"llm": {LLM keyword arguments}, "kv_transfer_config": {...} | null,
+     "prompts": {"p8k": [8192, 1], ...}, "vocab": 100000,
+     "gateway": {"pid": N, "card_dirs": [...], "port": P, "settings": {...}, "log": PATH} | null,
+     "steps": [{"do": "serve", "prompts": ["p8k", ...], "label": "restore"},
+               {"do": "reset"},                       # vLLM's own prefix cache dropped
+               {"do": "maps"},                        # the connector's background mappings settled
+               {"do": "decode", "batch": 32, "prompt_tokens": 512, "tokens": 128},
+               {"do": "kill_gateway"}, {"do": "start_gateway"},
+               {"do": "serve_until_cached", "prompts": [...], "label": ..., "deadline_s": 60}]}
+
+Each served prompt: time to its first token (vLLM's own ``first_token_latency``, arrival to first
+token), the tokens vLLM took from a cache (``num_cached_tokens``), the first 8 greedy tokens and
+their logprobs. Runs one engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
+connector's worker half is reachable for the ``maps`` step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+VOCAB_LOW = 3          # token ids of the synthetic prompts: [VOCAB_LOW, the spec's "vocab")
+
+
+def make_prompt(length: int, seed: int, vocab: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(VOCAB_LOW, vocab) for _ in range(length)]
+
+
+class Phase:
+    def __init__(self, spec: dict):
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+        self.spec = spec
+        self.vocab = spec["vocab"]
+        self.prompts = {name: make_prompt(n, seed, self.vocab) for name, (n, seed) in spec.get("prompts", {}).items()}
+        kw = dict(spec["llm"])
+        kw.setdefault("disable_log_stats", False)        # per-request metrics: first_token_latency
+        if spec.get("kv_transfer_config"):
+            kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+        t0 = time.perf_counter()
+        self.llm = LLM(**kw)
+        self.init_s = time.perf_counter() - t0
+        self.gateway = spec.get("gateway")
+        self.results: list[dict] = []
+
+    def graph_mode(self) -> str:
+        cc = self.llm.llm_engine.vllm_config.compilation_config
+        return str(getattr(cc, "cudagraph_mode", "?"))
+
+    def serve(self, names: list[str], label: str) -> list[dict]:
+        from vllm import SamplingParams
+        sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+        out = []
+        for name in names:
+            t = time.perf_counter()
+            r = self.llm.generate([{"prompt_token_ids": self.prompts[name]}], sp, use_tqdm=False)[0]
+            wall = time.perf_counter() - t
+            m = r.metrics
+            ttft = float(getattr(m, "first_token_latency", 0.0) or 0.0) or wall
+            comp = r.outputs[0]
+            lps = [float(lp[t].logprob) for lp, t in zip(comp.logprobs or [], comp.token_ids)]
+            out.append({"label": label, "prompt": name, "tokens_in": len(self.prompts[name]),
+                        "ttft": ttft, "wall": wall, "cached": r.num_cached_tokens,
+                        "tokens": list(comp.token_ids), "logprobs": lps})
+            print(f"[phase] {label} {name}: ttft {ttft:.3f} s, cached {r.num_cached_tokens}", flush=True)
+        return out
+
+    def reset(self, deadline_s: float = 60.0) -> None:
+        """vLLM's prefix cache dropped; it refuses while a connector holds finished requests'
+        blocks (released at an engine step), so a one-token request runs between tries."""
+        from vllm import SamplingParams
+        deadline = time.monotonic() + deadline_s
+        while not self.llm.reset_prefix_cache():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM's prefix cache could not be reset within {deadline_s} s")
+            self.llm.generate([{"prompt_token_ids": [VOCAB_LOW]}], SamplingParams(max_tokens=1), use_tqdm=False)
+
+    def maps(self, deadline_s: float = 120.0) -> dict:
+        """Wait until the connector's background mappings (``adpkv.direct_map_bytes``) are done."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        conn = get_kv_transfer_group()
+        worker = getattr(conn, "connector_worker", None)
+        direct = getattr(worker, "direct", None)
+        if direct is None:
+            return {"maps": "none"}
+        t = time.perf_counter()
+        ok = direct.drain(deadline_s)
+        return {"maps_drained": ok, "maps_wait_s": time.perf_counter() - t}
+
+    def decode(self, batch: int, prompt_tokens: int, tokens: int) -> dict:
+        """Decode tokens/s of ``batch`` requests: their prompts served once (one token, into
+        vLLM's prefix cache), then again for ``tokens`` tokens: the second run is decode steps."""
+        from vllm import SamplingParams
+        prompts = [{"prompt_token_ids": make_prompt(prompt_tokens, 10_000 + i, self.vocab)} for i in range(batch)]
+        self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+        t = time.perf_counter()
+        outs = self.llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
+                                 use_tqdm=False)
+        dt = time.perf_counter() - t
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {"decode_batch": batch, "decode_tokens": n, "decode_s": dt, "decode_tok_s": n / dt}
+
+    def kill_gateway(self) -> dict:
+        pid = self.gateway["pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _running(pid):   # dead or a zombie (the driver reaps it)
+            time.sleep(0.05)
+        try:
+            os.unlink(f"/dev/shm/adpkv-ring-{self.gateway['port']}")
+        except OSError:
+            pass
+        return {"killed_pid": self.gateway["pid"]}
+
+    def start_gateway(self) -> dict:
+        from adpkv_gateway.ops.spawn import GatewayProcess
+        g = self.gateway
+        gw = GatewayProcess(g["card_dirs"], port=g["port"], log_path=g["log"], **g["settings"]).start(timeout_s=120)
+        assert gw.proc is not None
+        g["pid"] = gw.proc.pid
+        return {"gateway_pid": gw.proc.pid}
+
+    def serve_until_cached(self, names: list[str], label: str, deadline_s: float) -> list[dict]:
+        """Serve (prefix cache reset before each round) until every prompt was served from a
+        cache, or the deadline: the rounds before the adapter re-attached recompute."""
+        deadline = time.monotonic() + deadline_s
+        out: list[dict] = []
+        while True:
+            self.reset()
+            got = self.serve(names, label)
+            out.extend(got)
+            if all(r["cached"] > 0 for r in got) or time.monotonic() > deadline:
+                return out
+
+    def run(self) -> dict:
+        info: dict = {"init_s": self.init_s, "graph_mode": self.graph_mode(), "steps": []}
+        for step in self.spec["steps"]:
+            do = step["do"]
+            t = time.perf_counter()
+            try:
+                if do == "serve":
+                    self.results.extend(self.serve(step["prompts"], step["label"]))
+                    res: dict = {}
+                elif do == "serve_until_cached":
+                    self.results.extend(self.serve_until_cached(step["prompts"], step["label"],
+                                                                step.get("deadline_s", 60.0)))
+                    res = {}
+                elif do == "reset":
+                    self.reset()
+                    res = {}
+                elif do == "maps":
+                    res = self.maps()
+                elif do == "decode":
+                    res = self.decode(step["batch"], step["prompt_tokens"], step["tokens"])
+                elif do == "kill_gateway":
+                    res = self.kill_gateway()
+                elif do == "start_gateway":
+                    res = self.start_gateway()
+                else:
+                    raise ValueError(f"unknown step {do!r}")
+            except Exception as exc:        # the phase goes on: the driver reports the step failed
+                res = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"[phase] step {do} failed: {res['error']}", flush=True)
+            info["steps"].append({"do": do, "s": time.perf_counter() - t, **res})
+        info["results"] = self.results
+        info["gateway_pid"] = (self.gateway or {}).get("pid")
+        return info
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def main() -> None:
+    with open(sys.argv[1]) as fh:
+        spec = json.load(fh)
+    info = Phase(spec).run()
+    print("PHASE_RESULT " + json.dumps(info), flush=True)
+    sys.stdout.flush()
+    os._exit(0)          # no engine teardown: the next phase starts at once (the driver waits for exit)
+
+
+if __name__ == "__main__":
+    main()
