@@ -134,7 +134,9 @@ class Bench:
             return dict(model=model or self.model, load_format="dummy", skip_tokenizer_init=True,
                         dtype="bfloat16", seed=0, enable_prefix_caching=True,
                         max_model_len=max_len or a.max_model_len, gpu_memory_utilization=a.gpu_util,
-                        max_num_batched_tokens=a.max_batched)
+                        max_num_batched_tokens=a.max_batched,
+                        # CUDA graphs captured up to 64 requests (the decode batch is 32): a shorter start
+                        compilation_config={"max_cudagraph_capture_size": 64})
         return dict(model=model or self.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                     seed=0, enable_prefix_caching=True, max_model_len=max_len or a.max_model_len,
                     kv_cache_memory_bytes=2 * GiB, max_num_batched_tokens=a.max_batched, block_size=32)
@@ -160,6 +162,7 @@ class Bench:
 
     def phase(self, name: str, steps: list, llm: dict | None = None, ktc: dict | None = None,
               prompts: dict | None = None, gw=None, env: dict | None = None) -> dict:
+        steps = [{"do": "warmup"}] + steps
         spec = {"llm": llm or self.llm_args(), "kv_transfer_config": ktc, "steps": steps,
                 "vocab": 100000 if self.gpu else 1000,
                 "prompts": prompts if prompts is not None else self.prompts,
@@ -187,7 +190,7 @@ class Bench:
         else:
             res = json.loads(line[len("PHASE_RESULT "):])
             res["log_lines"] = {k: text.count(k) for k in ("External KV cache turned off", "External KV cache back on",
-                                                           "Traceback")}
+                                                           "Recovered from KV load failure", "Traceback")}
         res["wall_s"] = time.perf_counter() - t
         if gw is not None and res.get("gateway_pid") and res["gateway_pid"] != gateway_pid(gw):
             self.adopt(gw, res["gateway_pid"])
@@ -312,7 +315,8 @@ class Bench:
         self.report["figures"]["kill"] = {
             "turned_off_lines": res.get("log_lines", {}).get("External KV cache turned off"),
             "back_on_lines": res.get("log_lines", {}).get("External KV cache back on"),
-            "reattached_cached": [r["cached"] for r in rs if r["label"] == "reattached"]}
+            "recomputed_failed_loads": res.get("log_lines", {}).get("Recovered from KV load failure"),
+            "reattached_rounds": [(r["cached"], r.get("rank_reattached")) for r in rs if r["label"] == "reattached"]}
 
     def phase_cold(self) -> None:
         self.load_reference()
@@ -385,8 +389,9 @@ class Bench:
         gw = self.gateway("evict-card", capacity_bytes=cap)
         names = list(self.evict_prompts)
         steps: list = []
-        for rnd in range(self.args.evict_rounds):
-            steps += [{"do": "serve", "prompts": names, "label": f"round{rnd}"}, {"do": "reset"}]
+        for rnd in range(self.args.evict_rounds):     # the order turns each round: some return before eviction
+            order = names if rnd % 2 == 0 else names[::-1]
+            steps += [{"do": "serve", "prompts": order, "label": f"round{rnd}"}, {"do": "reset"}]
         res = self.phase("evict", steps, ktc=self.adp_connector(gw, **{"adpkv.direct_map_bytes": 0}),
                          prompts=self.evict_prompts, gw=gw)
         rs = res.get("results", [])
@@ -526,8 +531,8 @@ def o_direct_read(card: str, gib: float, threads: int) -> dict:
     return {"bytes": got, "seconds": dt, "gb_s": got / dt / 1e9, "files": len(files), "threads": threads}
 
 
-def summary(report: dict) -> str:
-    """The table: TTFT per prompt length for each way, and the checks."""
+def ttft_rows(report: dict) -> dict[str, dict[int, float]]:
+    """TTFT by prompt length (tokens) for each way a prompt's KV came back, from the phases run."""
     rows: dict[str, dict[int, float]] = {}
     ph = report["phases"]
 
@@ -550,6 +555,34 @@ def summary(report: dict) -> str:
     add("AdpSecondaryTier, same engine", "adp_tier_store", "return1")
     add("AdpSecondaryTier, after restart", "adp_tier_restart", "restart")
     add("AdpOffloadingSpec, same engine", "offloading", "return1")
+    return rows
+
+
+def plot(report: dict, path: str) -> None:
+    """TTFT vs prompt length, log-log, one line per way (the prompts one past a chunk boundary left out)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for row, vals in ttft_rows(report).items():
+        pts = sorted((n, v) for n, v in vals.items() if n % 256 in (0, 192))
+        if len(pts) > 1:
+            ax.plot([n for n, _ in pts], [v for _, v in pts], marker="o", label=row)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token, s")
+    ax.set_title("vLLM 0.26 on an H200, Llama-3-8B geometry: TTFT of a returning prompt")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def summary(report: dict) -> str:
+    """The table: TTFT per prompt length for each way, and the checks."""
+    rows = ttft_rows(report)
+    ph = report["phases"]
     lengths = sorted({n for r in rows.values() for n in r})
     prefill = rows.get("prefill, no cache", {})
     out = [f"{'TTFT s (x prefill)':36s}" + "".join(f"{n:>20d}" for n in lengths)]
@@ -618,6 +651,10 @@ def main() -> None:
     if "baseline" not in phases:
         bench.load_reference()
     bench.run(phases)
+    try:
+        plot(bench.report, os.path.join(bench.out, "ttft.png"))
+    except ImportError as exc:
+        log(f"no plot ({exc})")
     text = summary(bench.report)
     with open(os.path.join(bench.out, "summary.txt"), "w") as fh:
         fh.write(text + "\n")
