@@ -174,7 +174,7 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         it (0.26) never calls it, and the connector serves no such model there
         (``vllm_api.reports_failed_requests``)."""
         if self.connector_worker is None:
-            return super().get_transfer_results(finished_req_ids)  # type: ignore[misc]
+            return super().get_transfer_results(finished_req_ids)
         sending, recving, failed = self.connector_worker.transfer_results(finished_req_ids)
         results = transfer_results_type()
         assert results is not None, "only a vLLM that has KVConnectorTransferResults calls this"
