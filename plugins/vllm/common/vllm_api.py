@@ -9,7 +9,8 @@ ask here, by capability, never by version number: an import of an API a release 
 (``required_vllm_api`` turns the bare ``ImportError`` into one that says which adpkv class
 needs what and what to use instead), ``transfer_results_type`` (0.26 has no
 ``get_transfer_results``), ``reports_failed_requests`` (what the connector can serve
-without it) and ``offloading_kv_cache_layout`` (0.26's offloading config does not state it). The one private vLLM attribute adpkv reads is behind ``tiering_rows_file``.
+without it) and ``offloading_kv_cache_layout`` (0.26's offloading config does not state it).
+The one private vLLM attribute adpkv reads is behind ``tiering_rows_file``.
 """
 
 from __future__ import annotations
