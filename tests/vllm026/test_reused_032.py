@@ -25,6 +25,8 @@ vLLM 0.32's ``OffloadingConfig``; the spec runs here in engines).
 
 from __future__ import annotations
 
+import pytest
+import test_tp_change
 from test_engine import (  # noqa: F401
     test_fresh_process_restores_and_outputs_match,
     test_gateway_killed_while_serving,
@@ -35,9 +37,13 @@ from test_shard_reads import *  # noqa: F401,F403
 from test_sliding import sliding_dir, test_hit_rule, test_sliding_window_restores_only_the_window  # noqa: F401
 from test_tp_change import (  # noqa: F401
     test_a_page_that_is_not_the_standardized_view_has_no_head_share,
-    test_engines_restore_across_tp1_and_tp2,
     test_the_2d_dma_plan_of_a_head_share_copies_what_a_per_page_copy_does,
     test_the_2d_dma_plan_refuses_rows_it_cannot_describe,
     test_the_ranks_of_tp2_write_one_object_that_tp1_and_tp4_read,
     test_tp1_objects_are_read_by_each_rank_of_tp2_and_tp4_byte_for_byte,
 )
+
+# six engine processes, three of them TP=2 (two processes each) on 2 cores: more than the
+# suite's default 300 s when the machine is shared
+test_engines_restore_across_tp1_and_tp2 = pytest.mark.timeout(900)(
+    test_tp_change.test_engines_restore_across_tp1_and_tp2)
