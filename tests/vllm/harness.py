@@ -5,8 +5,8 @@ worker side is our connector's worker role with real CPU KV tensors of the
 standardized ``[blocks, kv_heads, block_size, 2*head_dim]`` shape. There is no
 model: ``Harness.step`` plays the model runner's part of the connector protocol
 (bind, handle_preemptions, start_load_kv, per layer wait_for_layer_load / write
-KV / save_kv_layer, wait_for_save, get_transfer_results,
-get_block_ids_with_load_errors) and writes into every computed slot a value that
+KV / save_kv_layer, wait_for_save, get_transfer_results (get_finished on vLLM 0.26, which has
+no get_transfer_results), get_block_ids_with_load_errors) and writes into every computed slot a value that
 depends on the whole token prefix, so a restore that puts wrong bytes (or the
 right bytes in the wrong block) is caught by ``check_kv``.
 
@@ -35,6 +35,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from adpkv_vllm.common.vllm_api import transfer_results_type
 from adpkv_vllm.connector.connector import AdpKVConnector
 
 init_none_hash(sha256)
@@ -150,7 +151,7 @@ class Harness:
         self.load_errors.append(kco.invalid_block_ids)
         self.finished_sending |= kco.finished_sending or set()
         self.finished_recving |= kco.finished_recving or set()
-        self.failed_recving |= kco.failed_recving or set()
+        self.failed_recving |= getattr(kco, "failed_recving", None) or set()   # none on vLLM 0.26
         req_ids = list(so.num_scheduled_tokens)
         out = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -168,14 +169,19 @@ class Harness:
         w.start_load_kv(None)
         self.forward(so)
         w.wait_for_save()
-        res = w.get_transfer_results(so.finished_req_ids)
+        if transfer_results_type() is None:
+            # vLLM 0.26's runner: get_finished (no get_transfer_results, no failed_recving)
+            sending, recving = w.get_finished(so.finished_req_ids)
+            failed: dict = {}
+        else:
+            res = w.get_transfer_results(so.finished_req_ids)
+            sending, recving = res.finished_sending, res.finished_recving
+            failed = {"failed_recving": res.failed_recving}
         errors = w.get_block_ids_with_load_errors()
         worker_meta = w.build_connector_worker_meta()     # the OffloadingConnector's finished jobs
         w.clear_connector_metadata()
-        return KVConnectorOutput(finished_sending=res.finished_sending or None,
-                                 finished_recving=res.finished_recving or None,
-                                 failed_recving=res.failed_recving, invalid_block_ids=errors,
-                                 kv_connector_worker_meta=worker_meta)
+        return KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None,
+                                 invalid_block_ids=errors, kv_connector_worker_meta=worker_meta, **failed)
 
     def forward(self, so) -> None:
         """The pass: per layer what its attention op calls on the connector around its KV write.

@@ -1,12 +1,15 @@
 """The vLLM releases this package runs on, and the one guard in front of vLLM APIs that
 older releases lack.
 
-One code base serves vLLM 0.32 and 0.33 (tested: docs/vllm.md "Versions"). What 0.33 added
-to the contracts (sleep mode, the offloading manager's ``lock``, config info metrics, the
-``expedited`` flag of a load) is implemented as plain methods and parameters that 0.32
-never calls, so no module branches on the vLLM version. The one place that must know is
-an import of an API a release may lack: ``required_vllm_api`` turns the bare
-``ImportError`` into one that says which adpkv class needs what and what to use instead.
+One code base serves vLLM 0.26, 0.32 and 0.33 (tested: docs/vllm.md "Versions"). What 0.33
+added to the contracts (sleep mode, the offloading manager's ``lock``, config info metrics,
+the ``expedited`` flag of a load) is implemented as plain methods and parameters that 0.32
+and 0.26 never call, so no module branches on the vLLM version. The places that must know
+ask here, by capability, never by version number: an import of an API a release may lack
+(``required_vllm_api`` turns the bare ``ImportError`` into one that says which adpkv class
+needs what and what to use instead), ``transfer_results_type`` (0.26 has no
+``get_transfer_results``), ``reports_failed_requests`` (what the connector can serve
+without it) and ``offloading_kv_cache_layout`` (0.26's offloading config does not state it).
 The one private vLLM attribute adpkv reads is behind ``tiering_rows_file``.
 """
 
@@ -22,11 +25,20 @@ from typing import Any, Optional
 def required_vllm_api(user: str, needs: str, instead: str) -> Iterator[None]:
     """Imports inside the block are the vLLM API ``user`` (e.g. ``adpkv_vllm.AdpSecondaryTier``)
     cannot work without; a missing one raises ``ImportError`` naming ``needs`` (what that
-    API is) and ``instead`` (what the user can run on this vLLM)."""
+    API is), the vLLM release that lacks it and ``instead`` (what the user can run there)."""
     try:
         yield
     except ImportError as exc:
-        raise ImportError(f"{user} needs {needs}; this vLLM lacks it ({exc}). {instead}") from exc
+        raise ImportError(f"{user} needs {needs}; this vLLM ({_release()}) lacks it ({exc}). "
+                          f"{instead}") from exc
+
+
+def _release() -> str:
+    try:
+        from vllm import __version__
+    except ImportError:
+        return "not installed"
+    return str(__version__)
 
 
 def transfer_results_type() -> Any:
@@ -38,6 +50,32 @@ def transfer_results_type() -> Any:
     except ImportError:
         return None
     return KVConnectorTransferResults
+
+
+def reports_failed_requests() -> bool:
+    """Whether this vLLM takes a failed load of a whole request (``failed_recving`` of
+    ``get_transfer_results``, vLLM 0.32 and 0.33).
+
+    Without it (vLLM 0.26) the only report of a failed load is by block
+    (``get_block_ids_with_load_errors``, for the asynchronous loads of ``get_finished`` too), and
+    vLLM 0.26's scheduler takes that only for a model with one KV cache group: with several
+    (``Scheduler._update_requests_with_invalid_blocks`` unpacks one group's block ids) it raises
+    and the engine dies; for a recurrent state it would restart the request from a block that
+    holds no state. There the connector serves models of one attention group only
+    (``ConnectorConfig.resolve``)."""
+    return transfer_results_type() is not None
+
+
+def offloading_kv_cache_layout(config: Any) -> str:
+    """The KV cache layout of the pages ``AdpOffloadingSpec`` stores, for its model identity:
+    ``OffloadingConfig.kv_cache_layout`` (vLLM 0.32 and 0.33; unset: the attention backend's
+    default, asked in neither process, so the manager and the workers agree). A vLLM whose
+    config has no such field (0.26) gets a name of its own: its objects never share a
+    namespace with those of an engine that states its layout (a miss, never a wrong hit),
+    and engines of that release still share theirs."""
+    if not hasattr(config, "kv_cache_layout"):
+        return "not-stated"
+    return str(config.kv_cache_layout or "backend-default")
 
 
 def tiering_rows_file(spec: Any) -> Optional[str]:

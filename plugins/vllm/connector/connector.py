@@ -26,13 +26,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
-
-try:  # vLLM >= 0.10
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
-except ImportError:  # pragma: no cover - old vLLM
-    class SupportsHMA:  # type: ignore[no-redef]
-        pass
 
 from ..common.vllm_api import transfer_results_type
 from ..common.settings import check_hash_stability, ensure_logging, warn_once
@@ -177,9 +172,11 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         """Also the asynchronous loads of a model with several KV cache groups: a request
-        whose load failed is in ``failed_recving`` (vLLM recomputes it whole)."""
+        whose load failed is in ``failed_recving`` (vLLM recomputes it whole). A vLLM without
+        it (0.26) never calls it, and the connector serves no such model there
+        (``vllm_api.reports_failed_requests``)."""
         if self.connector_worker is None:
-            return super().get_transfer_results(finished_req_ids)  # type: ignore[misc]
+            return super().get_transfer_results(finished_req_ids)
         sending, recving, failed = self.connector_worker.transfer_results(finished_req_ids)
         results = transfer_results_type()
         assert results is not None, "only a vLLM that has KVConnectorTransferResults calls this"

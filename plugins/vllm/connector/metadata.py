@@ -22,6 +22,7 @@ from adpkv_core.attachment import reconnect_setting
 from adpkv_core.keys import KeyBuilder
 
 from ..common.settings import AdapterSettings, kv_cache_layout, ordered_layer_names, resolve_namespace
+from ..common.vllm_api import reports_failed_requests
 from .drafter import DrafterSpec, drafter_of
 from .heads import layer_specs, tp_portable_why
 
@@ -164,7 +165,7 @@ class ConnectorConfig:
         (``failed_recving``), which only an asynchronous load can do; the request is then
         recomputed whole. A recurrent state is read before the pass (the model reads it at
         its first token), so a model with one loads asynchronously too (pure Mamba2)."""
-        return len(self.groups) > 1 or any(g.recurrent for g in self.groups)
+        return loads_async(self.groups)
 
     @property
     def group_of_layer(self) -> dict[str, CacheGroup]:
@@ -309,7 +310,17 @@ def cache_groups(vllm_config, kv_cache_config) -> tuple[list[CacheGroup], str]:
         return [], f"KV cache groups with different block sizes {sorted(sizes)}"
     if len({g.tp_shared for g in groups}) != 1:
         return [], "MLA and non-MLA KV cache groups in one model"
+    if loads_async(groups) and not reports_failed_requests():
+        return [], ("several KV cache groups or a recurrent state, whose restores load asynchronously: "
+                    "this vLLM cannot take a failed load of such a model (it has no get_transfer_results "
+                    "to fail a request, and its scheduler raises on failed blocks of several groups; "
+                    "vLLM 0.26), so nothing is restored; vLLM 0.32 and later restore it")
     return groups, ""
+
+
+def loads_async(groups: list[CacheGroup]) -> bool:
+    """Whether a model of these groups restores asynchronously (``ConnectorConfig.loads_async``)."""
+    return len(groups) > 1 or any(g.recurrent for g in groups)
 
 
 def _layer_specs(spec):

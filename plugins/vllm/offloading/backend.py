@@ -22,6 +22,7 @@ from adpkv_core.keys import KeyBuilder, chunk_digest, key_namespace
 from adpkv_core.settings import ClientConfig
 
 from ..common.settings import ConfigInfoLabels
+from ..common.vllm_api import offloading_kv_cache_layout
 
 logger = logging.getLogger("adpkv.vllm")
 
@@ -34,9 +35,7 @@ def model_identity(config) -> dict:
                 geometry={"groups": [[g.tokens_per_block, len(g.layer_names)] for g in config.groups],
                           "kv_bytes_per_block": config.worker_kv_bytes_per_block},
                 chunk_size=config.cache.blocks_per_chunk, tp_size=config.parallel.tp_size,
-                # unset: the attention backend's default (asked in neither process, so the
-                # manager and the workers agree)
-                layout=str(config.kv_cache_layout or "backend-default"))
+                layout=offloading_kv_cache_layout(config))
 
 
 def object_digest(offload_key: bytes) -> bytes:

@@ -6,7 +6,7 @@
 
 This module is the spec: the factory vLLM calls for the two halves, over the
 backend's settings and key scheme (``backend.OffloadBackend``). API: the
-offloading framework of vLLM 0.32 (``vllm.v1.kv_offload.base``):
+offloading framework of vLLM 0.32 (``vllm.v1.kv_offload.base``; 0.26's has the same classes):
 ``OffloadingSpec(OffloadingConfig)`` with ``get_manager()`` (scheduler:
 ``manager.AdpOffloadingManager``, lookups and pins) and
 ``get_worker(CanonicalKVCaches)`` (each worker: ``worker.AdpOffloadingWorker``,

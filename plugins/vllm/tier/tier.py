@@ -63,8 +63,9 @@ from ..common.vllm_api import required_vllm_api, tiering_rows_file
 
 with required_vllm_api(
         "adpkv_vllm.AdpSecondaryTier",
-        needs="vLLM's tiered offloading (vllm.v1.kv_offload.tiering: SecondaryTierManager, "
-              "AsyncLookupManager; vLLM 0.32 shape)",
+        needs="vLLM's tiered offloading in the shape of vLLM 0.32 and later (vllm.v1.kv_offload.tiering: "
+              "SecondaryTierManager, TransferJob, AsyncLookupManager; vllm.v1.kv_offload.base: Medium); "
+              "vLLM 0.26's tiering has another (JobMetadata, no Medium)",
         instead="Use AdpOffloadingSpec or AdpKVConnector instead"):
     from vllm.v1.kv_offload.base import (
         Locality,
