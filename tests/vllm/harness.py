@@ -61,7 +61,8 @@ class Harness:
     def __init__(self, model_dir: str, port: int, namespace: str = "t", block_size: int = 32,
                  chunk_size: int = 64, num_blocks: int = 256, layers: int = 2,
                  max_batched: int = 512, extra: dict | None = None, groups: list | None = None,
-                 worker_specs: dict | None = None, offloading: bool = False, cudagraph_mode: str | None = None):
+                 worker_specs: dict | None = None, offloading: bool = False, cudagraph_mode: str | None = None,
+                 async_scheduling: bool = False):
         self.block_size = block_size
         if groups is None:
             groups = [([f"model.layers.{i}.self_attn.attn" for i in range(layers)], FullAttentionSpec(
@@ -96,6 +97,8 @@ class Harness:
             from vllm.config import CUDAGraphMode
             self.vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode[cudagraph_mode]
         self.full_graph_steps = 0      # steps ``forward`` ran as a FULL graph (no layer hook called)
+        # vLLM's asynchronous scheduling (a GPU's default): the connectors read it when made
+        self.vllm_config.scheduler_config.async_scheduling = async_scheduling
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(list(names), spec) for names, spec in groups])

@@ -133,6 +133,9 @@ class ConnectorConfig:
     # "uniform_decode" (FULL_AND_PIECEWISE, FULL_DECODE_ONLY: a batch whose every request
     # computes one token, plus its speculative ones), "all" (FULL)
     full_graphs: str = "none"
+    # vLLM schedules a step before the last one's output is back (``async_scheduling``, on by
+    # default on GPUs): see ``loads_async``
+    async_scheduling: bool = False
 
     @property
     def head_sharded(self) -> bool:
@@ -164,8 +167,14 @@ class ConnectorConfig:
         not unique over groups: it raises), so a failed load must be reported per request
         (``failed_recving``), which only an asynchronous load can do; the request is then
         recomputed whole. A recurrent state is read before the pass (the model reads it at
-        its first token), so a model with one loads asynchronously too (pure Mamba2)."""
-        return loads_async(self.groups)
+        its first token), so a model with one loads asynchronously too (pure Mamba2).
+
+        Under vLLM's asynchronous scheduling every load is asynchronous: vLLM cannot roll back
+        a request whose load inside the pass failed once its next step is scheduled already
+        (vllm#34484; on an H200 with vLLM 0.26 a failed in-pass restore gave wrong tokens, and a
+        timed-out one a device-side assert). A request that waits for its KV, unscheduled, is
+        recomputed from its first failed block."""
+        return loads_async(self.groups) or self.async_scheduling
 
     @property
     def group_of_layer(self) -> dict[str, CacheGroup]:
@@ -213,7 +222,8 @@ class ConnectorConfig:
                    layout=layout, namespace=namespace, keys=KeyBuilder(namespace),
                    supported=supported, why=why, groups=groups if supported else [],
                    drafter=drafter if supported else None, tp_dependent=tp_dependent,
-                   layer_heads=layer_heads if supported else {}, full_graphs=full_graph_steps(vllm_config))
+                   layer_heads=layer_heads if supported else {}, full_graphs=full_graph_steps(vllm_config),
+                   async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
 
 
 def full_graph_steps(vllm_config) -> str:

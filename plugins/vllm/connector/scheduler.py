@@ -138,6 +138,9 @@ class AdpConnectorScheduler:
         self._step = 0
         self._last_step_loads: dict[str, list[int]] = {}
         self._load_failed: set[str] = set()     # asynchronous loads that failed: no second try
+        # the blocks of each asynchronous load in flight (a vLLM without failed_recving, 0.26,
+        # reports its failure by block)
+        self._async_loading: dict[str, set[int]] = {}
         # per group, the layers whose keys an EXIST asks for: its first and last (or all); an
         # EAGLE/MTP drafter's layers are asked apart, under their own keys (drafter.py)
         index = cfg.layer_index
@@ -323,6 +326,8 @@ class AdpConnectorScheduler:
             # vLLM counts the hit as computed: a load that cannot be planned is a failed one
             meta.failed_loads[req_id] = [b for g in cfg.groups for b in st.blocks(g)[c0 * bpc:c1 * bpc]
                                          if b != NULL_BLOCK_ID]
+            if cfg.loads_async:
+                self._async_loading[req_id] = set(meta.failed_loads[req_id])
             return
         marks = self._marks(digests)
         loads: list[int] = []
@@ -360,6 +365,8 @@ class AdpConnectorScheduler:
                 loads += dst
         if loads:
             self._last_step_loads[req_id] = loads
+            if cfg.loads_async:
+                self._async_loading[req_id] = set(loads)
         elif cfg.loads_async:
             meta.failed_loads[req_id] = []
 
@@ -420,10 +427,24 @@ class AdpConnectorScheduler:
             st = self._reqs.get(req_id)
             if st is not None:
                 st.saved_chunks = st.restored_chunks = st.draft_saved = 0
-        invalid = getattr(connector_output, "invalid_block_ids", None)
+        invalid = getattr(connector_output, "invalid_block_ids", None) or set()
+        bpc = self.cfg.blocks_per_chunk
+        for req_id in list(self._async_loading):
+            if self._async_loading[req_id] & invalid:
+                # an asynchronous load failed by block (0.26): vLLM recomputes the request from
+                # its first failed block, and no second load is tried for it
+                self._load_failed.add(req_id)
+                st = self._reqs.get(req_id)
+                if st is not None:
+                    c = min(next((ids.index(b) // bpc for ids in st.block_ids.values() if b in ids), 0)
+                            for b in self._async_loading[req_id] & invalid)
+                    st.saved_chunks = min(st.saved_chunks, c)
+                    st.restored_chunks = min(st.restored_chunks, c)
+                    st.draft_saved = min(st.draft_saved, c)
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            self._async_loading.pop(req_id, None)
         if not invalid:
             return
-        bpc = self.cfg.blocks_per_chunk
         for req_id, dst in self._last_step_loads.items():
             st = self._reqs.get(req_id)
             if st is None:
@@ -445,6 +466,7 @@ class AdpConnectorScheduler:
         self._hits.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._load_failed.discard(req_id)
+        self._async_loading.pop(req_id, None)
         st = self._reqs.pop(req_id, None)
         return (st is not None and st.had_saves), None
 

@@ -61,8 +61,10 @@ class AsyncLoad:
     """One step's asynchronous loads: the GET of every layer and which objects of each
     group belong to which request."""
 
-    def __init__(self, spans: dict[str, dict[tuple[int, bool], tuple[int, int]]]):
+    def __init__(self, spans: dict[str, dict[tuple[int, bool], tuple[int, int]]],
+                 blocks: dict[str, list[int]]):
         self.spans = spans          # req -> (group index, drafter) -> (first object, end)
+        self.blocks = blocks        # req -> the blocks its load writes (a failure reported by block)
         self.gets: list[tuple[tuple[int, bool], Any]] = []   # ((group, drafter), Future[list[bool]]) per layer
 
     def ended(self) -> bool:

@@ -44,6 +44,7 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.direct_map import DirectMaps, Mapping, cuda_registrar
 
 from ..common.copy import PagedLayer, as_index
+from ..common.vllm_api import reports_failed_requests
 from .fanout import Fanout, LayerLoad, for_vllm
 from .heads import HeadShare
 from .kv_gate import KVGate
@@ -74,7 +75,10 @@ class AdpConnectorWorker:
         self._drafter = cfg.drafter.layers if cfg.drafter is not None else frozenset()
         # per group, the target's layers (wait_for_save: a drafter layer is saved only from its hook)
         self._target_layers = {g.index: [n for n in g.layer_names if n not in self._drafter] for g in cfg.groups}
-        self._async_loads: list[AsyncLoad] = []   # several KV cache groups: loads outside the pass
+        self._async_loads: list[AsyncLoad] = []   # cfg.loads_async: loads outside the pass
+        # how vLLM takes an asynchronous load's end: per request (get_transfer_results) or, without
+        # it (0.26), from get_finished, a failure by its blocks
+        self._loads_by_request = reports_failed_requests()
         self._num_blocks = num_blocks
         self._load_futs: dict[str, tuple[Any, ChunkPlanIndex, Optional[LayerLoad]]] = {}
         self.fanout: Optional[Fanout] = None   # MLA with adpkv.nvlink_fanout (fanout.py)
@@ -248,8 +252,8 @@ class AdpConnectorWorker:
     # ------------------------------------------------------------------ loads
     def start_load_kv(self, meta: Any) -> None:
         if isinstance(meta, AdpConnectorMetadata) and meta.failed_loads:   # hits with no load planned
-            if self.cfg.loads_async:
-                self._async_loads.append(AsyncLoad({r: {} for r in meta.failed_loads}))   # no GET: failed
+            if self.cfg.loads_async:   # no GET: failed
+                self._async_loads.append(AsyncLoad({r: {} for r in meta.failed_loads}, dict(meta.failed_loads)))
             else:
                 self._load_errors.update(b for blocks in meta.failed_loads.values() for b in blocks)
         if not isinstance(meta, AdpConnectorMetadata) or not meta.loads:
@@ -365,7 +369,10 @@ class AdpConnectorWorker:
                 if (p.group, p.drafter) == key:
                     spans.setdefault(p.req_id, {})[key] = (at, at + len(p.digests))
                     at += len(p.digests)
-        load = AsyncLoad(spans)
+        blocks: dict[str, list[int]] = {}
+        for p in meta.loads:
+            blocks.setdefault(p.req_id, []).extend(p.block_ids)
+        load = AsyncLoad(spans, blocks)
         self._async_loads.append(load)
         if not self._active():
             return              # no GET: every request of it fails (recomputed by vLLM)
@@ -519,22 +526,41 @@ class AdpConnectorWorker:
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving): ``get_finished`` plus the
         asynchronous loads that ended (a failed one is in both of the last two sets)."""
-        sending, _ = self.get_finished(finished_req_ids)
+        sending = self._finished_saves(finished_req_ids)
+        recving, failed, _ = self._ended_async_loads()
+        return sending, recving, failed
+
+    def _ended_async_loads(self) -> tuple[set[str], set[str], set[int]]:
+        """(requests whose asynchronous load ended, those of them that failed, the blocks of
+        the failed ones): each request once."""
         recving: set[str] = set()
         failed: set[str] = set()
+        blocks: set[int] = set()
         for load in [x for x in self._async_loads if x.ended()]:
             self._async_loads.remove(load)
             ok = load.received()
             recving |= set(load.spans)
-            failed |= set(load.spans) - ok
+            for req in set(load.spans) - ok:
+                failed.add(req)
+                blocks.update(load.blocks.get(req, ()))
         if failed:
             logger.warning("adpkv: %d restore(s) failed (an object missed): vLLM recomputes each "
-                           "from its first token: %s", len(failed), sorted(failed))
-        return set(sending or ()), recving, failed
+                           "from its first failed block: %s", len(failed), sorted(failed))
+        return recving, failed, blocks
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """Finished requests whose blocks the scheduler kept for our saves, once their
-        pages are in the ring (the storage write itself is not awaited)."""
+        """(finished requests whose blocks the scheduler kept for our saves, once their pages
+        are in the ring (the storage write itself is not awaited); on a vLLM without
+        ``get_transfer_results`` (0.26), the requests whose asynchronous load ended, a failed
+        one's blocks reported by ``get_block_ids_with_load_errors`` in this same pass)."""
+        done = self._finished_saves(finished_req_ids)
+        if self._loads_by_request:
+            return (done or None), None
+        recving, _, failed_blocks = self._ended_async_loads()
+        self._load_errors.update(failed_blocks)
+        return (done or None), (recving or None)
+
+    def _finished_saves(self, finished_req_ids: set[str]) -> set[str]:
         done: set[str] = set()
         with self._lock:
             self._finished_waiting.update(r for r in finished_req_ids if r in self._had_saves)
@@ -545,7 +571,7 @@ class AdpConnectorWorker:
                     self._finished_waiting.discard(req_id)
                     self._had_saves.discard(req_id)
                     done.add(req_id)
-        return (done or None), None
+        return done
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # every GET of the step is settled now: with speculative decoding vLLM asks for the
