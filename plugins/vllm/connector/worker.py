@@ -3,7 +3,12 @@ KV blocks of this rank and the gateway.
 
 ``start_load_kv`` sends one GET per layer (collective over the TP ranks: each
 rank reads its heads' slice of every object); ``wait_for_layer_load`` fences
-that layer only, so later layers load while earlier ones compute.
+that layer only, so later layers load while earlier ones compute. A step vLLM may
+replay as a FULL CUDA graph (``AdpConnectorMetadata.loads_before_pass``) has its
+loads settled in ``start_load_kv``. Where loads are asynchronous (``cfg.loads_async``:
+several KV cache groups, or vLLM's asynchronous scheduling) the GETs run for requests
+that wait unscheduled, and their end is reported by ``transfer_results`` (or, on a
+vLLM without it, ``get_finished`` with a failure's blocks).
 ``save_kv_layer`` PUTs the new full chunks of a layer (the copy into the ring
 runs in the client's I/O thread, from the blocks); decode-step chunks go out
 in one request per step from ``wait_for_save``. Nothing waits for storage; a
