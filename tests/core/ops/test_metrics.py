@@ -185,7 +185,7 @@ def test_metrics_endpoint_is_off_by_default_and_a_busy_port_does_not_stop_the_ga
         assert wait_for(lambda: "Metrics endpoint off: cannot listen on" in gw.log())
     with pytest.raises(ValueError, match="metrics_port"):
         make_config({"metrics_port": 70000})
-    with pytest.raises(ValueError, match="metrics_port must differ"):
+    with pytest.raises(ValueError, match="metrics_port: must differ from port"):
         make_config({"metrics_port": 5557, "port": 5557})
 
 
