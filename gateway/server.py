@@ -44,7 +44,7 @@ from .engines import EngineRegistry, EngineSession, Peer
 from .health import CardHealth, HealthMonitor
 from .layout_change import LayoutChange
 from . import stats
-from .metrics import GatewayMetrics
+from .metrics import GatewayMetrics, status_file_problem
 from .namespaces import KEEP_CLAIMS_S, NamespaceOwners
 from .store import ObjectStore, Pins
 from .transfers import Transfers
@@ -67,6 +67,9 @@ class Gateway:
         self.config = config
         self.started = time.time()
         self.door_file = config.control_socket or door_path(config.port)
+        problem = status_file_problem(config.status_file) if config.status_file else ""
+        if problem:
+            raise SystemExit(f"{problem}; refusing to start")
         with contextlib.ExitStack() as undo:
             self._door_lock = claim_door(self.door_file)
             undo.callback(os.close, self._door_lock)
@@ -108,6 +111,7 @@ class Gateway:
                                    map_for=lambda session, msg: self.direct_reads.serve(session, msg))
             undo.callback(self.door.close)
             self.status_writing = False
+            self.status_failing = False              # the last write of the status file failed (logged once)
             self.transfers = Transfers(config.shared_memory_size,     # a ring per engine, made as it attaches
                                        lambda: Ring.create(config.port, config.shared_memory_size), self.store,
                                        self.pool, self.procs, config.thread_pool_size,
@@ -227,7 +231,14 @@ class Gateway:
             try:
                 self.metrics.write_textfile(self.config.status_file)
             except OSError as exc:
-                logger.warning("cannot write the status file %s: %s", self.config.status_file, exc)
+                if not self.status_failing:
+                    logger.warning("cannot write the status file %s: %s (said once, until it is written again)",
+                                   self.config.status_file, exc)
+                self.status_failing = True
+                return
+            if self.status_failing:
+                logger.info("the status file %s is written again", self.config.status_file)
+            self.status_failing = False
 
         def done(_):
             self.status_writing = False
@@ -242,12 +253,14 @@ class Gateway:
         self.health.stop()
         self._drain_completions()
         self.metrics.close()
-        if self.config.status_file:
+        if self.config.status_file:      # the last word: up 0
+            self.metrics.stopped()
             self.metrics.update(stats.merge(stats.loop_snapshot(self), stats.card_usages(self.store)))
             try:
                 self.metrics.write_textfile(self.config.status_file)
-            except OSError:
-                pass
+            except OSError as exc:
+                logger.warning("cannot write the status file %s at stop (it still says up): %s",
+                               self.config.status_file, exc)
         self.door.close()
         self.sock.close(0)
         self.ctx.term()
