@@ -34,7 +34,7 @@ from adpkv_core.keys import namespace_id
 from adpkv_core.ring import Ring
 
 from . import io_procs
-from .cards import open_cards
+from .cards import close_cards, open_cards
 from .config import GatewayConfig, socket_mode
 from .data_requests import DataRequests
 from .direct_reads import DirectReads
@@ -63,7 +63,9 @@ class Gateway:
         port changes nothing), then the cards, the ring and the pool, then the door, and
         the control port last. Whoever gets an answer on the port finds the door up: an
         engine that attaches as soon as the port answers gets the cache. A start that
-        fails at any step undoes the steps before it (the door is removed)."""
+        fails at any step undoes the steps before it (the door is removed, the cards are closed
+        and their locks given up, and a card this start made is removed: ``cards.fs_lock``).
+        A ``status_file`` this gateway could not write is refused before all that."""
         self.config = config
         self.started = time.time()
         self.door_file = config.control_socket or door_path(config.port)
@@ -144,9 +146,8 @@ class Gateway:
         layout, and build the store, its health monitor (not started) and its metrics."""
         # made before the cards: a card's scan at start passes pinned objects over (none yet then)
         pins = Pins()
-        cards = open_cards(config, is_pinned=pins.holds)
-        for card in cards:
-            undo.callback(card.close)
+        cards, self.card_locks = open_cards(config, is_pinned=pins.holds)
+        undo.callback(close_cards, cards, self.card_locks, undo_new=True)     # a failed start: the cards it made go
         self.card_health = card_health = CardHealth(cards, config.io_timeout_ms, config.io_timeout_strikes)
         self.store = ObjectStore(cards, config.storage_slots, config.num_dbs, config.key_placement,
                                  config.fragment_size, config.fragment_spread_across_dbs, config.replicas,
@@ -264,8 +265,7 @@ class Gateway:
         self.door.close()
         self.sock.close(0)
         self.ctx.term()
-        for card in self.store.cards:
-            card.close()
+        close_cards(self.store.cards, self.card_locks)
         for ring in self.transfers.rings.values():
             ring.ring.close()
         logger.info("Gateway stopped")
