@@ -44,7 +44,7 @@ import stat
 
 from .base import CardError
 from .fs import CARD_FILE
-from .fs_files import DIR_FLAGS, not_own, open_root
+from .fs_files import DIR_FLAGS, not_own, open_root, own_dir
 
 logger = logging.getLogger("adpkv.gateway.fs")
 
@@ -138,10 +138,8 @@ def take(root: str, dir_mode: int, holder: Holder) -> CardLock:
     except OSError as exc:
         raise CardError(f"fs card {root}: cannot create the directory: {exc}") from None
     try:
-        why = not_own(os.fstat(root_fd), os.geteuid(), directory=True)
-        if why:
-            raise CardError(f"fs card directory {root}: {why}: refused (another user could swap its files); "
-                            f"remove it, or give it to uid {os.geteuid()} with mode {dir_mode:04o}")
+        if not_own(os.fstat(root_fd), os.geteuid(), directory=True):
+            own_dir(root_fd, root, dir_mode, -1)      # refuses it (CardError naming its owner and mode)
         fd, made_lock = _open_lock(root, root_fd)
     except BaseException:
         os.close(root_fd)
