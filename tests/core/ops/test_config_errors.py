@@ -1,7 +1,8 @@
 """Issue 38 items 1 and 2: a gateway YAML an operator got wrong is answered in one line (the
 file, the setting, what it allows; "did you mean" for a near miss), exit 2, no traceback, by
 every command that reads it (``adpkv-gateway``, ``adpkv status|usage|clean|doctor``), run as
-a user runs them (subprocesses); and every number setting is checked against its range where
+a user runs them (subprocesses), and a Hypothesis fuzz of the file (random keys, kinds and
+values, random text) finds nothing else; and every number setting is checked against its range where
 it is read (``gateway/config.py``), so ``port: 70000`` no longer starts a gateway on 4464.
 """
 
@@ -10,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from adpkv_gateway.config import RANGES, ConfigError, GatewayConfig, make_config
+from adpkv_gateway.config import RANGES, ConfigError, GatewayConfig, from_yaml, make_config
 from adpkv_gateway.ops.spawn import free_port
 
 from .test_cli_edges import ADPKV, ADPKV_GATEWAY, run
@@ -118,3 +121,29 @@ def test_values_in_range_are_taken():
                      "control_socket_mode": "0600", "storage_devices": "/tmp/x"})
     assert (c.port, c.num_dbs, c.start_clean, c.eviction_watermark, c.storage_devices) == \
         (6000, 1000, 1, 1.0, ["/tmp/x"])
+
+
+# ---------------------------------------------------------------------------- fuzz
+SETTINGS = [f.name for f in dataclasses.fields(GatewayConfig)]
+VALUES = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats()
+                      | st.text(max_size=12) | st.sampled_from(["0660", "INFO", "stripe", "/tmp/x", "a=1", "1e3"]),
+                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                   max_size=3), max_leaves=6)
+KEYS = st.sampled_from(SETTINGS) | st.text(max_size=20)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(doc=st.dictionaries(KEYS, VALUES, max_size=6) | VALUES, raw=st.none() | st.text(max_size=60))
+def test_fuzzed_yaml_is_a_config_or_one_config_error(doc, raw, tmp_path):
+    """Random settings (known and unknown keys, any kind of value) and random text: the file is
+    either good settings within their ranges or one ConfigError naming the file; nothing else
+    escapes (what the commands turn into one line and exit 2)."""
+    path = tmp_path / "fuzz.yaml"
+    path.write_text(raw if raw is not None else yaml.safe_dump(doc))
+    try:
+        config = from_yaml(str(path))
+    except ConfigError as exc:
+        assert str(exc).startswith(f"{path}: ") and "\n" not in str(exc), str(exc)
+        return
+    for name, rule in RANGES.items():
+        assert rule.allows(getattr(config, name)), (name, getattr(config, name))
