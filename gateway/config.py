@@ -128,7 +128,7 @@ class ConfigError(ValueError):
             text = f"{setting} ({where}): {problem}"
         else:
             text = ": ".join(part for part in (where, setting, problem) if part)
-        super().__init__(text)
+        super().__init__(" ".join(text.splitlines()))        # one line, whatever a value held
 
     def located(self, where: str) -> "ConfigError":
         """The same error, naming where the setting was read."""
@@ -242,8 +242,14 @@ def load_yaml(path: str) -> dict:
                           f"{type(data).__name__}", path)
     unknown = [k for k in data if k not in _fields()]
     if unknown:
-        raise ConfigError(str(unknown[0]), unknown_setting(unknown[0], _fields()), path)
+        raise ConfigError(_key_text(unknown[0]), unknown_setting(unknown[0], _fields()), path)
     return data
+
+
+def _key_text(key: Any) -> str:
+    """A key as an error names it: as written when it is a plain word, else quoted."""
+    text = str(key)
+    return text if text and text.isprintable() and text.strip() == text else repr(key)
 
 
 def unknown_setting(key: Any, known) -> str:
@@ -389,7 +395,7 @@ def make_config(values: Optional[dict] = None) -> GatewayConfig:
     fields = _fields()
     unknown = [k for k in values if k not in fields]
     if unknown:
-        raise ConfigError(str(unknown[0]), unknown_setting(unknown[0], fields))
+        raise ConfigError(_key_text(unknown[0]), unknown_setting(unknown[0], fields))
     for name, v in list(values.items()):
         values[name] = _convert(name, str(fields[name].type), v)
     return GatewayConfig(**values).validate()

@@ -132,7 +132,7 @@ VALUES = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 7
 KEYS = st.sampled_from(SETTINGS) | st.text(max_size=20)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, database=None, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(doc=st.dictionaries(KEYS, VALUES, max_size=6) | VALUES, raw=st.none() | st.text(max_size=60))
 def test_fuzzed_yaml_is_a_config_or_one_config_error(doc, raw, tmp_path):
     """Random settings (known and unknown keys, any kind of value) and random text: the file is
