@@ -2,14 +2,24 @@
 
 Sizes are plain byte counts (a unit is not read in YAML). Every key can also be
 given as a flag, ``--storage-devices``, ``--port`` and so on; flags win.
+
+Contract: every setting is read and checked here, once, before anything else happens
+(``from_args``, ``make_config``; ``load_yaml`` for the file). A setting that cannot be used
+raises ``ConfigError`` (a ``ValueError``): one line naming where it was read (the YAML file,
+or the flag), the setting, the value and what it allows, with "did you mean" for a
+misspelt key. Each number is checked against its range (``RANGES``: every int and float
+setting has one) and each word against its choices (``CHOICES``); a bool, float or list
+given for an integer is refused, never truncated. Nothing here touches the host.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import math
 import os
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import yaml
 
@@ -65,57 +75,135 @@ class GatewayConfig:
     log_level: str = "INFO"
 
     def validate(self) -> "GatewayConfig":
-        if self.storage_backend not in ("fs", "resp"):
-            raise ValueError(f"storage_backend must be fs or resp, not {self.storage_backend!r}")
+        """Check every setting (``ConfigError`` naming the first that cannot be used); the
+        automatic ``thread_pool_size`` is resolved here."""
+        for name, rule in RANGES.items():
+            _check_range(name, getattr(self, name), rule)
+        for name, choices in CHOICES.items():
+            if str(getattr(self, name)).upper() not in {c.upper() for c in choices}:
+                raise ConfigError(name, f"{getattr(self, name)!r} is not one of {', '.join(choices)}")
         if not self.storage_devices:
-            raise ValueError("storage_devices lists no card")
-        if self.key_placement not in ("dialog", "stripe"):
-            raise ValueError(f"key_placement must be dialog or stripe, not {self.key_placement!r}")
-        if self.storage_slots < 1 or self.num_dbs < 1 or self.thread_pool_size < 0:
-            raise ValueError("storage_slots and num_dbs must be >= 1, thread_pool_size >= 0")
+            raise ConfigError("storage_devices", "lists no card")
         if self.thread_pool_size == 0:
             self.thread_pool_size = default_io_threads()
-        if self.io_processes < 0:
-            raise ValueError("io_processes must be >= 0")
-        if self.replicas < 1:
-            raise ValueError("replicas must be >= 1")
-        if self.fragment_size < 0:
-            raise ValueError("fragment_size must be >= 0")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError("metrics_port must be 0 (off) or a TCP port")
         if self.metrics_port and self.metrics_port == self.port:
-            raise ValueError("metrics_port must differ from port (the control port)")
-        if self.move_rate_bytes < 1:
-            raise ValueError("move_rate_bytes must be >= 1 (bytes per second the mover moves at most)")
-        if self.previous_key_layout_fingerprint and not (
-                len(self.previous_key_layout_fingerprint) == 16
-                and all(ch in "0123456789abcdef" for ch in self.previous_key_layout_fingerprint)):
-            raise ValueError("previous_key_layout_fingerprint must be 16 hex digits (a key layout fingerprint)")
-        if self.resp_wait_ms < 0:
-            raise ValueError("resp_wait_ms must be >= 0 (0: no WAIT after writes)")
+            raise ConfigError("metrics_port", f"must differ from port (the control port; both are {self.port})")
+        if self.previous_key_layout_fingerprint and not _is_fingerprint(self.previous_key_layout_fingerprint):
+            raise ConfigError("previous_key_layout_fingerprint",
+                              f"{self.previous_key_layout_fingerprint!r} is not 16 hex digits (a key layout fingerprint)")
+        if self.key_layout_fingerprint and not _is_fingerprint(self.key_layout_fingerprint):
+            raise ConfigError("key_layout_fingerprint",
+                              f"{self.key_layout_fingerprint!r} is not 16 hex digits (a key layout fingerprint)")
         try:
-            mode = int(str(self.control_socket_mode), 8)
+            mode = int(self.control_socket_mode, 8)
         except ValueError:
-            raise ValueError(f"control_socket_mode must be octal permissions like 0660, "
-                             f"not {self.control_socket_mode!r}") from None
+            mode = -1
         if not 0 <= mode <= 0o777:
-            raise ValueError("control_socket_mode must be within 0000..0777")
-        if self.door_connections_per_user < 1:
-            raise ValueError("door_connections_per_user must be >= 1")
-        if not self.door_handshake_s > 0:
-            raise ValueError("door_handshake_s must be a number of seconds > 0")
-        if self.shared_memory_size < (1 << 20):
-            raise ValueError("shared_memory_size must be at least 1 MiB")
-        if not 0.0 < self.eviction_watermark <= 1.0 or not 0.0 <= self.eviction_ratio < self.eviction_watermark:
-            raise ValueError("need 0 < eviction_watermark <= 1 and 0 <= eviction_ratio < eviction_watermark")
+            raise ConfigError("control_socket_mode", f"{self.control_socket_mode!r} is not octal permissions "
+                              "within 0000..0777, like '0660'")
+        if not self.eviction_ratio < self.eviction_watermark:
+            raise ConfigError("eviction_ratio", f"{self.eviction_ratio} must be below eviction_watermark "
+                              f"({self.eviction_watermark}): the card evicts down to watermark - ratio")
         if self.card_group and not self.card_group.strip():
-            raise ValueError("card_group must name a group (or be empty)")
-        self.namespace_quotas = parse_quotas(self.namespace_quotas)
-        self.namespace_owners = parse_owners(self.namespace_owners)
-        if self.shared_storage and int(self.start_clean):
-            raise ValueError("start_clean: 1 with shared_storage: true would delete other deployments' "
-                             "keys; refusing to start")
+            raise ConfigError("card_group", "must name a group (or be empty)")
+        for name, parse in (("namespace_quotas", parse_quotas), ("namespace_owners", parse_owners)):
+            try:
+                setattr(self, name, parse(getattr(self, name)))
+            except ValueError as exc:
+                raise ConfigError(name, _without_name(str(exc), name)) from None
+        if self.shared_storage and self.start_clean:
+            raise ConfigError("start_clean", "1 with shared_storage: true would delete other deployments' "
+                              "keys; refusing to start")
         return self
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used, in one line: ``FILE: setting: what is wrong and what it
+    allows``, ``setting (--flag): ...`` for a flag, ``FILE: what is wrong`` for the file itself
+    (``setting`` empty). ``where`` (the file, or the flag) is added by ``located``."""
+
+    def __init__(self, setting: str, problem: str, where: str = ""):
+        self.setting, self.problem, self.where = setting, problem, where
+        if where.startswith("--"):
+            text = f"{setting} ({where}): {problem}"
+        else:
+            text = ": ".join(part for part in (where, setting, problem) if part)
+        super().__init__(" ".join(text.splitlines()))        # one line, whatever a value held
+
+    def located(self, where: str) -> "ConfigError":
+        """The same error, naming where the setting was read."""
+        return ConfigError(self.setting, self.problem, where)
+
+
+class Range(NamedTuple):
+    """What a number setting allows: ``low`` (exclusive when ``above``) up to ``high`` (None:
+    no bound), and what it is."""
+    low: float
+    high: Optional[float] = None
+    what: str = ""
+    above: bool = False
+
+    def allows(self, value: float) -> bool:
+        low_ok = value > self.low if self.above else value >= self.low
+        return math.isfinite(value) and low_ok and (self.high is None or value <= self.high)
+
+    def text(self) -> str:
+        low = _number(self.low) if self.low < (1 << 20) else f"{self.low / (1 << 20):g} MiB"
+        span = (f"> {low}" if self.above else f">= {low}") if self.high is None else f"{low}..{_number(self.high)}"
+        return f"{self.what}, {span}" if self.what else span
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+# Every int and float setting and what it allows (tests/core/ops/test_config_errors.py checks
+# that none is missing).
+RANGES: dict[str, Range] = {
+    "storage_slots": Range(1, None, "slots of the key distribution"),
+    "num_dbs": Range(1, 1000, "databases per card (db000..db999)"),
+    "move_rate_bytes": Range(1, None, "bytes per second"),
+    "start_clean": Range(0, 1, "0 or 1"),
+    "fragment_size": Range(0, None, "bytes (0: never split)"),
+    "replicas": Range(1, None, "cards per object"),
+    "io_timeout_ms": Range(0, None, "milliseconds (0: none)"),
+    "io_timeout_strikes": Range(1, None, "commands in a row"),
+    "resp_wait_ms": Range(0, None, "milliseconds (0: off)"),
+    "metrics_port": Range(0, 65535, "a TCP port (0: off)"),
+    "port": Range(1, 65535, "a TCP port"),
+    "door_connections_per_user": Range(1, None, "connections"),
+    "door_handshake_s": Range(0, None, "seconds", above=True),
+    "shared_memory_size": Range(1 << 20, None, "bytes of the ring"),
+    "thread_pool_size": Range(0, None, "threads (0: auto)"),
+    "io_processes": Range(0, None, "processes (0: none)"),
+    "capacity_bytes": Range(0, None, "bytes (0: the file system's free space)"),
+    "eviction_watermark": Range(0, 1, "a fraction of capacity", above=True),
+    "eviction_ratio": Range(0, 1, "a fraction of capacity"),
+    "engine_timeout_s": Range(0, None, "seconds", above=True),
+}
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "storage_backend": ("fs", "resp"),
+    "key_placement": ("dialog", "stripe"),
+    "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+}
+
+
+def _check_range(name: str, value: float, rule: Range) -> None:
+    if not rule.allows(value):
+        raise ConfigError(name, f"{value!r} is out of range ({rule.text()})")
+
+
+def _is_fingerprint(text: str) -> bool:
+    return len(text) == 16 and all(ch in "0123456789abcdef" for ch in text)
+
+
+def _without_name(message: str, name: str) -> str:
+    """A message of a parser that already names the setting, without that name."""
+    for head in (name + ": ", name + " "):
+        if message.startswith(head):
+            return message[len(head):]
+    return message
 
 
 def socket_mode(config: GatewayConfig) -> int:
@@ -135,15 +223,48 @@ def _fields() -> dict[str, dataclasses.Field]:
 
 
 def load_yaml(path: str) -> dict:
-    """The settings of a YAML file; unknown keys are an error."""
-    with open(path, "r", encoding="utf-8") as fh:
-        data = yaml.safe_load(fh) or {}
+    """The settings of a YAML file: ``ConfigError`` naming the file when it cannot be read, is
+    not YAML, is not a mapping, or names a key that is no setting (with the setting it
+    probably meant). The values are checked by ``make_config``."""
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError("", f"cannot read it: {exc.strerror or exc}", path) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("", f"not UTF-8 text (byte {exc.start})", path) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"not valid YAML: {_yaml_problem(exc)}", path) from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: the top level must be a mapping")
-    unknown = sorted(set(data) - set(_fields()))
+        raise ConfigError("", f"the top level must be a mapping of settings (key: value), not a "
+                          f"{type(data).__name__}", path)
+    unknown = [k for k in data if k not in _fields()]
     if unknown:
-        raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}")
+        raise ConfigError(_key_text(unknown[0]), unknown_setting(unknown[0], _fields()), path)
     return data
+
+
+def _key_text(key: Any) -> str:
+    """A key as an error names it: as written when it is a plain word, else quoted."""
+    text = str(key)
+    return text if text and text.isprintable() and text.strip() == text else repr(key)
+
+
+def unknown_setting(key: Any, known) -> str:
+    """Why ``key`` is refused: no such setting, and the one it probably meant."""
+    near = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+    return "unknown setting" + (f" (did you mean {near[0]}?)" if near else
+                                " (adpkv-gateway --help lists every setting)")
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """A YAML parser error in one line: where and what."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
 
 
 # One line of ``adpkv-gateway --help`` per setting (the default is appended). A setting
@@ -241,31 +362,84 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> GatewayConfig:
-    """Settings from ``--config`` overlaid with the flags that were given."""
-    values: dict[str, Any] = load_yaml(args.config) if getattr(args, "config", None) else {}
+    """Settings from ``--config`` overlaid with the flags that were given; ``ConfigError``
+    names the file or the flag of a setting that cannot be used."""
+    path = getattr(args, "config", None)
+    values: dict[str, Any] = load_yaml(path) if path else {}
+    flags = set()
     for name in _fields():
         v = getattr(args, name, None)
         if v is not None:
             values[name] = v
-    return make_config(values)
+            flags.add(name)
+    try:
+        return make_config(values)
+    except ConfigError as exc:
+        if exc.setting in flags:
+            raise exc.located("--" + exc.setting.replace("_", "-")) from None
+        raise (exc.located(path) if path else exc) from None
+
+
+def from_yaml(path: str) -> GatewayConfig:
+    """The settings of a YAML file alone (what the operator CLI reads of the gateway's file);
+    ``ConfigError`` names the file."""
+    try:
+        return make_config(load_yaml(path))
+    except ConfigError as exc:
+        raise (exc if exc.where else exc.located(path)) from None
 
 
 def make_config(values: Optional[dict] = None) -> GatewayConfig:
+    """The settings of ``values`` (setting -> value), converted and checked (``ConfigError``)."""
     values = dict(values or {})
     fields = _fields()
-    unknown = sorted(set(values) - set(fields))
+    unknown = [k for k in values if k not in fields]
     if unknown:
-        raise ValueError(f"unknown setting(s) {', '.join(unknown)}")
+        raise ConfigError(_key_text(unknown[0]), unknown_setting(unknown[0], fields))
     for name, v in list(values.items()):
-        kind = str(fields[name].type)
-        if kind == "bool":
-            values[name] = parse_bool(v, name)
-        elif kind in ("int", "float"):
-            try:
-                values[name] = int(v) if kind == "int" else float(v)
-            except (TypeError, ValueError):
-                raise ValueError(f"setting {name}={v!r} is not a valid {kind}") from None
-        elif name == "storage_devices" and isinstance(v, str):
-            values[name] = [v]
+        values[name] = _convert(name, str(fields[name].type), v)
     return GatewayConfig(**values).validate()
 
+
+def _convert(name: str, kind: str, v: Any) -> Any:
+    """One setting's value as its field's type; ``ConfigError`` for a value of another kind
+    (never a silent truncation: 5.5 is no int, true no port)."""
+    if kind == "bool":
+        try:
+            return parse_bool(v, name)
+        except ValueError:
+            raise ConfigError(name, f"{v!r} is not a boolean (true/false, 1/0, yes/no, on/off)") from None
+    if kind == "int":
+        rule = RANGES.get(name)
+        if isinstance(v, bool) and rule is not None and (rule.low, rule.high) == (0, 1):
+            return int(v)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, str) and v.strip().lstrip("+-").isdigit():
+            return int(v.strip())
+        raise ConfigError(name, f"{v!r} is not an integer ({rule.text() if rule else 'a whole number'})")
+    if kind == "float":
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+        if isinstance(v, str):
+            try:
+                return float(v)
+            except ValueError:
+                pass
+        rule = RANGES.get(name)
+        raise ConfigError(name, f"{v!r} is not a number ({rule.text() if rule else 'a number'})")
+    if kind == "list":              # storage_devices: one device, or a list of them
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, list) or not all(isinstance(d, str) and d.strip() for d in items):
+            raise ConfigError(name, f"{v!r} is not a list of devices (directories or redis:// URLs)")
+        return items
+    if kind == "dict":
+        return v                    # namespace_quotas, namespace_owners: their own parsers (validate)
+    if name == "control_socket_mode" and isinstance(v, int) and not isinstance(v, bool):
+        raise ConfigError(name, f"{v!r} is a number: write the mode quoted, as octal digits like '0660' "
+                          "(YAML reads 0660 unquoted as the number 432)")
+    if isinstance(v, bool) or not isinstance(v, (str, int)):
+        raise ConfigError(name, f"{v!r} is not a string")
+    return str(v)

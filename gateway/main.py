@@ -17,7 +17,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         config = cfg.from_args(args)
-    except (ValueError, OSError) as exc:
+    except cfg.ConfigError as exc:
         print(f"adpkv-gateway: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=getattr(logging, config.log_level.upper(), logging.INFO),

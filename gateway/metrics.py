@@ -24,11 +24,13 @@ state that is safe to read from there).
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server, write_to_textfile
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from adpkv_core.protocol import GatewayStats
 
@@ -44,15 +46,24 @@ FROM_FIGURES: list[FigureFamilies] = list(FAMILIES)     # gateway/status.py's, a
 
 
 class FiguresCollector:
-    """The families of ``FROM_FIGURES`` over the latest figures (none before the first)."""
+    """The families of ``FROM_FIGURES`` over the latest figures (none before the first), after
+    ``adpkv_gateway_up`` (1 while the gateway serves, 0 once it stopped: the last status file
+    a stop writes says so) and ``adpkv_gateway_updated_timestamp_seconds`` (the Unix time the
+    figures were taken, once a second while the gateway runs: a value that stops moving is a
+    gateway that died or hangs; deploy/prometheus/adpkv-alerts.yaml)."""
 
     def __init__(self) -> None:
         self.figures: Optional[GatewayStats] = None
+        self.taken = 0.0
+        self.up = True
 
     def collect(self) -> Iterable[Metric]:
         figures = self.figures
         if figures is None:
             return
+        yield GaugeMetricFamily(PREFIX + "up", "The gateway is serving (0: it stopped)", int(self.up))
+        yield GaugeMetricFamily(PREFIX + "updated_timestamp_seconds", "Unix time the gateway took these figures "
+                                "(once a second while it runs)", self.taken)
         for families in FROM_FIGURES:
             yield from families(figures)
 
@@ -77,6 +88,22 @@ class CardLatencyCollector:
         yield family
 
 
+def status_file_problem(path: str) -> str:
+    """Why the gateway could not write its status file at ``path`` ("" when it can): its
+    directory is missing, is no directory, or this user may not create files in it (the
+    file is replaced by a rename within the directory)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        what = "does not exist" if not os.path.exists(directory) else "is not a directory"
+        return f"status_file {path}: its directory {directory} {what}; create it, or set status_file elsewhere"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return (f"status_file {path}: this user (uid {os.geteuid()}) may not create files in {directory}; "
+                "give it write access, or set status_file elsewhere")
+    if os.path.isdir(path):
+        return f"status_file {path} is a directory; name a file (the node exporter reads *.prom)"
+    return ""
+
+
 class GatewayMetrics:
     """The registry of one gateway and where it goes: the status file and /metrics."""
 
@@ -91,6 +118,11 @@ class GatewayMetrics:
     def update(self, figures: GatewayStats) -> None:
         """The gateway's latest figures (what STATS answers); any thread."""
         self._figures.figures = figures
+        self._figures.taken = time.time()
+
+    def stopped(self) -> None:
+        """The gateway stopped serving: ``adpkv_gateway_up`` is 0 from now on."""
+        self._figures.up = False
 
     def exposition(self) -> bytes:
         """The Prometheus text exposition of everything in the registry."""

@@ -34,7 +34,7 @@ from adpkv_core.keys import namespace_id
 from adpkv_core.ring import Ring
 
 from . import io_procs
-from .cards import open_cards
+from .cards import close_cards, open_cards
 from .config import GatewayConfig, socket_mode
 from .data_requests import DataRequests
 from .direct_reads import DirectReads
@@ -44,7 +44,7 @@ from .engines import EngineRegistry, EngineSession, Peer
 from .health import CardHealth, HealthMonitor
 from .layout_change import LayoutChange
 from . import stats
-from .metrics import GatewayMetrics
+from .metrics import GatewayMetrics, status_file_problem
 from .namespaces import KEEP_CLAIMS_S, NamespaceOwners
 from .store import ObjectStore, Pins
 from .transfers import Transfers
@@ -63,10 +63,15 @@ class Gateway:
         port changes nothing), then the cards, the ring and the pool, then the door, and
         the control port last. Whoever gets an answer on the port finds the door up: an
         engine that attaches as soon as the port answers gets the cache. A start that
-        fails at any step undoes the steps before it (the door is removed)."""
+        fails at any step undoes the steps before it (the door is removed, the cards are closed
+        and their locks given up, and a card this start made is removed: ``cards.fs_lock``).
+        A ``status_file`` this gateway could not write is refused before all that."""
         self.config = config
         self.started = time.time()
         self.door_file = config.control_socket or door_path(config.port)
+        problem = status_file_problem(config.status_file) if config.status_file else ""
+        if problem:
+            raise SystemExit(f"{problem}; refusing to start")
         with contextlib.ExitStack() as undo:
             self._door_lock = claim_door(self.door_file)
             undo.callback(os.close, self._door_lock)
@@ -108,6 +113,7 @@ class Gateway:
                                    map_for=lambda session, msg: self.direct_reads.serve(session, msg))
             undo.callback(self.door.close)
             self.status_writing = False
+            self.status_failing = False              # the last write of the status file failed (logged once)
             self.transfers = Transfers(config.shared_memory_size,     # a ring per engine, made as it attaches
                                        lambda: Ring.create(config.port, config.shared_memory_size), self.store,
                                        self.pool, self.procs, config.thread_pool_size,
@@ -140,9 +146,8 @@ class Gateway:
         layout, and build the store, its health monitor (not started) and its metrics."""
         # made before the cards: a card's scan at start passes pinned objects over (none yet then)
         pins = Pins()
-        cards = open_cards(config, is_pinned=pins.holds)
-        for card in cards:
-            undo.callback(card.close)
+        cards, self.card_locks = open_cards(config, is_pinned=pins.holds)
+        undo.callback(close_cards, cards, self.card_locks, undo_new=True)     # a failed start: the cards it made go
         self.card_health = card_health = CardHealth(cards, config.io_timeout_ms, config.io_timeout_strikes)
         self.store = ObjectStore(cards, config.storage_slots, config.num_dbs, config.key_placement,
                                  config.fragment_size, config.fragment_spread_across_dbs, config.replicas,
@@ -227,7 +232,14 @@ class Gateway:
             try:
                 self.metrics.write_textfile(self.config.status_file)
             except OSError as exc:
-                logger.warning("cannot write the status file %s: %s", self.config.status_file, exc)
+                if not self.status_failing:
+                    logger.warning("cannot write the status file %s: %s (said once, until it is written again)",
+                                   self.config.status_file, exc)
+                self.status_failing = True
+                return
+            if self.status_failing:
+                logger.info("the status file %s is written again", self.config.status_file)
+            self.status_failing = False
 
         def done(_):
             self.status_writing = False
@@ -242,17 +254,18 @@ class Gateway:
         self.health.stop()
         self._drain_completions()
         self.metrics.close()
-        if self.config.status_file:
+        if self.config.status_file:      # the last word: up 0
+            self.metrics.stopped()
             self.metrics.update(stats.merge(stats.loop_snapshot(self), stats.card_usages(self.store)))
             try:
                 self.metrics.write_textfile(self.config.status_file)
-            except OSError:
-                pass
+            except OSError as exc:
+                logger.warning("cannot write the status file %s at stop (it still says up): %s",
+                               self.config.status_file, exc)
         self.door.close()
         self.sock.close(0)
         self.ctx.term()
-        for card in self.store.cards:
-            card.close()
+        close_cards(self.store.cards, self.card_locks)
         for ring in self.transfers.rings.values():
             ring.ring.close()
         logger.info("Gateway stopped")

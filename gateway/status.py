@@ -35,8 +35,8 @@ def _gauge(name: str, help_: str, value=None, labels: Iterable[str] = ()) -> Gau
 
 
 def gateway_families(s: GatewayStats) -> Iterable[Metric]:
-    """The gateway as a whole: up, key layout, ring, requests, engine."""
-    yield _gauge("up", "The gateway is running", 1)
+    """The gateway as a whole: key layout, ring, requests, engine (whether it is up, and when
+    these figures were taken: ``metrics.FiguresCollector``)."""
     yield InfoMetricFamily(PREFIX + "key_layout", "Key layout fingerprint", value={"fingerprint": s.fingerprint})
     yield InfoMetricFamily(PREFIX + "key_placement", "Key placement", value={"placement": s.placement})
     yield _gauge("ring_bytes", "Size of the shared-memory ring", s.ring_size)

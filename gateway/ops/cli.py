@@ -14,7 +14,7 @@ from typing import Optional
 from adpkv_core import protocol as P
 
 from .. import control, progress
-from ..config import load_yaml
+from ..config import RANGES, ConfigError, GatewayConfig, from_yaml, make_config
 
 MiB = 1 << 20
 CLEAN_POLL_S = 0.5        # how often adpkv clean asks for the gateway's progress
@@ -30,16 +30,39 @@ def _size(text: str) -> int:
     return int(t)
 
 
+def _port(text: str) -> int:
+    """``--port``: a TCP port, as the gateway's ``port`` setting allows."""
+    rule = RANGES["port"]
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not rule.allows(port):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {rule.text()}")
+    return port
+
+
+def _config(args) -> Optional[GatewayConfig]:
+    """The gateway's settings when ``--config`` names its YAML (read and checked once:
+    ``ConfigError`` names the file and the setting); None without it."""
+    if not args.config:
+        return None
+    if getattr(args, "settings", None) is None:
+        args.settings = from_yaml(args.config)
+    return args.settings
+
+
 def _target(args) -> tuple[str, int]:
-    if args.config:
-        data = load_yaml(args.config)
-        return data.get("bind_address", "127.0.0.1"), int(data.get("port", 5557))
+    config = _config(args)
+    if config is not None:
+        return config.bind_address, config.port
     return args.host, args.port
 
 
 def _door(args) -> Optional[str]:
     """The gateway's door when its YAML names one (``control_socket``); None: from the port."""
-    return (load_yaml(args.config).get("control_socket") or None) if args.config else None
+    config = _config(args)
+    return (config.control_socket or None) if config is not None else None
 
 
 def _ask(args, op: str) -> dict:
@@ -211,18 +234,10 @@ def cmd_bench(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from ..config import make_config
     from . import doctor
     from .doctor_host import Host
     from .doctor_report import exit_code, report
-    try:
-        settings = load_yaml(args.config) if args.config else {}
-        if not args.config:
-            settings["port"] = args.port
-        config = make_config(settings)
-    except (OSError, ValueError) as exc:
-        print(f"FAIL  config         {args.config}: {exc}")
-        return 1
+    config = _config(args) or make_config({"port": args.port})
     host = _target(args)[0]
     h = Host(config, config_given=bool(args.config), host=host, timeout_s=args.timeout, engine=args.engine,
              hash_algo=args.hash_algo, engine_user=args.engine_user, shm_bytes=args.shm_bytes)
@@ -249,7 +264,7 @@ def _add_gateway_options(parser: argparse.ArgumentParser, suppress: bool) -> Non
     parser.add_argument("--config", default=default(None), metavar="YAML",
                         help="the gateway's YAML (its port and bind_address find the gateway)")
     parser.add_argument("--host", default=default("127.0.0.1"), help="gateway host (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=default(None), help="gateway port (default 5557)")
+    parser.add_argument("--port", type=_port, default=default(None), help="gateway port (default 5557)")
     parser.add_argument("--timeout", type=float, default=default(3.0),
                         help="seconds to wait for the gateway's answer (default 3)")
 
@@ -283,7 +298,8 @@ def main(argv=None) -> int:
     b.add_argument("--repeat", type=int, default=3, help="runs per size, alternating gateway and raw; median")
     b.add_argument("--dir", default="./adpkv-bench", help="where the bench card and raw files go")
     dr = sub.add_parser("doctor", parents=[shared], help="check this host before the engine starts; exit 0 when all "
-                        "is well, 1 on a problem, 2 on warnings only (run it as the engine's user, in its environment)")
+                        "is well, 1 on a problem, 2 on warnings only or a --config it cannot read (run it as the engine's user, "
+                        "in its environment)")
     dr.add_argument("--engine", choices=["vllm", "sglang", "lmcache"], default="",
                     help="the engine that will use the gateway (checks what its keys rest on)")
     dr.add_argument("--hash-algo", default="", help="its prefix hash setting: vLLM --prefix-caching-hash-algo "
@@ -302,7 +318,11 @@ def main(argv=None) -> int:
         args.port = 5557
     handlers = {"status": cmd_status, "usage": cmd_usage, "clean": cmd_clean, "bench": cmd_bench, "demo": cmd_demo,
                 "doctor": cmd_doctor, "drain": cmd_drain}
-    return handlers[args.cmd](args)
+    try:
+        return handlers[args.cmd](args)
+    except ConfigError as exc:      # the gateway's YAML (--config): one line, as a usage error
+        print(f"adpkv {args.cmd}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

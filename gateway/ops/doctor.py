@@ -14,6 +14,9 @@ the doctor's working directory) or its port (the running gateway's cards then); 
   runs, ``shared_memory_size`` must fit the host's available memory and this cgroup's limit;
 - ``/dev/shm``: a writable tmpfs (the door lives there by default) with room for what the
   engine puts there itself (``--shm-bytes``: LMCache's L1 pool with ``--shm-name``);
+- ``status file``: the directory of ``status_file`` exists and the doctor's user may create
+  files in it (the gateway refuses to start otherwise); with a gateway running, the file is
+  fresh (rewritten every second);
 - per fs card (``doctor_fs``): the directory (or where it will be created) is writable; its file system
   (tmpfs and a container's overlay lose the cache: warning); free space against
   ``capacity_bytes``; O_DIRECT accepted (a probe file written and removed);
@@ -40,6 +43,7 @@ import json
 import os
 import pwd
 import stat
+import time
 from typing import Optional
 
 from adpkv_core import __version__
@@ -49,12 +53,14 @@ from adpkv_core.door import SHM_DIR, door_path
 from .. import control
 from ..cards.fs import CARD_FILE
 from ..config import socket_mode
+from ..metrics import status_file_problem
 from ..placement import key_layout_fingerprint
 from .doctor_fs import card as _card, card_devices, fstype as _fstype
 from .doctor_host import Host
 from .doctor_report import FAIL, OK, SKIP, WARN, Finding
 
 MiB = 1 << 20
+STATUS_STALE_S = 10.0          # a running gateway rewrites its status file every second
 VLLM_SEEDED_ALGOS = ("xxhash", "xxhash_cbor")            # vLLM: random NONE_HASH seed without PYTHONHASHSEED
 ENGINES = ("vllm", "sglang", "lmcache")
 
@@ -65,6 +71,7 @@ def examine(h: Host) -> list[Finding]:
     findings += _door(h)
     findings += _ring_memory(h, stats)
     findings += _dev_shm(h)
+    findings += _status_file(h, stats)
     for device in card_devices(h, stats):
         findings += _card(h, device, stats)
     findings += _fingerprint(h, stats)
@@ -242,6 +249,29 @@ def _dev_shm(h: Host) -> list[Finding]:
                         "medium Memory sizeLimit) or shrink the engine's shared-memory pool")]
     return [Finding("/dev/shm", OK, found + (f", room for the engine's {h.shm_bytes / MiB:.0f} MiB"
                                               if h.shm_bytes else ""))]
+
+
+# ---------------------------------------------------------------------------- status file
+def _status_file(h: Host, stats: Optional[P.GatewayStats]) -> list[Finding]:
+    path = h.config.status_file
+    if not path:
+        return [Finding("status file", SKIP, "no status_file in this configuration" if h.config_given else
+                        "give the gateway's --config to check its status_file")]
+    problem = status_file_problem(path)
+    if problem:
+        return [Finding("status file", FAIL, problem + ": the gateway refuses to start",
+                        f"mkdir -p {os.path.dirname(os.path.abspath(path))} (writable by the gateway's user), "
+                        "or another status_file")]
+    try:
+        age = time.time() - os.stat(path).st_mtime
+    except FileNotFoundError:
+        age = None
+    if stats is not None and age is not None and age > STATUS_STALE_S:
+        return [Finding("status file", WARN, f"{path} was last written {age:.0f} s ago, yet a gateway answers: "
+                        "it writes another status_file, or cannot write this one",
+                        "restart the gateway with this configuration; its log says why it cannot write")]
+    return [Finding("status file", OK, f"{path}: its directory is writable" +
+                    (f", written {age:.0f} s ago" if age is not None else ""))]
 
 
 # ---------------------------------------------------------------------------- fingerprint

@@ -17,6 +17,7 @@ from adpkv_core.client import TURNED_OFF_MESSAGE, GatewayClient, StoreResult
 from adpkv_core.door import DoorSession, door_path
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
+from adpkv_gateway.ops.spawn import free_port
 
 from ..fs_cards import object_paths
 from ..rankproc import make_keys, pattern, run_ranks
@@ -209,7 +210,7 @@ def test_clean_and_shared_storage(start_gateway, tmp_path):
     assert "nothing was deleted" in shared.log()
     shared.stop()
     refused = subprocess.run([sys.executable, "-m", "adpkv_gateway.main", "--storage-devices", gw.card_dirs[0],
-                              "--port", "0", "--shared-storage", "1", "--start-clean", "1"],
+                              "--port", str(free_port()), "--shared-storage", "1", "--start-clean", "1"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "refusing to start" in refused.stderr
 
@@ -222,7 +223,7 @@ def test_fingerprint_mismatch_refuses_to_start(start_gateway):
     same = start_gateway(card_dirs=gw.card_dirs, key_layout_fingerprint=fp)
     same.stop()
     bad = subprocess.run([sys.executable, "-m", "adpkv_gateway.main", "--storage-devices", gw.card_dirs[0],
-                          "--port", "0", "--key-layout-fingerprint", "0123456789abcdef"],
+                          "--port", str(free_port()), "--key-layout-fingerprint", "0123456789abcdef"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "refusing to start" in bad.stderr
 

@@ -33,6 +33,7 @@ P = "adpkv_gateway_"
 # family -> (type, label names of its samples); histogram samples add "le" on _bucket
 EXPECTED = {
     P + "up": ("gauge", set()),
+    P + "updated_timestamp_seconds": ("gauge", set()),
     P + "key_layout_info": ("gauge", {"fingerprint"}),
     P + "key_placement_info": ("gauge", {"placement"}),
     P + "ring_bytes": ("gauge", set()),
@@ -185,7 +186,7 @@ def test_metrics_endpoint_is_off_by_default_and_a_busy_port_does_not_stop_the_ga
         assert wait_for(lambda: "Metrics endpoint off: cannot listen on" in gw.log())
     with pytest.raises(ValueError, match="metrics_port"):
         make_config({"metrics_port": 70000})
-    with pytest.raises(ValueError, match="metrics_port must differ"):
+    with pytest.raises(ValueError, match="metrics_port: must differ from port"):
         make_config({"metrics_port": 5557, "port": 5557})
 
 
@@ -194,7 +195,7 @@ PROMQL_WORDS = {
     # functions and aggregations the dashboard may use, and PromQL keywords
     "sum", "max", "min", "avg", "count", "rate", "irate", "increase", "histogram_quantile", "clamp_min",
     "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-    "offset", "label_values", "absent",
+    "offset", "label_values", "absent", "time",
 }
 
 
@@ -283,7 +284,8 @@ def test_every_alert_rule_is_complete_and_uses_names_that_exist(busy_gateway):
     samples = {s.name for f in fam.values() for s in f.samples}
     labels = set().union(*(set(s.labels) for f in fam.values() for s in f.samples)) | {"instance", "job"}
     rules = [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
-    assert {r["alert"] for r in rules} >= {"AdpkvCardOutOfService", "AdpkvKeyLayoutMismatch", "AdpkvCardIOStuck"}
+    assert {r["alert"] for r in rules} >= {"AdpkvCardOutOfService", "AdpkvKeyLayoutMismatch", "AdpkvCardIOStuck",
+                                           "AdpkvGatewayDown", "AdpkvGatewayStale"}
     for rule in rules:
         assert set(rule) == {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"\d+[smh]", rule["for"]) and rule["labels"]["severity"] in ("warning", "critical")
