@@ -10,10 +10,13 @@ restore checked byte for byte, a lost object recomputed.
 
 from __future__ import annotations
 
+import os
 import uuid
 
 from adpkv_vllm.common.settings import chunk_hashes
+from engine_run import engine_prompts, run_subprocess
 from harness import Harness
+from test_engine import connector
 from test_scheduler import CHUNK, store, tokens
 
 
@@ -56,3 +59,32 @@ def test_a_lost_object_is_recomputed_not_read(gateway, model_dir3):
         assert req.num_output_tokens == 4
     finally:
         h.close()
+
+
+def _remove_layer_files(card: str, layer: int) -> int:
+    """Delete every object file of one layer from an fs card behind the gateway's back (the
+    file name is the key's hex plus the fragment index; the layer is key bytes 25-26)."""
+    n = 0
+    for root, _, files in os.walk(card):
+        for f in files:
+            if len(f) == 60 and int(f[50:54], 16) == layer:
+                os.unlink(os.path.join(root, f))
+                n += 1
+    return n
+
+
+def test_an_engine_recomputes_a_restore_whose_middle_layer_is_gone(model_dir3, start_gateway, tmp_path):
+    """A real vLLM-CPU engine: a restore whose middle layer is gone (the lookup's end layers
+    hit, the GET misses) is recomputed, and every output equals the storing engine's, which
+    computed them without a cache. vLLM-CPU turns asynchronous scheduling off whatever is
+    asked (its platform sets it False), so this engine loads inside the pass; the asynchronous
+    loads of a GPU's default are the harness tests above."""
+    gw = start_gateway(shared_memory_size=256 << 20)
+    prompts = engine_prompts()
+    conn = connector(gw.port, "middle-gone")
+    first, _ = run_subprocess(model_dir3, prompts, conn)
+    assert all(r["cached"] == 0 for r in first)
+    assert _remove_layer_files(gw.card_dirs[0], 1) > 0
+    again, log = run_subprocess(model_dir3, prompts, conn, log_path=str(tmp_path / "engine.log"))
+    assert [r["tokens"] for r in again] == [r["tokens"] for r in first]
+    assert log.count("Recovered from KV load failure") == len(prompts), log[-4000:]
