@@ -10,7 +10,9 @@ after a gateway restart (test_offloading).
 
 Classes: vLLM 0.26's own ``Scheduler`` with AdpKVConnector on both roles (harness.py: the
 worker role on real CPU KV tensors, every restore checked byte for byte; a failed layer load
-recomputed through 0.26's block-level report; TP ranks' slices), the offloading spec's manager
+recomputed through 0.26's block-level report; TP ranks' slices; under vLLM's asynchronous
+scheduling every restore an asynchronous load whose end and failure 0.26 takes from
+``get_finished`` and the failed blocks; a step replayed as a FULL CUDA graph), the offloading spec's manager
 and worker, the TP-change copies and namespaces, all against real gateway processes. Imported
 here by name: pytest collects them in this module.
 
@@ -31,6 +33,11 @@ from test_engine import (  # noqa: F401
     test_fresh_process_restores_and_outputs_match,
     test_gateway_killed_while_serving,
 )
+from test_async_scheduling import (  # noqa: F401  (asynchronous loads: 0.26 ends them in get_finished)
+    test_a_lost_object_is_recomputed_not_read,
+    test_restores_load_before_the_request_runs_and_are_exact,
+)
+from test_full_graphs import *  # noqa: F401,F403  (FULL CUDA graphs kept: loads settled before the pass)
 from test_offloading import test_fresh_process_restores_after_a_gateway_restart  # noqa: F401
 from test_scheduler import *  # noqa: F401,F403  (every test of it: one KV cache group each)
 from test_shard_reads import *  # noqa: F401,F403
