@@ -364,3 +364,48 @@ def _check_one(card: FsCard, keys: list[bytes], version: dict, k: int, strict: b
         verdict = card.read(fragment_db(key, i, 4, True), fragment_key(key, i), buf, write_id=head.write_id)
         assert verdict is Read.HIT, f"key {k} fragment {i}: indexed but {verdict.value}"
         assert bytes(buf) == want[off:off + length], f"key {k} fragment {i}: wrong bytes"
+
+
+# ---------------------------------------------------------------------------- resp: the same window
+def test_a_read_verdict_never_removes_a_later_write_on_a_resp_card(redis_servers):
+    """The resp card has no index: the store removes an object a read found broken
+    (``Card.drops_itself`` False). A PUT of the key that lands between the read's verdict and
+    that removal (here: a real redis-server; the card's read wrapped so that the verdict about
+    write 1 is handed back only after write 2 was stored) must survive it: the removal is of
+    the write the read was of (issue 40). Before, the store deleted every fragment of the key,
+    write 2's too."""
+    from adpkv_gateway.cards.resp import RespCard
+    from adpkv_gateway.health import CardHealth
+    from adpkv_gateway.store import ObjectStore, Pins
+    from adpkv_gateway.cards.resp_conn import RespConnection
+
+    server, = redis_servers(1)
+    card = RespCard(server.url)
+    card.open()
+    store = ObjectStore([card], 16, 4, "dialog", 2048, True, 1, CardHealth([card], 0, 3), Pins())
+    key, size = key_of(4000), 5000                           # three fragments of 2048 bytes
+    one, two = (payload(key + bytes([n]), size) for n in (1, 2))
+    assert store.write_replicas(store.write_plans(key, 0, size), memoryview(one))
+    head1 = store.recorded_head(0, key, b"")
+    frags = [f._replace(object_bytes=size, write_id=head1.write_id) for f in store._frags(0, key, size)]
+    raw = RespConnection(server.url, 30)
+    raw.command(b"DEL", RespCard._key(frags[1].db, frags[1].fkey))     # write 1 broken: a fragment gone
+    real_read = card.read
+    stored_again = []
+
+    def read(db, fkey, buf, tag=b"", write_id=None):
+        verdict = real_read(db, fkey, buf, tag, write_id)
+        if verdict.drops and not stored_again:                    # a PUT lands before the verdict is acted on
+            stored_again.append(store.write_replicas(store.write_plans(key, 0, size), memoryview(two)))
+        return verdict
+    card.read = read                                              # type: ignore[method-assign]
+    views = [memoryview(bytearray(f.length)) for f in frags]
+    got = store.read_many([(0, f, v) for f, v in zip(frags, views)])
+    card.read = real_read                                         # type: ignore[method-assign]
+    assert stored_again == [True] and not all(o.ok for o in got)
+    head2 = store.recorded_head(0, key, b"")
+    assert head2 is not None and head2.write_id != head1.write_id, "the later write was removed"
+    back = bytearray(size)
+    assert store.read_object(0, key, head2, b"", memoryview(back)) is Read.HIT, "the later write lost a fragment"
+    assert bytes(back) == two
+    card.close()
