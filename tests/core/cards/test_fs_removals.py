@@ -293,8 +293,8 @@ OPS = st.lists(st.one_of(
 ), min_size=1, max_size=40)
 
 
-@settings(max_examples=int(os.environ.get("ADPKV_EVICT_EXAMPLES", "150")), deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("ADPKV_EVICT_EXAMPLES", "150")), deadline=None, database=None,
+          derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=OPS)
 def test_removals_interleaved_with_writes(tmp_path_factory, ops):
     """Six keys of 3-fragment objects on a card that holds about three: each step a PUT (a new
