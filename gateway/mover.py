@@ -127,9 +127,11 @@ class Mover:
             logger.exception("the mover stopped")
 
     def _finish(self) -> None:
-        self.complete = True
+        """Nothing is left: the previous layout is dropped (``on_complete``: the cards' records
+        rewritten) before STATS says ``complete``."""
         self.left_objects = 0
         self.on_complete()
+        self.complete = True
 
     def _move_waiting(self) -> bool:
         """Move the hits that are due; whether any was."""
