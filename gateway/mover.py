@@ -31,8 +31,9 @@ new one is whole). Two gateways moving the same object write the same bytes.
 When a sweep pass finds nothing left to move and no hit waits, the change is complete:
 ``on_complete`` drops the previous layout (once). Contract: ``store`` is the gateway's
 ``ObjectStore`` with ``previous`` set; the mover reaches the cards only through it (``listed_heads``,
-``keys_by_tag``, ``recorded_head``, ``read_object``, ``write_copies``, ``remove_object``) and
-reads which cards are in service there (``in_service``)."""
+``keys_by_tag``, ``recorded_head``, ``read_object``, ``write_copies``, ``remove_write``: the old
+copy is removed only while it is still the write it copied, issue 40) and reads which cards are
+in service there (``in_service``)."""
 
 from __future__ import annotations
 
@@ -126,9 +127,11 @@ class Mover:
             logger.exception("the mover stopped")
 
     def _finish(self) -> None:
-        self.complete = True
+        """Nothing is left: the previous layout is dropped (``on_complete``: the cards' records
+        rewritten) before STATS says ``complete``."""
         self.left_objects = 0
         self.on_complete()
+        self.complete = True
 
     def _move_waiting(self) -> bool:
         """Move the hits that are due; whether any was."""
@@ -274,8 +277,8 @@ class Mover:
         # every fragment of the write its head names (another write's: a writer in progress)
         verdict = store.read_object(old, key, recorded, tag, view)
         if verdict is not Read.HIT:
-            if verdict.drops:             # missing or corrupt on the old card: evidence about it
-                store.remove_object(old, key, size, tag or b"")
+            if verdict.drops:             # missing or corrupt on the old card: evidence about it (that write)
+                store.remove_write(old, key, size, tag, recorded.write_id)
                 return True
             self.failed += 1
             return False
@@ -292,7 +295,9 @@ class Mover:
             return True
         if store.is_pinned(key):
             return self._later(key, mark, old)
-        store.remove_object(old, key, size, tag or b"")
+        if not store.remove_write(old, key, size, tag, recorded.write_id):
+            self.failed += 1              # stored again on the old card since, or it did not answer: next pass
+            return False
         self.moved_objects += 1
         return True
 

@@ -14,7 +14,7 @@ the I/O processes, ``read_from_replicas``), a PUT batch's (``put``: which exist,
 writes), MAP's read-only files, verified in place (``open_verified``), EXIST (``exists``),
 DELETE, CLEAN, the pins, which cards are in service, the namespace counters (``count_reads``,
 ``count_writes``), and the mover's (``listed_heads``, ``keys_by_tag``; on one object of one
-card ``recorded_head``, ``read_object``, ``write_copies``, ``remove_object``). Every batch's
+card ``recorded_head``, ``read_object``, ``write_copies``, ``remove_object``, ``remove_write``). Every batch's
 I/O answers an ``Outcome`` per object.
 
 An object lives and dies whole: it is present on a card only when every fragment
@@ -30,6 +30,11 @@ carry; a lookup (``holders``) learns the head's, and every fragment is read agai
 so a hit is one write's whole object. Writes of one object (on one card) through this
 gateway are serialized (``_write_locks``), so two racing writers leave the later one's
 whole object, never a mix of both.
+
+Removals (issue 40): a removal decided about one write of an object (a read's verdict, the
+mover's copy) runs under that object's write lock and only while its head still records
+that write (``remove_write``), and DELETE holds the lock too: none removes a later write
+of the key through this gateway, or part of one in flight.
 """
 
 from __future__ import annotations
@@ -524,7 +529,8 @@ class ObjectStore:
             verdict = self._card_read(frag, lambda card, f=frag, d=fd, o=offset:
                                       card.read_to_fd(f.db, f.fkey, f.length, d, o, write_by, f.write_id))
             if verdict.drops:
-                self._remove_broken(frag.card, object_key(frag.fkey), frag.object_bytes, frag.slot_tag)
+                self._remove_broken(frag.card, object_key(frag.fkey), frag.object_bytes, frag.slot_tag,
+                                    frag.write_id)
             out.append(Outcome(j, verdict is Read.HIT))
         return out
 
@@ -568,11 +574,11 @@ class ObjectStore:
         from the object's next replica in service, and an object found missing or corrupt on
         a card is removed from that card, whole."""
         out = []
-        broken: dict[tuple[int, bytes], tuple[int, bytes]] = {}
+        broken: dict[tuple[int, bytes], tuple[int, bytes, Optional[int]]] = {}
         for (j, frag, view), verdict in zip(items, self._read_batched(items)):
             if verdict is not Read.HIT and frag.object_bytes:
                 if verdict.drops:
-                    broken[(frag.card, object_key(frag.fkey))] = (frag.object_bytes, frag.slot_tag)
+                    broken[(frag.card, object_key(frag.fkey))] = (frag.object_bytes, frag.slot_tag, frag.write_id)
                 for alt in frag.others:
                     if not self._active[alt]:
                         continue
@@ -581,10 +587,10 @@ class ObjectStore:
                     if verdict is Read.HIT:
                         break
                     if verdict.drops:
-                        broken[(alt, object_key(frag.fkey))] = (frag.object_bytes, frag.slot_tag)
+                        broken[(alt, object_key(frag.fkey))] = (frag.object_bytes, frag.slot_tag, frag.write_id)
             out.append(Outcome(j, verdict is Read.HIT))
-        for (card, key), (object_bytes, tag) in broken.items():
-            self._remove_broken(card, key, object_bytes, tag)
+        for (card, key), (object_bytes, tag, write_id) in broken.items():
+            self._remove_broken(card, key, object_bytes, tag, write_id)
         return out
 
     def read_from_replicas(self, items) -> list[Outcome]:
@@ -594,11 +600,35 @@ class ObjectStore:
         return out + self.read_many([(j, frag._replace(card=frag.others[0], others=frag.others[1:]), view)
                                      for j, frag, view in items if frag.others])
 
-    def _remove_broken(self, card: int, key: bytes, object_bytes: int, tag: bytes) -> None:
-        """A read's verdict showed an object broken on a card: remove it whole, unless the
-        card already did (``Card.drops_itself``: it knows whether the verdict is stale)."""
+    def _remove_broken(self, card: int, key: bytes, object_bytes: int, tag: bytes, write_id: Optional[int]) -> None:
+        """A read's verdict showed an object broken on a card (the read was of write
+        ``write_id``): remove that write whole (``remove_write``), unless the card already did
+        (``Card.drops_itself``: it knows whether the verdict is stale)."""
         if not self.cards[card].drops_itself:
-            self.remove_object(card, key, object_bytes, tag)
+            self.remove_write(card, key, object_bytes, tag, write_id)
+
+    def _write_lock(self, card: int, key: bytes) -> threading.Lock:
+        """The lock every write of object ``key`` to ``card`` through this gateway holds
+        (``_write_object``), and every removal of it (``remove_write``, ``delete``)."""
+        return self._write_locks[zlib.crc32(key, card) % WRITE_LOCKS]
+
+    def remove_write(self, card: int, key: bytes, object_bytes: int, tag: Optional[bytes],
+                     write_id: Optional[int]) -> bool:
+        """Remove the object ``key`` from ``card`` (``remove_object``) when it is still the
+        write ``write_id`` (its head records it; or no head is left), under the lock a write
+        of it holds: a removal decided about one write never removes a later one (None: any
+        write). Whether it removed it; a card that does not answer keeps it."""
+        with self._write_lock(card, key):
+            if write_id is not None:
+                try:
+                    recorded = self.recorded_head(card, key, tag)
+                except CardIOError as exc:
+                    logger.warning("%s", exc)
+                    return False
+                if recorded is not None and recorded.write_id != write_id:
+                    return False           # stored again since: the newer write stays
+            self.remove_object(card, key, object_bytes, tag or b"")
+            return True
 
     def remove_object(self, card: int, key: bytes, object_bytes: int, tag: Optional[bytes] = b"") -> None:
         """Remove every fragment of the object ``key`` of ``object_bytes`` bytes from ``card``
@@ -698,8 +728,7 @@ class ObjectStore:
         if not frags:
             return True
         first = frags[0]
-        lock = self._write_locks[zlib.crc32(object_key(first.fkey), first.card) % WRITE_LOCKS]
-        with lock:
+        with self._write_lock(first.card, object_key(first.fkey)):
             for frag in frags:
                 ok, transport_ok = self._card_write(frag, lambda card, f=frag: put(card, f))
                 if not ok:
@@ -862,16 +891,17 @@ class ObjectStore:
                 card = self.cards[card_index]
                 head = (fragment_db(key, 0, self.num_dbs, self.spread), fragment_key(key, 0))
                 try:
-                    size, = card.object_sizes([head], [tag])
-                    if size:
-                        frags = self._frags(card_index, key, size)
-                        found = card.delete_many([(f.db, f.fkey) for f in frags], [tag] * len(frags)) > 0
-                    else:
-                        index, found = 0, False
-                        while card.delete(fragment_db(key, index, self.num_dbs, self.spread),
-                                          fragment_key(key, index), tag):
-                            found = True
-                            index += 1
+                    with self._write_lock(card_index, key):     # never part of a write in flight
+                        size, = card.object_sizes([head], [tag])
+                        if size:
+                            frags = self._frags(card_index, key, size)
+                            found = card.delete_many([(f.db, f.fkey) for f in frags], [tag] * len(frags)) > 0
+                        else:
+                            index, found = 0, False
+                            while card.delete(fragment_db(key, index, self.num_dbs, self.spread),
+                                              fragment_key(key, index), tag):
+                                found = True
+                                index += 1
                 except CardIOError as exc:
                     logger.warning("%s", exc)
                     found = False

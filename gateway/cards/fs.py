@@ -17,9 +17,17 @@ then its directory are fsynced, so also against power loss). The index (object
 → its fragment files and sizes, in LRU order of objects; ``fs_index``, with its
 contract) is rebuilt from the directory at start by a scan that checks every
 file's header against its size; the card serves while it runs (``SCAN_FOREGROUND_S``:
-a small card is indexed whole before it serves). An object
-lives and dies whole: eviction, delete and a failed read drop all its fragment
-files (head first). With ``o_direct`` the page cache is bypassed and I/O goes
+a small card is indexed whole before it serves), and leaves no object file it did not index
+(``fs_scan.sweep``). An object lives and dies whole: eviction, delete and a failed read
+drop all its fragment files (head first).
+
+Removals (issue 40): every removal (eviction, the trim at start, quotas, DELETE and so the
+mover, CLEAN, a read's verdict, the scan) unlinks a file through ``_remove``: under the
+lock of the file's object (``_stripe``), only when the index does not hold that file at that
+moment (``FsIndex.holds``). A write renames its file into place and commits it to the index
+under that same lock, so a removal chosen before a new write of the key and run after it
+never takes the new write's file: it removes the write it chose, and what a PUT answered
+stored stays whole. With ``o_direct`` the page cache is bypassed and I/O goes
 straight between the file and the ring. Files are 0600 and directories 0700
 (0640/0750 and the ``card_group`` group when one is set).
 
@@ -43,6 +51,7 @@ import stat
 import threading
 import time
 import uuid
+import zlib
 from typing import Callable, Iterator, Optional
 
 from adpkv_core.keys import KEY_BYTES
@@ -56,7 +65,7 @@ from .base import (Card, CardError, CardIOError, CardUsage, FileRead, FirstExten
 from .fs_files import (CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, SUBDIR_NAMES, FileRef, check_file, object_name, open_dir,
                        open_root, own_dir, subdir_of, unlink_all, verdict_of)
 from . import fs_scan
-from .fs_index import FKEY_BYTES, TRIM_CHUNK, Entry, FsIndex
+from .fs_index import FKEY_BYTES, TRIM_CHUNK, Entry, FileOf, FsIndex
 from .fs_rows import give_back_heap
 from .objfile import (ALIGN, HEADER_BYTES, FdSlice, Scratch, copy_object_file, read_object_file,
                       write_object_file)
@@ -73,6 +82,7 @@ TRANSIENT_LOG_S = 10.0       # transient read failures (EMFILE, ...) are logged 
 SCAN_FOREGROUND_S = 0.5      # open() waits this long for the scan: a small card serves whole
 CLAIMS_DIR = "namespaces"      # one file per claimed key namespace (Card.claim_namespace)
 CLAIM_LEFTOVER_S = 600         # a claim's temporary file older than this was left by a crash
+STRIPES = 256                  # object locks (``_stripe``): a write's rename and commit, a removal's check and unlink
 
 
 def _group_id(name: str) -> int:
@@ -105,6 +115,7 @@ class FsCard(Card):
         self.gid = -1                                  # -1: files keep the gateway's group
         self.file_mode, self.dir_mode = (0o640, 0o750) if card_group else (0o600, 0o700)
         self._lock = threading.Lock()                  # the temporary names' sequence
+        self._stripes = [threading.RLock() for _ in range(STRIPES)]   # by object key (``_stripe``)
         self._scratch = Scratch()
         self._tmp_seq = 0
         self._tmp_tag = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
@@ -249,10 +260,11 @@ class FsCard(Card):
     def _scan(self, started: float, from_snapshot: bool) -> None:
         try:
             if from_snapshot:
-                done = fs_scan.verify(self.index, self._own_file, started, self._scan_stop)
+                done = fs_scan.verify(self.index, self._own_file, self._remove, started, self._scan_stop)
             else:
-                done = fs_scan.scan(self.index, self._walk, self._own_file, started, self._scan_stop)
-            if done is None:
+                done = fs_scan.scan(self.index, self._walk, self._own_file, self._remove, started, self._scan_stop)
+            if done is None or fs_scan.sweep(self.index, self._walk, self._own_file, self._remove, started,
+                                             self._scan_stop) is None:
                 return
             self.index.end_scan()
             if self._auto_capacity:
@@ -275,7 +287,7 @@ class FsCard(Card):
                 victims = self.index.trim(TRIM_CHUNK)
                 if not victims:
                     break
-                unlink_all(victims)          # out of the index already: a stop leaves them to a later scan
+                self._remove(victims)        # out of the index already: a stop leaves them to a later scan
                 shown.set(max(shown.done, over - self.index.over()))
         if self.index.evicted > before:
             logger.info("fs card %s: trimmed to its capacity and quotas, %d objects evicted", self.root,
@@ -459,7 +471,7 @@ class FsCard(Card):
                          "the stale verdict is ignored", self.root, path, verdict.value)
             return Read.CHANGED
         logger.warning("fs card %s: %s is %s; the object is a miss and is removed", self.root, path, verdict.value)
-        unlink_all(refs)
+        self._remove(refs)
         return verdict
 
     def write_from_fd(self, db: int, fkey: bytes, length: int, in_fd: int, in_offset: int,
@@ -487,7 +499,7 @@ class FsCard(Card):
                            os.path.join(self._db_dir(db), subdir_of(fkey)), exc)
             return False
         ok, victims = self.index.reserve(okey, fkey, on_disk)
-        unlink_all(victims)
+        self._remove(victims)
         if not ok:
             return False
         dir_fd = self._db_fds[db]
@@ -503,42 +515,83 @@ class FsCard(Card):
                                   tag)
                 if self.fsync:
                     os.fsync(fd)
-            except BaseException:
-                unlink_all([FileRef(dir_fd, tmp)])
-                raise
             finally:
                 os.close(fd)
-            os.rename(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            if self.fsync:                         # the rename is durable once its subdirectory is synced
-                sub_fd = os.open(subdir_of(fkey), DIR_FLAGS, dir_fd=dir_fd)
-                try:
-                    os.fsync(sub_fd)
-                finally:
-                    os.close(sub_fd)
         except OSError as exc:
-            logger.warning("fs card %s: write of %s failed: %s", self.root, os.path.join(self._db_dir(db), final),
-                           exc)
+            return self._write_failed(db, okey, final, on_disk, exc, FileRef(dir_fd, tmp))
+        except BaseException:
+            unlink_all([FileRef(dir_fd, tmp)])
             self.index.unreserve(okey, on_disk)
-            return False
-        unlink_all(self.index.commit(fkey, db, n, on_disk, object_bytes, write_id))
-        return True
+            raise
+        with self._stripe(okey):        # rename and commit as one against removals (``_remove``)
+            try:
+                os.rename(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except OSError as exc:
+                return self._write_failed(db, okey, final, on_disk, exc, FileRef(dir_fd, tmp))
+            if self.fsync:                     # the rename is durable once its subdirectory is synced
+                try:
+                    sub_fd = os.open(subdir_of(fkey), DIR_FLAGS, dir_fd=dir_fd)
+                    try:
+                        os.fsync(sub_fd)
+                    finally:
+                        os.close(sub_fd)
+                except OSError as exc:         # in place but not durable: not acknowledged, so not kept
+                    return self._write_failed(db, okey, final, on_disk, exc, FileRef(dir_fd, final))
+            done = self.index.commit(fkey, db, n, on_disk, object_bytes, write_id)
+            self._remove(done.remove)
+        return done.whole
+
+    def _write_failed(self, db: int, okey: bytes, final: str, on_disk: int, exc: OSError, leftover: FileRef) -> bool:
+        """A write that failed: its file (``leftover``: the temporary one, or the one it put in
+        place and may not keep; never indexed) removed, its reservation given back. False."""
+        logger.warning("fs card %s: write of %s failed: %s", self.root, os.path.join(self._db_dir(db), final), exc)
+        unlink_all([leftover])
+        self.index.unreserve(okey, on_disk)
+        return False
+
+    def _stripe(self, okey: bytes) -> threading.RLock:
+        """The lock of an object's files: a write holds it from its rename to its commit, a
+        removal from its check (``FsIndex.holds``) to its unlink."""
+        return self._stripes[zlib.crc32(okey) % STRIPES]
+
+    def _remove(self, files: list[FileOf]) -> int:
+        """Remove object files the index gave up (an eviction's, a DELETE's, ...; head first):
+        each under its object's lock (``_stripe``), and only when the index does not hold it
+        at that moment (``FsIndex.holds``): a file a later write put in place and committed
+        under that lock stays (the module's Removals). How many were unlinked."""
+        removed = 0
+        k = 0
+        while k < len(files):
+            okey = files[k].fkey[:-2]
+            j = k + 1
+            while j < len(files) and files[j].fkey[:-2] == okey:
+                j += 1
+            group = files[k:j]
+            k = j
+            with self._stripe(okey):
+                for (fdb, fkey), held in zip(group, self.index.holds(group)):
+                    dir_fd = self._db_fds.get(fdb)
+                    if held or dir_fd is None:
+                        continue
+                    try:
+                        os.unlink(object_name(fkey), dir_fd=dir_fd)
+                        removed += 1
+                    except OSError:
+                        pass
+        return removed
 
     def _drop_object(self, okey: bytes) -> bool:
         """Forget every fragment of an object and remove its files (head first)."""
         refs = self.index.drop(okey)
         if refs is None:
             return False
-        unlink_all(refs)
+        self._remove(refs)
         return True
 
     def _drop_unindexed(self, db: int, fkey: bytes) -> bool:
         """While the scan runs: remove a fragment's file the index does not know yet (the
         scan will not index its object: ``FsIndex.drop`` remembered it). Whether it was there."""
-        try:
-            os.unlink(object_name(fkey), dir_fd=self._db_fds[db])
-            return True
-        except OSError:
-            return False
+        return self._remove([FileOf(db, fkey)]) > 0
 
     # ------------------------------------------------------------------ admin
     @property
@@ -594,19 +647,22 @@ class FsCard(Card):
 
     def clean(self) -> int:
         """Remove every object file (the scan at start stopped first: whatever it had not
-        indexed goes too); how many objects (head files) were removed."""
+        indexed goes too), each through ``_remove``: a write committed since the index was
+        emptied stays; how many objects (head files) were removed."""
         whole = self.scanned.is_set()
         self._stop_scan()
         files = self.index.usage()[1] if whole else max(self.index.usage()[1], self.index.listed)
         self.index.drop_all()
         objects = 0
         with progress.track(f"fs card {self.root}: cleaning", files, "files", log=logger) as shown:
-            for _, dir_fd, name in self._walk():
+            for db, _, name in self._walk():
                 if name.startswith(".") or len(name) != 2 * FKEY_BYTES:
                     continue
                 try:
-                    os.unlink(name, dir_fd=dir_fd)
-                except OSError:
+                    fkey = bytes.fromhex(name)
+                except ValueError:
+                    continue
+                if not self._remove([FileOf(db, fkey)]):
                     continue
                 objects += name.endswith("0000")
                 shown.advance()

@@ -17,7 +17,8 @@ Contract (``FsIndex``):
   (which may evict whole objects), then ``commit``s its file once it is renamed into place,
   or ``unreserve``s them when it failed.
 - **Eviction.** Whole objects only, least recently used first, never the object being
-  written nor a pinned one (``is_pinned(object key)``). Each use stamps the object's row
+  written (the caller's, or one with fragments in flight: ``_pending``) nor a pinned one
+  (``is_pinned(object key)``). Each use stamps the object's row
   with a clock (``tick``, one step per lookup batch or write); the victims are taken from
   a queue of the oldest rows, refilled by one ``argpartition`` of the ticks when it runs
   dry (a queue of at least 1/32 of the objects: O(victims) amortised). A queued row used
@@ -37,10 +38,16 @@ Contract (``FsIndex``):
   its capacity and every namespace within its quota.
 - **Locking and I/O.** Every method takes the index's own lock; none touches an object
   file (``save`` and ``load`` write and read the snapshot's, through ``fs_snapshot``). A
-  method that drops objects returns their files (head first) and the
-  caller unlinks them after the lock is released: an object leaves the index before its
-  files go, so a reader that still holds a reference finds the file gone ("missing", a
-  miss), never another object's bytes.
+  method that drops objects returns their files (``FileOf``: database and fragment key,
+  head first) and the caller removes them after the lock is released: an object leaves the
+  index before its files go, so a reader that still holds a reference finds the file gone
+  ("missing", a miss), never another object's bytes.
+- **Removals (issue 40).** The caller removes such a file only under its object's lock
+  (``FsCard._remove``), and only when ``holds`` says the index does not hold that file at
+  that moment; a write renames its file into place and ``commit``s it under the same lock.
+  So between the choice of a removal and its unlink a new write of that key either has not
+  renamed yet (its rename replaces nothing the removal still wants) or is committed, and
+  then held and kept: a removal removes the write it chose, never a later one's file.
 - **Verdicts.** ``locate`` hands out ``(database, generation)``; a failed read drops the
   object with ``drop_if(fkey, entry)``, which does nothing once any fragment of the object
   was stored again (a new generation): a stale verdict never removes a newer,
@@ -53,9 +60,9 @@ Contract (``FsIndex``):
   one older than the files). A snapshot not taken is ignored with one line, and the card
   scans. After ``load`` the card checks each object's files against it (``fs_scan.verify``,
   through ``held``, ``age`` and ``forget``).
-- **Files.** The index stores databases, not paths: ``path_of(db, fragment key)`` is the
-  card's reference of a file (``fs_files.FileRef``: its database's checked descriptor and
-  the name), what the methods that drop objects return, for ``fs_files.unlink_all``; the
+- **Files.** The index stores databases, not paths: the methods that drop objects return
+  ``FileOf`` (database, fragment key); ``path_of(db, fragment key)`` is the card's reference
+  of a file (``fs_files.FileRef``: its database's checked descriptor and the name): the
   scan and the snapshot's check reach every file relative to those descriptors, following
   no symlink.
 """
@@ -92,6 +99,23 @@ MIN_QUEUE = 256                # eviction queue: at least this many rows, or 1/3
 TRIM_CHUNK = 2048              # objects one step of the trim at start evicts under the lock
 
 Entry = tuple[int, int]        # what ``locate`` hands out: (database, write generation)
+
+
+class FileOf(NamedTuple):
+    """One object file as the index names it: its database and its fragment key."""
+
+    db: int
+    fkey: bytes
+
+
+class Commit(NamedTuple):
+    """What ``commit`` made of a file put in place: ``whole`` False when the write's object
+    cannot be whole (its head found fragments missing: a DELETE or CLEAN took them while it
+    was written), then not indexed; ``remove``, the files to remove (an earlier version's the
+    new one does not reuse, or, when not whole, the write's own)."""
+
+    whole: bool
+    remove: list[FileOf]
 
 
 class Held(NamedTuple):
@@ -307,11 +331,10 @@ class FsIndex:
         padded = disk != nfrag * HEADER_BYTES + total
         return sizes_on_disk(payload)[1 if padded else 0]
 
-    def _paths(self, r: int) -> list[FileRef]:
+    def _paths(self, r: int) -> list[FileOf]:
         """(lock held) The files of row ``r``, head first."""
         okey = self._rows.key[r].tobytes()
-        return [self.path_of(self._fragment_db(r, i), okey + i.to_bytes(2, "big"))
-                for i in range(int(self._rows.nfrag[r]))]
+        return [FileOf(self._fragment_db(r, i), okey + i.to_bytes(2, "big")) for i in range(int(self._rows.nfrag[r]))]
 
     @staticmethod
     def _fkeys_array(fkeys: list[bytes]) -> Optional[tuple[np.ndarray, np.ndarray]]:
@@ -428,6 +451,31 @@ class FsIndex:
             dbs = self._rows.db0[:n].tolist()
         return [(keys[i * KEY_BYTES:(i + 1) * KEY_BYTES], db) for i, db in enumerate(dbs)]
 
+    def holds(self, files: list[FileOf]) -> list[bool]:
+        """Whether the index holds each file now: a fragment of an indexed object in that
+        database, or a fragment in flight (``_pending``) there. A removal unlinks only files
+        it does not hold (``FsCard._remove``)."""
+        if not files:
+            return []
+        with self._lock:
+            rows, index = self._found([f.fkey for f in files])
+            hit = rows >= 0
+            out = np.zeros(len(files), bool)
+            if hit.any():
+                r, i = rows[hit], index[hit]
+                dbmod = self._rows.dbmod[r].astype(np.int64)
+                db = self._rows.db0[r].astype(np.int64)
+                spread = dbmod > 0
+                db[spread] = (db[spread] + i[spread]) % dbmod[spread]
+                want = np.array([f.db for f in files], np.int64)[hit]
+                out[hit] = db == want
+            held = out.tolist()
+            if self._pending:
+                for k, (db_, fkey) in enumerate(files):
+                    part = self._pending.get(fkey[:KEY_BYTES], {}).get(fkey)
+                    held[k] = held[k] or (part is not None and part[0] == db_)
+        return held
+
     def usage(self) -> tuple[int, int]:
         """(bytes used, files)."""
         with self._lock:
@@ -444,10 +492,10 @@ class FsIndex:
                            or t.capacity_evicted), key=lambda u: u.tenant)
 
     # ------------------------------------------------------------------ writes
-    def reserve(self, okey: bytes, fkey: bytes, nbytes: int) -> tuple[bool, list[FileRef]]:
+    def reserve(self, okey: bytes, fkey: bytes, nbytes: int) -> tuple[bool, list[FileOf]]:
         """Account ``nbytes`` for a new file of ``fkey``, evicting least recently used objects
         (whole) if needed. (whether it may be written, files of the evicted objects)."""
-        victims: list[FileRef] = []
+        victims: list[FileOf] = []
         with self._lock:
             freed = self._file_size(okey, fkey)
             ns = self._ns[self._namespace(tenant_of(okey))]
@@ -488,14 +536,15 @@ class FsIndex:
             self._ns[self._namespace(tenant_of(okey))].used -= nbytes
 
     def commit(self, fkey: bytes, db: int, payload: int, on_disk: int, object_bytes: int,
-               write_id: int = 0) -> list[FileRef]:
+               write_id: int = 0) -> Commit:
         """A reserved file of ``on_disk`` bytes holding ``payload`` bytes is in place in
         database ``db``. A fragment other than the head waits for its head; the head makes
         the object whole: indexed (last in the LRU), with ``object_bytes`` the size it
         records and ``write_id`` its write's id. Returns the files to remove: an earlier
         version's files the new one does not reuse (another database, fragments past the new
         count), or, when the head finds fragments missing (the object cannot be read whole),
-        the object's own files."""
+        the object's own files (``Commit``). The caller renamed the file into place under its
+        object's lock and holds it until this returned (the contract's removals)."""
         okey = object_key(fkey)
         with self._lock:
             if self._scanning:
@@ -508,20 +557,20 @@ class FsIndex:
                 if r >= 0:
                     self._rows.gen[r] = self._next_gen()    # a fragment of the indexed object changed
                 if old is None:
-                    return []
+                    return Commit(True, [])
                 self._used -= old[1]
                 self._ns[self._namespace(tenant_of(okey))].used -= old[1]
-                return [self.path_of(old[0], fkey)] if old[0] != db else []
+                return Commit(True, [FileOf(old[0], fkey)] if old[0] != db else [])
             return self._commit_head(okey, fkey, r, db, payload, on_disk, object_bytes, write_id)
 
     def _commit_head(self, okey: bytes, fkey: bytes, r: int, db: int, payload: int, on_disk: int,
-                     object_bytes: int, write_id: int) -> list[FileRef]:
+                     object_bytes: int, write_id: int) -> Commit:
         parts = self._pending.pop(okey, {})
         parts[fkey] = (db, on_disk)
         nfrag = len(fragment_extents(object_bytes, payload)) if object_bytes > payload else 1
         ns_index = self._namespace(tenant_of(okey))
         ns = self._ns[ns_index]
-        stale: list[FileRef] = []
+        stale: list[FileOf] = []
         kept = 0
         if r >= 0:                                   # an earlier version of the object
             for i in range(int(self._rows.nfrag[r])):
@@ -529,12 +578,12 @@ class FsIndex:
                 old_db = self._fragment_db(r, i)
                 if fk in parts:
                     if parts[fk][0] != old_db:
-                        stale.append(self.path_of(old_db, fk))
+                        stale.append(FileOf(old_db, fk))
                 elif i < nfrag:
                     parts[fk] = (old_db, self._fragment_size(r, i))
                     kept += parts[fk][1]
                 else:
-                    stale.append(self.path_of(old_db, fk))
+                    stale.append(FileOf(old_db, fk))
             old_disk = int(self._rows.disk[r])
             self._used -= old_disk - kept
             ns.used -= old_disk - kept
@@ -550,10 +599,10 @@ class FsIndex:
                            self.root, okey.hex())
             self._used -= disk
             ns.used -= disk
-            return stale + [self.path_of(d, fk) for fk, (d, _) in parts.items()]
+            return Commit(False, stale + [FileOf(d, fk) for fk, (d, _) in parts.items()])
         r = self._insert(okey)
         self._set_row(r, disk, object_bytes, payload, nfrag, dbs[0], dbmod, write_id, self._tick(), ns_index)
-        return stale
+        return Commit(True, stale)
 
     def _layout(self, dbs: list[int]) -> Optional[int]:
         """The ``dbmod`` of an object whose fragments are in ``dbs`` (0: all in the first),
@@ -576,7 +625,7 @@ class FsIndex:
         ns.objects += 1
 
     # ------------------------------------------------------------------ removal
-    def drop(self, okey: bytes) -> Optional[list[FileRef]]:
+    def drop(self, okey: bytes) -> Optional[list[FileOf]]:
         """Take an object out of the index (and its fragments in flight); its files (head
         first), or None if none was indexed."""
         with self._lock:
@@ -584,7 +633,7 @@ class FsIndex:
                 self._gone.add(okey)
             return self._take(okey, self._row(okey))
 
-    def drop_if(self, fkey: bytes, entry: Entry) -> Optional[list[FileRef]]:
+    def drop_if(self, fkey: bytes, entry: Entry) -> Optional[list[FileOf]]:
         """``drop`` of the fragment's object only while it is still the generation ``entry``
         (what ``locate`` handed a reader) names: a read's verdict is about that file. None
         when the object is gone or was stored again since (a newer, acknowledged file: the
@@ -613,14 +662,14 @@ class FsIndex:
             self._used = self._files = 0
         return n
 
-    def _take(self, okey: bytes, r: int) -> Optional[list[FileRef]]:
+    def _take(self, okey: bytes, r: int) -> Optional[list[FileOf]]:
         """(lock held) Take an object (row ``r``, -1: none) and its fragments in flight out of
         the index; its files, head first, or None when neither was there."""
         parts = self._pending.pop(okey, None)
         if r < 0 and parts is None:
             return None
         ns = self._ns[self._namespace(tenant_of(okey))]
-        paths: list[FileRef] = []
+        paths: list[FileOf] = []
         if r >= 0:
             paths = self._paths(r)
             disk = int(self._rows.disk[r])
@@ -632,15 +681,16 @@ class FsIndex:
         for fk, (d, size) in (parts or {}).items():
             self._used -= size
             ns.used -= size
-            path = self.path_of(d, fk)
+            path = FileOf(d, fk)
             if path not in paths:
                 paths.append(path)
         return paths
 
-    def _evict(self, ns_index: int, more: Callable[[], bool], keep: bytes, victims: list[FileRef],
+    def _evict(self, ns_index: int, more: Callable[[], bool], keep: bytes, victims: list[FileOf],
                pins: bool = True, limit: Optional[int] = None) -> int:
         """(lock held) Evict least recently used objects (of namespace ``ns_index``; -1: any)
-        while ``more()`` (and at most ``limit``), never ``keep`` nor (with ``pins``) a pinned
+        while ``more()`` (and at most ``limit``), never ``keep``, one with a write in flight
+        (``_pending``: a new write of it is rewriting its files), nor (with ``pins``) a pinned
         one; their files go to ``victims``. How many were evicted."""
         queue = self._queues.setdefault(ns_index, collections.deque())
         skipped: list[tuple[bytes, int]] = []
@@ -663,7 +713,7 @@ class FsIndex:
             r = self._row(okey)
             if r < 0 or int(rows.tick[r]) != tick:
                 continue                           # gone, or used since it was queued
-            if okey == keep or (pins and self.is_pinned(okey)):
+            if okey == keep or okey in self._pending or (pins and self.is_pinned(okey)):
                 skipped.append((okey, tick))
                 continue
             ns = self._ns[int(rows.ns[r])]
@@ -699,13 +749,13 @@ class FsIndex:
         keys = rows.key[idx]
         return [(keys[j].tobytes(), t) for j, t in enumerate(ticks.tolist())]
 
-    def trim(self, limit: int = TRIM_CHUNK, pins: bool = True) -> list[FileRef]:
+    def trim(self, limit: int = TRIM_CHUNK, pins: bool = True) -> list[FileOf]:
         """One step of bringing every namespace within its quota and the card within its
         watermark (after the scan, or quotas lowered since the card was written): at most
         ``limit`` least recently used objects go, so that the lock is held for one chunk of
         victims only and requests are answered between steps; the caller repeats it until
         it returns nothing (``over``: how far there is to go). Their files."""
-        victims: list[FileRef] = []
+        victims: list[FileOf] = []
         with self._lock:
             left = limit
             for i, ns in enumerate(self._ns):

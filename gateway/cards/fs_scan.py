@@ -17,7 +17,18 @@ Contract:
   torn (fragments of other writes than its head's: an overwrite cut short by a crash);
   leftovers of interrupted writes (dot files) go too. A fragment without its head, or an
   object lacking fragments or torn, stays while a write of that object is in flight
-  (``FsIndex.in_flight``).
+  (``FsIndex.in_flight``). An object file goes through the card's ``remove``
+  (``FsCard._remove``: under its object's lock, only while the index does not hold it), so
+  the scan never removes a file a write put in place since the start. A file that cannot be
+  read now (EMFILE, EIO, ...) is no evidence: its object is left as it is, unjudged.
+- **What it leaves.** Nothing it does not index (issue 40): once the walk (or the snapshot's
+  check) is done, ``sweep`` walks the databases again and every object file older than the
+  start that the index does not hold is judged: a head is judged as the walk judges it (and
+  indexed, or removed with its object's every file), any other file goes unless its head is
+  there and could not be judged; so an incomplete object's every file goes, whatever order
+  the walk met them in, and files a start from the snapshot does not know (left by an older
+  start) are indexed or removed. ``used_bytes`` then equals the bytes of the card's object
+  files.
 - **What it indexes.** Each whole object, through ``FsIndex.index_scanned``, which refuses
   an object committed, deleted or evicted since the card opened (the index's side of the
   race: ``begin_scan`` / ``end_scan``, called by the card around the scan), so a PUT racing
@@ -42,7 +53,7 @@ from ..fragments import fragment_extents
 from . import objfmt
 from .base import is_head, object_key
 from .fs_files import READ_FLAGS, FileRef, object_name, unlink_all
-from .fs_index import FKEY_BYTES, HEAD_SUFFIX, FsIndex, sizes_on_disk
+from .fs_index import FKEY_BYTES, HEAD_SUFFIX, FileOf, FsIndex, sizes_on_disk
 
 logger = logging.getLogger("adpkv.gateway.fs")
 
@@ -51,9 +62,13 @@ logger = logging.getLogger("adpkv.gateway.fs")
 Found = tuple[dict[bytes, tuple[int, int]], int, int, int, float]
 # a sound file: (size on disk, mtime, payload length, recorded object size, write id)
 FileInfo = tuple[int, float, int, int, int]
+# the card's removal of object files (``FsCard._remove``): how many it unlinked
+Remove = Callable[[list[FileOf]], int]
+SWEEP_BATCH = 4096             # files the sweep asks the index about at once
 
 
-def verify(index: FsIndex, own_file: Callable[[int], None], started: float, stop: threading.Event) -> Optional[int]:
+def verify(index: FsIndex, own_file: Callable[[int], None], remove: Remove, started: float,
+           stop: threading.Event) -> Optional[int]:
     """After ``load``: check each indexed object's files against the snapshot (one
     ``lstat`` each: the size its row gives, not changed since the snapshot was saved).
     An object whose file differs is judged again from its files (its head's header, as
@@ -81,7 +96,7 @@ def verify(index: FsIndex, own_file: Callable[[int], None], started: float, stop
             if not index.forget(okey, held):
                 continue                       # stored or dropped since: not the snapshot's any more
             db = held.files[0][0]
-            found = _scan_object(index, db, okey, header, own_file, started)
+            found = _scan_object(index, db, okey, header, own_file, remove, started)
             if found is not None and not isinstance(found, str):
                 index.index_scanned(okey, *found, now=time.time())
     logger.info("fs card %s: index snapshot checked against the files, %d objects changed since", index.root,
@@ -105,8 +120,11 @@ def _files_match(index: FsIndex, okey: bytes, files: list[tuple[int, int]]) -> O
     return newest
 
 
-def scan(index: FsIndex, walk: Callable[[], Iterator[tuple[int, int, str]]],
-         own_file: Callable[[int], None], started: float, stop: threading.Event) -> Optional[int]:
+Walk = Callable[[], Iterator[tuple[int, int, str]]]
+
+
+def scan(index: FsIndex, walk: Walk, own_file: Callable[[int], None], remove: Remove, started: float,
+         stop: threading.Event) -> Optional[int]:
     """Index the files ``walk()`` yields as (database, its directory's descriptor, name) (walked twice: a
     count for the progress, ``listed``, then the work), checking each head's header
     against its size and its object's fragments against the size it records. A file older than ``started`` (the card's
@@ -143,10 +161,10 @@ def scan(index: FsIndex, walk: Callable[[], Iterator[tuple[int, int, str]]],
                     # no head: a fragmented write cut short (the head goes last); it can never be read
                     logger.warning("fs card %s: %s has no head fragment; removing it", index.root,
                                    _where(index.root, db, object_name(fkey)))
-                    unlink_all([ref])
+                    remove([FileOf(db, fkey)])
                     bad += 1
                 continue
-            found = _scan_object(index, db, okey, header, own_file, started)
+            found = _scan_object(index, db, okey, header, own_file, remove, started)
             if found is None:
                 continue
             if isinstance(found, str):
@@ -172,12 +190,77 @@ def _where(root: str, db: int, name: str) -> str:
     return os.path.join(root, f"db{db:03d}", name)
 
 
+def sweep(index: FsIndex, walk: Walk, own_file: Callable[[int], None], remove: Remove, started: float,
+          stop: threading.Event) -> Optional[int]:
+    """After ``scan`` or ``verify``: judge every object file older than ``started`` that the
+    index does not hold (the contract's "What it leaves"): a head as the scan does (indexed
+    when whole, else its object's every file removed), then any other such file removed
+    unless its object's head is there, unheld, and could not be judged now. How many files
+    were removed, or None when ``stop`` was set first."""
+    unheld: list[FileOf] = []
+    batch: list[FileOf] = []
+
+    def flush() -> None:
+        for f, held in zip(batch, index.holds(batch)):
+            if not held and _older(index.path_of(f.db, f.fkey), started):
+                unheld.append(f)
+        batch.clear()
+
+    with progress.track(f"fs card {index.root}: checking for files it did not index", index.listed, "files",
+                        log=logger) as shown:
+        for db, _, name in walk():
+            if stop.is_set():
+                return None
+            shown.advance()
+            if name.startswith(".") or len(name) != 2 * FKEY_BYTES:
+                continue
+            try:
+                batch.append(FileOf(db, bytes.fromhex(name)))
+            except ValueError:
+                continue
+            if len(batch) >= SWEEP_BATCH:
+                flush()
+        flush()
+        return _judge_unheld(index, unheld, own_file, remove, started) if unheld else 0
+
+
+def _judge_unheld(index: FsIndex, unheld: list[FileOf], own_file: Callable[[int], None], remove: Remove,
+                  started: float) -> int:
+    """``sweep``'s judgement of the files the index did not hold: how many it removed."""
+    header = memoryview(bytearray(objfmt.HEADER_CORE))
+    removed = indexed = broken = 0
+    unjudged: set[bytes] = set()
+    for db, fkey in unheld:
+        if not is_head(fkey):
+            continue
+        okey = object_key(fkey)
+        found = _scan_object(index, db, okey, header, own_file, remove, started)
+        if found is None:
+            unjudged.add(okey)
+        elif isinstance(found, str):
+            broken += 1
+        else:
+            if index.index_scanned(okey, *found, now=time.time()):
+                indexed += 1
+            else:                      # stored, deleted or evicted since the start: these files are no one's
+                removed += remove([FileOf(d, fk) for fk, (d, _) in found[0].items()])
+    rest = [f for f in unheld if not is_head(f.fkey) and object_key(f.fkey) not in unjudged]
+    for f, held in zip(rest, index.holds(rest)):
+        if not held:
+            removed += remove([f])
+    if removed or indexed or broken:
+        logger.warning("fs card %s: files the index did not hold: %d removed, %d broken objects removed, %d objects "
+                       "indexed after all", index.root, removed, broken, indexed)
+    return removed + broken
+
+
 def _scan_object(index: FsIndex, db: int, okey: bytes, header: memoryview, own_file: Callable[[int], None],
-                 started: float) -> Union[Found, str, None]:
+                 remove: Remove, started: float) -> Union[Found, str, None]:
     """(parts, total, head length, write id, newest mtime) of a whole object whose head is
-    in database ``db``, None when it cannot be judged now (gone, unreadable, newer than the
-    start, a write in flight), or a string when it was broken (a bad head, missing
-    fragments, fragments of another write than its head's: torn) and removed."""
+    in database ``db``, None when it cannot be judged now (gone, unreadable now, newer than
+    the start, a write in flight), or a string when it was broken (a bad head, missing
+    fragments, fragments of another write than its head's: torn) and removed: every file of
+    it there is (each fragment where a gateway may put it), through ``remove``."""
     head_ref = index.path_of(db, okey + HEAD_SUFFIX)
     path = _where(index.root, db, head_ref.name)
     try:
@@ -190,7 +273,7 @@ def _scan_object(index: FsIndex, db: int, okey: bytes, header: memoryview, own_f
         if not _older(head_ref, started):
             return None
         logger.warning("fs card %s: %s is %s; removing it", index.root, path, info)
-        unlink_all([head_ref])
+        remove([FileOf(db, okey + HEAD_SUFFIX)])
         return info
     size, mtime, flen, total, write_id = info
     parts = {okey + HEAD_SUFFIX: (db, size)}
@@ -209,8 +292,10 @@ def _scan_object(index: FsIndex, db: int, okey: bytes, header: memoryview, own_f
             ref = index.path_of(d, fkey)
             try:
                 got = _scan_file(ref.dir_fd, ref.name, fkey, header, own_file)
-            except OSError:
-                continue
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EISDIR):
+                    continue               # not there, or no file of the card: evidence
+                return None                # EMFILE, EIO, ...: no evidence, judged another time
             break
         if got is None or isinstance(got, str) or got[2] != length:
             problem = "missing fragments"
@@ -226,7 +311,12 @@ def _scan_object(index: FsIndex, db: int, okey: bytes, header: memoryview, own_f
         return None
     logger.warning("fs card %s: object %s is %s; removing it", index.root, okey.hex(),
                    problem if problem.startswith("torn") else f"lacking fragments ({problem})")
-    unlink_all([index.path_of(d, fk) for fk, (d, _) in parts.items()])
+    files = [FileOf(d, fk) for fk, (d, _) in parts.items()]
+    for i in range(1, len(extents)):           # the fragments the walk met or did not meet yet
+        fkey = okey + i.to_bytes(2, "big")
+        files += [FileOf(d, fkey) for d in dict.fromkeys(((db + i) % index.num_dbs, db))
+                  if FileOf(d, fkey) not in files]
+    remove(files)
     return problem
 
 

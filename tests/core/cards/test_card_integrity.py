@@ -435,11 +435,9 @@ def _race(card, how, data):
     the reader opens the file, after it found it gone). ``evicted``: X leaves the index, its
     files are unlinked, then a PUT stores it again; ``moved``: a PUT of the fragment into the
     other database, whose commit unlinks the old file. Either PUT is acknowledged."""
-    from adpkv_gateway.cards.fs_files import unlink_all
-
     def gone():
         if how == "evicted":
-            unlink_all(card.index.drop(_STALE_KEY[:-2]))
+            card._remove(card.index.drop(_STALE_KEY[:-2]))
         else:
             assert card.write(1, _STALE_KEY, data, object_bytes=len(data))
 

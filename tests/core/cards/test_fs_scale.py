@@ -79,7 +79,7 @@ def test_eviction_follows_an_exact_lru_on_a_zipf_trace():
             continue
         ok, _ = index.reserve(keys[k], fkey, ON_DISK)
         assert ok
-        assert index.commit(fkey, 0, 1024, ON_DISK, 1024) == []
+        assert index.commit(fkey, 0, 1024, ON_DISK, 1024) == (True, [])
     want_hits, want_evictions = _exact_lru(trace, capacity_objects, 0.95, 0.10)
     assert abs(hits - want_hits) <= 0.005 * len(trace), (hits, want_hits)
     assert abs(index.evicted - want_evictions) <= 0.01 * want_evictions + 10, (index.evicted, want_evictions)
