@@ -8,8 +8,9 @@ transfer results, load errors, stats, events, worker metadata, clear). The layer
 are harness.py's, as for the other tests; vLLM's Scheduler and real gateway processes.
 
 What did not run without a GPU: MRV2's ``GPUModelRunner`` itself (it needs CUDA), its CUDA
-graphs (the connector asks vLLM for PIECEWISE graphs, which call the layer hooks: checked
-below as the class answer vLLM reads), the drafter's deferred finalize, CUDA copies.
+graphs (the connector keeps vLLM's FULL graphs and settles a FULL-graph step's loads before the
+pass: checked below as the class answer vLLM reads; the GPU run is docs/benchmarks.md's H200
+engine run on vLLM 0.26), the drafter's deferred finalize, CUDA copies.
 """
 
 from __future__ import annotations
@@ -100,11 +101,12 @@ def test_an_asynchronous_restore_started_after_the_pass(gateway, model_dir):
         h.close()
 
 
-def test_the_connector_asks_vllm_for_piecewise_cuda_graphs():
-    """A FULL CUDA graph replay skips the layer hooks (a restore fenced per layer would race
-    the pass): vLLM reads this class answer and runs PIECEWISE graphs instead."""
+def test_the_connector_keeps_vllms_full_cuda_graphs():
+    """vLLM reads this class answer before it settles its CUDA graph mode: False, so it keeps
+    FULL_AND_PIECEWISE; a step it may replay as a FULL graph (which calls no layer hook) has its
+    loads settled before the pass (tests/vllm/test_full_graphs.py, run here by test_reused_032)."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     ktc = KVTransferConfig(kv_connector="AdpKVConnector", kv_connector_module_path="adpkv_vllm",
                            kv_role="kv_both")
-    assert KVConnectorFactory.get_connector_class(ktc).requires_piecewise_for_cudagraph({}) is True
+    assert KVConnectorFactory.get_connector_class(ktc).requires_piecewise_for_cudagraph({}) is False

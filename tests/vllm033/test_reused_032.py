@@ -24,6 +24,11 @@ from test_hybrid_scheduler import (  # noqa: F401
     test_sliding_and_full_groups_restore_byte_for_byte,
     test_sparse_attention_indexer_is_restored_before_the_pass,
 )
+from test_async_scheduling import (  # noqa: F401
+    test_a_lost_object_is_recomputed_not_read,
+    test_restores_load_before_the_request_runs_and_are_exact,
+)
+from test_full_graphs import *  # noqa: F401,F403
 from test_scheduler import *  # noqa: F401,F403  (every test of it: nothing there is 0.32-only)
 from test_secondary_tier import (  # noqa: F401
     test_evictions_are_removed_events_and_a_lost_row_is_recomputed,
