@@ -104,6 +104,38 @@ def refuse_unknown(keys: Iterable[str], known: Iterable[str], what: str) -> None
                      f"known: {', '.join(names)}")
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
+               "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9,
+               "tb": 10 ** 12}
+
+
+def parse_size(value: Any) -> int:
+    """A number of bytes as every adpkv setting writes it: an integer, or a string of a number
+    and a unit (``512MiB``, ``6 GiB``, ``1.5G``; KiB/MiB/GiB/TiB and K/M/G/T are powers of
+    1024, KB/MB/GB/TB of 1000). ``ValueError`` for anything else (a fraction of a byte, a bool,
+    an unknown unit)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a number of bytes")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().replace("_", "")
+        number = text.rstrip("bBkKmMgGtTiI ").strip()
+        unit = text[len(number):].strip().lower()
+        if unit in _SIZE_UNITS and number:
+            try:
+                scaled = float(number) * _SIZE_UNITS[unit] if not number.lstrip("+-").isdigit() \
+                    else int(number) * _SIZE_UNITS[unit]
+            except ValueError:
+                scaled = None
+            if scaled is not None and float(scaled).is_integer():
+                return int(scaled)
+    raise ValueError(f"{value!r} is not a number of bytes (an integer, or a number with a unit: "
+                     "512MiB, 6GiB, 1.5G)")
+
+
 _TRUE = frozenset(("1", "true", "yes", "on"))
 _FALSE = frozenset(("0", "false", "no", "off"))
 

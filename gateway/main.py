@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+
+from adpkv_core import __version__
 
 from . import config as cfg
 from .cards import CardError
@@ -14,6 +17,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="adpkv-gateway", description="The adpkv storage gateway: serves one "
                                      "engine's KV pages from storage cards (see docs/gateway.md).")
     cfg.add_arguments(parser)
+    parser.add_argument("--version", action="version", version=f"adpkv-gateway {__version__}")
     args = parser.parse_args(argv)
     try:
         config = cfg.from_args(args)
@@ -25,6 +29,7 @@ def main(argv=None) -> int:
     # Many I/O threads hand the GIL back and forth around short system calls; a short
     # switch interval keeps one thread's Python work from stalling the others' I/O.
     sys.setswitchinterval(0.0005)
+    logging.getLogger("adpkv.gateway").info("adpkv-gateway %s starting (pid %d)", __version__, os.getpid())
     from .server import Gateway
     try:
         gateway = Gateway(config)

@@ -11,7 +11,9 @@ import threading
 import time
 from typing import Optional
 
+from adpkv_core import __version__
 from adpkv_core import protocol as P
+from adpkv_core.settings import parse_size
 
 from .. import control, progress
 from ..config import RANGES, ConfigError, GatewayConfig, from_yaml, make_config
@@ -23,11 +25,11 @@ CLEAN_WAIT_S = 24 * 3600  # a clean of a huge card may take long: the gateway an
 
 
 def _size(text: str) -> int:
-    t = text.strip().lower()
-    for suffix, mult in (("kib", 1024), ("mib", MiB), ("gib", 1 << 30), ("k", 1024), ("m", MiB), ("g", 1 << 30)):
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(t)
+    """A size option: bytes, or a number with a unit (512MiB), as in the gateway's YAML."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _port(text: str) -> int:
@@ -71,7 +73,11 @@ def _ask(args, op: str) -> dict:
     host, port = _target(args)
     reply = control.request(port, {"op": op}, host=host, timeout_s=args.timeout, door=_door(args))
     if reply is None:
-        raise SystemExit(f"adpkv: no gateway answered on {host}:{port} (is adpkv-gateway running? see --port/--config)")
+        message = f"adpkv: no gateway answered on {host}:{port} (is adpkv-gateway running? see --port/--config)"
+        if getattr(args, "json", False):      # --json: the answer is JSON, the failure too
+            print(json.dumps({"error": "no_gateway", "host": host, "port": port, "message": message}))
+            raise SystemExit(1)
+        raise SystemExit(message)
     if reply.get("op") == "ERROR":
         raise SystemExit(f"adpkv: the gateway on {host}:{port} refused {op}: {reply.get('code')}: {reply.get('msg')}")
     return reply
@@ -107,8 +113,16 @@ def cmd_status(args) -> int:
     for w in stats.work:
         print(f"working : {w.what} {w.done}/{w.total} {w.unit} ({w.elapsed_s:.0f} s)")
     o = stats.objects
-    print(f"objects : hits {o.get('hits', 0)}  misses {o.get('misses', 0)}  stored {o.get('stored', 0)}  "
+    hits, misses = o.get("hits", 0), o.get("misses", 0)
+    ratio = f"{100.0 * hits / (hits + misses):.1f}%" if hits + misses else "-"
+    print(f"objects : hits {hits}  misses {misses}  hit ratio {ratio}  stored {o.get('stored', 0)}  "
           f"store failed {o.get('store_failed', 0)}")
+    read = sum(c.bytes_read for c in stats.cards)
+    written = sum(c.bytes_written for c in stats.cards)
+    print(f"bytes   : read {read / MiB:.1f} MiB  written {written / MiB:.1f} MiB")
+    latency = "  ".join(f"{op} {1000.0 * total / sum(counts):.2f} ms mean over {sum(counts)}"
+                        for op, (counts, total) in sorted(stats.request_latency.items()) if sum(counts))
+    print(f"latency : {latency or 'no requests yet'}")
     for c in stats.cards:
         print(f"card {c.serial}  {c.kind} {c.device}  {'active' if c.active else 'INACTIVE'}  "
               f"{c.used_bytes / MiB:.1f}/{c.capacity_bytes / MiB:.0f} MiB  {c.objects} objects  "
@@ -128,12 +142,12 @@ def cmd_usage(args) -> int:
         print(json.dumps({"used_bytes": used, "capacity_bytes": cap, "objects": objs, "cards": len(stats.cards),
                           "namespaces": raw.get("tenants", [])}, indent=2))
         return 0
-    print(f"{used} bytes used of {cap} ({100.0 * used / cap if cap else 0:.2f}%), {objs} objects "
-          f"on {len(stats.cards)} card(s)")
+    print(f"{used / MiB:.1f} MiB used of {cap / MiB:.0f} MiB ({100.0 * used / cap if cap else 0:.2f}%), "
+          f"{objs} objects on {len(stats.cards)} card(s)")
     for t in stats.tenants:
         name = f"{t.namespace} (id:{t.id})" if t.namespace else f"id:{t.id}"
-        quota = f"quota {t.quota_bytes} bytes per card" if t.quota_bytes else "no quota"
-        print(f"namespace {name}: {t.used_bytes} bytes, {t.objects} objects, {quota}, "
+        quota = f"quota {t.quota_bytes / MiB:.1f} MiB per card" if t.quota_bytes else "no quota"
+        print(f"namespace {name}: {t.used_bytes / MiB:.1f} MiB, {t.objects} objects, {quota}, "
               f"{t.evicted} evicted over quota, {t.capacity_evicted} by the card's LRU")
     return 0
 
@@ -155,7 +169,11 @@ def cmd_drain(args) -> int:
     reply = control.request(port, {"op": "DRAIN", "card": args.card}, host=host, timeout_s=args.timeout,
                             door=_door(args))
     if reply is None:
-        raise SystemExit(f"adpkv: no gateway answered on {host}:{port} (is adpkv-gateway running? see --port/--config)")
+        message = f"adpkv: no gateway answered on {host}:{port} (is adpkv-gateway running? see --port/--config)"
+        if getattr(args, "json", False):      # --json: the answer is JSON, the failure too
+            print(json.dumps({"error": "no_gateway", "host": host, "port": port, "message": message}))
+            raise SystemExit(1)
+        raise SystemExit(message)
     if reply["op"] == "ERROR":
         print(f"adpkv drain: {reply['code']}: {reply['msg']}", file=sys.stderr)
         return 1
@@ -214,7 +232,11 @@ def _clean_showing_progress(args) -> dict:
 
 def cmd_bench(args) -> int:
     from . import bench
-    sizes = [_size(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [_size(s) for s in args.sizes.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        print(f"adpkv bench: --sizes: {exc}", file=sys.stderr)
+        return 2
     regimes = ["cold", "hot"] if args.regime == "both" else [args.regime]
     if args.threads <= 0:
         from ..config import default_io_threads
@@ -239,7 +261,8 @@ def cmd_doctor(args) -> int:
     from .doctor_report import exit_code, report
     config = _config(args) or make_config({"port": args.port})
     host = _target(args)[0]
-    h = Host(config, config_given=bool(args.config), host=host, timeout_s=args.timeout, engine=args.engine,
+    h = Host(config, config_given=bool(args.config), port_given=args.port_given, host=host,
+             timeout_s=args.timeout, engine=args.engine,
              hash_algo=args.hash_algo, engine_user=args.engine_user, shm_bytes=args.shm_bytes)
     try:
         findings = doctor.examine(h)
@@ -273,6 +296,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="adpkv", description="Operate an adpkv gateway. The gateway options "
                                 "(--config, --host, --port, --timeout) go before or after the subcommand.")
     _add_gateway_options(p, suppress=False)
+    p.add_argument("--version", action="version", version=f"adpkv {__version__}")
     # The same options on every subcommand, with SUPPRESS defaults: given after the subcommand
     # they land in the namespace, not given they leave the main parser's value alone.
     shared = argparse.ArgumentParser(add_help=False)

@@ -62,7 +62,7 @@ def test_status_and_usage_take_the_options_before_or_after_the_subcommand(gatewa
     for argv in (["usage", "--port", str(port)], ["usage", "--config", yaml_path]):
         out = run(ADPKV + argv)
         assert out.returncode == 0, (argv, out.stdout, out.stderr)
-        assert "bytes used of" in out.stdout
+        assert "MiB used of" in out.stdout
 
 
 def test_an_option_after_the_subcommand_is_the_one_used(tmp_path):
