@@ -80,3 +80,25 @@ def test_sizes_take_units_in_yaml_and_flags(start_gateway, tmp_path):
     assert out.returncode == 2, out.stderr
     line = _one_line(out.stderr)
     assert "shared_memory_size" in line and "'6GB5' is not a number of bytes" in line, line
+
+
+README = __import__("pathlib").Path(__file__).resolve().parents[3] / "README.md"
+
+
+def test_readme_yaml_example_reads_and_check_that_it_works_says_what_the_commands_print(gateway):
+    """The README's gateway YAML is a valid configuration (sizes with units), and each command of
+    "Check that it works" prints what that section calls good output, against a real gateway."""
+    text = README.read_text()
+    from adpkv_gateway.config import make_config
+    import yaml
+    example = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text, re.S).group(1))
+    example.pop("status_file")                  # its directory is the node exporter's: not on this host
+    assert make_config(example).shared_memory_size == 6 << 30
+    section = text.split("## Check that it works", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"^(adpkv \S+) --port 5557", section, re.M)
+    assert commands == ["adpkv status", "adpkv doctor"], section
+    status = run(ADPKV + ["status", "--port", str(gateway.port)])
+    assert status.returncode == 0 and status.stdout.startswith(f"gateway :{gateway.port}  up "), status.stdout
+    assert "engine  : none" in status.stdout and re.search(r"^card \S+  fs .*  active  ", status.stdout, re.M)
+    doctor = run(ADPKV + ["doctor", "--port", str(gateway.port)])
+    assert doctor.returncode == 0 and doctor.stdout.strip().endswith("all is well"), doctor.stdout
