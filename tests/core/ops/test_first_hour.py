@@ -102,3 +102,26 @@ def test_readme_yaml_example_reads_and_check_that_it_works_says_what_the_command
     assert "engine  : none" in status.stdout and re.search(r"^card \S+  fs .*  active  ", status.stdout, re.M)
     doctor = run(ADPKV + ["doctor", "--port", str(gateway.port)])
     assert doctor.returncode == 0 and doctor.stdout.strip().endswith("all is well"), doctor.stdout
+
+
+def test_a_card_remounted_read_only_is_reported_as_read_only(start_gateway, tmp_path):
+    """A card whose file system was remounted read-only: the start is refused with one line that
+    says so (it said "cannot remove the leftover adpkv-card.json.tmp", a file that does not exist)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True,
+                             text=True)
+    assert mounted.returncode == 0, f"this test mounts a tmpfs (run the suite as root): {mounted.stderr}"
+    try:
+        card = str(mnt / "card")
+        gw = start_gateway(card_dirs=[card])
+        assert gw.stop() == 0
+        remount = subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True, text=True)
+        assert remount.returncode == 0, remount.stderr
+        out = run(ADPKV_GATEWAY + ["--port", str(free_port()), "--storage-devices", card,
+                                   "--shared-memory-size", "8MiB"])
+        text = out.stdout + out.stderr
+        assert out.returncode == 2 and "Traceback" not in text, text
+        assert f"fs card {card}: read-only file system" in text and "leftover" not in text, text
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
