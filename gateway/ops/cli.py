@@ -242,17 +242,35 @@ def cmd_bench(args) -> int:
         from ..config import default_io_threads
         args.threads = default_io_threads()
     port = None
+    where = "own gateways on fresh cards under --dir"
     if args.port_given:
         port = _target(args)[1]
-        regimes = regimes[:1]
+        # like with like: the raw baseline does the I/O the live gateway does (o_direct: cold)
+        config = _config(args)
+        if config is not None:
+            regimes = ["cold" if config.o_direct else "hot"]
+            why = f"o_direct: {str(config.o_direct).lower()} in {args.config}"
+        elif args.regime != "both":
+            regimes, why = [args.regime], "--regime"
+        else:
+            regimes, why = ["hot"], "the default o_direct: false; --regime cold for a gateway with o_direct"
+        where = f"the live gateway on port {port}, regime {regimes[0]} ({why}); its objects are deleted after"
     print(f"adpkv bench: {', '.join(f'{s // 1024} KiB' for s in sizes)}; {args.ranks} rank(s); "
           f"{args.total // MiB} MiB per size; regimes {', '.join(regimes)}; {args.threads} I/O threads; "
-          f"dir {os.path.abspath(args.dir)}")
+          f"dir {os.path.abspath(args.dir)}; {where}")
     results = bench.run(args.dir, sizes, regimes, args.total, args.ranks, args.per_request, args.threads, port,
                         args.repeat)
     top = bench.headline(results)
-    print(f"store_vs_raw={top.store_vs_raw:.2f} restore_vs_raw={top.restore_vs_raw:.2f}")
+    print(f"store_vs_raw={top.store_vs_raw:.2f} restore_vs_raw={top.restore_vs_raw:.2f} "
+          f"({top.regime} {_size_text(top.size)})")
     return 0
+
+
+def _size_text(size: int) -> str:
+    for unit, mult in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1024)):
+        if size % mult == 0:
+            return f"{size // mult} {unit}"
+    return f"{size} B"
 
 
 def cmd_doctor(args) -> int:
@@ -311,16 +329,29 @@ def main(argv=None) -> int:
     dn = sub.add_parser("drain", parents=[shared], help="move a card's objects to the others, so it can be removed")
     dn.add_argument("card", help="the card's serial (adpkv status) or its device as in storage_devices")
     b = sub.add_parser("bench", parents=[shared],
-                       help="store/restore through a gateway vs raw file I/O on the same disk")
-    b.add_argument("--sizes", default="128KiB,1MiB,3MiB")
-    b.add_argument("--regime", choices=["cold", "hot", "both"], default="both")
-    b.add_argument("--ranks", type=int, default=1)
+                       help="store/restore through a gateway vs raw file I/O on the same disk",
+                       description="Store then restore objects through a gateway (every byte checked) and "
+                       "write then read the same bytes as plain files in --dir with as many threads: the "
+                       "ratio is the gateway's cost over the disk. Without --port/--config it starts its own "
+                       "gateway for each regime and size on a fresh card under --dir (removed after). With "
+                       "--port or --config it measures that live gateway in its regime (from the YAML's "
+                       "o_direct, else --regime, else hot) and deletes every object it stored. The last line: "
+                       "store_vs_raw=S restore_vs_raw=R (REGIME SIZE), the cold 1 MiB result when measured, "
+                       "else the first.")
+    b.add_argument("--sizes", default="128KiB,1MiB,3MiB", help="object sizes, comma-separated (default "
+                   "128KiB,1MiB,3MiB)")
+    b.add_argument("--regime", choices=["cold", "hot", "both"], default="both",
+                   help="cold: the card and the raw files with O_DIRECT (the disk); hot: the page cache; both "
+                   "(default; with a live gateway: the one it runs, hot unless its YAML says o_direct)")
+    b.add_argument("--ranks", type=int, default=1, help="engine ranks (processes), each a slice of every object, "
+                   "as tensor-parallel ranks (default 1)")
     b.add_argument("--total", type=_size, default=512 * MiB, help="bytes per size (default 512MiB)")
     b.add_argument("--per-request", type=int, default=64, help="objects per request (one layer request)")
     b.add_argument("--threads", type=int, default=0,
                    help="I/O threads of the gateway and of the raw baseline (0: the gateway's default)")
     b.add_argument("--repeat", type=int, default=3, help="runs per size, alternating gateway and raw; median")
-    b.add_argument("--dir", default="./adpkv-bench", help="where the bench card and raw files go")
+    b.add_argument("--dir", default="./adpkv-bench", help="where the bench cards and the raw files go (on the "
+                   "disk to measure; removed after; default ./adpkv-bench)")
     dr = sub.add_parser("doctor", parents=[shared], help="check this host before the engine starts; exit 0 when all "
                         "is well, 1 on a problem, 2 on warnings only or a --config it cannot read (run it as the engine's user, "
                         "in its environment)")
