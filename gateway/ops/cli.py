@@ -146,8 +146,10 @@ def cmd_usage(args) -> int:
           f"{objs} objects on {len(stats.cards)} card(s)")
     for t in stats.tenants:
         name = f"{t.namespace} (id:{t.id})" if t.namespace else f"id:{t.id}"
-        quota = f"quota {t.quota_bytes / MiB:.1f} MiB per card" if t.quota_bytes else "no quota"
-        print(f"namespace {name}: {t.used_bytes / MiB:.1f} MiB, {t.objects} objects, {quota}, "
+        # MiB as status prints sizes, the exact bytes beside them (quotas are set in bytes)
+        quota = f"quota {t.quota_bytes / MiB:.2f} MiB ({t.quota_bytes} bytes) per card" if t.quota_bytes \
+            else "no quota"
+        print(f"namespace {name}: {t.used_bytes / MiB:.2f} MiB ({t.used_bytes} bytes), {t.objects} objects, {quota}, "
               f"{t.evicted} evicted over quota, {t.capacity_evicted} by the card's LRU")
     return 0
 
