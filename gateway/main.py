@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from adpkv_core import __version__
@@ -29,7 +28,6 @@ def main(argv=None) -> int:
     # Many I/O threads hand the GIL back and forth around short system calls; a short
     # switch interval keeps one thread's Python work from stalling the others' I/O.
     sys.setswitchinterval(0.0005)
-    logging.getLogger("adpkv.gateway").info("adpkv-gateway %s starting (pid %d)", __version__, os.getpid())
     from .server import Gateway
     try:
         gateway = Gateway(config)

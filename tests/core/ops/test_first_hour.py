@@ -24,7 +24,8 @@ def test_version_on_both_commands_and_in_the_start_log(gateway):
         out = run(cmd + ["--version"])
         assert out.returncode == 0, out.stderr
         assert _one_line(out.stdout) == f"{name} {__version__}"
-    assert f"adpkv-gateway {__version__} starting" in gateway.log(), gateway.log()
+    assert f"Gateway listening on 127.0.0.1:{gateway.port} (adpkv-gateway {__version__}, pid " in gateway.log(), \
+        gateway.log()
 
 
 def test_the_open_files_line_is_no_to_do(gateway):
