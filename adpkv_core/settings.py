@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import pwd
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 
 @dataclasses.dataclass
@@ -29,9 +30,27 @@ class ClientConfig:
     gateway_users: str = ""              # besides root and our own user: who may run our gateway (names/uids, commas)
 
     @classmethod
-    def from_settings(cls, settings: Mapping[str, Any] | None, prefix: str = "") -> "ClientConfig":
-        """Read the known fields from a mapping (keys optionally prefixed, e.g. ``adpkv.``)."""
+    def setting_names(cls) -> tuple[str, ...]:
+        """The shared vocabulary every adapter reads: these fields and ``reconnect_s``
+        (``adpkv_core.attachment.reconnect_setting``)."""
+        return tuple(f.name for f in dataclasses.fields(cls)) + ("reconnect_s",)
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any] | None, prefix: str = "",
+                      also: Iterable[str] = (), where: str = "") -> "ClientConfig":
+        """Read the known fields from a mapping (keys optionally prefixed, e.g. ``adpkv.``).
+
+        With a ``prefix``, every key that carries it is ours: one that is neither a name of
+        the shared vocabulary (``setting_names``) nor one of ``also`` (the adapter's own
+        settings, unprefixed names) is refused with a ``ValueError`` naming it and the near
+        miss ("did you mean"): a misspelt port or namespace must never run the engine on the
+        wrong gateway or in the wrong namespace. Keys without the prefix belong to the engine
+        and are left alone. ``where``: what the settings are, for the message."""
         settings = settings or {}
+        if prefix:
+            refuse_unknown((k for k in settings if isinstance(k, str) and k.startswith(prefix)),
+                           [prefix + n for n in (*cls.setting_names(), *also)],
+                           where or f"{prefix}* setting")
         values = {}
         for f in dataclasses.fields(cls):
             for name in (prefix + f.name, f.name) if prefix else (f.name,):
@@ -67,6 +86,54 @@ class ClientConfig:
                 raise ValueError(f"setting gateway_users: no user {item!r} on this host "
                                  "(user names or uids, comma-separated)") from None
         return frozenset(uids)
+
+
+def refuse_unknown(keys: Iterable[str], known: Iterable[str], what: str) -> None:
+    """The one check of every adapter's settings: ``ValueError`` naming each of ``keys`` that
+    is not in ``known``, with the closest known name ("did you mean") where one is near, and
+    the known names. ``what``: the kind of setting, for the message (e.g. ``adpkv.* setting``)."""
+    names = sorted(set(known))
+    unknown = sorted(set(keys) - set(names))
+    if not unknown:
+        return
+    parts = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+        parts.append(f"{key!r} (did you mean {near[0]!r}?)" if near else repr(key))
+    raise ValueError(f"adpkv: unknown {what}{'s' if len(unknown) > 1 else ''} {', '.join(parts)}; "
+                     f"known: {', '.join(names)}")
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
+               "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9,
+               "tb": 10 ** 12}
+
+
+def parse_size(value: Any) -> int:
+    """A number of bytes as every adpkv setting writes it: an integer, or a string of a number
+    and a unit (``512MiB``, ``6 GiB``, ``1.5G``; KiB/MiB/GiB/TiB and K/M/G/T are powers of
+    1024, KB/MB/GB/TB of 1000). ``ValueError`` for anything else (a fraction of a byte, a bool,
+    an unknown unit)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a number of bytes")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().replace("_", "")
+        number = text.rstrip("bBkKmMgGtTiI ").strip()
+        unit = text[len(number):].strip().lower()
+        if unit in _SIZE_UNITS and number:
+            try:
+                scaled = float(number) * _SIZE_UNITS[unit] if not number.lstrip("+-").isdigit() \
+                    else int(number) * _SIZE_UNITS[unit]
+            except ValueError:
+                scaled = None
+            if scaled is not None and float(scaled).is_integer():
+                return int(scaled)
+    raise ValueError(f"{value!r} is not a number of bytes (an integer, or a number with a unit: "
+                     "512MiB, 6GiB, 1.5G)")
 
 
 _TRUE = frozenset(("1", "true", "yes", "on"))

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Optional
 
 import yaml
 
-from adpkv_core.settings import parse_bool
+from adpkv_core.settings import parse_bool, parse_size
 
 from .namespaces import parse_owners
 from .quotas import parse_quotas
@@ -181,6 +181,9 @@ RANGES: dict[str, Range] = {
     "eviction_ratio": Range(0, 1, "a fraction of capacity"),
     "engine_timeout_s": Range(0, None, "seconds", above=True),
 }
+
+# settings that are a number of bytes: an integer or a number with a unit (512MiB, 6GiB: parse_size)
+SIZES = frozenset(("move_rate_bytes", "fragment_size", "shared_memory_size", "capacity_bytes"))
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "storage_backend": ("fs", "resp"),
@@ -356,6 +359,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, default=None, metavar="NAME=USER+USER,...", help=text)
         elif f.type in ("bool", bool):
             parser.add_argument(flag, default=None, type=_bool_flag(name), metavar="BOOL", help=text)
+        elif name in SIZES:        # a number of bytes, with or without a unit: checked by make_config
+            parser.add_argument(flag, default=None, metavar="BYTES", help=text)
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
             parser.add_argument(flag, default=None, type=kind, metavar=kind.__name__.upper(), help=text)
@@ -409,6 +414,12 @@ def _convert(name: str, kind: str, v: Any) -> Any:
             return parse_bool(v, name)
         except ValueError:
             raise ConfigError(name, f"{v!r} is not a boolean (true/false, 1/0, yes/no, on/off)") from None
+    if kind == "int" and name in SIZES:
+        try:
+            return parse_size(v)
+        except ValueError as exc:
+            rule = RANGES.get(name)
+            raise ConfigError(name, f"{exc} ({rule.text() if rule else 'bytes'})") from None
     if kind == "int":
         rule = RANGES.get(name)
         if isinstance(v, bool) and rule is not None and (rule.low, rule.high) == (0, 1):

@@ -69,8 +69,8 @@ def raise_open_files_limit() -> int:
         except (ValueError, OSError) as exc:
             logger.warning("Open files: cannot raise the soft limit %d to %d: %s", soft, target, exc)
             return soft
-    logger.info("Open files: limit %d (the hard limit: raise it, e.g. systemd LimitNOFILE=, for more "
-                "door connections)", soft)
+    logger.info("Open files: limit %d, the hard limit (enough for the door connections this limit "
+                "allows; systemd LimitNOFILE= sets it)", soft)
     return soft
 
 

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from adpkv_core import __version__
+
 from . import config as cfg
 from .cards import CardError
 
@@ -14,6 +16,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="adpkv-gateway", description="The adpkv storage gateway: serves one "
                                      "engine's KV pages from storage cards (see docs/gateway.md).")
     cfg.add_arguments(parser)
+    parser.add_argument("--version", action="version", version=f"adpkv-gateway {__version__}")
     args = parser.parse_args(argv)
     try:
         config = cfg.from_args(args)

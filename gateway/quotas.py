@@ -29,6 +29,7 @@ import dataclasses
 from typing import Mapping, Optional, Union
 
 from adpkv_core.keys import namespace_id
+from adpkv_core.settings import parse_size
 
 NS_ID = slice(1, 9)    # where a key holds its namespace's id
 
@@ -59,9 +60,9 @@ def parse_quotas(value: Union[None, str, Mapping]) -> dict[str, int]:
         if not isinstance(name, str) or not name:
             raise ValueError(f"namespace_quotas: {name!r} is not a namespace name")
         try:
-            nbytes = int(size)
+            nbytes = parse_size(size)             # bytes, or a number with a unit (512MiB)
         except (TypeError, ValueError):
-            raise ValueError(f"namespace_quotas: {name}={size!r} is not a byte count") from None
+            raise ValueError(f"namespace_quotas: {name}={size!r} is not a byte count (e.g. 1073741824 or 1GiB)") from None
         if nbytes <= 0:
             raise ValueError(f"namespace_quotas: {name}={nbytes}: a quota must be > 0 bytes")
         tenant_id(name)      # an id: name must be well formed

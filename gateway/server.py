@@ -28,6 +28,7 @@ from typing import Callable, Optional, Union
 
 import zmq
 
+from adpkv_core import __version__
 from adpkv_core import protocol as P
 from adpkv_core.door import door_path
 from adpkv_core.keys import namespace_id
@@ -139,7 +140,9 @@ class Gateway:
             undo.pop_all()
         if config.metrics_port:
             self.metrics.serve(config.metrics_address, config.metrics_port)
-        logger.info("Gateway listening on %s:%d", config.bind_address, config.port)
+        # the version in the line that says the start succeeded (a refused start stays one line)
+        logger.info("Gateway listening on %s:%d (adpkv-gateway %s, pid %d)", config.bind_address, config.port,
+                    __version__, os.getpid())
 
     def _open_store(self, config: GatewayConfig, undo: contextlib.ExitStack) -> None:
         """Open the cards (closed by ``undo`` when the start fails later), check the key

@@ -84,7 +84,8 @@ for suite in "${suites[@]}"; do
   fi
   venv="$(bash tools/venv.sh "$suite")" || { echo "[test] could not build the $suite venv" >&2; failed+=("$suite"); continue; }
   echo "=== suite $suite ($venv) ==="
-  "$venv/bin/python" -m pytest -p no:cacheprovider -q -rfEs "tests/$suite" || failed+=("$suite")
+  # this checkout's code first, whatever checkout the shared venv's editable install points at
+  PYTHONPATH="$repo/.adpkv-src${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -p no:cacheprovider -q -rfEs "tests/$suite" || failed+=("$suite")
 done
 if [[ ${#failed[@]} -gt 0 ]]; then
   echo "[test] FAILED suites: ${failed[*]}" >&2

@@ -75,6 +75,13 @@ logger = logging.getLogger("adpkv.gateway.fs")
 FORMAT = 3          # 3: files in 256 subdirectories of each database; 2: flat databases; 1: no write ids
 CARD_FILE = "adpkv-card.json"
 CARD_FILE_TMP = ".adpkv-card.json.tmp"
+
+
+def read_only(root: str) -> CardError:
+    """The one refusal of a card on a read-only file system (say, remounted read-only after an
+    error): named as such, never as a file that cannot be removed or opened."""
+    return CardError(f"fs card {root}: read-only file system (a card must be writable: remount it "
+                     "read-write, or give the gateway another card)")
 PROBE = ".odirect-probe"
 SNAPSHOT_FILE = ".adpkv-index"   # the index at the last clean stop (FsIndex.save)
 LEFTOVERS = (CARD_FILE + ".tmp", CARD_FILE_TMP, PROBE, SNAPSHOT_FILE + ".tmp")   # of the card's own atomic writes
@@ -147,6 +154,8 @@ class FsCard(Card):
             own_dir(self._root_fd, self.root, self.dir_mode, self.gid)
         except OSError as exc:
             raise CardError(f"fs card {self.root}: cannot create the directory: {exc}") from None
+        if os.fstatvfs(self._root_fd).f_flag & os.ST_RDONLY:
+            raise read_only(self.root)
         self._remove_leftovers()
         names = os.listdir(self._root_fd)
         if CARD_FILE in names:

@@ -43,7 +43,7 @@ import socket
 import stat
 
 from .base import CardError
-from .fs import CARD_FILE
+from .fs import CARD_FILE, read_only
 from .fs_files import DIR_FLAGS, not_own, open_root, own_dir
 
 logger = logging.getLogger("adpkv.gateway.fs")
@@ -163,6 +163,8 @@ def _open_lock(root: str, root_fd: int) -> tuple[int, bool]:
         except FileExistsError:
             fd, made = os.open(LOCK_FILE, flags, dir_fd=root_fd), False
     except OSError as exc:
+        if exc.errno == errno.EROFS:
+            raise read_only(root) from None
         what = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be opened: {exc.strerror}"
         raise CardError(f"fs card {root}: its lock {LOCK_FILE} {what}; refusing the card (remove it)") from None
     st = os.fstat(fd)

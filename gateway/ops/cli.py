@@ -11,7 +11,9 @@ import threading
 import time
 from typing import Optional
 
+from adpkv_core import __version__
 from adpkv_core import protocol as P
+from adpkv_core.settings import parse_size
 
 from .. import control, progress
 from ..config import RANGES, ConfigError, GatewayConfig, from_yaml, make_config
@@ -23,11 +25,11 @@ CLEAN_WAIT_S = 24 * 3600  # a clean of a huge card may take long: the gateway an
 
 
 def _size(text: str) -> int:
-    t = text.strip().lower()
-    for suffix, mult in (("kib", 1024), ("mib", MiB), ("gib", 1 << 30), ("k", 1024), ("m", MiB), ("g", 1 << 30)):
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(t)
+    """A size option: bytes, or a number with a unit (512MiB), as in the gateway's YAML."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _port(text: str) -> int:
@@ -71,7 +73,11 @@ def _ask(args, op: str) -> dict:
     host, port = _target(args)
     reply = control.request(port, {"op": op}, host=host, timeout_s=args.timeout, door=_door(args))
     if reply is None:
-        raise SystemExit(f"adpkv: no gateway answered on {host}:{port} (is adpkv-gateway running? see --port/--config)")
+        message = f"adpkv: no gateway answered on {host}:{port} (is adpkv-gateway running? see --port/--config)"
+        if getattr(args, "json", False):      # --json: the answer is JSON, the failure too
+            print(json.dumps({"error": "no_gateway", "host": host, "port": port, "message": message}))
+            raise SystemExit(1)
+        raise SystemExit(message)
     if reply.get("op") == "ERROR":
         raise SystemExit(f"adpkv: the gateway on {host}:{port} refused {op}: {reply.get('code')}: {reply.get('msg')}")
     return reply
@@ -107,8 +113,16 @@ def cmd_status(args) -> int:
     for w in stats.work:
         print(f"working : {w.what} {w.done}/{w.total} {w.unit} ({w.elapsed_s:.0f} s)")
     o = stats.objects
-    print(f"objects : hits {o.get('hits', 0)}  misses {o.get('misses', 0)}  stored {o.get('stored', 0)}  "
+    hits, misses = o.get("hits", 0), o.get("misses", 0)
+    ratio = f"{100.0 * hits / (hits + misses):.1f}%" if hits + misses else "-"
+    print(f"objects : hits {hits}  misses {misses}  hit ratio {ratio}  stored {o.get('stored', 0)}  "
           f"store failed {o.get('store_failed', 0)}")
+    read = sum(c.bytes_read for c in stats.cards)
+    written = sum(c.bytes_written for c in stats.cards)
+    print(f"bytes   : read {read / MiB:.1f} MiB  written {written / MiB:.1f} MiB")
+    latency = "  ".join(f"{op} {1000.0 * total / sum(counts):.2f} ms mean over {sum(counts)}"
+                        for op, (counts, total) in sorted(stats.request_latency.items()) if sum(counts))
+    print(f"latency : {latency or 'no requests yet'}")
     for c in stats.cards:
         print(f"card {c.serial}  {c.kind} {c.device}  {'active' if c.active else 'INACTIVE'}  "
               f"{c.used_bytes / MiB:.1f}/{c.capacity_bytes / MiB:.0f} MiB  {c.objects} objects  "
@@ -128,12 +142,14 @@ def cmd_usage(args) -> int:
         print(json.dumps({"used_bytes": used, "capacity_bytes": cap, "objects": objs, "cards": len(stats.cards),
                           "namespaces": raw.get("tenants", [])}, indent=2))
         return 0
-    print(f"{used} bytes used of {cap} ({100.0 * used / cap if cap else 0:.2f}%), {objs} objects "
-          f"on {len(stats.cards)} card(s)")
+    print(f"{used / MiB:.1f} MiB used of {cap / MiB:.0f} MiB ({100.0 * used / cap if cap else 0:.2f}%), "
+          f"{objs} objects on {len(stats.cards)} card(s)")
     for t in stats.tenants:
         name = f"{t.namespace} (id:{t.id})" if t.namespace else f"id:{t.id}"
-        quota = f"quota {t.quota_bytes} bytes per card" if t.quota_bytes else "no quota"
-        print(f"namespace {name}: {t.used_bytes} bytes, {t.objects} objects, {quota}, "
+        # MiB as status prints sizes, the exact bytes beside them (quotas are set in bytes)
+        quota = f"quota {t.quota_bytes / MiB:.2f} MiB ({t.quota_bytes} bytes) per card" if t.quota_bytes \
+            else "no quota"
+        print(f"namespace {name}: {t.used_bytes / MiB:.2f} MiB ({t.used_bytes} bytes), {t.objects} objects, {quota}, "
               f"{t.evicted} evicted over quota, {t.capacity_evicted} by the card's LRU")
     return 0
 
@@ -155,7 +171,11 @@ def cmd_drain(args) -> int:
     reply = control.request(port, {"op": "DRAIN", "card": args.card}, host=host, timeout_s=args.timeout,
                             door=_door(args))
     if reply is None:
-        raise SystemExit(f"adpkv: no gateway answered on {host}:{port} (is adpkv-gateway running? see --port/--config)")
+        message = f"adpkv: no gateway answered on {host}:{port} (is adpkv-gateway running? see --port/--config)"
+        if getattr(args, "json", False):      # --json: the answer is JSON, the failure too
+            print(json.dumps({"error": "no_gateway", "host": host, "port": port, "message": message}))
+            raise SystemExit(1)
+        raise SystemExit(message)
     if reply["op"] == "ERROR":
         print(f"adpkv drain: {reply['code']}: {reply['msg']}", file=sys.stderr)
         return 1
@@ -214,23 +234,45 @@ def _clean_showing_progress(args) -> dict:
 
 def cmd_bench(args) -> int:
     from . import bench
-    sizes = [_size(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [_size(s) for s in args.sizes.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        print(f"adpkv bench: --sizes: {exc}", file=sys.stderr)
+        return 2
     regimes = ["cold", "hot"] if args.regime == "both" else [args.regime]
     if args.threads <= 0:
         from ..config import default_io_threads
         args.threads = default_io_threads()
     port = None
+    where = "own gateways on fresh cards under --dir"
     if args.port_given:
         port = _target(args)[1]
-        regimes = regimes[:1]
+        # like with like: the raw baseline does the I/O the live gateway does (o_direct: cold)
+        config = _config(args)
+        if config is not None:
+            regimes = ["cold" if config.o_direct else "hot"]
+            why = f"o_direct: {str(config.o_direct).lower()} in {args.config}"
+        elif args.regime != "both":
+            regimes, why = [args.regime], "--regime"
+        else:
+            regimes, why = ["hot"], "the default o_direct: false; --regime cold for a gateway with o_direct"
+        where = f"the live gateway on port {port}, regime {regimes[0]} ({why}); its objects are deleted after"
     print(f"adpkv bench: {', '.join(f'{s // 1024} KiB' for s in sizes)}; {args.ranks} rank(s); "
           f"{args.total // MiB} MiB per size; regimes {', '.join(regimes)}; {args.threads} I/O threads; "
-          f"dir {os.path.abspath(args.dir)}")
+          f"dir {os.path.abspath(args.dir)}; {where}")
     results = bench.run(args.dir, sizes, regimes, args.total, args.ranks, args.per_request, args.threads, port,
                         args.repeat)
     top = bench.headline(results)
-    print(f"store_vs_raw={top.store_vs_raw:.2f} restore_vs_raw={top.restore_vs_raw:.2f}")
+    print(f"store_vs_raw={top.store_vs_raw:.2f} restore_vs_raw={top.restore_vs_raw:.2f} "
+          f"({top.regime} {_size_text(top.size)})")
     return 0
+
+
+def _size_text(size: int) -> str:
+    for unit, mult in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1024)):
+        if size % mult == 0:
+            return f"{size // mult} {unit}"
+    return f"{size} B"
 
 
 def cmd_doctor(args) -> int:
@@ -239,7 +281,8 @@ def cmd_doctor(args) -> int:
     from .doctor_report import exit_code, report
     config = _config(args) or make_config({"port": args.port})
     host = _target(args)[0]
-    h = Host(config, config_given=bool(args.config), host=host, timeout_s=args.timeout, engine=args.engine,
+    h = Host(config, config_given=bool(args.config), port_given=args.port_given, host=host,
+             timeout_s=args.timeout, engine=args.engine,
              hash_algo=args.hash_algo, engine_user=args.engine_user, shm_bytes=args.shm_bytes)
     try:
         findings = doctor.examine(h)
@@ -273,6 +316,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="adpkv", description="Operate an adpkv gateway. The gateway options "
                                 "(--config, --host, --port, --timeout) go before or after the subcommand.")
     _add_gateway_options(p, suppress=False)
+    p.add_argument("--version", action="version", version=f"adpkv {__version__}")
     # The same options on every subcommand, with SUPPRESS defaults: given after the subcommand
     # they land in the namespace, not given they leave the main parser's value alone.
     shared = argparse.ArgumentParser(add_help=False)
@@ -287,16 +331,29 @@ def main(argv=None) -> int:
     dn = sub.add_parser("drain", parents=[shared], help="move a card's objects to the others, so it can be removed")
     dn.add_argument("card", help="the card's serial (adpkv status) or its device as in storage_devices")
     b = sub.add_parser("bench", parents=[shared],
-                       help="store/restore through a gateway vs raw file I/O on the same disk")
-    b.add_argument("--sizes", default="128KiB,1MiB,3MiB")
-    b.add_argument("--regime", choices=["cold", "hot", "both"], default="both")
-    b.add_argument("--ranks", type=int, default=1)
+                       help="store/restore through a gateway vs raw file I/O on the same disk",
+                       description="Store then restore objects through a gateway (every byte checked) and "
+                       "write then read the same bytes as plain files in --dir with as many threads: the "
+                       "ratio is the gateway's cost over the disk. Without --port/--config it starts its own "
+                       "gateway for each regime and size on a fresh card under --dir (removed after). With "
+                       "--port or --config it measures that live gateway in its regime (from the YAML's "
+                       "o_direct, else --regime, else hot) and deletes every object it stored. The last line: "
+                       "store_vs_raw=S restore_vs_raw=R (REGIME SIZE), the cold 1 MiB result when measured, "
+                       "else the first.")
+    b.add_argument("--sizes", default="128KiB,1MiB,3MiB", help="object sizes, comma-separated (default "
+                   "128KiB,1MiB,3MiB)")
+    b.add_argument("--regime", choices=["cold", "hot", "both"], default="both",
+                   help="cold: the card and the raw files with O_DIRECT (the disk); hot: the page cache; both "
+                   "(default; with a live gateway: the one it runs, hot unless its YAML says o_direct)")
+    b.add_argument("--ranks", type=int, default=1, help="engine ranks (processes), each a slice of every object, "
+                   "as tensor-parallel ranks (default 1)")
     b.add_argument("--total", type=_size, default=512 * MiB, help="bytes per size (default 512MiB)")
     b.add_argument("--per-request", type=int, default=64, help="objects per request (one layer request)")
     b.add_argument("--threads", type=int, default=0,
                    help="I/O threads of the gateway and of the raw baseline (0: the gateway's default)")
     b.add_argument("--repeat", type=int, default=3, help="runs per size, alternating gateway and raw; median")
-    b.add_argument("--dir", default="./adpkv-bench", help="where the bench card and raw files go")
+    b.add_argument("--dir", default="./adpkv-bench", help="where the bench cards and the raw files go (on the "
+                   "disk to measure; removed after; default ./adpkv-bench)")
     dr = sub.add_parser("doctor", parents=[shared], help="check this host before the engine starts; exit 0 when all "
                         "is well, 1 on a problem, 2 on warnings only or a --config it cannot read (run it as the engine's user, "
                         "in its environment)")

@@ -72,9 +72,15 @@ def examine(h: Host) -> list[Finding]:
     findings += _ring_memory(h, stats)
     findings += _dev_shm(h)
     findings += _status_file(h, stats)
-    for device in card_devices(h, stats):
-        findings += _card(h, device, stats)
-    findings += _fingerprint(h, stats)
+    if stats is None and not h.config_given and h.port_given:
+        # the default card (./adpkv-card) is not that gateway's: checking it would mislead
+        findings.append(Finding("card", SKIP, f"no gateway answers on port {h.config.port} and no --config: "
+                                "its cards are unknown, none checked (nor their fingerprint)",
+                                "start the gateway, or give its --config"))
+    else:
+        for device in card_devices(h, stats):
+            findings += _card(h, device, stats)
+        findings += _fingerprint(h, stats)
     findings += _prefix_hash(h)
     return findings
 

@@ -15,6 +15,7 @@ class Host:
     """What the doctor is told about the engine and the gateway."""
     config: GatewayConfig
     config_given: bool = False
+    port_given: bool = False           # --port given (without --config): that gateway's cards are not the default
     host: str = "127.0.0.1"
     timeout_s: float = 3.0
     engine: str = ""                   # vllm | sglang | lmcache | "" (prefix hash not checked)

@@ -13,7 +13,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from adpkv_core.settings import parse_bool
+from adpkv_core.settings import parse_bool, refuse_unknown
 
 from ._compat import L2AdapterConfigBase
 
@@ -89,10 +89,7 @@ class AdpL2AdapterConfig(L2AdapterConfigBase):
     def from_dict(cls, d: Mapping[str, Any] | None) -> "AdpL2AdapterConfig":
         d = dict(d or {})
         d.pop("type", None)   # present when built from a full adapter spec
-        unknown = sorted(k for k in d if k not in _BY_NAME)
-        if unknown:
-            raise ValueError(f"unknown adpkv adapter_params: {', '.join(unknown)} "
-                             f"(known: {', '.join(f.name for f in FIELDS)})")
+        refuse_unknown(d, _BY_NAME, "adapter_params key")     # with "did you mean"
         if "affinity_chunks" not in d and os.environ.get(AFFINITY_ENV, "").strip():
             raw = os.environ[AFFINITY_ENV].strip()
             try:

@@ -23,21 +23,42 @@ SGLang hands the backend ``HiCacheStorageConfig.extra_config`` (the JSON of
   call that brought prefix keys on). Default false.
 
 SGLang's own keys (``backend_name``, ``module_path``, ``class_name``,
-``interface_v1``, ``allocator``, ...) are left alone.
+``interface_v1``, ``allocator``, ...) are left alone. A key spelt ``adpkv.<name>`` with a name
+not listed above is refused, and so is a key without the prefix that is a near miss of one of
+ours (``prot``, ``namesapce``): both with "did you mean" (a typo must never run the server on
+the wrong gateway or in the wrong namespace).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import os
 from typing import Any, Mapping, Optional
 
 from adpkv_core.attachment import reconnect_setting
 from adpkv_core.keys import key_namespace as core_key_namespace
-from adpkv_core.settings import ClientConfig, parse_bool
+from adpkv_core.settings import ClientConfig, parse_bool, refuse_unknown
 
 logger = logging.getLogger("adpkv.sglang")
+
+# this backend's own extra-config keys besides the shared ones (ClientConfig.setting_names)
+OWN_KEYS = ("model_id", "revision", "engine_id", "skip_existing", "prefix_keys", "key_namespace")
+# SGLang's own keys of the extra config, never taken for a misspelling of ours
+SGLANG_KEYS = frozenset(("backend_name", "module_path", "class_name", "interface_v1", "allocator",
+                         "hicache_storage_pass_prefix_keys"))
+
+
+def check_keys(extra: Mapping[str, Any]) -> None:
+    """Refuse an ``adpkv.*`` key that is not ours and an unprefixed near miss of ours."""
+    ours = (*ClientConfig.setting_names(), *OWN_KEYS)
+    what = "extra-config key of the adpkv HiCache backend"
+    refuse_unknown((k for k in extra if isinstance(k, str) and k.startswith("adpkv.")),
+                   ["adpkv." + n for n in ours], what)
+    near = [k for k in extra if isinstance(k, str) and not k.startswith("adpkv.") and k not in ours
+            and k not in SGLANG_KEYS and difflib.get_close_matches(k, ours, n=1, cutoff=0.75)]
+    refuse_unknown(near, ours, what)
 
 
 @dataclasses.dataclass
@@ -53,11 +74,12 @@ class SglangSettings:
     @classmethod
     def from_storage_config(cls, storage_config) -> "SglangSettings":
         extra: Mapping[str, Any] = dict(getattr(storage_config, "extra_config", None) or {})
+        check_keys(extra)
         settings = dict(extra)
         for alias in ("key_namespace", "adpkv.key_namespace"):
             if alias in settings and "namespace" not in settings and "adpkv.namespace" not in settings:
                 settings["namespace"] = settings[alias]
-        client = ClientConfig.from_settings(settings, prefix="adpkv.")
+        client = ClientConfig.from_settings(settings, prefix="adpkv.", also=OWN_KEYS)
         model_id = _get(extra, "model_id") or getattr(storage_config, "model_name", None) or ""
         revision = str(_get(extra, "revision") or "")
         engine_id = str(_get(extra, "engine_id") or f"sglang-{os.getppid()}")

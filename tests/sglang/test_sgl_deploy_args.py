@@ -43,3 +43,25 @@ def test_a_wrong_option_is_caught():
     except SystemExit:
         return
     raise AssertionError("SGLang's parser took an option it does not have")
+
+
+def test_a_misspelt_setting_is_refused():
+    """The deploy manifest's extra config (SGLang's own keys and ours) is taken; a misspelt key of
+    ours, with or without ``adpkv.``, stops the backend naming the near miss (it was silently
+    ignored: the server ran on port 5557 with no namespace)."""
+    import pytest
+    from sgl_pools import storage_config
+
+    objects = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
+    spec = next(d for d in objects if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    container = next(c for c in spec["containers"] if c["name"] == "sglang")
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    extra = json.loads(parser.parse_args(container["args"]).hicache_storage_backend_extra_config)
+    from adpkv_sglang.config import SglangSettings
+    assert SglangSettings.from_storage_config(storage_config(extra)).client.port == extra["port"]
+    for typo, meant in (("prot", "port"), ("namesapce", "namespace"), ("adpkv.namesapce", "adpkv.namespace"),
+                        ("adpkv.skip_exsting", "adpkv.skip_existing")):
+        with pytest.raises(ValueError) as err:
+            AdpHiCacheStorage(storage_config({**extra, typo: 5590}))
+        assert f"'{typo}' (did you mean '{meant}'?)" in str(err.value), str(err.value)

@@ -303,6 +303,27 @@ def _register_as_rank(w, kv, rank):
     assert w.connector_worker.rank == rank and w.connector_worker.client.enabled
 
 
+def test_misspelt_settings_refused(model_dir):
+    """A misspelt ``adpkv.*`` key of kv_connector_extra_config stops the connector with the near
+    miss named (it was silently ignored: the engine ran on port 5557 with no namespace); vLLM's
+    own keys in the same dict (spec_name, block_size, ...) are left alone. The real connectors:
+    AdpKVConnector and vLLM's OffloadingConnector with AdpOffloadingSpec."""
+    from adpkv_vllm.common.settings import AdapterSettings
+
+    for offloading in (False, True):
+        with pytest.raises(ValueError) as err:
+            Harness(model_dir, 1, offloading=offloading, extra={"adpkv.prot": 5590, "adpkv.namesapce": "x"})
+        text = str(err.value)
+        assert "'adpkv.prot' (did you mean 'adpkv.port'?)" in text, text
+        assert "'adpkv.namesapce' (did you mean 'adpkv.namespace'?)" in text, text
+    with pytest.raises(ValueError, match=r"'adpkv.chunk_sise' \(did you mean 'adpkv.chunk_size'\?\)"):
+        AdapterSettings.from_extra_config({"adpkv.chunk_sise": 64}, 32)
+    ok = AdapterSettings.from_extra_config({"spec_name": "X", "block_size": 16, "cpu_bytes_to_use": 1,
+                                            "adpkv.chunk_size": 64, "adpkv.exist_layers": "all",
+                                            "adpkv.reconnect_s": 1, "adpkv.direct_map_bytes": 0}, 32)
+    assert ok.chunk_size == 64 and ok.exist_layers == "all"
+
+
 def test_namespace_settings():
     """adpkv.namespace alone is the namespace; adpkv.key_namespace_from_model derives it from the
     model identity (adpkv_core.keys.key_namespace). Changed meaning: with both set, the identity

@@ -12,7 +12,7 @@ import math
 import os
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 from adpkv_core.keys import DEFAULT_NAMESPACE, chunk_digest, key_namespace
 from adpkv_core.settings import ClientConfig, parse_bool
@@ -53,6 +53,11 @@ class AdapterSettings:
     nvlink_fanout: bool = False     # MLA with TP: each rank copies its share, NVLink the rest (connector/fanout.py)
     direct_map_bytes: int = 0       # > 0: restores from mapped object files, this many bytes mapped at most (0: off)
 
+    # this adapter's own ``adpkv.*`` settings besides the shared ones (ClientConfig.setting_names)
+    # and the chunk size: every other ``adpkv.`` key is refused (ClientConfig.from_settings)
+    OWN: ClassVar[tuple[str, ...]] = ("exist_layers", "lookup_wait_s", "respect_fail_policy",
+                                      "nvlink_fanout", "direct_map_bytes")
+
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, block_size: int,
                           chunk_key: str = "chunk_size", hash_block_size: int | None = None,
@@ -69,7 +74,8 @@ class AdapterSettings:
         its replay boundary), so a hit needs an object boundary at every block boundary: with
         chunks of k blocks, k - 1 prompts in k would find no state at a chunk boundary."""
         extra = dict(extra or {})
-        client = ClientConfig.from_settings(extra, prefix=PREFIX)
+        client = ClientConfig.from_settings(extra, prefix=PREFIX, also=(*cls.OWN, chunk_key),
+                                            where="adpkv.* key of kv_connector_extra_config")
         unit = math.lcm(block_size, hash_block_size or block_size)
         raw = extra.get(PREFIX + chunk_key, extra.get(chunk_key))
         chunk = rounded_chunk(raw, unit, PREFIX + chunk_key, unit if one_block_chunks else None)

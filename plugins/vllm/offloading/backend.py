@@ -88,7 +88,8 @@ class OffloadBackend:
     @classmethod
     def from_config(cls, config) -> "OffloadBackend":
         extra = dict(config.extra_config or {})
-        client_config = ClientConfig.from_settings(extra, prefix="adpkv.")
+        client_config = ClientConfig.from_settings(extra, prefix="adpkv.", also=("shard_reads",),
+                                                   where="adpkv.* key of AdpOffloadingSpec's kv_connector_extra_config")
         if not client_config.namespace:
             logger.warning("adpkv: no adpkv.namespace set; required on shared cards (the model and page "
                            "geometry are in the keys, the deployment is not)")

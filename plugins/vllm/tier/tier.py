@@ -85,7 +85,7 @@ with required_vllm_api(
 from adpkv_core.attachment import Attachment, Session, reconnect_setting
 from adpkv_core.keys import KIND_TIER_ROW, KeyBuilder, key_namespace
 from adpkv_core.regions import shared_file_of
-from adpkv_core.settings import ClientConfig
+from adpkv_core.settings import ClientConfig, refuse_unknown
 
 from ..common.settings import ConfigInfoLabels, ensure_logging
 from .events import TierEvents
@@ -136,9 +136,8 @@ def tier_identity(spec: "OffloadingSpec", row_bytes: int) -> dict:
 
 
 def _known_settings() -> set[str]:
-    import dataclasses
-    names = {f.name for f in dataclasses.fields(ClientConfig)} | {"reconnect_s"}
-    return names | {"adpkv." + n for n in names}
+    names = set(ClientConfig.setting_names())
+    return names | {"adpkv." + n for n in names} | {"locality", "enable_kv_events", "events_sweep_s"}
 
 
 class _Lookups(AsyncLookupManager):
@@ -213,9 +212,7 @@ class AdpSecondaryTier(SecondaryTierManager):
                  **settings: Any):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         ensure_logging()
-        unknown = sorted(set(settings) - _known_settings())
-        if unknown:
-            raise ValueError(f"adpkv: unknown setting(s) of the AdpSecondaryTier: {', '.join(unknown)}")
+        refuse_unknown(settings, _known_settings(), "setting of the AdpSecondaryTier")
         self.locality = Locality(str(locality).upper()) if locality else None
         self.client_config = ClientConfig.from_settings(settings, prefix="adpkv.")
         self.reconnect_s = reconnect_setting(settings)

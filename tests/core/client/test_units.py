@@ -253,3 +253,20 @@ def test_fs_card_read_hashed_in_pieces_is_exact_and_catches_damage(tmp_path, siz
     open(path, "wb").write(bytes(raw))
     assert card.read(0, key, memoryview(bytearray(size)), write_id=5) is Read.BAD_CHECKSUM
     assert card.contains_many([(0, key)]) == [False]   # a corrupt object is dropped: a miss
+
+
+def test_settings_misspelt_key_refused():
+    """A misspelt ``adpkv.*`` key is an error naming the near miss (it was silently ignored:
+    port 5557 and no namespace); keys without the prefix (the engine's) are left alone."""
+    with pytest.raises(ValueError) as err:
+        ClientConfig.from_settings({"adpkv.prot": 5590, "adpkv.namesapce": "x"}, prefix="adpkv.")
+    text = str(err.value)
+    assert "'adpkv.prot' (did you mean 'adpkv.port'?)" in text, text
+    assert "'adpkv.namesapce' (did you mean 'adpkv.namespace'?)" in text, text
+    assert "\n" not in text
+    with pytest.raises(ValueError, match=r"'adpkv.chunk_size'"):
+        ClientConfig.from_settings({"adpkv.chunk_size": 64}, prefix="adpkv.")     # not ours here
+    cfg = ClientConfig.from_settings({"adpkv.chunk_size": 64, "spec_name": "X", "block_size": 16,
+                                      "adpkv.port": 5590, "adpkv.reconnect_s": 1},
+                                     prefix="adpkv.", also=("chunk_size",))
+    assert cfg.port == 5590

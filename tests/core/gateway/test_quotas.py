@@ -206,11 +206,13 @@ def test_usage_lists_tenants_with_their_quotas(start_gateway, tmp_path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     a_line = next(l for l in lines if "tenant-a" in l)
-    assert f"{3 * ON_DISK} bytes" in a_line and "3 objects" in a_line and f"quota {QUOTA} bytes" in a_line
+    assert f"{3 * ON_DISK / (1 << 20):.2f} MiB ({3 * ON_DISK} bytes), 3 objects" in a_line, a_line
+    assert f"quota {QUOTA / (1 << 20):.2f} MiB ({QUOTA} bytes) per card" in a_line, a_line
     assert "0 evicted over quota, 0 by the card's LRU" in a_line
     b_line = next(l for l in lines if f"id:{B_ID}" in l)          # known by its id only
-    assert f"{2 * ON_DISK} bytes" in b_line and "no quota" in b_line
-    assert any(f"id:{'00' * 8}" in l and "quota 4096 bytes" in l for l in lines), "an unused quota is listed"
+    assert f"({2 * ON_DISK} bytes)" in b_line and "no quota" in b_line
+    assert any(f"id:{'00' * 8}" in l and "quota 0.00 MiB (4096 bytes) per card" in l for l in lines), \
+        "an unused quota is listed"
 
     # the same in the metrics (the status file, parsed by prometheus_client's own parser)
     want = {("namespace_used_bytes", "tenant-a"): 3 * ON_DISK, ("namespace_objects", "tenant-a"): 3,

@@ -21,5 +21,5 @@ def test_bench_prints_ratios(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.strip().splitlines()
-    assert re.fullmatch(r"store_vs_raw=\d+\.\d\d restore_vs_raw=\d+\.\d\d", lines[-1]), lines[-1]
+    assert re.fullmatch(r"store_vs_raw=\d+\.\d\d restore_vs_raw=\d+\.\d\d \(cold 1 MiB\)", lines[-1]), lines[-1]
     assert sum(" GB/s" in line for line in lines) == 4      # 2 sizes x cold/hot

@@ -62,7 +62,7 @@ def test_status_and_usage_take_the_options_before_or_after_the_subcommand(gatewa
     for argv in (["usage", "--port", str(port)], ["usage", "--config", yaml_path]):
         out = run(ADPKV + argv)
         assert out.returncode == 0, (argv, out.stdout, out.stderr)
-        assert "bytes used of" in out.stdout
+        assert "MiB used of" in out.stdout
 
 
 def test_an_option_after_the_subcommand_is_the_one_used(tmp_path):
@@ -75,17 +75,39 @@ def test_an_option_after_the_subcommand_is_the_one_used(tmp_path):
     assert out.returncode == 1 and f"127.0.0.1:{port}" in out.stderr, out.stderr
 
 
+def _objects_on_cards(port: int) -> int:
+    return sum(c["objects"] for c in control.request(port, {"op": "STATS"})["stats"]["cards"])
+
+
 def test_bench_takes_the_config_after_the_subcommand(gateway, tmp_path):
-    """``adpkv bench --config gateway.yaml`` measures the running gateway of that YAML."""
+    """``adpkv bench --config gateway.yaml`` measures the running gateway of that YAML, in the
+    regime that gateway runs (its YAML has no o_direct: hot, the raw baseline through the page
+    cache too: it compared a page-cache restore with O_DIRECT reads), and leaves its card as it
+    found it (its objects used to stay on the live card)."""
     before = control.request(gateway.port, {"op": "STATS"})["stats"]["objects"].get("stored", 0)
+    objects = _objects_on_cards(gateway.port)
     out = run(ADPKV + ["bench", "--config", _yaml(tmp_path, gateway.port), "--sizes", "128KiB",
-                       "--total", "4MiB", "--repeat", "1", "--regime", "hot", "--dir", str(tmp_path / "b")],
+                       "--total", "4MiB", "--repeat", "1", "--dir", str(tmp_path / "b")],
               timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert re.fullmatch(r"store_vs_raw=\d+\.\d\d restore_vs_raw=\d+\.\d\d",
+    assert re.fullmatch(r"store_vs_raw=\d+\.\d\d restore_vs_raw=\d+\.\d\d \(hot 128 KiB\)",
                         out.stdout.strip().splitlines()[-1]), out.stdout
+    assert "regime hot (o_direct: false in" in out.stdout and "hot    128 KiB" in out.stdout, out.stdout
     after = control.request(gateway.port, {"op": "STATS"})["stats"]["objects"].get("stored", 0)
     assert after >= before + 32, "the bench must have stored through the gateway of the YAML"
+    assert _objects_on_cards(gateway.port) == objects, "the bench must remove what it stored"
+
+
+def test_bench_help_says_what_it_does_and_each_option():
+    out = run(ADPKV + ["bench", "--help"])
+    text = " ".join(out.stdout.split())
+    assert out.returncode == 0
+    assert "starts its own gateway for each regime and size" in text and "deletes every object it stored" in text
+    options = out.stdout.split("options:", 1)[1]
+    for option in ("--sizes", "--regime", "--ranks", "--total", "--per-request", "--threads", "--repeat", "--dir"):
+        # the option's entry, then its help text (on its line or the next), before the next option
+        entry = re.search(rf"^  {option}(?: \S+)?(.*?)(?=^  -)", options + "\n  -", re.M | re.S)
+        assert entry and entry.group(1).strip(), (option, options)
 
 
 # ---------------------------------------------------------------------------- adpkv-gateway

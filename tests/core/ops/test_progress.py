@@ -183,7 +183,8 @@ def test_bench_draws_a_bar_on_a_terminal_and_none_when_piped(tmp_path):
     assert re.search(r"\[#{30}\] 100\.0% 2/2 runs", tty), tty
     piped = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0 and "\033[K" not in piped.stderr + piped.stdout
-    assert re.fullmatch(r"store_vs_raw=\d+\.\d\d restore_vs_raw=\d+\.\d\d", piped.stdout.strip().splitlines()[-1])
+    assert re.fullmatch(r"store_vs_raw=\d+\.\d\d restore_vs_raw=\d+\.\d\d \((cold|hot) \d+ [KMG]iB\)",
+                        piped.stdout.strip().splitlines()[-1])
 
 
 def _stop_while_indexing(proc, card_root: str, deadline: float) -> bool:
