@@ -13,11 +13,10 @@ from __future__ import annotations
 import os
 import uuid
 
-from adpkv_vllm.common.settings import chunk_hashes
 from engine_run import engine_prompts, run_subprocess
 from harness import Harness
 from test_engine import connector
-from test_scheduler import CHUNK, store, tokens
+from test_scheduler import CHUNK, lose_middle_layer_object, store, tokens
 
 
 def test_restores_load_before_the_request_runs_and_are_exact(gateway, model_dir):
@@ -47,9 +46,7 @@ def test_a_lost_object_is_recomputed_not_read(gateway, model_dir3):
     try:
         # EXIST looks at the first and the last layer: a lost middle-layer object is only
         # found by the GET, which fails the load; vLLM recomputes the request
-        digests = chunk_hashes(stored.block_hashes, CHUNK // 32, 10)
-        keys = h.worker.config.keys.keys([digests[2]], [1])
-        assert h.worker.connector_worker.client.delete(keys).result(5) == 1
+        lose_middle_layer_object(h, stored, chunk=2)
         req = h.add(toks, max_tokens=4)
         so, loads = h.step_until_scheduled(req)
         assert loads and (h.failed_recving or any(h.load_errors))

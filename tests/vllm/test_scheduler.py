@@ -113,6 +113,14 @@ def test_partial_local_hit_loads_only_the_missing_blocks(gateway, model_dir):
         h.close()
 
 
+def lose_middle_layer_object(h: Harness, stored, chunk: int) -> None:
+    """Delete one chunk's object of layer 1 (of 3) through the gateway: the lookup's EXIST of
+    the end layers still finds the chunk, the GET of layer 1 misses."""
+    digests = chunk_hashes(stored.block_hashes, CHUNK // 32, 10)
+    keys = h.worker.config.keys.keys([digests[chunk]], [1])
+    assert h.worker.connector_worker.client.delete(keys).result(5) == 1
+
+
 def test_a_failed_layer_load_is_recomputed_and_saved_again(gateway, model_dir3):
     toks = tokens(500, 5)
     ns = f"s-{uuid.uuid4().hex[:6]}"
@@ -121,9 +129,7 @@ def test_a_failed_layer_load_is_recomputed_and_saved_again(gateway, model_dir3):
     try:
         # EXIST looks at the first and the last layer: a lost middle-layer object is only
         # found by the GET, which must report its blocks so that vLLM recomputes them.
-        digests = chunk_hashes(stored.block_hashes, CHUNK // 32, 10)
-        keys = h.worker.config.keys.keys([digests[2]], [1])
-        assert h.worker.connector_worker.client.delete(keys).result(5) == 1
+        lose_middle_layer_object(h, stored, chunk=2)
         req = h.add(toks, max_tokens=4)
         so, meta = h.step()
         assert sum(len(p.digests) for p in meta.loads) == 7

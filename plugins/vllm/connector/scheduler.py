@@ -17,6 +17,7 @@ The scheduler is not a rank: it attaches as a lookup-only peer of the engine
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -105,6 +106,18 @@ class _ReqState:
 
     def blocks(self, g: CacheGroup) -> list[int]:
         return self.block_ids.get(g.index, [])
+
+    def first_chunk_of(self, blocks: Iterable[int], bpc: int) -> int:
+        """The first chunk that holds one of ``blocks`` in any group (0 for a block it does not
+        hold): where the saves of a request whose load failed there must start again."""
+        return min(next((ids.index(b) // bpc for ids in self.block_ids.values() if b in ids), 0)
+                   for b in blocks)
+
+
+def _scheduled(scheduler_output: "SchedulerOutput", req_id: str) -> tuple[int, int]:
+    """(tokens scheduled for the request this step, of them its speculative draft tokens)."""
+    return (scheduler_output.num_scheduled_tokens.get(req_id, 0),
+            len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())))
 
 
 # =============================================================================== role
@@ -302,8 +315,7 @@ class AdpConnectorScheduler:
             return True
         if self.cfg.full_graphs != "uniform_decode":
             return False
-        n_sched = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-        n_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+        n_sched, n_spec = _scheduled(scheduler_output, req_id)
         return n_sched <= 1 + n_spec
 
     def _followed(self, req_id: str) -> Optional[tuple["Request", int]]:
@@ -375,8 +387,7 @@ class AdpConnectorScheduler:
         """Chunks that are full once this step has run, per KV cache group."""
         cfg = self.cfg
         bpc = cfg.blocks_per_chunk
-        n_sched = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-        n_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+        n_sched, n_spec = _scheduled(scheduler_output, req_id)
         after = before + n_sched - n_spec
         full = min([after // cfg.chunk_size, len(request.block_hashes) // cfg.hashes_per_chunk]
                    + [len(st.blocks(g)) // bpc for g in cfg.groups if not g.recurrent])
@@ -436,8 +447,7 @@ class AdpConnectorScheduler:
                 self._load_failed.add(req_id)
                 st = self._reqs.get(req_id)
                 if st is not None:
-                    c = min(next((ids.index(b) // bpc for ids in st.block_ids.values() if b in ids), 0)
-                            for b in self._async_loading[req_id] & invalid)
+                    c = st.first_chunk_of(self._async_loading[req_id] & invalid, bpc)
                     st.saved_chunks = min(st.saved_chunks, c)
                     st.restored_chunks = min(st.restored_chunks, c)
                     st.draft_saved = min(st.draft_saved, c)
@@ -452,8 +462,7 @@ class AdpConnectorScheduler:
             bad = [b for b in dst if b in invalid]
             if bad:
                 # the first chunk holding a failed block (and the ones after) must be saved again
-                c = min(next((ids.index(b) // bpc for ids in st.block_ids.values() if b in ids), 0)
-                        for b in bad)
+                c = st.first_chunk_of(bad, bpc)
                 st.saved_chunks = min(st.saved_chunks, c)
                 st.draft_saved = min(st.draft_saved, c)
 

@@ -289,8 +289,7 @@ class AdpConnectorWorker:
             self._load_futs[name] = (fut, index, load)
         self._settle_before_pass()
         if meta.loads_before_pass:     # a FULL CUDA graph calls no wait_for_layer_load
-            for name in list(self._load_futs):
-                self._settle_load(name, *self._load_futs.pop(name))
+            self._settle_all_loads()
 
     def _get_layer(self, client, ring, name: str, index: ChunkPlanIndex, tag: Optional[str],
                    share: Optional[LayerLoad] = None):
@@ -395,6 +394,11 @@ class AdpConnectorWorker:
         if entry is not None:
             self._settle_load(layer_name, *entry)
 
+    def _settle_all_loads(self) -> None:
+        """Every layer GET of this step not waited for yet, waited for (in layer order)."""
+        for name in list(self._load_futs):
+            self._settle_load(name, *self._load_futs.pop(name))
+
     def _settle_load(self, name: str, fut, index: ChunkPlanIndex, load: Optional[LayerLoad]) -> None:
         try:
             hits = fut.result() if fut is not None else [False] * len(index.digests)
@@ -420,8 +424,7 @@ class AdpConnectorWorker:
 
     def wait_for_save(self, meta: Any) -> None:
         # every GET of this step is settled before the step ends (errors are reported now)
-        for name in list(self._load_futs):
-            self._settle_load(name, *self._load_futs.pop(name))
+        self._settle_all_loads()
         if isinstance(meta, AdpConnectorMetadata):
             with self._lock:
                 self._had_saves.update(p.req_id for p in meta.saves)
@@ -507,7 +510,7 @@ class AdpConnectorWorker:
         fut = client.put(keys, obj, on_batch, marks=marks * len(layer_names), tag=tag, slice=sl)
         fut.add_done_callback(lambda f: job.done())
         direct = self.direct
-        if direct is not None and tag is None and not any(h is not None for h in heads) and not group.recurrent:
+        if direct is not None and tag is None and all(h is None for h in heads) and not group.recurrent:
             # what this rank stored is mapped in the background (within direct_map_bytes), so a
             # prompt that returns to this engine restores by the copy-free path the first time
             all_marks = marks * len(layer_names)
@@ -582,8 +585,7 @@ class AdpConnectorWorker:
         # every GET of the step is settled now: with speculative decoding vLLM asks for the
         # errors after the target's pass but before the drafter's (whose layers are still
         # pending here) and before wait_for_save
-        for name in list(self._load_futs):
-            self._settle_load(name, *self._load_futs.pop(name))
+        self._settle_all_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
