@@ -323,8 +323,8 @@ class Bench:
         gw = self.main_gateway()
         card = gw.card_dirs[0]
         dropped = drop_page_cache(card)
+        # O_DIRECT reads leave nothing in the page cache: the card stays cold for the restore
         self.report["figures"]["o_direct"] = o_direct_read(card, self.args.odirect_gib, self.args.threads)
-        drop_page_cache(card)
         res = self.phase("cold", [{"do": "serve", "prompts": list(self.prompts), "label": "cold"}],
                          ktc=self.adp_connector(gw, **{"adpkv.direct_map_bytes": 0}), gw=gw)
         self.report["figures"]["cold_drop"] = dropped
@@ -432,21 +432,23 @@ class Bench:
         self.other_model("hybrid")
 
     def stop(self, gw) -> None:
-        adopted = getattr(gw, "adopted", None)
-        if adopted is not None:
-            adopted.kill()
-        elif gw.alive():
-            gw.stop()
+        """A phase's own gateway stopped, its card removed (the disk holds one card at a time)."""
+        halt(gw)
         shutil.rmtree(gw.card_dirs[0], ignore_errors=True)
         self.gateways.remove(gw)
 
     def stop_gateways(self) -> None:
         for gw in list(self.gateways):
-            adopted = getattr(gw, "adopted", None)
-            if adopted is not None:
-                adopted.kill()
-            elif gw.alive():
-                gw.stop()
+            halt(gw)
+
+
+def halt(gw) -> None:
+    """Stop a gateway: the driver's process, or the one a phase restarted (adopted by pid)."""
+    adopted = getattr(gw, "adopted", None)
+    if adopted is not None:
+        adopted.kill()
+    elif gw.alive():
+        gw.stop()
 
 
 def gateway_pid(gw) -> int:

@@ -5,8 +5,10 @@ a gateway or the card's index (a PUT costs a round trip and an index commit each
 from __future__ import annotations
 
 import os
+import time
 
 from adpkv_core.keys import KeyBuilder
+from adpkv_gateway import control
 from adpkv_gateway.cards.fs import FsCard
 from adpkv_gateway.cards.fs_files import object_name
 from adpkv_gateway.cards.objfile import Scratch, write_object_file
@@ -66,3 +68,25 @@ def files_on_disk(root: str) -> tuple[int, int]:
                 nbytes += entry.stat().st_size
                 files += 1
     return nbytes, files
+
+
+def gateway_stats(port: int, timeout_s: float = 10.0) -> dict:
+    """The gateway's STATS (a failure when it does not answer within ``timeout_s``)."""
+    reply = control.request(port, {"op": "STATS"}, timeout_s=timeout_s)
+    assert reply is not None, "the gateway did not answer STATS"
+    return reply["stats"]
+
+
+def settled_card(port: int, timeout_s: float = 120.0, stats_timeout_s: float = 10.0) -> dict:
+    """The first card's STATS figures once the card's background work at start (the index
+    scan, its check and trim: STATS ``work``) has ended: until then the index is still catching
+    up with the disk, by design. A failure when that work outlasts ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        figures = gateway_stats(port, stats_timeout_s)
+        busy = [w.get("what", "") for w in figures.get("work", [])
+                if any(k in w.get("what", "") for k in ("indexing", "checking", "trimming"))]
+        if not busy:
+            return figures["cards"][0]
+        assert time.monotonic() < deadline, f"the card's start-up work did not end in {timeout_s} s: {busy}"
+        time.sleep(0.05)

@@ -26,13 +26,12 @@ from hypothesis import strategies as st
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
 from adpkv_gateway.cards.base import Read
 from adpkv_gateway.cards.fs import FsCard
 from adpkv_gateway.cards.fs_files import object_name
 from adpkv_gateway.fragments import fragment_db, fragment_extents, fragment_key
 
-from ..fs_cards import files_on_disk, object_paths
+from ..fs_cards import files_on_disk, gateway_stats, object_paths, settled_card
 from ..gateway.reliability_worker import payload
 
 OBJ = 2_000_001                 # three fragments of 700,000 bytes (the last 600,001)
@@ -44,25 +43,6 @@ _KB = KeyBuilder("issue40")
 
 def key_of(i: int) -> bytes:
     return _KB.key(f"k{i}".encode(), layer=0)
-
-
-def stats(port: int) -> dict:
-    reply = control.request(port, {"op": "STATS"}, timeout_s=10.0)
-    assert reply is not None, "the gateway did not answer STATS"
-    return reply["stats"]
-
-
-def settled_usage(port: int, timeout_s: float = 120.0) -> dict:
-    """The card's STATS once its work at start (scan, snapshot check, trim) has ended."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        figures = stats(port)
-        busy = [w.get("what", "") for w in figures.get("work", [])
-                if any(k in w.get("what", "") for k in ("indexing", "checking", "trimming"))]
-        if not busy:
-            return figures["cards"][0]
-        assert time.monotonic() < deadline, f"the card's start-up work did not end: {busy}"
-        time.sleep(0.05)
 
 
 class Client:
@@ -169,7 +149,7 @@ def test_eviction_never_removes_a_later_write(start_gateway):
     hits = client.get(keys, wrong).result(timeout=60)
     client.close()
     unreadable = [i for i, (p, h) in enumerate(zip(present, hits)) if p and not h]
-    card = stats(gw.port)["cards"][0]
+    card = gateway_stats(gw.port)["cards"][0]
     missing_logged = gw.log().count(MISSING_LINE)
     print(f"[issue40] race: {counts}; evicted {card['evicted']}; present-but-unreadable at the end "
           f"{len(unreadable)}; files of indexed objects found missing by reads {missing_logged}")
@@ -206,7 +186,7 @@ def test_start_leaves_no_orphan_fragment(start_gateway, tmp_path, start):
     extents = fragment_extents(OBJ, FRAG)
     assert len(extents) == 3
     _store_objects(gw.port, keys)
-    settled_usage(gw.port)
+    settled_card(gw.port)
     assert files_on_disk(card)[1] == 24
     gw.kill()
     kept = {}
@@ -224,7 +204,7 @@ def test_start_leaves_no_orphan_fragment(start_gateway, tmp_path, start):
         os.utime(path, (old, old))
     if start == "snapshot":
         gw = start_gateway(**settings_)         # a scan removes the broken objects ...
-        settled_usage(gw.port)
+        settled_card(gw.port)
         gw.stop()                               # ... a clean stop saves the snapshot of an empty card
         assert os.path.exists(os.path.join(card, ".adpkv-index"))
         # the orphans back, as a start that left them behind would have (its snapshot then
@@ -240,7 +220,7 @@ def test_start_leaves_no_orphan_fragment(start_gateway, tmp_path, start):
         for d, t in times.items():
             os.utime(d, ns=(t, t))
     gw = start_gateway(**settings_)
-    usage = settled_usage(gw.port)
+    usage = settled_card(gw.port)
     nbytes, files = files_on_disk(card)
     log = gw.log()
     if start == "snapshot":

@@ -28,7 +28,7 @@ from adpkv_gateway.fragments import fragment_extents
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 
-from ..fs_cards import object_dirs
+from ..fs_cards import gateway_stats, object_dirs, settled_card
 from .reliability_worker import key_of, payload
 
 pytestmark = pytest.mark.reliability
@@ -63,12 +63,6 @@ def wait_for(pred, timeout_s: float, what: str, every_s: float = 0.005):
         time.sleep(every_s)
 
 
-def stats(port: int) -> dict:
-    reply = control.request(port, {"op": "STATS"}, timeout_s=5.0)
-    assert reply is not None, "the gateway did not answer STATS"
-    return reply["stats"]
-
-
 def on_disk(card: str) -> tuple[int, int, list[str]]:
     """(bytes, object files, temporary files) under the card's db* directories."""
     total = files = 0
@@ -85,19 +79,9 @@ def on_disk(card: str) -> tuple[int, int, list[str]]:
 
 
 def usage_vs_disk(port: int, card: str, timeout_s: float = 120.0) -> dict:
-    """The card's usage against its files, once the card's background work at start (the
-    index scan, its check and trim: STATS ``work``) has ended: until then the index is still
-    catching up with the disk, by design."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        figures = stats(port)
-        busy = [w.get("what", "") for w in figures.get("work", [])
-                if any(k in w.get("what", "") for k in ("indexing", "checking", "trimming"))]
-        if not busy:
-            break
-        assert time.monotonic() < deadline, f"the card's start-up work did not end in {timeout_s} s: {busy}"
-        time.sleep(0.1)
-    c = figures["cards"][0]
+    """The card's usage against its files, once the card's background work at start has ended
+    (``fs_cards.settled_card``)."""
+    c = settled_card(port, timeout_s, stats_timeout_s=5.0)
     total, files, temps = on_disk(card)
     return {"usage_bytes": c["used_bytes"], "disk_bytes": total, "usage_objects": c["objects"],
             "disk_files": files, "temp_files": temps}
@@ -409,7 +393,7 @@ def test_client_kill9_mid_transfer(start_gateway, writers, tmp_path):
         up = gw.alive() and control.request(gw.port, {"op": "PING"}) is not None
         totals["gateway_stayed_up"] += up
         freed = wait_for(lambda: (lambda s: s["ring_in_use"] == 0 and s["requests_in_flight"] == 0
-                                  and s["engine"] is None and s)(stats(gw.port)), 20,
+                                  and s["engine"] is None and s)(gateway_stats(gw.port, 5.0)), 20,
                          "the gateway to drop the dead client and free its ring", every_s=0.05)
         totals["ring_freed"] += bool(freed)
         totals["max_ring_free_s"] = max(totals["max_ring_free_s"], round(time.monotonic() - t_kill, 2))
@@ -514,7 +498,7 @@ def test_eviction_with_fragments_under_load(start_gateway, writers, tmp_path):
         print(f"[reliability] eviction round {r + 1}: {_public(res)}; usage {ud['usage_bytes']} B / disk "
               f"{ud['disk_bytes']} B; re-PUT {len(again)} evicted (of them present-but-unreadable "
               f"{len(unreadable)}): stored {sum(flags.stored)}, answered existed {sum(flags.existed)}, read back {sum(hits)}")
-    fig["evicted_fragments"] = stats(gw.port)["cards"][0]["evicted"]
+    fig["evicted_fragments"] = gateway_stats(gw.port, 5.0)["cards"][0]["evicted"]
     fig["capacity_bytes"] = capacity
     _figures("eviction_fragments", **fig)
     assert fig["evicted_fragments"] > 0, "eviction never ran"
