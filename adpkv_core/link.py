@@ -7,6 +7,12 @@ copy callbacks of ring batches (``request.BatchCallback``) and answers each batc
 sends heartbeats, watches every request's deadline and the door (its hang-up means the
 gateway is gone).
 
+A data request's deadline is ``timeout_s`` after the gateway last showed progress on it: a reply
+of its own (a batch, the end), or of a data request sent before it (the gateway serves a rank's
+requests in order, so a layer's GET queued behind a cold card's long reads waits while those
+move, however long the whole restore takes; a request the gateway no longer works on still
+times out once the ones before it are answered).
+
 When the gateway stops answering (a deadline passed, the door closed, it no longer
 knows this rank, a send failed) the link turns off (``turn_off``: logged once, before
 ``enabled`` reads False): every request in flight or queued resolves at once as a miss
@@ -63,6 +69,9 @@ class Link:
         os.set_blocking(self._wake_r, False)
         self._ctx: zmq.Context = zmq.Context.instance()
         self._last_send = time.monotonic()       # the gateway detaches a rank it has not heard from
+        # the oldest data request the gateway answered (a batch or the end) since the last
+        # deadline check: every later request's deadline moves on (see the module)
+        self._progress_from: Optional[int] = None
         self._thread = threading.Thread(target=self._run, name=f"adpkv-client-{rank}", daemon=True)
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -198,6 +207,12 @@ class Link:
 
     def _check_time(self):
         now = time.monotonic()
+        if self._progress_from is not None:
+            later = now + self.config.timeout_s
+            for req_id, pending in self._pending.items():
+                if req_id > self._progress_from and pending.ok is not None:
+                    pending.deadline = max(pending.deadline, later)
+            self._progress_from = None
         for pending in self._pending.values():
             if now > pending.deadline:
                 self.turn_off(f"{pending.op} got no answer within {self.config.timeout_s:.1f} s")
@@ -227,6 +242,8 @@ class Link:
         if pending is None:
             return
         pending.deadline = time.monotonic() + self.config.timeout_s
+        if pending.ok is not None and (self._progress_from is None or req_id < self._progress_from):
+            self._progress_from = req_id          # a data request moved: those after it wait on
         if isinstance(msg, P.Batch):
             if pending.on_batch is not None:
                 self._run_batch(msg, pending)

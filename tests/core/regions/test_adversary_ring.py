@@ -22,7 +22,6 @@ import os
 import select
 import shutil
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -38,6 +37,7 @@ from adpkv_core.settings import ClientConfig
 
 from ..adversary import as_nobody
 from ..rankproc import make_keys, pattern
+from ..stall import Stall
 
 OBJ = 256 << 10          # one read piece of the fs card's page-cache path (hashing after each piece)
 
@@ -335,44 +335,6 @@ def _scribble(slot):
 # shm_buffer: the /dev/shm buffer fixture of tests/core/conftest.py
 
 
-class _Tracer:
-    """strace on every thread of a process, holding each ``pwrite``/``pwritev`` at its entry for
-    ``seconds``: a gateway stalled after its checks, right before its write into a region (the
-    window of item 10), made deterministic. ``until(text)`` waits for a line of its output."""
-
-    def __init__(self, pid: int, seconds: float):
-        if shutil.which("strace") is None:
-            pytest.fail("this test needs strace (apt-get install -y strace) to stall the gateway at a system call")
-        self.proc = subprocess.Popen(["strace", "-f", "-p", str(pid), "-e", "trace=pwrite64,pwritev",
-                                      "-e", f"inject=pwrite64,pwritev:delay_enter={int(seconds * 1e6)}"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self._buf = b""
-        if not self.until(f"Process {pid} attached", 20):
-            self.stop()
-            pytest.fail("strace could not attach to the gateway (it needs ptrace: CAP_SYS_PTRACE)")
-
-    def until(self, text: str, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        fd = self.proc.stderr.fileno()
-        while True:
-            *lines, self._buf = self._buf.split(b"\n")
-            for i, line in enumerate(lines):
-                if text.encode() in line:
-                    self._buf = b"\n".join(lines[i + 1:] + [self._buf])
-                    return True
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return False
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return False
-            self._buf += chunk
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-
 def test_a_gateway_stalled_between_its_check_and_its_write_never_writes_a_given_up_buffer(gateway, shm_buffer):
     """A region GET whose gateway stalls right after it checked ``write_by`` and before its
     ``pwrite`` (held there 3 s) while the client gives up after 1.5 s: once the client resolved
@@ -393,7 +355,7 @@ def test_a_gateway_stalled_between_its_check_and_its_write_never_writes_a_given_
         assert c.put_from(region, [0, obj], keys, obj).result(10).stored == [True, True]
         dst = [4 << 20, (4 << 20) + obj]
         arr[4 << 20:(4 << 20) + 2 * obj] = bytes(2 * obj)
-        tracer = _Tracer(gateway.proc.pid, 3.0)
+        tracer = Stall(gateway.proc.pid, 3.0, "pwrite64,pwritev")
         t0 = time.monotonic()
         hits = c.get_into(region, dst, keys, obj).result(20)
         resolved_after = time.monotonic() - t0
