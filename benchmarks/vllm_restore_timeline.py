@@ -76,7 +76,8 @@ def main() -> None:
                         log_path=os.path.join(args.workdir, "timeline-gateway.log"), shared_memory_size=1 << 30)
     gw.start()
     conn = {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"adpkv.port": gw.port, "adpkv.namespace": "ttft-bench"}}
+            "kv_connector_extra_config": {"adpkv.port": gw.port, "adpkv.namespace": "ttft-bench",
+                                          "adpkv.load_choice": "always"}}
     max_len = max(lengths) + 512
     spec = dict(model=os.path.join(args.workdir, f"model-{args.arch}"), dtype=HYBRID_MODELS[args.arch]["dtype"],
                 block_size=None, prompts=[warm, prompts[lengths.index(args.length)]], connector=conn,

@@ -49,7 +49,7 @@ def main() -> None:
     gw.start()
     conn = {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm", "kv_role": "kv_both",
             "kv_connector_extra_config": {"adpkv.port": gw.port, "adpkv.namespace": "tp-bench",
-                                          "adpkv.chunk_size": 256, "adpkv.timeout_s": 30}}
+                                          "adpkv.chunk_size": 256, "adpkv.timeout_s": 30, "adpkv.load_choice": "always"}}
     p1, p2 = ([random.Random(s).randrange(3, 1000) for _ in range(args.length)] for s in (71, 72))
     warm = [random.Random(73).randrange(3, 1000) for _ in range(64)]
     common = dict(timeout=1800, max_model_len=args.length + 64,

@@ -107,7 +107,7 @@ def main() -> None:
                         shared_memory_size=1 << 30)
     gw.start()
     try:
-        extra = {"adpkv.port": gw.port, "adpkv.namespace": "ttft-bench"}
+        extra = {"adpkv.port": gw.port, "adpkv.namespace": "ttft-bench", "adpkv.load_choice": "always"}
         if args.chunk:
             extra["adpkv.chunk_size"] = args.chunk
         conn = {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm",

@@ -75,7 +75,9 @@ class Harness:
                     "adpkv.busy_wait_s": 5.0}
             connector = dict(kv_connector="OffloadingConnector")
         else:
+            # every hit loaded: these tests check restores, not the choice (test_load_choice.py)
             conf = {"adpkv.port": port, "adpkv.namespace": namespace, "adpkv.chunk_size": chunk_size,
+                    "adpkv.load_choice": "always",
                     "adpkv.timeout_s": 2.0, "adpkv.busy_wait_s": 5.0, "adpkv.lookup_wait_s": 2.0}
             connector = dict(kv_connector="AdpKVConnector", kv_connector_module_path="adpkv_vllm")
         conf.update(extra or {})

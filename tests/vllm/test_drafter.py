@@ -90,7 +90,7 @@ def models(kind, tmp_path):
 def connector(port, namespace, chunk):
     return {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"adpkv.port": port, "adpkv.namespace": namespace,
+            "kv_connector_extra_config": {"adpkv.port": port, "adpkv.load_choice": "always", "adpkv.namespace": namespace,
                                           "adpkv.chunk_size": chunk, "adpkv.timeout_s": 3.0}}
 
 

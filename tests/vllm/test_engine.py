@@ -25,7 +25,7 @@ def floor_hit(n):
 
 
 def connector(port, namespace, **extra):
-    conf = {"adpkv.port": port, "adpkv.namespace": namespace, "adpkv.chunk_size": CHUNK,
+    conf = {"adpkv.port": port, "adpkv.namespace": namespace, "adpkv.chunk_size": CHUNK, "adpkv.load_choice": "always",
             "adpkv.timeout_s": 3.0}
     conf.update(extra)
     return {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm",

@@ -211,7 +211,7 @@ def _worker_rank(rank: int, port: int, gw_port: int, model_dir: str, engine_id: 
     try:
         group = dist.new_group([0, 1], backend="gloo", use_local_synchronization=True)
         spec = MLAAttentionSpec(block_size=W_BLOCK, num_kv_heads=1, head_size=W_HEAD, dtype=torch.float32)
-        conf = {"adpkv.port": gw_port, "adpkv.namespace": "fanout", "adpkv.chunk_size": W_CHUNK,
+        conf = {"adpkv.port": gw_port, "adpkv.load_choice": "always", "adpkv.namespace": "fanout", "adpkv.chunk_size": W_CHUNK,
                 "adpkv.timeout_s": 5.0, "adpkv.nvlink_fanout": True}
         vcfg = VllmConfig(
             model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32",

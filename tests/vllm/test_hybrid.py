@@ -32,7 +32,7 @@ OFF = "external KV cache disabled for this model"
 def connector(port, namespace, chunk=CHUNK):
     return {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"adpkv.port": port, "adpkv.namespace": namespace,
+            "kv_connector_extra_config": {"adpkv.port": port, "adpkv.load_choice": "always", "adpkv.namespace": namespace,
                                           "adpkv.chunk_size": chunk, "adpkv.timeout_s": 3.0}}
 
 

@@ -37,7 +37,7 @@ PROMPTS = [[random.Random(s).randrange(3, 1000) for _ in range(N)] for s in (31,
 
 
 def connector(port, namespace, chunk=None):
-    extra = {"adpkv.port": port, "adpkv.namespace": namespace, "adpkv.timeout_s": 3.0}
+    extra = {"adpkv.port": port, "adpkv.load_choice": "always", "adpkv.namespace": namespace, "adpkv.timeout_s": 3.0}
     if chunk is not None:
         extra["adpkv.chunk_size"] = chunk
     return {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm",

@@ -22,7 +22,7 @@ P1, P2, _ = engine_prompts()
 def connector(port, namespace):
     return {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"adpkv.port": port, "adpkv.namespace": namespace,
+            "kv_connector_extra_config": {"adpkv.port": port, "adpkv.load_choice": "always", "adpkv.namespace": namespace,
                                           "adpkv.chunk_size": CHUNK, "adpkv.timeout_s": 3.0}}
 
 

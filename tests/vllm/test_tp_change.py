@@ -223,7 +223,7 @@ def test_engines_restore_across_tp1_and_tp2(start_gateway, tmp_path):
     model = make_model(str(tmp_path / "kv4"), layers=2, config={"num_key_value_heads": 4})
     gw = start_gateway(shared_memory_size=128 << 20)
     conn = {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"adpkv.port": gw.port, "adpkv.namespace": "tp-change",
+            "kv_connector_extra_config": {"adpkv.port": gw.port, "adpkv.load_choice": "always", "adpkv.namespace": "tp-change",
                                           "adpkv.chunk_size": 256, "adpkv.timeout_s": 10}}
     first = [[random.Random(s).randrange(3, 1000) for _ in range(n)] for s, n in ((61, 1500), (62, 900))]
     second = [[random.Random(s).randrange(3, 1000) for _ in range(n)] for s, n in ((63, 1300), (64, 800))]

@@ -47,7 +47,7 @@ def test_a_model_of_several_kv_cache_groups_runs_with_the_cache_off(start_gatewa
                       config={"sliding_window": WINDOW, "layer_types": ["full_attention", "sliding_attention"]})
     gw = start_gateway(shared_memory_size=64 << 20)
     conn = {"kv_connector": "AdpKVConnector", "kv_connector_module_path": "adpkv_vllm", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"adpkv.port": gw.port, "adpkv.namespace": "v026-hybrid",
+            "kv_connector_extra_config": {"adpkv.port": gw.port, "adpkv.load_choice": "always", "adpkv.namespace": "v026-hybrid",
                                           "adpkv.chunk_size": CHUNK, "adpkv.timeout_s": 3.0}}
     kw = dict(max_num_batched_tokens=1024, prefix_caching=False)
     res, log = run_subprocess(path, [P1, P2], conn, rounds=2, **kw)

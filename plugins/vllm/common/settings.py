@@ -52,11 +52,12 @@ class AdapterSettings:
     respect_fail_policy: bool = False
     nvlink_fanout: bool = False     # MLA with TP: each rank copies its share, NVLink the rest (connector/fanout.py)
     direct_map_bytes: int = 0       # > 0: restores from mapped object files, this many bytes mapped at most (0: off)
+    load_choice: str = "measured"   # "measured": a hit slower to load than to compute is recomputed; "always"
 
     # this adapter's own ``adpkv.*`` settings besides the shared ones (ClientConfig.setting_names)
     # and the chunk size: every other ``adpkv.`` key is refused (ClientConfig.from_settings)
     OWN: ClassVar[tuple[str, ...]] = ("exist_layers", "lookup_wait_s", "respect_fail_policy",
-                                      "nvlink_fanout", "direct_map_bytes")
+                                      "nvlink_fanout", "direct_map_bytes", "load_choice")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, block_size: int,
@@ -87,7 +88,10 @@ class AdapterSettings:
         exist_layers = str(extra.get(PREFIX + "exist_layers", "ends"))
         if exist_layers not in ("ends", "all"):
             raise ValueError(f"adpkv: {PREFIX}exist_layers must be 'ends' or 'all', not {exist_layers!r}")
-        return cls(client=client, chunk_size=chunk, exist_layers=exist_layers,
+        load_choice = str(extra.get(PREFIX + "load_choice", "measured"))
+        if load_choice not in ("measured", "always"):
+            raise ValueError(f"adpkv: {PREFIX}load_choice must be 'measured' or 'always', not {load_choice!r}")
+        return cls(client=client, chunk_size=chunk, exist_layers=exist_layers, load_choice=load_choice,
                    lookup_wait_s=float(extra.get(PREFIX + "lookup_wait_s", 0.05)),
                    respect_fail_policy=parse_bool(extra.get(PREFIX + "respect_fail_policy", False),
                                                   PREFIX + "respect_fail_policy"),

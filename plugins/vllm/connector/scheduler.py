@@ -4,7 +4,9 @@ and each step's load and save plans.
 ``get_num_new_matched_tokens`` asks the gateway once per prompt (one EXIST over
 the chunk keys of the first and the last layer, or of every layer) which chunks
 are stored, from the start up to the first missing one (``hit_chunks``); vLLM
-counts them as computed and reserves blocks. ``build_connector_meta`` hands the
+counts them as computed and reserves blocks, unless loading them would be slower than computing
+them (``load_choice.LoadChoice``, measured per engine: the hit is then declined, the chunks stay
+stored). ``build_connector_meta`` hands the
 workers a load plan (chunks to restore into which blocks) and a save plan
 (chunks that became full this step); ``update_connector_output`` plans a chunk
 whose load failed for saving again once vLLM recomputed it.
@@ -26,6 +28,7 @@ from adpkv_core.attachment import Attachment
 
 from ..common.settings import chunk_hashes
 from .drafter import clip_hit, draft_digests, draft_key_count, save_range
+from .load_choice import LoadChoice
 from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
 from .recurrent import plan_state_saves
 
@@ -146,6 +149,8 @@ class AdpConnectorScheduler:
         # req -> (num_tokens, future, digests, drafter digests)
         self._lookups: dict[str, tuple[int, Any, list[bytes], list[bytes]]] = {}
         self._hits: dict[str, tuple[int, int]] = {}     # req -> (hit chunks, local computed tokens)
+        self.choice = LoadChoice(cfg.settings.load_choice)
+        self._chosen: dict[str, bool] = {}       # req -> its hit loaded (asked once per request)
         self._reqs: dict[str, _ReqState] = {}
         self._requests: dict[str, "Request"] = {}
         self._step = 0
@@ -240,6 +245,10 @@ class AdpConnectorScheduler:
         ext = hit * cfg.chunk_size - num_computed_tokens
         if ext <= 0:
             return 0, False
+        if req_id not in self._chosen:
+            self._chosen[req_id] = self.choice.choose(ext)
+        if not self._chosen[req_id]:       # slower to load than to compute here: vLLM computes it
+            return 0, False
         return ext, cfg.loads_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
@@ -254,6 +263,11 @@ class AdpConnectorScheduler:
         st.saved_chunks = max(st.saved_chunks, hit)
         st.restored_chunks = max(st.restored_chunks, hit)
         st.draft_saved = max(st.draft_saved, hit)
+        if num_external_tokens > 0:
+            self.choice.started(req_id, num_external_tokens, restored=True)
+        else:
+            self.choice.started(req_id, request.num_prompt_tokens - max(local, request.num_computed_tokens),
+                                restored=False)
         if num_external_tokens > 0 and cfg.supported:
             end_chunk = (local + num_external_tokens) // cfg.chunk_size
             first_chunk = local // cfg.chunk_size
@@ -265,6 +279,9 @@ class AdpConnectorScheduler:
         self._step += 1
         meta = AdpConnectorMetadata(step=self._step)
         meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for req_id in meta.preempted:
+            self.choice.forget(req_id)
+        self._note_first_tokens()
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.setdefault(new.req_id, _ReqState())
@@ -305,6 +322,14 @@ class AdpConnectorScheduler:
         if self.lookup is not None:
             self.lookup.refresh()   # between steps: a fresh attachment, when one is ready, from now on
         return meta
+
+    def _note_first_tokens(self) -> None:
+        """The requests timed by the load choice whose first token is out (vLLM appended it in
+        the output handling before this step's scheduling)."""
+        for req_id in self.choice.timing():
+            request = self._requests.get(req_id)
+            if request is not None and request.num_output_tokens > 0:
+                self.choice.first_token(req_id)
 
     def _may_run_as_full_graph(self, scheduler_output: "SchedulerOutput", req_id: str) -> bool:
         """Whether vLLM may replay the step that loads ``req_id`` as a FULL CUDA graph: under
@@ -435,6 +460,7 @@ class AdpConnectorScheduler:
         for req_id in getattr(connector_output, "failed_recving", None) or ():
             # an asynchronous load failed: vLLM recomputes the request from its start
             self._load_failed.add(req_id)
+            self.choice.forget(req_id)
             st = self._reqs.get(req_id)
             if st is not None:
                 st.saved_chunks = st.restored_chunks = st.draft_saved = 0
@@ -445,6 +471,7 @@ class AdpConnectorScheduler:
                 # an asynchronous load failed by block (0.26): vLLM recomputes the request from
                 # its first failed block, and no second load is tried for it
                 self._load_failed.add(req_id)
+                self.choice.forget(req_id)
                 st = self._reqs.get(req_id)
                 if st is not None:
                     c = st.first_chunk_of(self._async_loading[req_id] & invalid, bpc)
@@ -471,6 +498,10 @@ class AdpConnectorScheduler:
         """True: vLLM keeps the request's blocks until the workers report it in
         ``get_finished`` (its pages are then in the ring)."""
         req_id = request.request_id
+        if request.num_output_tokens > 0:
+            self.choice.first_token(req_id)     # its first token came with its last output
+        self.choice.forget(req_id)
+        self._chosen.pop(req_id, None)
         self._lookups.pop(req_id, None)
         self._hits.pop(req_id, None)
         self._requests.pop(req_id, None)
