@@ -212,15 +212,19 @@ class DirectMaps:
     """A rank's read-only mappings of objects (see the module). Thread-safe."""
 
     def __init__(self, limit_bytes: int, registrar: Optional[tuple[Registrar, Unregistrar]] = None,
-                 require_registration: bool = False):
+                 require_registration: bool = False, busy: Optional[Callable[[], bool]] = None):
         """``limit_bytes`` > 0 bounds the bytes mapped. ``registrar``: register each span
         (CUDA); with ``require_registration`` an object the registrar refuses is not kept (a
-        pageable mapping would make the GPU copy synchronous and slow: the ring is better)."""
+        pageable mapping would make the GPU copy synchronous and slow: the ring is better).
+        ``busy``: whether the engine is computing now; a ``prefetch`` waits for it to pause
+        as for the restores in flight (registering pins memory under CUDA's own locks, and the
+        gateway checks each object it hands: neither may slow the step that stores)."""
         if limit_bytes <= 0:
             raise ValueError(f"direct_map_bytes must be > 0, got {limit_bytes!r}")
         self.limit_bytes = int(limit_bytes)
         self._registrar = registrar
         self._require = require_registration
+        self._busy = busy
         self._lock = threading.Lock()
         self._maps: dict[bytes, Mapping] = {}
         self._spans: "collections.OrderedDict[int, Span]" = collections.OrderedDict()    # LRU, by id()
@@ -396,9 +400,10 @@ class DirectMaps:
     def prefetch(self, client, keys: Sequence[bytes], object_bytes: int,
                  marks: Optional[Sequence[int]] = None) -> None:
         """``fetch`` on the maps' own thread (queued; returns at once), once ``client`` has no
-        GET in flight or ``QUIET_WAIT_S`` after this call, whichever comes first: the gateway
-        checks every object it hands, and that work must not slow the restores it follows (a
-        cold restore's layers each queue their prefetch as they land)."""
+        GET in flight and the engine is not ``busy``, or ``QUIET_WAIT_S`` after this call,
+        whichever comes first: the gateway checks every object it hands, and that work must not
+        slow the restores it follows (a cold restore's layers each queue their prefetch as they
+        land) nor the passes that store."""
         if self._closed:
             return
         if self._thread is None:
@@ -416,7 +421,8 @@ class DirectMaps:
                 item.set()
                 continue
             until, client, *request = item
-            while client.restores_in_flight() and time.monotonic() < until and not self._closed:
+            while ((client.restores_in_flight() or (self._busy is not None and self._busy()))
+                   and time.monotonic() < until and not self._closed):
                 time.sleep(QUIET_POLL_S)
             try:
                 self.fetch(client, *request)

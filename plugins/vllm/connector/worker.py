@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Optional
 
@@ -58,6 +59,10 @@ from .recurrent import state_pages
 from .transfers import AsyncLoad, ChunkPlanIndex, PutJob
 
 logger = logging.getLogger("adpkv.vllm")
+
+# the engine counts as computing while its last pass began less than this ago: objects stored are
+# mapped (adpkv.direct_map_bytes) in its pauses, not under its passes
+ENGINE_QUIET_S = 0.1
 
 
 class AdpConnectorWorker:
@@ -99,6 +104,8 @@ class AdpConnectorWorker:
         self._gate = KVGate()                          # closed while vLLM sleeps
         self.direct: Optional[DirectMaps] = None       # adpkv.direct_map_bytes: mapped objects (see the module)
         self.direct_layers = 0                         # layer loads served from mappings
+        self._last_pass = 0.0                          # when the last pass began (_computing)
+        self._pass_done: Optional[torch.cuda.Event] = None   # on CUDA: the end of the last pass queued
 
     # ------------------------------------------------------------------ attachment
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -145,7 +152,16 @@ class AdpConnectorWorker:
                            "restores go through the ring")
             return None
         logger.info("adpkv: rank %d restores from mapped object files (direct_map_bytes=%d)", self.rank, limit)
-        return DirectMaps(limit, registrar, require_registration=on_gpu)
+        return DirectMaps(limit, registrar, require_registration=on_gpu, busy=self._computing)
+
+    def _computing(self) -> bool:
+        """Whether the engine runs passes now: the GPU has not finished the last pass queued, or
+        one began within ``ENGINE_QUIET_S`` (mapping waits for a pause, ``DirectMaps``). Any
+        thread may ask."""
+        done = self._pass_done
+        if done is not None and not done.query():
+            return True
+        return time.monotonic() - self._last_pass < ENGINE_QUIET_S
 
     def _map_layers(self) -> bool:
         """``self.layers`` (and, for canonical objects at TP > 1, ``self.shares``: each layer's
@@ -256,6 +272,7 @@ class AdpConnectorWorker:
 
     # ------------------------------------------------------------------ loads
     def start_load_kv(self, meta: Any) -> None:
+        self._last_pass = time.monotonic()       # vLLM calls it at the start of every pass
         if isinstance(meta, AdpConnectorMetadata) and meta.failed_loads:   # hits with no load planned
             if self.cfg.loads_async:   # no GET: failed
                 self._async_loads.append(AsyncLoad({r: {} for r in meta.failed_loads}, dict(meta.failed_loads)))
@@ -423,6 +440,10 @@ class AdpConnectorWorker:
                       [layer_name], meta.step, "S")
 
     def wait_for_save(self, meta: Any) -> None:
+        if self._stream is not None:          # on CUDA: where the pass ends on the GPU (_computing)
+            done = torch.cuda.Event()
+            done.record()
+            self._pass_done = done
         # every GET of this step is settled before the step ends (errors are reported now)
         self._settle_all_loads()
         if isinstance(meta, AdpConnectorMetadata):

@@ -397,3 +397,35 @@ def test_a_prefetch_waits_for_the_restores_in_flight(start_gateway):
     assert in_flight_at_map == [0] and all(maps.held(k) for k in keys)
     maps.close()
     c.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_prefetch_waits_for_the_engine_to_pause(start_gateway):
+    """A prefetch queued while the engine computes (``busy``: the vLLM worker's passes) sends its
+    MAP only once the engine pauses: mapping and registering never run under the pass that
+    stores (they slowed the storing prefill on the GPU)."""
+    gw = start_gateway()
+    c = GatewayClient(ClientConfig(port=gw.port, timeout_s=30.0), "engine-busy")
+    assert c.enabled, c.attach_error
+    keys = make_keys(4)
+    assert _put(c, keys).stored == [True] * 4
+    computing = threading.Event()
+    computing.set()
+    busy_at_map: list[bool] = []
+    map_objects = c.map_objects
+
+    def recording(*args, **kwargs):
+        busy_at_map.append(computing.is_set())
+        return map_objects(*args, **kwargs)
+    c.map_objects = recording
+    maps = DirectMaps(64 * OBJ, busy=computing.is_set)
+    maps.prefetch(c, keys, OBJ)
+    pause = threading.Timer(0.5, computing.clear)
+    pause.start()
+    try:
+        assert maps.drain(30)
+    finally:
+        pause.cancel()
+    assert busy_at_map == [False] and all(maps.held(k) for k in keys)
+    maps.close()
+    c.close()
