@@ -14,7 +14,9 @@ The spec (written by the driver; prompts are (length, seed) pairs, made here, so
                {"do": "maps"},                        # the connector's background mappings settled
                {"do": "decode", "batch": 32, "prompt_tokens": 512, "tokens": 128},
                {"do": "warmup"}, {"do": "kill_gateway"}, {"do": "start_gateway"},
-               {"do": "serve_until_cached", "prompts": [...], "label": ..., "deadline_s": 60}]}
+               {"do": "serve_until_cached", "prompts": [...], "label": ..., "deadline_s": 60},
+               {"do": "drop_cache"}],                 # the gateway's card out of the page cache
+     "timeline": true}                                # each served prompt's stages (engine_timeline.py)
 
 Each served prompt: time to its first token (vLLM's own ``first_token_latency``, arrival to first
 token), the tokens vLLM took from a cache (``num_cached_tokens``), the first 8 greedy tokens and
@@ -52,6 +54,10 @@ class Phase:
         kw.setdefault("disable_log_stats", False)        # per-request metrics: first_token_latency
         if spec.get("kv_transfer_config"):
             kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+        self.timeline = bool(spec.get("timeline"))
+        if self.timeline:
+            import engine_timeline
+            engine_timeline.install()
         t0 = time.perf_counter()
         self.llm = LLM(**kw)
         self.init_s = time.perf_counter() - t0
@@ -67,6 +73,9 @@ class Phase:
         sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
         out = []
         for name in names:
+            if self.timeline:
+                import engine_timeline
+                engine_timeline.clear()
             t = time.perf_counter()
             r = self.llm.generate([{"prompt_token_ids": self.prompts[name]}], sp, use_tqdm=False)[0]
             wall = time.perf_counter() - t
@@ -77,6 +86,9 @@ class Phase:
             out.append({"label": label, "prompt": name, "tokens_in": len(self.prompts[name]),
                         "ttft": ttft, "wall": wall, "cached": r.num_cached_tokens,
                         "tokens": list(comp.token_ids), "logprobs": lps})
+            if self.timeline:
+                import engine_timeline
+                out[-1]["timeline"] = engine_timeline.stages(t, t + wall)
             print(f"[phase] {label} {name}: ttft {ttft:.3f} s, cached {r.num_cached_tokens}", flush=True)
         return out
 
@@ -196,6 +208,9 @@ class Phase:
                     res = self.kill_gateway()
                 elif do == "start_gateway":
                     res = self.start_gateway()
+                elif do == "drop_cache":
+                    from gpu_vllm_engine import drop_page_cache
+                    res = drop_page_cache(self.gateway["card_dirs"][0])
                 else:
                     raise ValueError(f"unknown step {do!r}")
             except Exception as exc:        # the phase goes on: the driver reports the step failed

@@ -18,7 +18,13 @@ tokens depend on the KV they attend to). Phases (``--phases``, in this order):
                    on (recomputes, tokens equal), the gateway restarted, the engine re-attaches and
                    restores again;
 * ``cold``         the card's files dropped from the page cache and the disk's own O_DIRECT read speed
-                   measured over them; then a fresh engine restores;
+                   measured over them; then a fresh engine (``adpkv.load_choice`` measured, the default)
+                   prefills new prompts of the same lengths, restores the stored ones from the cold card,
+                   and, the card dropped again, serves them once more: a hit its restore lost to the
+                   prefill at that length is now recomputed (the per-request choice);
+* ``crossover``    where a restore starts to win: prompts of 1k to 32k tokens stored, then restored in
+                   the same engine (the ring, files in the page cache) and from a dropped card, every
+                   hit loaded (``adpkv.load_choice=always``), against their prefill in the baseline;
 * ``cpu_offload``  vLLM's own CPU offloading (``kv_offloading_size``): served, reset, restored;
 * ``fs_tier``      vLLM's own persistent tier (``TieringOffloadingSpec`` + its ``fs`` secondary tier):
                    a storing engine (and its same-engine return), then a fresh engine;
@@ -30,6 +36,10 @@ tokens depend on the KV they attend to). Phases (``--phases``, in this order):
 * ``mla``          a DeepSeek-V2-Lite geometry (MLA): store + fresh restore, tokens checked;
 * ``hybrid``       Llama-3-8B geometry with sliding-window layers in every other place (two KV cache
                    groups): store + fresh restore, tokens checked.
+
+Every engine process times each served prompt's stages (``engine_timeline.py``: lookup, blocks,
+load planned, GETs issued, first and last layer in, load reported, compute scheduled; ring copies,
+copy-free layers, mappings made), kept with the prompt's result.
 
 Writes ``OUT/report.json`` (every phase's raw result), ``OUT/phases.log`` and prints a table.
 
@@ -54,8 +64,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASE = os.path.join(REPO, "benchmarks", "gpu_engine_phase.py")
 GiB = 1 << 30
 
-ALL_PHASES = ("baseline", "store", "restart", "cold", "cpu_offload", "fs_tier", "adp_tier", "offloading",
-              "v1_runner", "evict", "mla", "hybrid")
+ALL_PHASES = ("baseline", "store", "restart", "cold", "crossover", "cpu_offload", "fs_tier", "adp_tier",
+              "offloading", "v1_runner", "evict", "mla", "hybrid")
 
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, num_hidden_layers=32,
@@ -111,6 +121,10 @@ class Bench:
         one_left = self.lengths[0] + 1
         self.prompts[f"p{one_left}"] = [one_left, 99]
         self.evict_prompts = {f"e{i}": [args.evict_tokens, 200 + i] for i in range(args.evict_prompts)}
+        # new prompts of the stored ones' lengths (the cold phase's prefill figures), and the
+        # crossover's lengths
+        self.fresh_prompts = {f"f{n}": [n, 300 + i] for i, n in enumerate(self.lengths)}
+        self.cross_prompts = {f"c{n}": [n, 400 + i] for i, n in enumerate(int(x) for x in args.cross_lengths.split(","))}
         self.gateways: list = []
         self.reference: dict[str, list[int]] = {}
         if self.gpu:
@@ -163,7 +177,7 @@ class Bench:
     def phase(self, name: str, steps: list, llm: dict | None = None, ktc: dict | None = None,
               prompts: dict | None = None, gw=None, env: dict | None = None) -> dict:
         steps = [{"do": "warmup"}] + steps
-        spec = {"llm": llm or self.llm_args(), "kv_transfer_config": ktc, "steps": steps,
+        spec = {"llm": llm or self.llm_args(), "kv_transfer_config": ktc, "steps": steps, "timeline": True,
                 "vocab": 100000 if self.gpu else 1000,
                 "prompts": prompts if prompts is not None else self.prompts,
                 "gateway": None if gw is None else {"pid": gateway_pid(gw), "card_dirs": gw.card_dirs,
@@ -263,10 +277,10 @@ class Bench:
                 self.reference = json.load(fh)
 
     def phase_baseline(self) -> None:
-        names = list(self.prompts) + list(self.evict_prompts)
+        names = list(self.prompts) + list(self.evict_prompts) + list(self.cross_prompts)
         res = self.phase("baseline", [{"do": "serve", "prompts": names, "label": "prefill"},
                                       {"do": "decode", "batch": 32, "prompt_tokens": 512, "tokens": 128}],
-                         prompts={**self.prompts, **self.evict_prompts})
+                         prompts={**self.prompts, **self.evict_prompts, **self.cross_prompts})
         for r in res.get("results", []):
             self.reference[r["prompt"]] = r["tokens"]
         for d in (self.work, self.out):
@@ -325,10 +339,37 @@ class Bench:
         dropped = drop_page_cache(card)
         # O_DIRECT reads leave nothing in the page cache: the card stays cold for the restore
         self.report["figures"]["o_direct"] = o_direct_read(card, self.args.odirect_gib, self.args.threads)
-        res = self.phase("cold", [{"do": "serve", "prompts": list(self.prompts), "label": "cold"}],
-                         ktc=self.adp_connector(gw, **{"adpkv.direct_map_bytes": 0}), gw=gw)
+        names = [f"p{n}" for n in self.lengths]
+        fresh = list(self.fresh_prompts)
+        res = self.phase("cold", [{"do": "serve", "prompts": fresh, "label": "fresh_prefill"},
+                                  {"do": "drop_cache"},
+                                  {"do": "serve", "prompts": names, "label": "cold"},
+                                  {"do": "reset"}, {"do": "drop_cache"},
+                                  {"do": "serve", "prompts": names, "label": "cold_chosen"}],
+                         ktc=self.adp_connector(gw, **{"adpkv.direct_map_bytes": 0}), gw=gw,
+                         prompts={**self.prompts, **self.fresh_prompts})
         self.report["figures"]["cold_drop"] = dropped
-        self.check_tokens("cold", res.get("results", []), True)
+        rs = res.get("results", [])
+        self.check_tokens("cold", [r for r in rs if r["label"] == "cold"], True)
+        # the second cold return: each hit loaded (cached = chunk floor) or recomputed (0), tokens equal
+        self.check_tokens("cold", [r for r in rs if r["label"] == "cold_chosen"])
+        self.report["figures"]["cold_choice"] = {
+            r["prompt"]: {"cached": r["cached"], "ttft": round(r["ttft"], 3)} for r in rs if r["label"] == "cold_chosen"}
+
+    def phase_crossover(self) -> None:
+        self.load_reference()
+        gw = self.main_gateway()
+        names = list(self.cross_prompts)
+        res = self.phase("crossover", [{"do": "serve", "prompts": names, "label": "store"},
+                                       {"do": "reset"},
+                                       {"do": "serve", "prompts": names, "label": "warm"},
+                                       {"do": "reset"}, {"do": "drop_cache"},
+                                       {"do": "serve", "prompts": names, "label": "cold"}],
+                         ktc=self.adp_connector(gw, **{"adpkv.direct_map_bytes": 0, "adpkv.load_choice": "always"}),
+                         gw=gw, prompts=self.cross_prompts)
+        rs = res.get("results", [])
+        self.check_tokens("crossover", [r for r in rs if r["label"] == "store"], False)
+        self.check_tokens("crossover", [r for r in rs if r["label"] != "store"], True)
 
     def phase_cpu_offload(self) -> None:
         self.load_reference()
@@ -550,6 +591,11 @@ def ttft_rows(report: dict) -> dict[str, dict[int, float]]:
     add("adpkv, after restart (ring)", "restart", "restart")
     add("adpkv, after restart, mapped", "restart", "restart_mapped")
     add("adpkv, cold card", "cold", "cold")
+    add("adpkv, cold card, load choice", "cold", "cold_chosen")
+    add("prefill, new prompt (cold engine)", "cold", "fresh_prefill")
+    add("adpkv storing, no mappings", "crossover", "store")
+    add("adpkv, same engine, ring, no maps", "crossover", "warm")
+    add("adpkv, cold card, every hit loaded", "crossover", "cold")
     add("adpkv, V1 runner, after restart", "v1_runner", "restart")
     add("vLLM CPU offloading, same engine", "cpu_offload", "return1")
     add("vLLM fs tier, same engine", "fs_tier_store", "return1")
@@ -611,6 +657,11 @@ def summary(report: dict) -> str:
         out.append(f"  FAIL {c}")
     for k, v in report["figures"].items():
         out.append(f"{k}: {v}")
+    out.append("restore timelines (ms after arrival; engine_timeline.py):")
+    for name, p in ph.items():
+        for r in p.get("results", []):
+            if r.get("cached") and r.get("timeline"):
+                out.append(f"  {name}/{r['label']} {r['prompt']}: ttft {r['ttft'] * 1e3:.0f} {r['timeline']}")
     for name, p in ph.items():
         if p.get("error") or p.get("driver_error"):
             out.append(f"phase {name} FAILED: {p.get('error') or p.get('driver_error')}")
@@ -628,6 +679,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--phases", default=",".join(ALL_PHASES))
     ap.add_argument("--lengths", default="8192,32768,131008")
+    ap.add_argument("--cross-lengths", default="1024,2048,4096,8192,16384,32768",
+                    help="the crossover phase's prompt lengths")
     ap.add_argument("--max-model-len", type=int, default=131072)
     ap.add_argument("--max-batched", type=int, default=16384)
     ap.add_argument("--gpu-util", type=float, default=0.6)
