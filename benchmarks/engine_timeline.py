@@ -13,7 +13,8 @@ GPU copy is counted where something waits for it):
   issued      the worker sent the layers' GETs (copy-free layers are copied within this call)
   layer0 / layerN   the first and the last layer's GET ended (ring batches copied)
   received    the worker reported the load ended (asynchronous loads)
-  compute     vLLM scheduled the request's remaining tokens
+  next_step   vLLM's first scheduling after the load was reported (asynchronous loads: the step
+              that computes the rest) or issued (loads in the pass: the step after it)
 and counts: ring scatter calls and their CPU ms, copy-free layers and their ms, mappings made
 (``DirectMaps.fetch``) and their ms inside the window.
 """
@@ -109,7 +110,7 @@ def stages(t0: float, t1: float) -> dict:
         out["layer0"], out["layerN"], out["layers"] = ms(ends[0]), ms(ends[-1]), len(ends)
     loaded_at = out["received"] if out["received"] is not None else out["issued"]
     if loaded_at is not None:
-        out["compute"] = next((ms(t) for t, w, _, d in ev if w == "schedule" and ms(t) >= loaded_at), None)
+        out["next_step"] = next((ms(t) for t, w, _, d in ev if w == "schedule" and ms(t) >= loaded_at), None)
     for what in ("scatter", "mapped_layer", "map"):
         calls = [s for _, w, s, _ in ev if w == what]
         if calls:

@@ -45,7 +45,7 @@ def test_a_restore_slower_than_the_prefill_is_declined_at_that_length_and_shorte
     clock = Clock()
     c = LoadChoice("measured", clock)
     _measure(c, clock, "p", 8000, 0.20, restored=False)     # prefill of 8000 tokens: 0.2 s
-    _measure(c, clock, "r", 7936, 0.90, restored=True)      # restore of 7936: 0.9 s (a cold card)
+    _measure(c, clock, "r", 8000, 0.90, restored=True)      # restored: 0.9 s (a cold card)
     assert not c.verdict(7936).load
     assert not c.verdict(1000).load             # shorter: loses too
     assert c.verdict(20000).load                # longer, never measured: loaded

@@ -7,12 +7,12 @@ load is slower than the prefill it replaces. ``"measured"`` (the default) makes 
 request from what this engine measured, in the scheduler; ``"always"`` loads every hit.
 
 What is measured (the scheduler's clock, one sample per request): the time from a request's
-allocation to its first token, as a **restore** of the hit's tokens (the load, then the rest of
-the prompt) or as a **prefill** of the tokens it computed (no hit, or a hit declined). Samples go
-into buckets by length (powers of two of tokens), as seconds per token; a bucket's figure is the
-median of its last ``KEPT`` samples of each kind.
+allocation to its first token, for the prompt's tokens past vLLM's own prefix-cache hit (its
+length here), as a **restore** (the hit loaded, the rest computed) or as a **prefill** (no hit,
+or a hit declined: all computed). Samples go into buckets by length (powers of two of tokens), as
+seconds per token; a bucket's figure is the median of its last ``KEPT`` samples of each kind.
 
-The rule, for a hit of ``n`` tokens: decline it when some bucket at ``n``'s length or longer has
+The rule, for a request of length ``n`` with a hit: decline the hit when some bucket at ``n`` or longer has
 both figures, younger than ``STALE_S``, and the restore's is the slower (a restore that loses at a
 length loses at every shorter one: its cost per token does not fall faster than the prefill's as
 prompts shorten). Everything else is loaded: a length never measured, a figure gone stale. Every
@@ -80,7 +80,7 @@ class LoadChoice:
 
     # ------------------------------------------------------------------ choosing
     def verdict(self, tokens: int) -> Verdict:
-        """Whether a hit of ``tokens`` tokens is worth loading now (see the module's rule)."""
+        """Whether the hit of a request of length ``tokens`` is worth loading now (see the module's rule)."""
         if not self.measured or tokens <= 0:
             return Verdict(True)
         now = self._clock()
@@ -104,18 +104,18 @@ class LoadChoice:
         losing = not v.load
         if bucket.losing != losing and (losing or bucket.losing is not None):
             if losing:
-                logger.info("adpkv: hits of about %d tokens are recomputed, not loaded: a restore took %.3g s per "
-                            "1k tokens here, a prefill %.3g s (measured; adpkv.load_choice=always loads them)",
+                logger.info("adpkv: hits of prompts of about %d tokens are recomputed, not loaded: a restore took "
+                            "%.3g s per 1k tokens here, a prefill %.3g s (measured; adpkv.load_choice=always loads them)",
                             tokens, (v.restore_s_per_token or 0) * 1e3, (v.prefill_s_per_token or 0) * 1e3)
             else:
-                logger.info("adpkv: hits of about %d tokens are loaded again", tokens)
+                logger.info("adpkv: hits of prompts of about %d tokens are loaded again", tokens)
         bucket.losing = losing
         return v.load
 
     # ------------------------------------------------------------------ measuring
     def started(self, req_id: str, tokens: int, restored: bool) -> None:
-        """A request was given its blocks: a restore of a hit of ``tokens`` tokens (``restored``),
-        or a prefill of ``tokens`` tokens; timed until ``first_token``. A request timed already
+        """A request of length ``tokens`` was given its blocks: a restore (``restored``) or a
+        prefill; timed until ``first_token``. A request timed already
         stays as it is (vLLM allocates again for a request whose asynchronous load ended)."""
         if self.measured and tokens > 0 and req_id not in self._open:
             self._open[req_id] = (self._clock(), tokens, restored)

@@ -246,7 +246,7 @@ class AdpConnectorScheduler:
         if ext <= 0:
             return 0, False
         if req_id not in self._chosen:
-            self._chosen[req_id] = self.choice.choose(ext)
+            self._chosen[req_id] = self.choice.choose(request.num_prompt_tokens - num_computed_tokens)
         if not self._chosen[req_id]:       # slower to load than to compute here: vLLM computes it
             return 0, False
         return ext, cfg.loads_async
@@ -263,11 +263,8 @@ class AdpConnectorScheduler:
         st.saved_chunks = max(st.saved_chunks, hit)
         st.restored_chunks = max(st.restored_chunks, hit)
         st.draft_saved = max(st.draft_saved, hit)
-        if num_external_tokens > 0:
-            self.choice.started(req_id, num_external_tokens, restored=True)
-        else:
-            self.choice.started(req_id, request.num_prompt_tokens - max(local, request.num_computed_tokens),
-                                restored=False)
+        # timed as the prompt's tokens past vLLM's own hit: restored (a load, then the rest) or computed
+        self.choice.started(req_id, request.num_prompt_tokens - local, restored=num_external_tokens > 0)
         if num_external_tokens > 0 and cfg.supported:
             end_chunk = (local + num_external_tokens) // cfg.chunk_size
             first_chunk = local // cfg.chunk_size

@@ -60,8 +60,8 @@ from .transfers import AsyncLoad, ChunkPlanIndex, PutJob
 
 logger = logging.getLogger("adpkv.vllm")
 
-# the engine counts as computing while its last pass began less than this ago: objects stored are
-# mapped (adpkv.direct_map_bytes) in its pauses, not under its passes
+# the engine counts as computing until this long after its last pass: objects stored are mapped
+# (adpkv.direct_map_bytes) in its pauses, not under its passes
 ENGINE_QUIET_S = 0.1
 
 
@@ -104,7 +104,8 @@ class AdpConnectorWorker:
         self._gate = KVGate()                          # closed while vLLM sleeps
         self.direct: Optional[DirectMaps] = None       # adpkv.direct_map_bytes: mapped objects (see the module)
         self.direct_layers = 0                         # layer loads served from mappings
-        self._last_pass = 0.0                          # when the last pass began (_computing)
+        self._in_pass = False                          # between start_load_kv and wait_for_save
+        self._last_pass = 0.0                          # when the last pass was queued (_computing)
         self._pass_done: Optional[torch.cuda.Event] = None   # on CUDA: the end of the last pass queued
 
     # ------------------------------------------------------------------ attachment
@@ -155,9 +156,11 @@ class AdpConnectorWorker:
         return DirectMaps(limit, registrar, require_registration=on_gpu, busy=self._computing)
 
     def _computing(self) -> bool:
-        """Whether the engine runs passes now: the GPU has not finished the last pass queued, or
-        one began within ``ENGINE_QUIET_S`` (mapping waits for a pause, ``DirectMaps``). Any
-        thread may ask."""
+        """Whether the engine runs passes now: one is being queued, the GPU has not finished the
+        last one queued, or the last one ended within ``ENGINE_QUIET_S`` (the next may follow);
+        mapping waits for a pause (``DirectMaps``). Any thread may ask."""
+        if self._in_pass:
+            return True
         done = self._pass_done
         if done is not None and not done.query():
             return True
@@ -272,7 +275,7 @@ class AdpConnectorWorker:
 
     # ------------------------------------------------------------------ loads
     def start_load_kv(self, meta: Any) -> None:
-        self._last_pass = time.monotonic()       # vLLM calls it at the start of every pass
+        self._in_pass = True                     # vLLM calls it at the start of every pass
         if isinstance(meta, AdpConnectorMetadata) and meta.failed_loads:   # hits with no load planned
             if self.cfg.loads_async:   # no GET: failed
                 self._async_loads.append(AsyncLoad({r: {} for r in meta.failed_loads}, dict(meta.failed_loads)))
@@ -444,6 +447,8 @@ class AdpConnectorWorker:
             done = torch.cuda.Event()
             done.record()
             self._pass_done = done
+        self._in_pass = False
+        self._last_pass = time.monotonic()
         # every GET of this step is settled before the step ends (errors are reported now)
         self._settle_all_loads()
         if isinstance(meta, AdpConnectorMetadata):
