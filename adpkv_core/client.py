@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import zmq
 
 from . import protocol as P
-from .door import DoorSession, UntrustedGateway, check_gateway, door_path
+from .door import DoorNotFound, DoorSession, UntrustedGateway, check_gateway, find_door
 from .link import LOOKUPS_OFF_MESSAGE, TURNED_OFF_MESSAGE, Link
 from .request import (DELETE_OK, EXIST_OK, HELLO_OK, OK, STATS_OK, BatchCallback, RingBatch, StoreResult, data_request,
                       nothing, reply_flags, resolved)
@@ -44,8 +44,10 @@ logger = logging.getLogger("adpkv.client")
 
 
 def door_of(config: ClientConfig) -> str:
-    """The door (Unix socket) of the gateway ``config`` names."""
-    return config.socket or door_path(config.port)
+    """The door (Unix socket) of the gateway ``config`` names: its ``socket``, else the door for
+    its port in the door directory of a user whose gateway it trusts (``door.find_door``;
+    ``DoorNotFound`` when there is none)."""
+    return config.socket or find_door(config.port, config.trusted_gateway_uids())
 
 
 def gateway_answers(config: ClientConfig, timeout_s: float = 0.3) -> bool:
@@ -55,8 +57,9 @@ def gateway_answers(config: ClientConfig, timeout_s: float = 0.3) -> bool:
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     probe.settimeout(timeout_s)
     try:
-        probe.connect(door_of(config))
-        check_gateway(probe, door_of(config), config.trusted_gateway_uids())
+        door = door_of(config)
+        probe.connect(door)
+        check_gateway(probe, door, config.trusted_gateway_uids())
     except OSError:
         return False
     finally:
@@ -235,10 +238,10 @@ class GatewayClient:
 
     # ---------------------------------------------------------------- internals
     def _attach(self, layout: dict) -> None:
-        door = door_of(self.config)
         try:
+            door = door_of(self.config)
             session = DoorSession(door, self.config.connect_timeout_s, self.config.trusted_gateway_uids())
-        except UntrustedGateway as exc:
+        except (UntrustedGateway, DoorNotFound) as exc:
             self._link.turn_off(str(exc))
             return
         except (OSError, EOFError, ValueError, P.ProtocolError) as exc:

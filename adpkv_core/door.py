@@ -3,9 +3,10 @@
 Control messages travel over ZeroMQ (``tcp://127.0.0.1:<port>``), but nothing on
 that port is served to a process that has not first come through the door:
 
-- the door is a ``SOCK_SEQPACKET`` socket file (``/dev/shm/adpkv-<port>.sock`` by
-  default). Its file permissions decide who may connect at all; the gateway reads
-  the peer's credentials (``SO_PEERCRED``) on every connection;
+- the door is a ``SOCK_SEQPACKET`` socket file, ``adpkv-<port>.sock`` in the door directory of
+  the gateway's user (``door_dir``) unless a setting names another path. Its file permissions
+  decide who may connect at all; the gateway reads the peer's credentials (``SO_PEERCRED``) on
+  every connection;
 - ``SESSION`` answers a random session token (carried by HELLO, STATS and CLEAN on
   the control port), and nothing else: no session maps any memory before it is settled
   whose engine it serves;
@@ -27,26 +28,109 @@ that port is served to a process that has not first come through the door:
 
 One message is one packet: a msgpack map (``adpkv_core.protocol``), descriptors in
 its ancillary data.
+
+Where the door is (the default, when neither the gateway's ``control_socket`` nor the client's
+``socket`` names a path): in a directory only the gateway's user may create entries in, so no
+other local user can take the door's path, or its lock's, before the gateway starts:
+
+- root's gateways: ``/run/adpkv`` (only root may create entries in ``/run``);
+- another user's: ``/dev/shm/adpkv-<uid>`` (``/dev/shm`` is sticky: no one else may remove or
+  rename that user's directory; containers that share ``/dev/shm`` share the door).
+
+The gateway makes its directory (0755) or refuses to start when what is there is not a directory
+of its own user that no one else may write (``door_dir_problem``: a symbolic link, another user's,
+group- or world-writable). The path depends on the uid alone, so a client of any user finds it:
+it looks in the door directory of each user whose gateway it trusts (``find_door``: its own first,
+then ``gateway_users``, root's last), passing over a directory that fails the same check, and takes
+the first that holds a socket for the port; the gateway's credentials are checked on connect as
+ever.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import socket
+import stat
 import struct
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from . import protocol as P
 from .ring import Ring
 
 SHM_DIR = "/dev/shm"
+ROOT_DOOR_DIR = "/run/adpkv"  # root's gateways' doors
+USER_DOOR_DIR = os.path.join(SHM_DIR, "adpkv-{uid}")   # another user's
 MAX_PACKET = 1 << 16          # a door message is small: a map of a few fields
 MAX_FDS = 1                   # descriptors per message
 
 
-def door_path(port: int, shm_dir: str = SHM_DIR) -> str:
-    """The door of the gateway serving control port ``port``."""
-    return os.path.join(shm_dir, f"adpkv-{port}.sock")
+def door_dir(uid: int) -> str:
+    """The directory of the doors of the gateways user ``uid`` runs (see the module)."""
+    return ROOT_DOOR_DIR if uid == 0 else USER_DOOR_DIR.format(uid=uid)
+
+
+def door_path(port: int, uid: int) -> str:
+    """The door of the gateway that user ``uid`` runs on control port ``port``."""
+    return os.path.join(door_dir(uid), f"adpkv-{port}.sock")
+
+
+def user_name(uid: int) -> str:
+    """A uid as messages name it: "uid 1000 (alice)"."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def door_dir_problem(path: str, uid: int) -> str:
+    """Why ``path`` may not hold the doors of user ``uid``'s gateways, in one line naming the path
+    and its owner; "" when it may: a directory (not a symbolic link) that ``uid`` owns and no
+    other user may write. ``OSError`` (``FileNotFoundError``) when ``path`` cannot be looked at."""
+    st = os.lstat(path)
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        what = "is a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        what = "is not a directory"
+    elif st.st_uid != uid:
+        what = f"is not {user_name(uid)}'s"
+    elif mode & (stat.S_IWGRP | stat.S_IWOTH):
+        what = "may be written by users other than its owner"
+    else:
+        return ""
+    return f"the door directory {path} (owner {user_name(st.st_uid)}, mode {mode:04o}) {what}"
+
+
+class DoorNotFound(FileNotFoundError):
+    """No door directory of a trusted user holds a door for the port."""
+
+
+def find_door(port: int, uids: Iterable[int]) -> str:
+    """The door a client connects to when no setting names one: of the door directories of
+    ``uids`` (the users whose gateway it trusts), looked at in the order its own user's, the
+    others' by uid, root's last, the first that passes ``door_dir_problem`` and holds a socket
+    for ``port``. ``DoorNotFound`` saying where it looked (and why a directory was passed over)."""
+    me = os.geteuid()
+    looked = []
+    for uid in sorted(set(uids), key=lambda u: (u != me, u == 0, u)):
+        where = door_dir(uid)
+        try:
+            problem = door_dir_problem(where, uid)
+        except OSError:
+            looked.append(where)
+            continue
+        if problem:
+            looked.append(f"{where} (passed over: {problem})")
+            continue
+        path = door_path(port, uid)
+        try:
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                return path
+        except OSError:
+            pass
+        looked.append(where)
+    raise DoorNotFound(f"no gateway's door for port {port} in {', '.join(looked)}")
 
 
 def lock_path(door: str) -> str:

@@ -54,7 +54,7 @@ class GatewayConfig:
     metrics_address: str = "127.0.0.1"       # ... on this address (0.0.0.0: every interface, e.g. in a pod)
     port: int = 5557
     bind_address: str = "127.0.0.1"
-    control_socket: str = ""                 # the door (Unix socket); "": /dev/shm/adpkv-<port>.sock
+    control_socket: str = ""                 # the door (Unix socket); "": adpkv_core.door.door_path
     control_socket_mode: str = "0660"        # its permissions (octal): who may use the gateway at all
     control_socket_group: str = ""           # its group (name or gid); "": the gateway's own
     operator_group: str = ""                 # members may CLEAN (root and the gateway's user always may)
@@ -295,9 +295,11 @@ HELP: dict[str, str] = {
     "status_file": "Prometheus text file rewritten every second (empty: none)",
     "metrics_port": "serve the same metrics at http://metrics_address:metrics_port/metrics (0: off)",
     "metrics_address": "address the /metrics endpoint listens on (0.0.0.0: every interface)",
-    "port": "control port (ZeroMQ); also names the door /dev/shm/adpkv-<port>.sock",
+    "port": "control port (ZeroMQ); also names the door adpkv-<port>.sock in /run/adpkv (root) or "
+            "/dev/shm/adpkv-<uid> (another user)",
     "bind_address": "address the control port binds to",
-    "control_socket": "the door: the Unix socket where local processes get a session (empty: from port)",
+    "control_socket": "the door: the Unix socket where local processes get a session (empty: from port, in "
+                      "the gateway's user's door directory)",
     "control_socket_mode": "the door's permissions, octal: who may use the gateway at all",
     "control_socket_group": "the door's group, name or gid (empty: the gateway's own group)",
     "operator_group": "members may clean the cards (root and the gateway's user always may)",

@@ -16,7 +16,7 @@ import msgspec
 import zmq
 
 from adpkv_core import protocol as P
-from adpkv_core.door import DoorSession, UntrustedGateway, door_path
+from adpkv_core.door import DoorSession, UntrustedGateway, default_trusted_uids, find_door
 
 _ids = itertools.count(1)
 
@@ -24,12 +24,13 @@ _ids = itertools.count(1)
 def request(port: int, msg: dict, host: str = "127.0.0.1", timeout_s: float = 3.0,
             door: Optional[str] = None) -> Optional[dict]:
     """Send one control message; the reply, or None if the gateway did not answer in time.
-    ``door`` is the gateway's control socket when it is not the default for ``port``."""
+    ``door`` is the gateway's control socket when it is not the default for ``port`` (the door
+    of a gateway of our own user, else root's: ``adpkv_core.door.find_door``)."""
     session = None
     msg = dict(msg)
     if msg.get("op") != "PING":
         try:
-            session = DoorSession(door or door_path(port), timeout_s)
+            session = DoorSession(door or find_door(port, default_trusted_uids()), timeout_s)
         except (OSError, ValueError) as exc:
             if isinstance(exc, UntrustedGateway):
                 return {"op": "ERROR", "code": P.FORBIDDEN, "msg": str(exc)}
@@ -60,7 +61,7 @@ def ready(port: int, host: str = "127.0.0.1", timeout_s: float = 3.0, door: Opti
     and the control port answers. What ``adpkv status`` and the deploy files' probes mean
     by "up" too (the index of a large card may still be loading)."""
     try:
-        session = DoorSession(door or door_path(port), timeout_s)
+        session = DoorSession(door or find_door(port, default_trusted_uids()), timeout_s)
     except (OSError, ValueError):
         return False
     try:

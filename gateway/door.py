@@ -1,7 +1,7 @@
 """The gateway's side of the door (``adpkv_core.door``): who may come in, and as whom.
 
-- Before it, at start: the lock beside the door, then the door file (``door_claim``:
-  another user's lock or door is never used).
+- Before it, at start: the door directory (the default door's), the lock beside the door,
+  then the door file (``door_claim``: another user's directory, lock or door is never used).
 - ``DoorServer`` accepts connections on the loop's thread (its descriptors sit in the
   loop's poller), reads each peer's credentials, and keeps one ``Session`` per
   connection: a token (and its proof) for the control port, the uid that owns what the
@@ -36,7 +36,7 @@ from adpkv_core import door as D
 from adpkv_core import protocol as P
 from adpkv_core.ring import Ring
 
-from .door_claim import bind_door, group_id, user_name
+from .door_claim import bind_door, group_id
 from .door_region import Region, take_region
 
 logger = logging.getLogger("adpkv.gateway")
@@ -252,7 +252,7 @@ class DoorServer:
         late = [fd for fd, s in self.sessions.items() if s.deadline is not None and now >= s.deadline]
         for fd in late:
             session = self.sessions[fd]
-            self._late.refused(self.handshake_s, session.pid, user_name(session.uid))
+            self._late.refused(self.handshake_s, session.pid, D.user_name(session.uid))
             self._close(fd)
         if not late and not any(s.deadline is not None for s in self.sessions.values()):
             self._late.over()
@@ -338,7 +338,7 @@ class DoorServer:
             uid = max({s.uid for s in others}, key=lambda u: self.by_uid.get(u, 0))
             victim = max((s for s in others if s.uid == uid), key=lambda s: s.conn.fileno())
             logger.info("Door: closed a connection of pid %d (%s) to let a privileged user in",
-                        victim.pid, user_name(victim.uid))
+                        victim.pid, D.user_name(victim.uid))
             self._close(victim.conn.fileno())
         return True
 
@@ -354,9 +354,9 @@ class DoorServer:
             held = self.by_uid.get(uid, 0)
             if held >= self.per_user:
                 episode = self._per_uid.setdefault(uid, _Episode(
-                    f"{user_name(uid)} at its cap", "Door: %s holds %d connections (door_connections_per_user); "
+                    f"{D.user_name(uid)} at its cap", "Door: %s holds %d connections (door_connections_per_user); "
                     "refusing its new ones"))
-                episode.refused(user_name(uid), held)
+                episode.refused(D.user_name(uid), held)
                 conn.close()
                 return
             budget = self._others_budget()

@@ -1,7 +1,14 @@
-"""Taking the door's path at start (``adpkv_core.door``): the lock beside it, then the door.
+"""Taking the door's path at start (``adpkv_core.door``): its directory, its lock, then the door.
 
 Contract:
 
+- ``make_door_dir`` runs first when the door is the default one (no ``control_socket``): it
+  makes the door directory of this gateway's user (``/run/adpkv`` for root,
+  ``/dev/shm/adpkv-<uid>`` for another user; mode 0755, whatever the umask: the door's own mode
+  says who may connect) or checks the one there, and refuses to start, in one line naming the
+  path and its owner, when that is not a directory of this gateway's user that no other user may
+  write (a symbolic link, another user's, group- or world-writable). Nothing else is created in
+  it than the lock and the door, so no other user can take either path first;
 - ``claim_door`` runs before anything else at start: it takes the lock beside the door
   (``flock``), so a second gateway on the same port refuses to start (``DoorBusy``) instead
   of touching anything the first one owns. The lock is this gateway's user's, mode 0600 (no
@@ -22,7 +29,6 @@ import fcntl
 import grp
 import logging
 import os
-import pwd
 import socket
 import stat
 
@@ -35,17 +41,32 @@ class DoorBusy(SystemExit):
     """Another live gateway owns this door (and port)."""
 
 
-def user_name(uid: int) -> str:
-    """A uid as messages name it: "uid 1000 (alice)"."""
+def make_door_dir(path: str) -> None:
+    """Make the door directory ``path`` of this gateway's user, or check the one there (see the
+    module); ``SystemExit`` with one line naming the path (and its owner) otherwise."""
     try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
+        os.mkdir(path, 0o700)
+        made = True
+    except FileExistsError:
+        made = False
+    except OSError as exc:
+        raise SystemExit(f"cannot make the door directory {path}: {exc.strerror}; refusing to start "
+                         "(or set control_socket to a door elsewhere)") from None
+    try:
+        problem = D.door_dir_problem(path, os.geteuid())
+    except OSError as exc:
+        problem = f"the door directory {path} cannot be looked at: {exc.strerror}"
+    if problem:
+        raise SystemExit(f"{problem}; refusing to start. Remove it (as its owner or root), or set "
+                         "control_socket to a door elsewhere")
+    if made:
+        os.chmod(path, 0o755)      # checked ours above: in /run or sticky /dev/shm no one else can swap it
+        logger.info("Door directory %s made (mode 0755)", path)
 
 
 def _held_by_another(path: str, what: str, uid: int) -> SystemExit:
-    return SystemExit(f"the {what} {path} is held by {user_name(uid)}, not by this gateway's user "
-                      f"({user_name(os.geteuid())}): another user took this port's door; refusing to start. Have "
+    return SystemExit(f"the {what} {path} is held by {D.user_name(uid)}, not by this gateway's user "
+                      f"({D.user_name(os.geteuid())}): another user took this port's door; refusing to start. Have "
                       "that user (or root) remove it, or give this gateway another port or control_socket")
 
 

@@ -30,7 +30,7 @@ import zmq
 
 from adpkv_core import __version__
 from adpkv_core import protocol as P
-from adpkv_core.door import door_path
+from adpkv_core.door import door_dir, door_path
 from adpkv_core.keys import namespace_id
 from adpkv_core.ring import Ring
 
@@ -40,7 +40,7 @@ from .config import GatewayConfig, socket_mode
 from .data_requests import DataRequests
 from .direct_reads import DirectReads
 from .door import DoorServer, Session, raise_open_files_limit
-from .door_claim import claim_door
+from .door_claim import claim_door, make_door_dir
 from .engines import EngineRegistry, EngineSession, Peer
 from .health import CardHealth, HealthMonitor
 from .layout_change import LayoutChange
@@ -59,20 +59,23 @@ class Gateway:
     """Serves one engine's ranks on ``bind_address:port`` from the configured cards."""
 
     def __init__(self, config: GatewayConfig):
-        """Start in the order that makes every answer mean something: the door's lock
-        first (before any card or shared memory is touched: a second gateway on a busy
-        port changes nothing), then the cards, the ring and the pool, then the door, and
-        the control port last. Whoever gets an answer on the port finds the door up: an
-        engine that attaches as soon as the port answers gets the cache. A start that
-        fails at any step undoes the steps before it (the door is removed, the cards are closed
-        and their locks given up, and a card this start made is removed: ``cards.fs_lock``).
-        A ``status_file`` this gateway could not write is refused before all that."""
+        """Start in the order that makes every answer mean something: the door's directory
+        (``make_door_dir``, for the default door) and lock first (before any card or shared
+        memory is touched: a second gateway on a busy port changes nothing), then the cards, the
+        ring and the pool, then the door, and the control port last. Whoever gets an answer on
+        the port finds the door up: an engine that attaches as soon as the port answers gets the
+        cache. A start that fails at any step undoes the steps before it (the door is removed,
+        the cards are closed and their locks given up, and a card this start made is removed:
+        ``cards.fs_lock``). A ``status_file`` this gateway could not write is refused before all
+        that."""
         self.config = config
         self.started = time.time()
-        self.door_file = config.control_socket or door_path(config.port)
+        self.door_file = config.control_socket or door_path(config.port, os.geteuid())
         problem = status_file_problem(config.status_file) if config.status_file else ""
         if problem:
             raise SystemExit(f"{problem}; refusing to start")
+        if not config.control_socket:
+            make_door_dir(door_dir(os.geteuid()))
         with contextlib.ExitStack() as undo:
             self._door_lock = claim_door(self.door_file)
             undo.callback(os.close, self._door_lock)

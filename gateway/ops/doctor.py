@@ -6,14 +6,17 @@ engine's environment (``PYTHONHASHSEED`` is read from the doctor's own), naming 
 the doctor's working directory) or its port (the running gateway's cards then); the checks:
 
 - ``gateway``: it answers PING and STATS; its adpkv version against this host's;
-- ``door``: the gateway's Unix socket exists, and the engine's user (``--engine-user``,
-  default the doctor's) may connect to it (write permission on the socket by owner, group
-  or others, as the kernel decides); a door any local user may open is a warning, one in a
-  world-writable directory without the sticky bit (anyone may replace it) a failure;
+- ``door``: the gateway's Unix socket exists (the YAML's ``control_socket``, else the port's door
+  in the door directory of the doctor's user, the engine's user or root: ``adpkv_core.door``),
+  and the engine's user (``--engine-user``, default the doctor's) may connect to it (write
+  permission on the socket by owner, group or others, as the kernel decides); a door any local
+  user may open is a warning, and so is a default door in a directory the engine's client does
+  not look in (another user's: its ``gateway_users`` must name that user); one in a
+  world-writable directory without the sticky bit (anyone may replace it) is a failure;
 - ``ring memory``: the ring is a sealed memfd (not a file in ``/dev/shm``): before the gateway
   runs, ``shared_memory_size`` must fit the host's available memory and this cgroup's limit;
-- ``/dev/shm``: a writable tmpfs (the door lives there by default) with room for what the
-  engine puts there itself (``--shm-bytes``: LMCache's L1 pool with ``--shm-name``);
+- ``/dev/shm``: a writable tmpfs (a non-root gateway's door directory is there) with room for
+  what the engine puts there itself (``--shm-bytes``: LMCache's L1 pool with ``--shm-name``);
 - ``status file``: the directory of ``status_file`` exists and the doctor's user may create
   files in it (the gateway refuses to start otherwise); with a gateway running, the file is
   fresh (rewritten every second);
@@ -48,7 +51,7 @@ from typing import Optional
 
 from adpkv_core import __version__
 from adpkv_core import protocol as P
-from adpkv_core.door import SHM_DIR, door_path
+from adpkv_core.door import SHM_DIR, door_dir, find_door
 
 from .. import control
 from ..cards.fs import CARD_FILE
@@ -145,15 +148,17 @@ def may_connect(st: os.stat_result, uid: int, groups: set[int]) -> bool:
 
 
 def _door(h: Host) -> list[Finding]:
-    path = h.config.control_socket or door_path(h.config.port)
+    uid, groups, name = _user(h)
     try:
+        path = h.config.control_socket or find_door(h.config.port, {os.geteuid(), uid, 0})
         st = os.stat(path)
-    except FileNotFoundError:
-        return [Finding("door", FAIL, f"{path} does not exist: no gateway serves port {h.config.port} here",
-                        "start the gateway; engine and gateway must share this directory (/dev/shm)")]
+    except FileNotFoundError as exc:
+        where = f"{h.config.control_socket} does not exist" if h.config.control_socket else str(exc)
+        return [Finding("door", FAIL, f"{where}: no gateway serves port {h.config.port} here",
+                        "start the gateway; engine and gateway must share the door's directory (docs/gateway.md, "
+                        "Where the door is)")]
     if not stat.S_ISSOCK(st.st_mode):
         return [Finding("door", FAIL, f"{path} is not a socket", "remove it and restart the gateway")]
-    uid, groups, name = _user(h)
     mode = stat.S_IMODE(st.st_mode)
     owner = f"{_uname(st.st_uid)}:{_gname(st.st_gid)} {mode:04o}"
     if not may_connect(st, uid, groups):
@@ -166,6 +171,10 @@ def _door(h: Host) -> list[Finding]:
         return [Finding("door", FAIL, f"{found}; but every user may write {os.path.dirname(path)} and it has no "
                         "sticky bit: anyone may remove or replace the door",
                         f"chmod +t {os.path.dirname(path)} (as /dev/shm is: 1777), or a control_socket elsewhere")]
+    if not h.config.control_socket and os.path.dirname(path) not in (door_dir(uid), door_dir(0)):
+        return [Finding("door", WARN, found + f"; but {name}'s engine looks for it only in {door_dir(uid)} and "
+                        f"{door_dir(0)} unless told more",
+                        f"set the engine's gateway_users to {_uname(st.st_uid)} (or its socket to {path})")]
     if mode & stat.S_IWOTH:
         return [Finding("door", WARN, found + "; so may every local user",
                         "control_socket_mode 0660 with control_socket_group set to the engines' group")]
@@ -247,7 +256,7 @@ def _dev_shm(h: Host) -> list[Finding]:
     if fstype not in ("tmpfs", "ramfs"):
         return [Finding("/dev/shm", WARN, found + ": not memory", "mount a tmpfs on /dev/shm")]
     if not os.access(SHM_DIR, os.W_OK | os.X_OK) and not h.config.control_socket:
-        return [Finding("/dev/shm", FAIL, found + ": not writable here, and the door goes there",
+        return [Finding("/dev/shm", FAIL, found + ": not writable here, and a non-root gateway's door goes there",
                         "make /dev/shm writable (mode 1777) or set control_socket elsewhere")]
     if h.shm_bytes > free:
         return [Finding("/dev/shm", FAIL, found + f": the engine needs {h.shm_bytes / MiB:.0f} MiB there "

@@ -88,10 +88,10 @@ class GatewayProcess:
             self._remove_leftovers()
 
     def _remove_leftovers(self) -> None:
-        """A gateway leaves its lock file in /dev/shm (and, when killed, its door: the next
+        """A gateway leaves its lock file beside its door (and, when killed, its door: the next
         gateway on the port reclaims both); once it has exited, this tool removes them so test
-        runs do not leave them behind."""
-        door = self.settings.get("control_socket") or door_path(self.port)
+        runs do not leave them behind. The door directory stays (it is its user's)."""
+        door = self.settings.get("control_socket") or door_path(self.port, os.geteuid())
         for path in (door, lock_path(door)):
             try:
                 os.unlink(path)

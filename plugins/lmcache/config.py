@@ -63,7 +63,7 @@ FIELDS: tuple[_Field, ...] = (
            _non_negative),
     _Field("gateway_users", str, "",
            "besides root and this process's user, the users (names or uids, comma-separated) whose gateway "
-           "this adapter may attach to"),
+           "this adapter may attach to (and in whose door directories it looks for the door)"),
     _Field("usage_refresh_s", float, 1.0, "get_usage() asks the gateway at most this often", _non_negative),
     _Field("l1_direct", bool, True,
            "when LMCache's L1 pool is a /dev/shm file, let the gateway read and write it directly "

@@ -14,9 +14,9 @@ import msgpack
 import zmq
 
 from adpkv_core import protocol as P
-from adpkv_core.door import DoorSession, door_path
+from adpkv_core.door import DoorSession
 
-from .rankproc import pattern
+from .rankproc import gateway_door, pattern
 
 NOBODY = 65534
 OBJ = 8192
@@ -33,7 +33,7 @@ class Raw:
     REGION_BYTES = 1 << 20
 
     def __init__(self, port: int, engine: str = "", world: int = 1):
-        self.door = DoorSession(door_path(port), 5.0)
+        self.door = DoorSession(gateway_door(port), 5.0)
         self.region_fd = os.memfd_create("adpkv-test-region", os.MFD_CLOEXEC)
         os.ftruncate(self.region_fd, self.REGION_BYTES)
         reply = self.door.register_region(self.region_fd, 0, self.REGION_BYTES)

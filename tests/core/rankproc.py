@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import traceback
 
 import xxhash
 
 from adpkv_core.client import GatewayClient
+from adpkv_core.door import door_path
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
+
+GATEWAY_UID = os.geteuid()     # the tests' gateways run as the test's user (read before any child drops to 65534)
+
+
+def gateway_door(port: int) -> str:
+    """The door of a gateway this test started on ``port`` (its default place)."""
+    return door_path(port, GATEWAY_UID)
 
 
 def get_checked(c: GatewayClient, keys, nbytes: int, marks=None, timeout: float = 60) -> list[bool]:

@@ -1,4 +1,5 @@
-"""The door under a hostile local user (issue 25, items 1, 5 (the door's half), 7 and 9).
+"""The door under a hostile local user (issue 25, items 1, 5 (the door's half), 7 and 9;
+issue 38, item 7).
 
 A real gateway runs as root; the adversary is a forked child of the test that drops to
 uid/gid 65534 after the imports (it cannot read the venv under /root, so it never execs
@@ -7,13 +8,22 @@ real class on a card of its own). Root's side is a real ``GatewayClient``.
 
 What is shown:
 
+- the door and its lock are where only the gateway's user may create entries: root's in
+  /run/adpkv, another user's in its own /dev/shm/adpkv-<uid> (``adpkv_core.door``). A user
+  that creates every path it can for a port's door (the old /dev/shm/adpkv-<port>.sock and its
+  lock, /dev/shm/adpkv-0, ...) does not stop root's gateway, and cannot create anything in
+  /run/adpkv; a door directory that is not its user's own (another user's, writable by others,
+  a symbolic link, a file) is refused in one line naming it and its owner, and a client passes
+  over it to find root's gateway;
 - a client attaches only to a gateway run by a user it trusts (root, its own user,
-  ``gateway_users``): an impostor that holds the door and the port gets nothing, with one
-  clear line naming its uid; one that holds only the control port (the real door beside
-  it) cannot answer HELLO with the session's proof;
+  ``gateway_users``) and looks for a door only in those users' door directories: an impostor
+  gateway of another user is not even found, and one at a door the client is told to use
+  gets nothing, with one clear line naming its uid; one that holds only the control port (the
+  real door beside it) cannot answer HELLO with the session's proof;
 - the lock beside the door is 0600 and the gateway's own: after a clean stop nobody else
-  can take it, and root's gateway starts again; a lock or door another user put there is
-  refused, naming that user's uid;
+  can take it, and root's gateway starts again; at a door path a setting names
+  (``control_socket``), a lock or door another user put there is refused, naming that user's
+  uid;
 - idle connections, connections that never ask for a session and a user holding more
   connections than the descriptors allow do not keep root's engine out, and the gateway
   neither spins nor floods its log; it raises its soft open-files limit at start;
@@ -22,10 +32,12 @@ What is shown:
 
 from __future__ import annotations
 
+import errno
 import logging
 import multiprocessing as mp
 import os
 import pwd
+import random
 import resource
 import shutil
 import signal
@@ -41,7 +53,7 @@ import zmq
 
 from adpkv_core import protocol as P
 from adpkv_core.client import GatewayClient, gateway_answers
-from adpkv_core.door import DoorSession, door_path, lock_path
+from adpkv_core.door import SHM_DIR, DoorSession, door_dir, door_path, lock_path
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.config import make_config
 from adpkv_gateway.server import Gateway
@@ -58,25 +70,25 @@ pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the gate
 
 
 # ---------------------------------------------------------------- the unprivileged side
-def _drop_to_nobody() -> None:
+def _drop_to(uid: int) -> None:
     os.setgroups([])
-    os.setgid(NOBODY)
-    os.setuid(NOBODY)
-    assert os.geteuid() == NOBODY
+    os.setgid(uid)
+    os.setuid(uid)
+    assert os.geteuid() == uid
 
 
 class Nobody:
-    """A forked child running ``fn(report, *args)`` as uid 65534 until ``stop()`` (SIGTERM).
-    ``report(value)`` sends a value to the test (``expect()`` returns the next one); an
-    exception in the child comes back as AssertionError with its traceback."""
+    """A forked child running ``fn(report, *args)`` as uid 65534 (or ``uid``) until ``stop()``
+    (SIGTERM). ``report(value)`` sends a value to the test (``expect()`` returns the next one);
+    an exception in the child comes back as AssertionError with its traceback."""
 
-    def __init__(self, fn, *args):
+    def __init__(self, fn, *args, uid: int = NOBODY):
         ctx = mp.get_context("fork")
         self._q = ctx.Queue()
 
         def child():
             try:
-                _drop_to_nobody()
+                _drop_to(uid)
                 fn(lambda value: self._q.put(("ok", value)), *args)
             except BaseException:
                 self._q.put(("error", traceback.format_exc()))
@@ -99,13 +111,19 @@ class Nobody:
             self.proc.join(5)
 
 
-def as_nobody(fn, *args, timeout: float = 60.0):
-    """``fn(*args)`` as uid 65534 in a forked child; its return value."""
-    child = Nobody(lambda report, *a: report(fn(*a)), *args)
+def as_nobody(fn, *args, timeout: float = 60.0, uid: int = NOBODY):
+    """``fn(*args)`` as uid 65534 (or ``uid``) in a forked child; its return value."""
+    child = Nobody(lambda report, *a: report(fn(*a)), *args, uid=uid)
     try:
         return child.expect(timeout)
     finally:
         child.stop()
+
+
+def _gateway_here(port: int, card: str, **settings) -> Gateway:
+    """The real gateway class, in this process (door mode 0666, its own card)."""
+    return Gateway(make_config({"port": port, "storage_devices": [card], "control_socket_mode": "0666",
+                                "shared_memory_size": 16 << 20, "thread_pool_size": 2, **settings}))
 
 
 def _impostor_gateway(report, port: int, card: str, log_path: str) -> None:
@@ -115,8 +133,7 @@ def _impostor_gateway(report, port: int, card: str, log_path: str) -> None:
     logging.getLogger().addHandler(handler)
     logging.getLogger().setLevel(logging.INFO)
     try:
-        gateway = Gateway(make_config({"port": port, "storage_devices": [card], "control_socket_mode": "0666",
-                                       "shared_memory_size": 16 << 20, "thread_pool_size": 2}))
+        gateway = _gateway_here(port, card)
     except SystemExit as exc:
         report(("refused", str(exc)))
         return
@@ -133,17 +150,24 @@ def open_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _old_door(port: int) -> str:
+    """Where every gateway's door was before the door directories: /dev/shm/adpkv-<port>.sock."""
+    return os.path.join(SHM_DIR, f"adpkv-{port}.sock")
+
+
 @pytest.fixture
 def port_cleanup():
-    """Ports whose door and lock this test may leave in /dev/shm (another user's files)."""
+    """Ports whose doors and locks this test may leave behind (another user's files): root's,
+    uid 65534's and the old ones in /dev/shm."""
     ports: list[int] = []
     yield ports
     for port in ports:
-        for path in (door_path(port), lock_path(door_path(port))):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        for door in (door_path(port, 0), door_path(port, NOBODY), _old_door(port)):
+            for path in (door, lock_path(door)):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
 
 
 def _fill(client, keys):
@@ -171,6 +195,14 @@ def _door_lines(log: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- 1: impostor gateways
+def _client_lines(config: ClientConfig, caplog) -> tuple[GatewayClient, list[str]]:
+    """A client of root's engine made with ``config``, and the lines its attachment logged."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="adpkv.client"):
+        client = GatewayClient(config, "root-engine")
+    return client, [r.getMessage() for r in caplog.records if r.name == "adpkv.client"]
+
+
 def test_an_impostor_gateway_on_the_port_gets_nothing_from_roots_engine(open_dir, port_cleanup, caplog):
     port = free_port()
     port_cleanup.append(port)
@@ -178,34 +210,39 @@ def test_an_impostor_gateway_on_the_port_gets_nothing_from_roots_engine(open_dir
     impostor = Nobody(_impostor_gateway, port, card, log)
     try:
         assert impostor.expect() == ("up", None)
-        st = os.stat(door_path(port))
+        door = door_path(port, NOBODY)              # its own door directory, made by it
+        st, home = os.stat(door), os.lstat(door_dir(NOBODY))
         assert st.st_uid == NOBODY and stat.S_IMODE(st.st_mode) == 0o666
+        assert home.st_uid == NOBODY and stat.S_IMODE(home.st_mode) == 0o755
         keys = make_keys(4, namespace="root-adv")
+        # root's client looks only in the door directories of users it trusts: nothing found
         config = ClientConfig(port=port, connect_timeout_s=2.0, busy_wait_s=0)
         assert not gateway_answers(config), "the re-attach probe must not count an untrusted gateway"
-        with caplog.at_level(logging.WARNING, logger="adpkv.client"):
-            client = GatewayClient(config, "root-engine")
+        client, lines = _client_lines(config, caplog)
         try:
             assert not client.enabled
-            lines = [r.getMessage() for r in caplog.records if "uid 65534" in r.getMessage()]
-            assert len(lines) == 1 and "not a user this client trusts" in lines[0], lines
+            assert len(lines) == 1 and f"no gateway's door for port {port} in {door_dir(0)}" in lines[0], lines
             assert client.put(keys, OBJ, _fill(client, keys)).result(5).stored == [False] * 4
+        finally:
+            client.close()
+        # told to use that door: refused on connect, in one line naming the impostor's uid
+        config = ClientConfig(port=port, socket=door, connect_timeout_s=2.0, busy_wait_s=0)
+        assert not gateway_answers(config)
+        client, lines = _client_lines(config, caplog)
+        try:
+            assert not client.enabled
+            lines = [line for line in lines if "uid 65534" in line]
+            assert len(lines) == 1 and "not a user this client trusts" in lines[0], lines
         finally:
             client.close()
         with open(log) as fh:
             seen = fh.read()
         assert "Engine root-engine" not in seen, seen
-        # the setting that names the impostor's user opens exactly that
+        # the setting that names the impostor's user opens exactly that (its door directory too)
         trusting = GatewayClient(ClientConfig(port=port, connect_timeout_s=2.0, busy_wait_s=0,
                                               gateway_users=pwd.getpwuid(NOBODY).pw_name), "root-engine")
         assert trusting.enabled
         trusting.close()
-        # root's own gateway on that port refuses to start, naming who holds it
-        refused = GatewayProcess(os.path.join(open_dir, "root-card"), port=port,
-                                 log_path=os.path.join(open_dir, "root.log"))
-        with pytest.raises(RuntimeError) as exc:
-            refused.start(timeout_s=20)
-        assert "is held by uid 65534" in str(exc.value) and "another gateway is running" not in str(exc.value)
     finally:
         impostor.stop()
 
@@ -262,17 +299,39 @@ def test_gateway_users_names_the_users_a_client_also_trusts():
 
 
 # ---------------------------------------------------------------- 1: the lock and the door
+def _create(path: str, kind: str) -> str:
+    """Try to create ``path`` as ``kind`` (file, socket, dir, symlink); "made" or the errno's name."""
+    try:
+        if kind == "file":
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666))
+            os.chmod(path, 0o666)
+        elif kind == "socket":
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                s.bind(path)                # the socket file stays once it is closed
+            finally:
+                s.close()
+        elif kind == "dir":
+            os.mkdir(path)
+            os.chmod(path, 0o777)
+        else:
+            os.symlink("/tmp", path)
+        return "made"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+
+
 def _take_the_lock_and_port(port: int, card: str) -> dict:
     seen = {}
-    lock = lock_path(door_path(port))
+    door = door_path(port, 0)
     try:
-        os.close(os.open(lock, os.O_RDONLY))
+        os.close(os.open(lock_path(door), os.O_RDONLY))
         seen["open"] = "opened"
     except PermissionError:
         seen["open"] = "EACCES"
+    seen["create"] = _create(os.path.join(door_dir(0), "mine"), "file")
     try:
-        Gateway(make_config({"port": port, "storage_devices": [card], "control_socket_mode": "0666",
-                             "shared_memory_size": 16 << 20, "thread_pool_size": 2}))
+        _gateway_here(port, card, control_socket=door)          # root's door, by name
         seen["gateway"] = "started"
     except SystemExit as exc:
         seen["gateway"] = str(exc)
@@ -282,44 +341,174 @@ def _take_the_lock_and_port(port: int, card: str) -> dict:
 def test_after_a_clean_stop_the_lock_is_nobody_elses_and_root_restarts(start_gateway, open_dir, port_cleanup):
     gw = start_gateway(control_socket_mode="0666")
     port_cleanup.append(gw.port)
-    lock = lock_path(door_path(gw.port))
+    lock = lock_path(door_path(gw.port, 0))
     gw.proc.send_signal(signal.SIGTERM)     # a clean stop that leaves the lock (GatewayProcess.stop removes it)
     assert gw.proc.wait(30) == 0
     gw.proc = None
     st = os.stat(lock)
     assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o600
-    assert not os.path.exists(door_path(gw.port))
+    assert not os.path.exists(door_path(gw.port, 0))
     seen = as_nobody(_take_the_lock_and_port, gw.port, os.path.join(open_dir, "card"))
-    assert seen["open"] == "EACCES"
+    assert seen["open"] == "EACCES" and seen["create"] == "EACCES", seen
     assert "held by uid 0" in seen["gateway"], seen
-    assert not os.path.exists(door_path(gw.port)), "the refused impostor must leave no door"
+    assert not os.path.exists(door_path(gw.port, 0)), "the refused impostor must leave no door"
     gw.start(timeout_s=20)                  # root's gateway reclaims its own lock
     _root_engine_works(gw.port)
 
 
-def _squat(path: str, kind: str) -> None:
-    if kind == "lock":
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666))
-        os.chmod(path, 0o666)
-    else:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        s.bind(path)
-        s.close()                           # the socket file stays
+@pytest.fixture
+def sticky_dir():
+    """A directory like /dev/shm (1777: everyone creates entries, only their owner removes them)."""
+    path = tempfile.mkdtemp(prefix="adpkv-doors-", dir="/tmp")
+    os.chmod(path, 0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.parametrize("kind", ["lock", "door"])
-def test_a_squatted_lock_or_door_is_refused_naming_its_user(open_dir, port_cleanup, kind):
-    port = free_port()
-    port_cleanup.append(port)
-    door = door_path(port)
-    as_nobody(_squat, lock_path(door) if kind == "lock" else door, kind)
-    gw = GatewayProcess(os.path.join(open_dir, "card"), port=port, log_path=os.path.join(open_dir, "gw.log"))
+def test_at_a_named_door_a_squatted_lock_or_door_is_refused_naming_its_user(open_dir, sticky_dir, kind):
+    """``control_socket`` names a door in a directory every user may write: the gateway's
+    checks of the lock and the door are the same as ever."""
+    door = os.path.join(sticky_dir, "door.sock")
+    squatted = lock_path(door) if kind == "lock" else door
+    assert as_nobody(_create, squatted, "file" if kind == "lock" else "socket") == "made"
+    gw = GatewayProcess(os.path.join(open_dir, "card"), log_path=os.path.join(open_dir, "gw.log"),
+                        control_socket=door)
     with pytest.raises(RuntimeError) as exc:
         gw.start(timeout_s=20)
     text = str(exc.value)
-    assert f"the {kind} {lock_path(door) if kind == 'lock' else door} is held by uid 65534" in text, text
+    assert "exit code 2" in text, text
+    assert f"the {kind} {squatted} is held by uid 65534" in text, text
     assert "another gateway is running" not in text
     assert "Gateway listening" not in text
+
+
+# ---------------------------------------------------------------- issue 38, 7: squatting the door's paths
+def _paths_of_a_port(port: int) -> dict[str, str]:
+    """Every path a door of ``port`` was or is at, and its lock, with what to squat it with:
+    the old /dev/shm door, root's door directory and its door, a /dev/shm directory of root's
+    name and a door in it."""
+    decoy = os.path.join(SHM_DIR, "adpkv-0")
+    paths = {door_dir(0): "dir", decoy: "dir"}
+    for door in (_old_door(port), door_path(port, 0), os.path.join(decoy, f"adpkv-{port}.sock")):
+        paths[door] = "socket"
+        paths[lock_path(door)] = "file"
+    return paths
+
+
+def _squat_everything(port: int) -> dict[str, str]:
+    """As the squatting user: create every path of ``_paths_of_a_port`` it can."""
+    return {path: _create(path, kind) for path, kind in _paths_of_a_port(port).items()}
+
+
+def _fill_roots_directory(port: int) -> dict[str, str]:
+    """As the squatting user, once root's gateway serves: every kind of entry, in root's door
+    directory, at the lock's path, the door's and a name of its own."""
+    door = door_path(port, 0)
+    names = (lock_path(door) + ".new", door + ".new", os.path.join(door_dir(0), "mine"))
+    kinds = ("file", "socket", "dir", "symlink")
+    return {f"{name} {kind}": _create(name, kind) for name in names for kind in kinds}
+
+
+def test_a_user_who_squats_every_path_of_a_ports_door_does_not_stop_roots_gateway(open_dir, port_cleanup):
+    """Before: the first user to create /dev/shm/adpkv-<port>.sock(.lock) kept root's gateway
+    on that port from starting (it refused, naming that user), so any local user could keep
+    the cache off."""
+    port = free_port()
+    port_cleanup.append(port)
+    decoy = os.path.join(SHM_DIR, "adpkv-0")
+    decoy_was_there = os.path.lexists(decoy)
+    try:
+        squatted = as_nobody(_squat_everything, port)
+        made = sorted(path for path, got in squatted.items() if got == "made")
+        assert _old_door(port) in made and lock_path(_old_door(port)) in made, squatted   # what it took before
+        assert not any(path.startswith(door_dir(0)) for path in made), squatted          # nothing of root's
+        gw = GatewayProcess(os.path.join(open_dir, "card"), port=port, log_path=os.path.join(open_dir, "gw.log"),
+                            control_socket_mode="0666", shared_memory_size=16 << 20)
+        gw.start(timeout_s=20)
+        try:
+            home, door = os.lstat(door_dir(0)), os.lstat(door_path(port, 0))
+            assert stat.S_ISDIR(home.st_mode) and home.st_uid == 0 and not home.st_mode & 0o022
+            assert stat.S_ISSOCK(door.st_mode) and door.st_uid == 0
+            _root_engine_works(port)
+            later = as_nobody(_fill_roots_directory, port)
+            assert set(later.values()) == {"EACCES"}, later
+            _root_engine_works(port)
+        finally:
+            gw.stop()
+    finally:
+        if not decoy_was_there:
+            shutil.rmtree(decoy, ignore_errors=True)
+
+
+@pytest.fixture
+def stranger():
+    """A uid of no user, whose door directory only this test touches (the others use 65534's)."""
+    uid = random.randrange(200000, 300000)
+    yield uid
+    home = door_dir(uid)
+    if os.path.islink(home) or os.path.isfile(home):
+        os.unlink(home)
+    else:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _start_and_attach(port: int, card: str, root_port: int) -> dict:
+    """As the stranger: start a gateway on ``port`` (refused, or started and closed), then
+    attach to root's gateway on ``root_port`` with the default settings and store and read."""
+    seen = {}
+    try:
+        _gateway_here(port, card).close()
+        seen["gateway"] = "started"
+    except SystemExit as exc:
+        seen["gateway"] = str(exc)
+    keys = make_keys(2, namespace="stranger", salt=os.urandom(4))
+    client = GatewayClient(ClientConfig(port=root_port, connect_timeout_s=5.0, busy_wait_s=0), "stranger-engine")
+    try:
+        seen["attached"] = client.enabled
+        seen["stored"] = client.put(keys, OBJ, _fill(client, keys)).result(20).stored if client.enabled else None
+        seen["read"] = get_checked(client, keys, OBJ) if client.enabled else None
+    finally:
+        client.close()
+    return seen
+
+
+@pytest.mark.parametrize("hostile", ["owner", "mode", "symlink", "file"])
+def test_a_hostile_door_directory_is_refused_naming_it_and_its_owner(start_gateway, open_dir, stranger, hostile):
+    """The stranger's door directory is another user's (root stands in for any user: anyone may
+    create /dev/shm/adpkv-<uid> before that uid does), writable by others, a symbolic link, or a
+    file: the stranger's gateway refuses to start, in one line naming the directory and its
+    owner, and changes nothing there; its client passes over it and finds root's gateway."""
+    home = door_dir(stranger)
+    target = os.path.join(open_dir, "elsewhere")
+    os.mkdir(target)
+    os.chown(target, stranger, stranger)
+    if hostile == "owner":
+        os.mkdir(home, 0o755)
+    elif hostile == "mode":
+        os.mkdir(home)
+        os.chown(home, stranger, stranger)
+        os.chmod(home, 0o777)
+    elif hostile == "symlink":
+        os.symlink(target, home)
+    else:
+        os.close(os.open(home, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    before = os.lstat(home)
+    roots = start_gateway(control_socket_mode="0666")
+    port = free_port()
+    seen = as_nobody(_start_and_attach, port, os.path.join(open_dir, "card"), roots.port, uid=stranger)
+    owner = f"uid {stranger}" if hostile == "mode" else "uid 0 (root)"
+    what = {"owner": f"is not uid {stranger}'s", "mode": "may be written by users other than its owner",
+            "symlink": "is a symbolic link", "file": "is not a directory"}[hostile]
+    line = seen["gateway"]
+    assert line.startswith(f"the door directory {home} (owner {owner}, mode ") and what in line, line
+    assert "\n" not in line and "refusing to start" in line, line
+    after = os.lstat(home)
+    assert (after.st_mode, after.st_uid, after.st_ino) == (before.st_mode, before.st_uid, before.st_ino)
+    assert not os.listdir(target), "nothing may be made through the symbolic link"
+    if stat.S_ISDIR(after.st_mode):
+        assert not os.listdir(home), "the refused gateway must leave nothing in the directory"
+    assert seen["attached"] is True and seen["stored"] == [True, True] and seen["read"] == [True, True], seen
 
 
 # ---------------------------------------------------------------- 7: idle connections
@@ -349,7 +538,7 @@ def _gateway_stats(port: int) -> dict:
 
 def test_idle_connections_of_another_user_do_not_lock_out_roots_engine(start_gateway):
     gw = start_gateway(control_socket_mode="0666")
-    hog = Nobody(_hold_connections, door_path(gw.port), 4200)
+    hog = Nobody(_hold_connections, door_path(gw.port, 0), 4200)
     try:
         assert hog.expect(120) == 4200
         _root_engine_works(gw.port)
@@ -384,7 +573,7 @@ def _silent_connections(door: str) -> dict:
 
 def test_connections_that_do_not_complete_a_session_are_closed_by_the_deadline(start_gateway):
     gw = start_gateway(control_socket_mode="0666", door_handshake_s=1.0)
-    seen = as_nobody(_silent_connections, door_path(gw.port))
+    seen = as_nobody(_silent_connections, door_path(gw.port, 0))
     for name, (closed, after_s) in seen.items():
         assert closed and 0.9 <= after_s < 4.0, (name, closed, after_s)
     _root_engine_works(gw.port)             # a client that uses its session at once is not cut
@@ -395,7 +584,7 @@ def test_a_user_with_more_connections_than_descriptors_neither_spins_the_door_no
     gw = start_gateway(control_socket_mode="0666", door_connections_per_user=5000)
     pid = gw.proc.pid
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (1024, 1024))     # a common service default
-    hog = Nobody(_hold_connections, door_path(gw.port), 1100)
+    hog = Nobody(_hold_connections, door_path(gw.port, 0), 1100)
     try:
         assert hog.expect(120) == 1100
         _root_engine_works(gw.port)
@@ -405,7 +594,7 @@ def test_a_user_with_more_connections_than_descriptors_neither_spins_the_door_no
         # now run the gateway out of descriptors outright: EMFILE on every accept
         open_now = len(os.listdir(f"/proc/{pid}/fd"))
         resource.prlimit(pid, resource.RLIMIT_NOFILE, (open_now, 1024))
-        more = Nobody(_hold_connections, door_path(gw.port), 400)
+        more = Nobody(_hold_connections, door_path(gw.port, 0), 400)
         try:
             more.expect(120)
             client = GatewayClient(ClientConfig(port=gw.port, connect_timeout_s=5.0, busy_wait_s=0), "root-engine")
@@ -455,8 +644,8 @@ def test_a_gateway_that_cannot_have_its_port_leaves_no_door(tmp_path):
         assert gw.proc.wait(30) == 2
         gw.proc = None
         assert "cannot listen on 127.0.0.1:%d" % port in gw.log()
-        assert not os.path.exists(door_path(port)), "the door of a gateway that did not start is left behind"
-        os.unlink(lock_path(door_path(port)))
+        assert not os.path.exists(door_path(port, 0)), "the door of a gateway that did not start is left behind"
+        os.unlink(lock_path(door_path(port, 0)))
 
 
 

@@ -57,12 +57,12 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings, strategies as st
 
 from adpkv_core import protocol as P
-from adpkv_core.door import DoorSession, door_path
+from adpkv_core.door import DoorSession
 from adpkv_core.keys import KEY_BYTES, namespace_id
 from adpkv_gateway import control
 
 from ..adversary import NOBODY, as_nobody, read_back, store_own
-from ..rankproc import make_keys
+from ..rankproc import gateway_door, make_keys
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.fuzz, pytest.mark.security]
 
@@ -215,7 +215,7 @@ class Peer:
     def __init__(self, port: int, name: str, ctx, door=None):
         self.name = name
         if door is None:
-            door = DoorSession(door_path(port), 5.0)
+            door = DoorSession(gateway_door(port), 5.0)
         self.door = door
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -852,7 +852,7 @@ def door_connect(path: str):
 
 
 def door_fuzz(gw, rnd: random.Random, objs: DoorObjects, ring_fd_holder: list, counts, codes, problems):
-    path = door_path(gw.port)
+    path = gateway_door(gw.port)
     conns = [door_connect(path) for _ in range(3)]
     names = sorted(objs.fds)
 
@@ -1002,7 +1002,7 @@ def test_fuzz_control_port_and_door(start_gateway, tmp_path):
     try:
         line = _read_line(engine, time.monotonic() + 60)
         assert line == "ready", line
-        fz = Fuzzer(gw.port, rnd, ForeignDoor(door_path(gw.port)), foreign_keys)
+        fz = Fuzzer(gw.port, rnd, ForeignDoor(gateway_door(gw.port)), foreign_keys)
         try:
             # ---------------------------------------------------------------- structured
             strategies = field_strategies(fuzz_keys, foreign_keys)
@@ -1052,7 +1052,7 @@ def test_fuzz_control_port_and_door(start_gateway, tmp_path):
                     os.close(fd)
                 objs.close()
             # an empty door packet reads as the end of the connection: that session closes
-            s = door_connect(door_path(gw.port))[0]
+            s = door_connect(gateway_door(gw.port))[0]
             s.send(b"")
             assert s.recv(100) == b""
             s.close()
@@ -1116,7 +1116,7 @@ def test_deeply_nested_frames_are_bad_messages(gateway):
     the door (msgspec raises RecursionError there, which is no DecodeError)."""
     ctx = zmq.Context()
     peer = Peer(gateway.port, "deep", ctx)
-    door = door_connect(door_path(gateway.port))[0]
+    door = door_connect(gateway_door(gateway.port))[0]
     try:
         got = {}
         for depth in (10, 100, 1000, 5000, 100_000):

@@ -14,13 +14,13 @@ import zmq
 
 from adpkv_core import protocol as P
 from adpkv_core.client import TURNED_OFF_MESSAGE, GatewayClient, StoreResult
-from adpkv_core.door import DoorSession, door_path
+from adpkv_core.door import DoorSession
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 from adpkv_gateway.ops.spawn import free_port
 
 from ..fs_cards import object_paths
-from ..rankproc import make_keys, pattern, run_ranks
+from ..rankproc import gateway_door, make_keys, pattern, run_ranks
 
 
 class RawPeer:
@@ -28,7 +28,7 @@ class RawPeer:
     door, added to HELLO, STATS and CLEAN unless the test gives ``session`` itself."""
 
     def __init__(self, port):
-        self.door = DoorSession(door_path(port), 5.0)
+        self.door = DoorSession(gateway_door(port), 5.0)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
@@ -398,7 +398,7 @@ def test_a_second_gateway_on_a_busy_port_refuses_and_touches_nothing(start_gatew
 
 def test_a_dead_gateways_door_is_reclaimed(start_gateway, tmp_path):
     gw = start_gateway()
-    door = door_path(gw.port)
+    door = gateway_door(gw.port)
     gw.proc.kill()                      # a crash: its door and lock files stay behind
     gw.proc.wait()
     gw.proc = None

@@ -16,12 +16,12 @@ import pytest
 
 from adpkv_core import protocol as P
 from adpkv_core.client import GatewayClient
-from adpkv_core.door import DoorSession, door_path
+from adpkv_core.door import DoorSession
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 
 from ..adversary import NOBODY, OBJ, as_nobody, ring_fill
-from ..rankproc import make_keys, pattern
+from ..rankproc import gateway_door, make_keys, pattern
 
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the gateway runs as root, "
                                  "the attacker as uid 65534"),
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the gate
 def _try_everything_without_a_session(port):
     seen = {}
     try:
-        DoorSession(door_path(port), 3.0)
+        DoorSession(gateway_door(port), 3.0)
         seen["door"] = "opened"
     except PermissionError:
         seen["door"] = "EACCES"
@@ -48,7 +48,7 @@ def _try_everything_without_a_session(port):
 
 def test_the_default_door_lets_no_other_user_in(start_gateway):
     gw = start_gateway()                      # default: 0660, the gateway's own group (root)
-    mode = stat.S_IMODE(os.stat(door_path(gw.port)).st_mode)
+    mode = stat.S_IMODE(os.stat(gateway_door(gw.port)).st_mode)
     assert mode == 0o660
     keys = make_keys(3)
     owner = GatewayClient(ClientConfig(port=gw.port), "root-engine")
@@ -95,7 +95,7 @@ def _region_attempts(port, secret_path, own_path):
     seen["enabled"] = client.enabled
     seen["secret_region"] = client.register_region(secret_path, 0, 4096).result(5)
     # a descriptor it can get is its own file's; the ring it was handed is refused
-    seen["ring_region"] = DoorSession(door_path(port), 3.0).register_region(client._ring.fd, 0, 4096).code
+    seen["ring_region"] = DoorSession(gateway_door(port), 3.0).register_region(client._ring.fd, 0, 4096).code
     region = client.register_region(own_path, 0, 1 << 20).result(5)
     seen["own_region"] = region
     keys = make_keys(2, namespace="nobody")

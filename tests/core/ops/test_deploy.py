@@ -3,11 +3,13 @@ reachable here, so no image is built; what can be checked without one is.
 
 - The Dockerfiles pass hadolint; the gateway image's settings parse, its HEALTHCHECK is the
   operator CLI's ``adpkv status --config``, its volume is the card the settings name.
-- The Kubernetes manifests validate (strict) against the Kubernetes schemas
-  (kubernetes-validate's offline copies) and have the shape docs/operations.md describes:
-  the gateway a non-root native sidecar, /dev/shm one memory emptyDir in every container, the
-  door's group the pod's fsGroup, the card the volume the settings name, the metrics port the
-  one scraped, the engine pointed at the gateway's port through a class our adapters define.
+- The Kubernetes manifests validate (strict) against the Kubernetes schemas (kubernetes-validate's
+  offline copies) and have the shape docs/operations.md describes: the gateway a
+  non-root native sidecar, /dev/shm one memory emptyDir in every container and the door
+  directory of the gateway's user in it, the engine's adapter trusting that user (and so
+  looking for the door there), the door's group the pod's fsGroup, the card the volume the
+  settings name, the metrics port the one scraped, the engine pointed at the gateway's port
+  through a class our adapters define.
 - The gateway of each manifest runs here as the container would (its args, its ConfigMap's
   settings; only the card directory, the ports and the door's group are swapped for the test
   machine's): the probe command answers 0 while it runs and not 0 once it stopped, and its
@@ -33,6 +35,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from adpkv_core.door import door_dir
 from adpkv_gateway import config as cfg
 from adpkv_gateway.ops.spawn import GatewayProcess, free_port
 
@@ -200,10 +203,12 @@ def test_pod_shape(manifest, tmp_path):
         assert card["persistentVolumeClaim"]["claimName"] in claims
     else:
         assert card["hostPath"]["path"].startswith("/")
-    # /dev/shm: one memory-backed emptyDir in every container (the door is there)
+    # /dev/shm: one memory-backed emptyDir in every container, where the door directory of
+    # the gateway's (non-root) user is: the default door, no control_socket
     for container in [gw] + pod.engines:
         shm = pod.mount(container, "/dev/shm")
         assert shm["emptyDir"]["medium"] == "Memory", container["name"]
+    assert not config.control_socket and door_dir(sc["runAsUser"]).startswith("/dev/shm/")
     # the door: mode 0660, group = the pod's fsGroup, which every container has
     assert cfg.socket_mode(config) == 0o660
     assert int(config.control_socket_group) == pod.spec["securityContext"]["fsGroup"]
@@ -219,15 +224,20 @@ def test_pod_shape(manifest, tmp_path):
     for s in adapters:
         extra = s.get("kv_connector_extra_config", {})
         if s.get("kv_connector_module_path") in PLUGIN_DIRS:
-            ours.append((s["kv_connector_module_path"], s["kv_connector"], extra["adpkv.port"]))
+            ours.append((s["kv_connector_module_path"], s["kv_connector"], extra["adpkv.port"],
+                         extra.get("adpkv.gateway_users")))
         elif extra.get("spec_module_path") in PLUGIN_DIRS:
-            ours.append((extra["spec_module_path"], extra["spec_name"], extra["adpkv.port"]))
+            ours.append((extra["spec_module_path"], extra["spec_name"], extra["adpkv.port"],
+                         extra.get("adpkv.gateway_users")))
         elif s.get("module_path") in PLUGIN_DIRS:      # SGLang's extra config, LMCache's L2 adapter
-            ours.append((s["module_path"], s["class_name"], s["adapter_params"]["port"] if "adapter_params" in s
-                         else s["port"]))
-    module, name, port = one(ours, "engine container with an adpkv adapter")
+            params = s.get("adapter_params", s)
+            ours.append((s["module_path"], s["class_name"], params["port"], params.get("gateway_users")))
+    module, name, port, users = one(ours, "engine container with an adpkv adapter")
     assert defines_class(module, name), f"{module} defines no {name}"
     assert port == config.port
+    # whatever user the engine's image runs as, its client trusts the gateway's user and so
+    # looks for the door in that user's door directory (adpkv_core.door.find_door)
+    assert users == str(sc["runAsUser"]), users
 
 
 def test_the_pod_shape_check_catches_a_gateway_on_another_port(tmp_path):
@@ -302,8 +312,13 @@ def test_compose_wiring(tmp_path):
     assert gw["ipc"] == "shareable" and engine["ipc"] == "service:gateway"
     assert engine["network_mode"] == "service:gateway" and config.bind_address == "127.0.0.1"
     assert config.control_socket_group in engine["group_add"] and cfg.socket_mode(config) == 0o660
+    # the door: the default one of the gateway's user, in the /dev/shm the engine shares; the
+    # engine trusts that user, and so looks for the door in its door directory
+    user = gw["user"].split(":")[0]
+    assert not config.control_socket and door_dir(int(user)).startswith("/dev/shm/")
     assert engine["depends_on"]["gateway"]["condition"] == "service_healthy"
     kv = json.loads(engine["command"][engine["command"].index("--kv-transfer-config") + 1])
     extra = kv["kv_connector_extra_config"]
     assert extra["adpkv.port"] == config.port and defines_class(extra["spec_module_path"], extra["spec_name"])
+    assert extra["adpkv.gateway_users"] == user
     assert engine["environment"]["PYTHONHASHSEED"] == "0"

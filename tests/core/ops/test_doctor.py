@@ -21,12 +21,13 @@ import sys
 
 import pytest
 
-from adpkv_core.door import door_path
 from adpkv_gateway.ops import doctor, doctor_fs
 from adpkv_gateway.ops.doctor_host import Host
 from adpkv_gateway.cards.fs import CARD_FILE, FsCard
 from adpkv_gateway.config import make_config
 from adpkv_gateway.ops.spawn import GatewayProcess, free_port
+
+from ..rankproc import gateway_door
 
 ADPKV = [sys.executable, "-m", "adpkv_gateway.ops.cli"]
 
@@ -163,7 +164,7 @@ def test_the_door(start_gateway):
     open_door = start_gateway(control_socket_mode="0666")
     code, out = run_doctor("--port", str(open_door.port), "--engine", "sglang", "--engine-user", "nobody")
     assert code == 2 and level(out, "door") == "WARN" and "so may every local user" in out
-    st = os.stat(door_path(gw.port))
+    st = os.stat(gateway_door(gw.port))
     assert doctor.may_connect(st, 65534, {65534}) is False and doctor.may_connect(st, st.st_uid, set()) is True
 
 

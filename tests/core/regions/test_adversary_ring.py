@@ -32,11 +32,10 @@ import zmq
 
 from adpkv_core import protocol as P
 from adpkv_core.client import GatewayClient
-from adpkv_core.door import door_path
 from adpkv_core.settings import ClientConfig
 
 from ..adversary import as_nobody
-from ..rankproc import make_keys, pattern
+from ..rankproc import gateway_door, make_keys, pattern
 from ..stall import Stall
 
 OBJ = 256 << 10          # one read piece of the fs card's page-cache path (hashing after each piece)
@@ -80,7 +79,7 @@ def _fds_of_memory(fds) -> list[int]:
 def _door(port):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.settimeout(5.0)
-    s.connect(door_path(port))
+    s.connect(gateway_door(port))
     return s
 
 

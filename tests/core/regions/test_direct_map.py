@@ -25,12 +25,12 @@ from adpkv_core import direct_map
 from adpkv_core import protocol as P
 from adpkv_core.client import GatewayClient
 from adpkv_core.direct_map import DirectMaps
-from adpkv_core.door import DoorSession, door_path
+from adpkv_core.door import DoorSession
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.cards.fs_files import object_name
 
 from ..adversary import NOBODY, as_nobody
-from ..rankproc import get_checked, make_keys, pattern
+from ..rankproc import gateway_door, get_checked, make_keys, pattern
 
 OBJ = 256 << 10          # past the size the checksum hashes without the GIL
 
@@ -236,7 +236,7 @@ def test_map_needs_an_attached_rank(start_gateway):
     c = _client(gw.port)
     keys = make_keys(2)
     assert _put(c, keys).stored == [True] * 2
-    door = DoorSession(door_path(gw.port), 5.0)
+    door = DoorSession(gateway_door(gw.port), 5.0)
     try:
         reply, fds = door.map_objects(keys, OBJ)
         assert fds == [] and isinstance(reply, P.Error) and reply.code == P.FORBIDDEN

@@ -12,13 +12,13 @@ import pytest
 
 from adpkv_core.client import GatewayClient
 from adpkv_core import protocol as P
-from adpkv_core.door import DoorSession, door_path, recv
+from adpkv_core.door import DoorSession, recv
 from adpkv_core.regions import shared_file_of
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway import control
 from adpkv_gateway.ops.spawn import GatewayProcess
 
-from ..rankproc import make_keys
+from ..rankproc import gateway_door, make_keys
 
 OBJ = 256 * 1024 + 512          # deliberately not page aligned
 
@@ -103,7 +103,7 @@ def test_a_corrupt_object_read_into_a_region_is_a_miss(gateway, shm_buffer, tmp_
 
 def _refusal(port, fd, offset, size):
     """What the gateway answers a REGION of ``fd`` on a fresh door session of our own."""
-    session = DoorSession(door_path(port), 5.0)
+    session = DoorSession(gateway_door(port), 5.0)
     try:
         return session.register_region(fd, offset, size)
     finally:
@@ -120,7 +120,7 @@ def test_bad_regions_are_refused_clearly(gateway, shm_buffer, tmp_path, case):
                  os.O_RDONLY if case == "read-only" else os.O_RDWR)
     try:
         if case == "mistyped":
-            session = DoorSession(door_path(gateway.port), 5.0)
+            session = DoorSession(gateway_door(gateway.port), 5.0)
             try:
                 frame = msgspec.msgpack.encode({"v": 1, "op": "REGION", "offset": 0, "size": "10"})
                 socket.send_fds(session.sock, [frame], [fd])
