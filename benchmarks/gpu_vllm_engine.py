@@ -358,7 +358,7 @@ class Bench:
 
     def phase_crossover(self) -> None:
         self.load_reference()
-        gw = self.main_gateway()
+        gw = self.gateway("cross-card")      # its own card, removed after (the host's disk is 64 GiB)
         names = list(self.cross_prompts)
         res = self.phase("crossover", [{"do": "serve", "prompts": names, "label": "store"},
                                        {"do": "reset"},
@@ -370,6 +370,7 @@ class Bench:
         rs = res.get("results", [])
         self.check_tokens("crossover", [r for r in rs if r["label"] == "store"], False)
         self.check_tokens("crossover", [r for r in rs if r["label"] != "store"], True)
+        self.stop(gw)
 
     def phase_cpu_offload(self) -> None:
         self.load_reference()
