@@ -1,6 +1,6 @@
 """The card interface: one storage backend instance behind the gateway.
 
-A card stores fragments (the unit of storage, see ``adpkv_gateway.fragments``) in
+A card stores fragments (the unit of storage, see ``adpkv_gateway.cards.fragments``) in
 ``num_dbs`` databases. Only the gateway talks to cards. Every method may be
 called from many I/O threads at once. A read answers a ``Read`` verdict: ``HIT``
 only when the bytes are exactly those written by the write its caller expects;
@@ -16,7 +16,7 @@ object torn by two writers of different gateways) is ``Read.CHANGED``, a miss
 that removes nothing. So a hit is always one write's whole object.
 
 A fragment key is its object's key followed by a 2-byte fragment index
-(``adpkv_gateway.fragments.fragment_key``); fragment 0, the head, is written last
+(``adpkv_gateway.cards.fragments.fragment_key``); fragment 0, the head, is written last
 and records the size of the whole object. An object lives and dies whole: a card
 that evicts, deletes or drops a fragment drops every fragment of its object.
 
@@ -313,7 +313,7 @@ class Card(abc.ABC):
 
     def listed_heads(self) -> Iterator[Listed]:
         """Every object whose head is on the card, with the slot tag its head records (for the
-        mover's sweep, ``gateway/mover.py``; slow: a header read per object). Raises
+        mover's sweep, ``gateway/layout/mover.py``; slow: a header read per object). Raises
         ``CardIOError`` when the card cannot be listed now."""
         raise CardIOError(f"card {self.device}: a {self.kind} card cannot list its objects")
 
@@ -387,7 +387,7 @@ class Card(abc.ABC):
 
     def tenant_usage(self) -> list:
         """Bytes, objects, quota and quota evictions of each namespace on the card
-        (``adpkv_gateway.quotas.TenantUsage``), from memory (no I/O). Only a card that keeps
+        (``adpkv_gateway.cards.quotas.TenantUsage``), from memory (no I/O). Only a card that keeps
         an index knows them (fs); the others report none."""
         return []
 
@@ -396,7 +396,7 @@ class Card(abc.ABC):
         """Health probe: the card answers and still has the same serial."""
 
     # ------------------------------------------------------------------ namespace claims
-    # Who owns a key namespace is recorded on the cards themselves (``adpkv_gateway.namespaces``
+    # Who owns a key namespace is recorded on the cards themselves (``adpkv_gateway.store.namespaces``
     # decides what a claim means), so that it survives restarts of the gateway and is the same
     # for every gateway on a shared card. ``nsid`` is the 8-byte namespace id keys carry.
 
@@ -419,7 +419,7 @@ class Card(abc.ABC):
         its ``maxmemory-policy``, claims as any key): called every few seconds."""
 
     # ------------------------------------------------------------------ the layout record
-    # The key layout the gateways on this card run with (``adpkv_gateway.layout_record``
+    # The key layout the gateways on this card run with (``adpkv_gateway.layout.record``
     # decides what it says). A card with ``keyed_layout_record`` keeps it under a key of its
     # own (resp and cluster cards: ``resp.LAYOUT_KEY``); the fs card keeps it as a file in its
     # directory, which ``layout_record`` reads and writes itself.

@@ -27,9 +27,9 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.cards.base import Read
-from adpkv_gateway.cards.fs import FsCard
-from adpkv_gateway.cards.fs_files import object_name
-from adpkv_gateway.fragments import fragment_db, fragment_extents, fragment_key
+from adpkv_gateway.cards.fs.card import FsCard
+from adpkv_gateway.cards.fs.files import object_name
+from adpkv_gateway.cards.fragments import fragment_db, fragment_extents, fragment_key
 
 from ..fs_cards import files_on_disk, gateway_stats, object_paths, settled_card
 from ..gateway.reliability_worker import payload
@@ -354,10 +354,10 @@ def test_a_read_verdict_never_removes_a_later_write_on_a_resp_card(redis_servers
     write 1 is handed back only after write 2 was stored) must survive it: the removal is of
     the write the read was of (issue 40). Before, the store deleted every fragment of the key,
     write 2's too."""
-    from adpkv_gateway.cards.resp import RespCard
-    from adpkv_gateway.health import CardHealth
-    from adpkv_gateway.store import ObjectStore, Pins
-    from adpkv_gateway.cards.resp_conn import RespConnection
+    from adpkv_gateway.cards.resp.card import RespCard
+    from adpkv_gateway.store.health import CardHealth
+    from adpkv_gateway.store.object_store import ObjectStore, Pins
+    from adpkv_gateway.cards.resp.conn import RespConnection
 
     server, = redis_servers(1)
     card = RespCard(server.url)
