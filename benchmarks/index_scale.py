@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fs_cards import card_keys  # noqa: E402
 
-from adpkv_gateway.cards import fs_snapshot  # noqa: E402
+from adpkv_gateway.cards.fs import snapshot as fs_snapshot  # noqa: E402
 from adpkv_gateway.cards.base import FirstExtent  # noqa: E402
 from adpkv_gateway.cards.fs.files import FileRef  # noqa: E402
 from adpkv_gateway.cards.fs.index import START_TICK, FsIndex  # noqa: E402

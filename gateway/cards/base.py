@@ -192,16 +192,6 @@ class PlacedFile(NamedTuple):
     entry: tuple[int, int]
 
 
-def object_key(fkey: bytes) -> bytes:
-    """The key of the object a fragment key belongs to."""
-    return fkey[:-2]
-
-
-def is_head(fkey: bytes) -> bool:
-    """Whether a fragment key names its object's head (fragment 0)."""
-    return fkey[-2:] == b"\0\0"
-
-
 def claim_record(uid: int) -> bytes:
     """How a card records the owner of a namespace: its uid in decimal, one line."""
     return b"%d\n" % uid

@@ -13,7 +13,10 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
+# The fragment-key format, spelled here only: an object's key, then its fragment's index in
+# 2 bytes, big-endian; fragment 0 (the head, written last) ends in b"\0\0".
 _FRAG = struct.Struct(">H")
+INDEX_BYTES = _FRAG.size
 MAX_FRAGMENTS = 65535
 
 
@@ -32,6 +35,21 @@ def fragment_extents(object_bytes: int, fragment_size: int) -> list[tuple[int, i
 def fragment_key(key: bytes, index: int) -> bytes:
     """The storage key of fragment ``index`` of an object."""
     return key + _FRAG.pack(index)
+
+
+def object_key(fkey: bytes) -> bytes:
+    """The key of the object a fragment key belongs to."""
+    return fkey[:-INDEX_BYTES]
+
+
+def fragment_index(fkey: bytes) -> int:
+    """The index of the fragment a fragment key names."""
+    return _FRAG.unpack_from(fkey, len(fkey) - INDEX_BYTES)[0]
+
+
+def is_head(fkey: bytes) -> bool:
+    """Whether a fragment key names its object's head (fragment 0)."""
+    return fkey[-INDEX_BYTES:] == b"\0\0"
 
 
 # db_hash(key) -> int: the hash of an object's key that places its fragments: fragment ``i`` is

@@ -51,10 +51,14 @@ from typing import Callable, Collection, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from adpkv_gateway.cards.fragments import db_hash, fragment_db, fragment_dbs, fragment_extents, fragment_key, head_dbs
+from adpkv_gateway.cards.fragments import (
+    db_hash, fragment_db, fragment_dbs, fragment_extents, fragment_key, head_dbs, object_key
+)
 from adpkv_gateway.store.card_stats import CardStats
 
-from adpkv_gateway.cards.base import Card, CardIOError, FirstExtent, Head, Listed, NodeIOError, PlacedFile, ProcessRead, Read, object_key
+from adpkv_gateway.cards.base import (
+    Card, CardIOError, FirstExtent, Head, Listed, NodeIOError, PlacedFile, ProcessRead, Read
+)
 from adpkv_gateway.cards.objfmt import new_write_id
 from adpkv_gateway.store.placement import Placement, key_layout_fingerprint
 

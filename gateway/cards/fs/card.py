@@ -60,12 +60,21 @@ from adpkv_gateway.observe import progress
 from adpkv_gateway.cards.quotas import TenantUsage
 
 from adpkv_gateway.cards import objfmt
-from adpkv_gateway.cards.base import Card, CardError, CardIOError, CardUsage, FileRead, FirstExtent, Head, HeadsFound, Listed, NoProcessRead, PlacedFile, ProcessRead, Read, claim_record, is_head, object_key, parse_claim
-from adpkv_gateway.cards.fs.files import CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, SUBDIR_NAMES, FileRef, check_file, object_name, open_dir, open_root, own_dir, subdir_of, unlink_all, verdict_of
+from adpkv_gateway.cards.base import (
+    Card, CardError, CardIOError, CardUsage, FileRead, FirstExtent, Head, HeadsFound, Listed, NoProcessRead,
+    PlacedFile, ProcessRead, Read, claim_record, parse_claim
+)
+from adpkv_gateway.cards.fragments import is_head, object_key
+from adpkv_gateway.cards.fs.files import (
+    CREATE_FLAGS, DIR_FLAGS, READ_FLAGS, SUBDIR_NAMES, FileRef, check_file, object_name, open_dir, open_root,
+    own_dir, subdir_of, unlink_all, verdict_of
+)
 from adpkv_gateway.cards.fs import scan as fs_scan
 from adpkv_gateway.cards.fs.index import FKEY_BYTES, TRIM_CHUNK, Entry, FileOf, FsIndex
 from adpkv_gateway.cards.fs.rows import give_back_heap
-from adpkv_gateway.cards.objfile import ALIGN, HEADER_BYTES, FdSlice, Scratch, copy_object_file, read_object_file, write_object_file
+from adpkv_gateway.cards.objfile import (
+    ALIGN, HEADER_BYTES, FdSlice, Scratch, copy_object_file, read_object_file, write_object_file
+)
 
 logger = logging.getLogger("adpkv.gateway.fs")
 
@@ -568,9 +577,9 @@ class FsCard(Card):
         removed = 0
         k = 0
         while k < len(files):
-            okey = files[k].fkey[:-2]
+            okey = object_key(files[k].fkey)
             j = k + 1
-            while j < len(files) and files[j].fkey[:-2] == okey:
+            while j < len(files) and object_key(files[j].fkey) == okey:
                 j += 1
             group = files[k:j]
             k = j

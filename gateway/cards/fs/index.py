@@ -80,10 +80,10 @@ import numpy as np
 
 from adpkv_core.keys import KEY_BYTES
 
-from adpkv_gateway.cards.fragments import fragment_extents
+from adpkv_gateway.cards.fragments import INDEX_BYTES, fragment_extents, fragment_index, fragment_key, is_head, object_key
 from adpkv_gateway.cards.quotas import TenantUsage, tenant_of
 from adpkv_gateway.cards.fs import snapshot as fs_snapshot
-from adpkv_gateway.cards.base import FirstExtent, Head, HeadsFound, is_head, object_key
+from adpkv_gateway.cards.base import FirstExtent, Head, HeadsFound
 from adpkv_gateway.cards.fs.files import FileRef
 from adpkv_gateway.cards.fs.rows import Rows, give_back_heap, key_hash, key_hashes, mapped
 from adpkv_gateway.cards.fs.snapshot import EMPTY_SLOT, Snapshot
@@ -91,8 +91,7 @@ from adpkv_gateway.cards.objfile import ALIGN, HEADER_BYTES
 
 logger = logging.getLogger("adpkv.gateway.fs")
 
-HEAD_SUFFIX = b"\0\0"
-FKEY_BYTES = KEY_BYTES + 2
+FKEY_BYTES = KEY_BYTES + INDEX_BYTES
 EMPTY = EMPTY_SLOT             # a free slot of the hash table
 START_TICK = 1 << 31           # the clock at start; scanned objects get older ticks (by file age)
 MIN_QUEUE = 256                # eviction queue: at least this many rows, or 1/32 of them
@@ -334,7 +333,7 @@ class FsIndex:
     def _paths(self, r: int) -> list[FileOf]:
         """(lock held) The files of row ``r``, head first."""
         okey = self._rows.key[r].tobytes()
-        return [FileOf(self._fragment_db(r, i), okey + i.to_bytes(2, "big")) for i in range(int(self._rows.nfrag[r]))]
+        return [FileOf(self._fragment_db(r, i), fragment_key(okey, i)) for i in range(int(self._rows.nfrag[r]))]
 
     @staticmethod
     def _fkeys_array(fkeys: list[bytes]) -> Optional[tuple[np.ndarray, np.ndarray]]:
@@ -350,8 +349,8 @@ class FsIndex:
         object has no such fragment."""
         arrays = self._fkeys_array(fkeys)
         if arrays is None:
-            rows = np.array([self._row(f[:-2]) if len(f) == FKEY_BYTES else -1 for f in fkeys], np.int64)
-            index = np.array([int.from_bytes(f[-2:], "big") for f in fkeys], np.int64)
+            rows = np.array([self._row(object_key(f)) if len(f) == FKEY_BYTES else -1 for f in fkeys], np.int64)
+            index = np.array([fragment_index(f) for f in fkeys], np.int64)
         else:
             okeys, index = arrays
             rows = self._rows_of(okeys)
@@ -364,7 +363,7 @@ class FsIndex:
     def locate(self, fkey: bytes) -> Optional[Entry]:
         """The entry of a stored fragment, ``(database, generation)`` (refreshing its object's
         LRU place), or None. Its failed read's verdict goes to ``drop_if`` with it."""
-        i = int.from_bytes(fkey[-2:], "big")
+        i = fragment_index(fkey)
         with self._lock:
             r = self._row(object_key(fkey))
             if r < 0 or i >= int(self._rows.nfrag[r]):
@@ -526,7 +525,7 @@ class FsIndex:
         if part is not None:
             return part[1]
         r = self._row(okey)
-        i = int.from_bytes(fkey[-2:], "big")
+        i = fragment_index(fkey)
         return self._fragment_size(r, i) if r >= 0 and i < int(self._rows.nfrag[r]) else 0
 
     def unreserve(self, okey: bytes, nbytes: int) -> None:
@@ -574,7 +573,7 @@ class FsIndex:
         kept = 0
         if r >= 0:                                   # an earlier version of the object
             for i in range(int(self._rows.nfrag[r])):
-                fk = okey + i.to_bytes(2, "big")
+                fk = fragment_key(okey, i)
                 old_db = self._fragment_db(r, i)
                 if fk in parts:
                     if parts[fk][0] != old_db:
@@ -591,7 +590,7 @@ class FsIndex:
             ns.objects -= 1
             self._remove_row(r)
         disk = sum(size for _, size in parts.values())
-        found = [parts.get(okey + i.to_bytes(2, "big"), (None,))[0] for i in range(nfrag)]
+        found = [parts.get(fragment_key(okey, i), (None,))[0] for i in range(nfrag)]
         dbs = [d for d in found if d is not None]
         dbmod = self._layout(dbs) if len(dbs) == len(found) else None     # None: one is missing
         if dbmod is None or len(parts) != nfrag:
@@ -839,7 +838,7 @@ class FsIndex:
         ``total`` the size its head records, ``flen`` its head's payload length, ``write_id``
         the write id of all its fragments, ``mtime`` its newest file's. Nothing when the object was committed, deleted or evicted since
         the card opened. Whether it was indexed."""
-        dbs = [parts[okey + i.to_bytes(2, "big")][0] for i in range(len(parts))]
+        dbs = [parts[fragment_key(okey, i)][0] for i in range(len(parts))]
         with self._lock:
             if okey in self._gone or okey in self._pending or self._row(okey) >= 0:
                 return False

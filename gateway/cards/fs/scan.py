@@ -49,11 +49,10 @@ import time
 from typing import Callable, Iterator, Optional, Union
 
 from adpkv_gateway.observe import progress
-from adpkv_gateway.cards.fragments import fragment_extents
+from adpkv_gateway.cards.fragments import fragment_extents, fragment_index, fragment_key, is_head, object_key
 from adpkv_gateway.cards import objfmt
-from adpkv_gateway.cards.base import is_head, object_key
 from adpkv_gateway.cards.fs.files import READ_FLAGS, FileRef, object_name, unlink_all
-from adpkv_gateway.cards.fs.index import FKEY_BYTES, HEAD_SUFFIX, FileOf, FsIndex, sizes_on_disk
+from adpkv_gateway.cards.fs.index import FKEY_BYTES, FileOf, FsIndex, sizes_on_disk
 
 logger = logging.getLogger("adpkv.gateway.fs")
 
@@ -110,7 +109,7 @@ def _files_match(index: FsIndex, okey: bytes, files: list[tuple[int, int]]) -> O
     newest = 0.0
     for i, (db, size) in enumerate(files):
         try:
-            dir_fd, name = index.path_of(db, okey + i.to_bytes(2, "big"))
+            dir_fd, name = index.path_of(db, fragment_key(okey, i))
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except OSError:
             return None
@@ -181,8 +180,8 @@ def scan(index: FsIndex, walk: Walk, own_file: Callable[[int], None], remove: Re
 def _has_head(index: FsIndex, okey: bytes, fkey: bytes, db: int) -> bool:
     """Whether the head of the object whose fragment ``fkey`` is in ``db`` is where a
     gateway puts it (spread: ``index`` databases back; else the same database)."""
-    back = (db - int.from_bytes(fkey[-2:], "big")) % index.num_dbs
-    return any(_exists(index.path_of(d, okey + HEAD_SUFFIX)) for d in {back, db})
+    back = (db - fragment_index(fkey)) % index.num_dbs
+    return any(_exists(index.path_of(d, fragment_key(okey, 0))) for d in {back, db})
 
 
 def _where(root: str, db: int, name: str) -> str:
@@ -261,10 +260,10 @@ def _scan_object(index: FsIndex, db: int, okey: bytes, header: memoryview, own_f
     the start, a write in flight), or a string when it was broken (a bad head, missing
     fragments, fragments of another write than its head's: torn) and removed: every file of
     it there is (each fragment where a gateway may put it), through ``remove``."""
-    head_ref = index.path_of(db, okey + HEAD_SUFFIX)
+    head_ref = index.path_of(db, fragment_key(okey, 0))
     path = _where(index.root, db, head_ref.name)
     try:
-        info = _scan_file(head_ref.dir_fd, head_ref.name, okey + HEAD_SUFFIX, header, own_file)
+        info = _scan_file(head_ref.dir_fd, head_ref.name, fragment_key(okey, 0), header, own_file)
     except OSError as exc:
         if exc.errno != errno.ELOOP or not _older(head_ref, started):
             return None
@@ -273,10 +272,10 @@ def _scan_object(index: FsIndex, db: int, okey: bytes, header: memoryview, own_f
         if not _older(head_ref, started):
             return None
         logger.warning("fs card %s: %s is %s; removing it", index.root, path, info)
-        remove([FileOf(db, okey + HEAD_SUFFIX)])
+        remove([FileOf(db, fragment_key(okey, 0))])
         return info
     size, mtime, flen, total, write_id = info
-    parts = {okey + HEAD_SUFFIX: (db, size)}
+    parts = {fragment_key(okey, 0): (db, size)}
     if total <= flen:
         return parts, total, flen, write_id, mtime
     try:
@@ -286,7 +285,7 @@ def _scan_object(index: FsIndex, db: int, okey: bytes, header: memoryview, own_f
     problem = None if extents else "a head of impossible size"
     spread_ok = True
     for i, (_, length) in enumerate(extents[1:], 1):
-        fkey = okey + i.to_bytes(2, "big")
+        fkey = fragment_key(okey, i)
         got: Union[FileInfo, str, None] = None
         for d in ((db + i) % index.num_dbs, db) if spread_ok else (db,):
             ref = index.path_of(d, fkey)
@@ -313,7 +312,7 @@ def _scan_object(index: FsIndex, db: int, okey: bytes, header: memoryview, own_f
                    problem if problem.startswith("torn") else f"lacking fragments ({problem})")
     files = [FileOf(d, fk) for fk, (d, _) in parts.items()]
     for i in range(1, len(extents)):           # the fragments the walk met or did not meet yet
-        fkey = okey + i.to_bytes(2, "big")
+        fkey = fragment_key(okey, i)
         files += [FileOf(d, fkey) for d in dict.fromkeys(((db + i) % index.num_dbs, db))
                   if FileOf(d, fkey) not in files]
     remove(files)

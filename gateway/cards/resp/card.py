@@ -17,7 +17,10 @@ import uuid
 from typing import Iterator, Optional
 
 from adpkv_gateway.cards import objfmt
-from adpkv_gateway.cards.base import Card, CardIOError, CardUnavailable, CardUsage, Head, Listed, Read, claim_record, is_head, object_key, parse_claim
+from adpkv_gateway.cards.base import (
+    Card, CardIOError, CardUnavailable, CardUsage, Head, Listed, Read, claim_record, parse_claim
+)
+from adpkv_gateway.cards.fragments import is_head, object_key
 from adpkv_gateway.cards.resp.conn import RespConnection, RespError, ThreadConnections
 
 logger = logging.getLogger("adpkv.gateway.resp")

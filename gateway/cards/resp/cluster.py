@@ -53,10 +53,18 @@ from typing import Iterator, Optional
 import xxhash
 
 from adpkv_gateway.cards import objfmt
-from adpkv_gateway.cards.base import Card, CardIOError, CardUnavailable, CardUsage, Head, Listed, NodeIOError, Read, claim_record, is_head, object_key, parse_claim
-from adpkv_gateway.cards.resp.cluster_map import TRANSPORT_ERRORS, Addr, SlotMap, is_retryable, key_slot, parse_cluster_url
+from adpkv_gateway.cards.base import (
+    Card, CardIOError, CardUnavailable, CardUsage, Head, Listed, NodeIOError, Read, claim_record,
+    parse_claim
+)
+from adpkv_gateway.cards.fragments import is_head, object_key
+from adpkv_gateway.cards.resp.cluster_map import (
+    TRANSPORT_ERRORS, Addr, SlotMap, is_retryable, key_slot, parse_cluster_url
+)
 from adpkv_gateway.cards.resp.cluster_route import ClusterRouting
-from adpkv_gateway.cards.resp.card import _DEL, _GETRANGE_HEADER, _STRLEN, LAYOUT_KEY, OWNERS_KEY, RESERVED_KEYS, SERIAL_KEY, _heads_holding
+from adpkv_gateway.cards.resp.card import (
+    _DEL, _GETRANGE_HEADER, _STRLEN, LAYOUT_KEY, OWNERS_KEY, RESERVED_KEYS, SERIAL_KEY, _heads_holding
+)
 from adpkv_gateway.cards.resp.conn import RespConnection, RespError, ThreadConnections
 
 logger = logging.getLogger("adpkv.gateway.resp_cluster")

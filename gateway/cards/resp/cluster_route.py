@@ -26,7 +26,9 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from adpkv_gateway.cards.base import NodeIOError
-from adpkv_gateway.cards.resp.cluster_map import TRANSPORT_ERRORS, Addr, Redirect, SlotMap, fmt_addr, is_retryable, key_slot, redirect_of
+from adpkv_gateway.cards.resp.cluster_map import (
+    TRANSPORT_ERRORS, Addr, Redirect, SlotMap, fmt_addr, is_retryable, key_slot, redirect_of
+)
 from adpkv_gateway.cards.resp.conn import RespConnection, RespError, ThreadConnections
 
 MAX_REDIRECTS = 5

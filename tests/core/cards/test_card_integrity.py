@@ -14,7 +14,7 @@ import pytest
 from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.ops import control
-from adpkv_gateway.cards import fs as fs_mod
+from adpkv_gateway.cards.fs import card as fs_mod
 from adpkv_gateway.cards.base import CardError, Read
 from adpkv_gateway.cards.fs.card import FsCard
 from adpkv_gateway.cards.fs.files import object_name

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from adpkv_gateway.cards import fs_snapshot
+from adpkv_gateway.cards.fs import snapshot as fs_snapshot
 from adpkv_gateway.cards.base import FirstExtent
 from adpkv_gateway.cards.fs.files import FileRef
 from adpkv_gateway.cards.fs.index import START_TICK, FsIndex
