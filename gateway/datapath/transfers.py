@@ -51,13 +51,12 @@ from adpkv_core import protocol as P
 from adpkv_core.ring import Ring, align_up
 
 from adpkv_gateway.datapath import io_procs
-from adpkv_gateway.cards.base import NoProcessRead
 from adpkv_gateway.datapath.jobs import Batch, DataJob
 from adpkv_gateway.observe.latency import LatencyBuckets
 from adpkv_gateway.datapath.region_io import RegionSource, RingSource, direct_reads, to_region
 from adpkv_gateway.datapath.ring_alloc import EngineRing
 from adpkv_gateway.datapath.scatter import Scatter, to_scatter
-from adpkv_gateway.store.object_store import ObjectStore, Outcome, PutItem, ReadPlan
+from adpkv_gateway.store.object_store import NoProcessRead, ObjectStore, Outcome, PutItem, ReadPlan
 
 logger = logging.getLogger("adpkv.gateway")
 

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 
 import msgspec
 
-from adpkv_gateway.cards.base import Card, CardIOError
+from adpkv_gateway.cards.base import Card, CardIOError, KeyedLayoutRecord
 from adpkv_gateway.cards.fs.card import FsCard
 from adpkv_gateway.store.placement import key_layout_fingerprint
 
@@ -142,9 +142,9 @@ def write_record(card: Card, record: CardRecord) -> None:
         os.close(dfd)
 
 
-def _keyed(card: Card) -> Card:
-    """``card``, which keeps its record under a key of its own (resp, cluster: ``Card.keyed_layout_record``)."""
-    if not card.keyed_layout_record:
+def _keyed(card: Card) -> KeyedLayoutRecord:
+    """``card``, which keeps its record under a key of its own (resp, cluster: ``KeyedLayoutRecord``)."""
+    if not isinstance(card, KeyedLayoutRecord):
         raise LayoutError(f"card {card.device}: kind {card.kind!r} keeps no layout record")
     return card
 

@@ -57,7 +57,8 @@ from adpkv_gateway.cards.fragments import (
 from adpkv_gateway.store.card_stats import CardStats
 
 from adpkv_gateway.cards.base import (
-    Card, CardIOError, FirstExtent, Head, Listed, NodeIOError, PlacedFile, ProcessRead, Read
+    BatchedReads, Card, CardIOError, DirectReads, DirectWrites, DropsItself, FirstExtent, HandsFiles, Head,
+    IOProcessReads, KeysByTag, Listed, NodeIOError, NoProcessRead, PlacedFile, ProcessRead, Read
 )
 from adpkv_gateway.cards.objfmt import new_write_id
 from adpkv_gateway.store.placement import Placement, key_layout_fingerprint
@@ -132,7 +133,7 @@ class Outcome(NamedTuple):
 class ReadPlan:
     """A GET batch's reads (``ObjectStore.plan_reads``): ``(j, fragment)`` for each fragment
     of each object ``j`` found, an object's fragments one after the other; ``direct``: those
-    whose card reads into a client's region itself (``Card.direct_reads``, asked for), the
+    whose card reads into a client's region itself (``cards.base.DirectReads``, asked for), the
     others go through the ring."""
 
     ring: list[tuple[int, Fragment]]
@@ -167,7 +168,7 @@ class PutSource(abc.ABC):
 
     @abc.abstractmethod
     def region(self) -> Optional[RegionBytes]:
-        """The bytes in a client's region that a card with ``direct_writes`` reads itself, or
+        """The bytes in a client's region that a ``DirectWrites`` card reads itself, or
         None when they are not (the ring, a scattered region)."""
 
     @abc.abstractmethod
@@ -407,35 +408,35 @@ class ObjectStore:
         cards = self.cards
         ring, direct = [], []
         for item in plans:
-            (direct if cards[item[1].card].direct_reads else ring).append(item)
+            (direct if isinstance(cards[item[1].card], DirectReads) else ring).append(item)
         return ReadPlan(ring, direct)
 
     def direct_replicas(self, frag: Fragment) -> list[Fragment]:
         """Where a read of ``frag`` straight into a client's region may go, in order: its card,
-        then each other replica card in service that reads into regions (``direct_reads``)."""
+        then each other replica card in service that reads into regions (``DirectReads``)."""
         return [frag] + [frag._replace(card=c, others=()) for c in frag.others
-                         if self._active[c] and self.cards[c].direct_reads]
+                         if self._active[c] and isinstance(self.cards[c], DirectReads)]
 
     def open_verified(self, keys: Sequence[bytes], marks: Optional[Sequence[int]], object_bytes: int,
                       check: Callable[[list[OpenedFile]], list[Read]]) -> list[Optional[int]]:
         """For MAP (on the pool): for each object, a read-only descriptor of its own file, verified
         in place, that the caller now owns (to hand and close), or None. Only an object of one
         fragment, on the card ``holders`` finds it on, when that card hands files
-        (``Card.hands_files``: ``Card.open_placed``, read-only, of the placed file); ``check``
+        (``HandsFiles.open_placed``, read-only, of the placed file); ``check``
         gives the verdict on each file opened (``direct_reads.verify_in_place``: header, size,
         the head's write id, the payload's checksum, where the file lies). A file whose verdict
         is not ``HIT`` is closed, never handed, and its verdict goes to its card as a failed
-        read's does (``Card.placed_checked``: a corrupt object is removed). Contract: the
+        read's does (``HandsFiles.placed_checked``: a corrupt object is removed). Contract: the
         caller has checked that every key is of a namespace the asker owns."""
         out: list[Optional[int]] = [None] * len(keys)
         if len(fragment_extents(object_bytes, self.fragment_size)) != 1:
             return out
-        opened: list[tuple[int, Card, PlacedFile, OpenedFile]] = []
+        opened: list[tuple[int, HandsFiles, PlacedFile, OpenedFile]] = []
         for i, holder in enumerate(self.holders(keys, marks, object_bytes)):
             if holder is None:
                 continue
             card = self.cards[int(holder)]
-            if not card.hands_files:
+            if not isinstance(card, HandsFiles):
                 continue
             fkey = fragment_key(keys[i], 0)
             placed = card.open_placed(fkey)
@@ -456,9 +457,13 @@ class ObjectStore:
         return out
 
     def process_reads(self, card: int, frags: Sequence[Fragment]) -> list[ProcessRead]:
-        """For each fragment of ``card``: what an I/O process can read (``Card.process_reads``:
-        an ``cards.base.FileRead``), or why none does (``NoProcessRead``)."""
-        return self.cards[card].process_reads([f.fkey for f in frags], [f.write_id for f in frags])
+        """For each fragment of ``card``: what an I/O process can read (``IOProcessReads``:
+        an ``cards.base.FileRead``), or why none does (``NoProcessRead``: every read of a card
+        that is not ``IOProcessReads`` is ``HERE``, on the gateway's pool)."""
+        c = self.cards[card]
+        if not isinstance(c, IOProcessReads):
+            return [NoProcessRead.HERE] * len(frags)
+        return c.process_reads([f.fkey for f in frags], [f.write_id for f in frags])
 
     def process_reads_done(self, card: int, files: Sequence, lengths: Sequence[int],
                            misses: Sequence[tuple[int, Read]], seconds: Sequence[float]) -> None:
@@ -469,8 +474,10 @@ class ObjectStore:
         lost = sum(lengths[k] for k, _ in misses)
         self.stats[card].record_reads(seconds, sum(lengths) - lost, len(misses))
         self.observe_many(card, seconds, {k for k, verdict in misses if verdict.strike})
+        c = self.cards[card]
+        assert isinstance(c, IOProcessReads)      # only such a card hands reads to the processes
         for k, verdict in misses:
-            self.cards[card].process_read_result(files[k], verdict)
+            c.process_read_result(files[k], verdict)
 
     def write_plans(self, key: bytes, mark: int, object_bytes: int) -> list[list[Fragment]]:
         """One fragment list per replica (cards in service, in placement order)."""
@@ -524,7 +531,7 @@ class ObjectStore:
 
     def read_to_fds(self, items, write_by: Optional[float] = None) -> list[Outcome]:
         """Read ``(j, fragment, descriptor, offset)`` items straight into a client's buffer
-        (``Card.read_to_fd``, nothing written at or after ``write_by``); an ``Outcome`` each,
+        (``DirectReads.read_to_fd``, nothing written at or after ``write_by``); an ``Outcome`` each,
         with statistics, health and removal of what the verdict shows broken as
         ``read_many``."""
         out = []
@@ -539,11 +546,11 @@ class ObjectStore:
 
     def _read_batched(self, items) -> list[Read]:
         """The verdict of each ``(j, fragment, view)`` item: the fragments of a card with
-        ``batched_reads`` in one ``Card.read_many`` call, the others one by one."""
+        ``BatchedReads`` in one ``Card.read_many`` call, the others one by one."""
         res: list[Read] = [Read.TRANSIENT] * len(items)
         by_card: dict[int, list[int]] = collections.defaultdict(list)
         for i, (_, frag, view) in enumerate(items):
-            if self.cards[frag.card].batched_reads:
+            if isinstance(self.cards[frag.card], BatchedReads):
                 by_card[frag.card].append(i)
             else:
                 res[i] = self._read(frag, view)
@@ -572,7 +579,7 @@ class ObjectStore:
         return res
 
     def read_many(self, items) -> list[Outcome]:
-        """Read ``(j, fragment, view)`` items (a card with ``batched_reads`` gets all of its
+        """Read ``(j, fragment, view)`` items (a ``BatchedReads`` card gets all of its
         fragments at once); an ``Outcome`` for each. A fragment that misses on its card is read
         from the object's next replica in service, and an object found missing or corrupt on
         a card is removed from that card, whole."""
@@ -606,8 +613,8 @@ class ObjectStore:
     def _remove_broken(self, card: int, key: bytes, object_bytes: int, tag: bytes, write_id: Optional[int]) -> None:
         """A read's verdict showed an object broken on a card (the read was of write
         ``write_id``): remove that write whole (``remove_write``), unless the card already did
-        (``Card.drops_itself``: it knows whether the verdict is stale)."""
-        if not self.cards[card].drops_itself:
+        (``DropsItself``: it knows whether the verdict is stale)."""
+        if not isinstance(self.cards[card], DropsItself):
             self.remove_write(card, key, object_bytes, tag, write_id)
 
     def _write_lock(self, card: int, key: bytes) -> threading.Lock:
@@ -650,9 +657,9 @@ class ObjectStore:
         return list(self.cards[card].listed_heads())
 
     def keys_by_tag(self, card: int) -> bool:
-        """Whether ``card`` keys fragments by their slot tag (``Card.keys_by_tag``: the cluster
+        """Whether ``card`` keys fragments by their slot tag (``KeysByTag``: the cluster
         card), so that an object whose head records no tag cannot be copied to or from it."""
-        return self.cards[card].keys_by_tag
+        return isinstance(self.cards[card], KeysByTag)
 
     def recorded_head(self, card: int, key: bytes, tag: Optional[bytes]) -> Optional[Head]:
         """What the head of the object ``key`` (slot tag ``tag``) records on ``card``
@@ -682,7 +689,7 @@ class ObjectStore:
         """Store the objects of (part of) a PUT batch: which exist already (``exists``: keys
         name content, an object stored under its key holds these bytes), the replica cards
         of each other one, and its write to all of them: straight from a client's region
-        (``Card.write_from_fd``) when every one of those cards has ``direct_writes`` and
+        (``DirectWrites.write_from_fd``) when every one of those cards is ``DirectWrites`` and
         the source is a region, else from the ring (``PutSource.view``). An object with no
         card in service is not stored."""
         found = self.exists([it.key for it in items], [it.mark for it in items], object_bytes)
@@ -696,7 +703,7 @@ class ObjectStore:
                 out.append(Outcome(item.j, False))
                 continue
             region = item.source.region()
-            if region is not None and all(self.cards[f.card].direct_writes for frags in plans for f in frags):
+            if region is not None and all(isinstance(self.cards[f.card], DirectWrites) for frags in plans for f in frags):
                 # the engine's region -> the card in one copy, by its descriptor (no ring)
                 ok = self._write_from_fd(plans, region, object_bytes)
             else:
@@ -715,7 +722,7 @@ class ObjectStore:
 
     def _write_from_fd(self, plans: Sequence[Sequence[Fragment]], src: RegionBytes, n: int) -> bool:
         """Write one object of ``n`` bytes to every replica straight from a client's buffer
-        (``Card.write_from_fd``: every card of the plans has ``direct_writes``), nothing read
+        (``DirectWrites.write_from_fd``: every card of the plans is one), nothing read
         at or after ``src.read_by``; True as ``write_replicas``."""
         write_id = new_write_id()
         return any([self._write_object(frags, n, write_id, lambda card, f: card.write_from_fd(

@@ -61,8 +61,9 @@ from adpkv_gateway.cards.quotas import TenantUsage
 
 from adpkv_gateway.cards import objfmt
 from adpkv_gateway.cards.base import (
-    Card, CardError, CardIOError, CardUsage, FileRead, FirstExtent, Head, HeadsFound, Listed, NoProcessRead,
-    PlacedFile, ProcessRead, Read, claim_record, parse_claim
+    Card, CardError, CardIOError, CardUsage, DirectReads, DirectWrites, DropsItself, FileRead, FirstExtent,
+    HandsFiles, Head, HeadsFound, IOProcessReads, Listed, NoProcessRead, PlacedFile, ProcessRead, Read,
+    claim_record, parse_claim
 )
 from adpkv_gateway.cards.fragments import is_head, object_key
 from adpkv_gateway.cards.fs.files import (
@@ -105,14 +106,10 @@ def _group_id(name: str) -> int:
         raise CardError(f"card_group {name!r} is not a group of this host") from None
 
 
-class FsCard(Card):
+class FsCard(Card, DirectReads, DirectWrites, HandsFiles, IOProcessReads, DropsItself):
     """A card that is a directory of object files."""
 
     kind = "fs"
-    direct_reads = True
-    direct_writes = True
-    drops_itself = True
-    hands_files = True
 
     def __init__(self, device: str, num_dbs: int = 16, capacity_bytes: int = 0,
                  eviction_watermark: float = 0.95, eviction_ratio: float = 0.10,

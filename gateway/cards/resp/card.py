@@ -18,7 +18,8 @@ from typing import Iterator, Optional
 
 from adpkv_gateway.cards import objfmt
 from adpkv_gateway.cards.base import (
-    Card, CardIOError, CardUnavailable, CardUsage, Head, Listed, Read, claim_record, parse_claim
+    Card, CardIOError, CardUnavailable, CardUsage, Head, KeyedLayoutRecord, Listed, Read, claim_record,
+    parse_claim
 )
 from adpkv_gateway.cards.fragments import is_head, object_key
 from adpkv_gateway.cards.resp.conn import RespConnection, RespError, ThreadConnections
@@ -46,11 +47,10 @@ def _heads_holding(heads, replies: list, payload_len) -> list[Optional[Head]]:
     return out
 
 
-class RespCard(Card):
+class RespCard(Card, KeyedLayoutRecord):
     """A card on a Redis-protocol server at ``redis://host:port[/db]``."""
 
     kind = "resp"
-    keyed_layout_record = True
 
     def __init__(self, device: str, io_timeout_s: Optional[float] = None):
         super().__init__(device)

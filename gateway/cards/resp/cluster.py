@@ -54,8 +54,8 @@ import xxhash
 
 from adpkv_gateway.cards import objfmt
 from adpkv_gateway.cards.base import (
-    Card, CardIOError, CardUnavailable, CardUsage, Head, Listed, NodeIOError, Read, claim_record,
-    parse_claim
+    BatchedReads, Card, CardIOError, CardUnavailable, CardUsage, Head, KeyedLayoutRecord, KeysByTag, Listed,
+    NodeIOError, Read, claim_record, parse_claim
 )
 from adpkv_gateway.cards.fragments import is_head, object_key
 from adpkv_gateway.cards.resp.cluster_map import (
@@ -87,13 +87,10 @@ class _NodeReads:
     read: int = 0
 
 
-class ClusterCard(ClusterRouting, Card):
+class ClusterCard(ClusterRouting, Card, BatchedReads, KeysByTag, KeyedLayoutRecord):
     """A card that is a whole Redis Cluster."""
 
     kind = "resp-cluster"
-    batched_reads = True
-    keys_by_tag = True
-    keyed_layout_record = True
 
     def __init__(self, device: str, io_timeout_s: Optional[float] = None, wait_ms: int = 0):
         super().__init__(device)

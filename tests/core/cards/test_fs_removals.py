@@ -349,7 +349,7 @@ def _check_one(card: FsCard, keys: list[bytes], version: dict, k: int, strict: b
 # ---------------------------------------------------------------------------- resp: the same window
 def test_a_read_verdict_never_removes_a_later_write_on_a_resp_card(redis_servers):
     """The resp card has no index: the store removes an object a read found broken
-    (``Card.drops_itself`` False). A PUT of the key that lands between the read's verdict and
+    (not ``cards.base.DropsItself``). A PUT of the key that lands between the read's verdict and
     that removal (here: a real redis-server; the card's read wrapped so that the verdict about
     write 1 is handed back only after write 2 was stored) must survive it: the removal is of
     the write the read was of (issue 40). Before, the store deleted every fragment of the key,
