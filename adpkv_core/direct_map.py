@@ -1,7 +1,7 @@
 """Restores without the host copy: objects' files mapped read-only, the GPU copies from there.
 
 The gateway hands a rank, through its door session, a read-only descriptor of each object's
-file it checked in place (MAP: ``gateway/direct_reads.py``). ``DirectMaps`` (one per rank):
+file it checked in place (MAP: ``gateway/datapath/direct_reads.py``). ``DirectMaps`` (one per rank):
 
 - ``fetch(client, keys, obj, marks)``: MAP the keys (``protocol.MAX_MAP_KEYS`` a request) and
   map each descriptor ``PROT_READ``, ``MAP_SHARED`` (the descriptor is closed once mapped, the

@@ -367,7 +367,7 @@ class TenantFigures(Struct, kw_only=True):
 
 
 class WorkFigures(Struct, kw_only=True):
-    """One piece of long work the gateway is doing (``gateway/progress.py``)."""
+    """One piece of long work the gateway is doing (``gateway/observe/progress.py``)."""
 
     what: str
     done: int
@@ -377,7 +377,7 @@ class WorkFigures(Struct, kw_only=True):
 
 
 class LayoutChangeFigures(Struct, kw_only=True):
-    """The key layout change since this gateway started (``gateway/mover.py``)."""
+    """The key layout change since this gateway started (``gateway/layout/mover.py``)."""
 
     previous_fingerprint: str
     complete: bool
@@ -392,7 +392,7 @@ class LayoutChangeFigures(Struct, kw_only=True):
 
 
 class GatewayStats(Struct, kw_only=True):
-    """What STATS answers and the status file shows (``gateway/stats.py`` builds it).
+    """What STATS answers and the status file shows (``gateway/loop/stats.py`` builds it).
     ``counters``: requests by kind; ``objects``: hits, misses, stored... summed over the
     namespaces, ``objects_by_namespace``: the same by namespace id (hex);
     ``request_latency``: per op (get, put), the latency bucket counts and the seconds summed."""
@@ -429,7 +429,7 @@ class StatsOk(Message, **_op("OK")):
 
 
 def gateway_stats(raw: Any) -> GatewayStats:
-    """The ``stats`` of a STATS reply read as a plain map (``gateway/control.py``) as a
+    """The ``stats`` of a STATS reply read as a plain map (``gateway/ops/control.py``) as a
     ``GatewayStats``; ``ProtocolError`` (BAD_MESSAGE) when it is not one."""
     try:
         return msgspec.convert(raw, GatewayStats)

@@ -140,6 +140,27 @@ _TRUE = frozenset(("1", "true", "yes", "on"))
 _FALSE = frozenset(("0", "false", "no", "off"))
 
 
+def parse_pairs(value: Any, name: str, form: str, maps: str) -> list[tuple[Any, Any]]:
+    """A setting that maps names to values, as YAML gives it (a mapping) or as a flag
+    (``NAME=VALUE[,NAME=VALUE...]``): its pairs as given, in order (each pair's checks are the
+    caller's); none for an empty value. ``form``: how one item of the flag reads (e.g.
+    ``NAME=BYTES``), ``maps``: what the mapping holds (e.g. ``namespace to bytes``), both for
+    the ValueError naming ``name``."""
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        pairs: list[tuple[Any, Any]] = []
+        for item in value.split(","):
+            key, sep, val = item.strip().rpartition("=")
+            if not sep or not key:
+                raise ValueError(f"{name}: {item.strip()!r} is not {form}")
+            pairs.append((key, val))
+        return pairs
+    if isinstance(value, Mapping):
+        return list(value.items())
+    raise ValueError(f"{name} must map {maps}, not {type(value).__name__}")
+
+
 def parse_bool(value: Any, name: str) -> bool:
     """The one boolean reader of every adpkv setting (gateway flags and YAML, adapter settings).
 

@@ -50,10 +50,10 @@ from fs_cards import build_card, card_keys, payload_of  # noqa: E402
 
 from adpkv_core.client import GatewayClient  # noqa: E402
 from adpkv_core.settings import ClientConfig  # noqa: E402
-from adpkv_gateway import control  # noqa: E402
-from adpkv_gateway.cards.fs import SNAPSHOT_FILE, FsCard  # noqa: E402
-from adpkv_gateway.health import CardHealth  # noqa: E402
-from adpkv_gateway.store import ObjectStore, Pins  # noqa: E402
+from adpkv_gateway.ops import control  # noqa: E402
+from adpkv_gateway.cards.fs.card import SNAPSHOT_FILE, FsCard  # noqa: E402
+from adpkv_gateway.store.health import CardHealth  # noqa: E402
+from adpkv_gateway.store.object_store import ObjectStore, Pins  # noqa: E402
 from adpkv_gateway.ops.spawn import GatewayProcess  # noqa: E402
 
 HEADER = 4096

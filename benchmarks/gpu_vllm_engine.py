@@ -222,7 +222,7 @@ class Bench:
     def settle(self, gw, deadline_s: float = 300.0) -> dict:
         """Wait until the gateway has written everything the engine handed it (no request in
         flight, no ring slot in use) and report its object count."""
-        from adpkv_gateway import control
+        from adpkv_gateway.ops import control
         deadline = time.monotonic() + deadline_s
         stats: dict = {}
         while time.monotonic() < deadline:

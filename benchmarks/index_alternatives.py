@@ -36,7 +36,7 @@ from typing import Optional
 
 from adpkv_core.keys import KeyBuilder
 from adpkv_gateway.cards.base import FirstExtent
-from adpkv_gateway.fragments import fragment_key
+from adpkv_gateway.cards.fragments import fragment_key
 
 
 def rss(kind: str = "RssAnon") -> int:
@@ -167,7 +167,7 @@ def main() -> None:
             shutil.rmtree(where, ignore_errors=True)
         return
     if args.structure == "numpy":
-        from adpkv_gateway.cards.fs_index import FsIndex
+        from adpkv_gateway.cards.fs.index import FsIndex
         make = lambda: FsIndex("/x", lambda db, f: "/x", capacity_bytes=1 << 50)   # noqa: E731
     elif args.structure == "dicts":
         spec = importlib.util.spec_from_file_location("adpkv_gateway.cards.old_fs_index", args.old)

@@ -34,13 +34,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fs_cards import card_keys  # noqa: E402
 
-from adpkv_gateway.cards import fs_snapshot  # noqa: E402
+from adpkv_gateway.cards.fs import snapshot as fs_snapshot  # noqa: E402
 from adpkv_gateway.cards.base import FirstExtent  # noqa: E402
-from adpkv_gateway.cards.fs_files import FileRef  # noqa: E402
-from adpkv_gateway.cards.fs_index import START_TICK, FsIndex  # noqa: E402
-from adpkv_gateway.cards.fs_rows import Rows  # noqa: E402
-from adpkv_gateway.fragments import head_dbs  # noqa: E402
-from adpkv_gateway.quotas import tenant_of  # noqa: E402
+from adpkv_gateway.cards.fs.files import FileRef  # noqa: E402
+from adpkv_gateway.cards.fs.index import START_TICK, FsIndex  # noqa: E402
+from adpkv_gateway.cards.fs.rows import Rows  # noqa: E402
+from adpkv_gateway.cards.fragments import head_dbs  # noqa: E402
+from adpkv_gateway.cards.quotas import tenant_of  # noqa: E402
 
 SIZE, ON_DISK, NUM_DBS = 1024, 8192, 16
 

@@ -141,7 +141,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write all figures to this file")
     args = p.parse_args()
 
-    from adpkv_gateway.control import request
+    from adpkv_gateway.ops.control import request
     from adpkv_gateway.ops.spawn import GatewayProcess
 
     root = args.dir or tempfile.mkdtemp(prefix="adpkv-lmc-bench-")

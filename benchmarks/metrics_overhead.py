@@ -1,6 +1,6 @@
 """What the metrics cost the card I/O path, against the I/O they account for.
 
-Every card I/O ends in ``CardStats.record`` (gateway/store.py), which also counts the I/O in
+Every card I/O ends in ``CardStats.record`` (gateway/store/object_store.py), which also counts the I/O in
 the card's latency buckets (under the lock it takes anyway). This measures, in one run and
 alternating the sides (medians of ``--repeat`` rounds):
 
@@ -32,9 +32,9 @@ from prometheus_client import Histogram
 
 from adpkv_core.protocol import GatewayStats
 
-from adpkv_gateway.latency import IO_LATENCY_BUCKETS
-from adpkv_gateway.metrics import GatewayMetrics
-from adpkv_gateway.store import CardStats
+from adpkv_gateway.observe.latency import IO_LATENCY_BUCKETS
+from adpkv_gateway.observe.metrics import GatewayMetrics
+from adpkv_gateway.store.object_store import CardStats
 
 
 class CountersOnly(CardStats):

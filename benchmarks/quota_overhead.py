@@ -24,11 +24,10 @@ import tempfile
 import time
 
 from adpkv_core.keys import KeyBuilder, namespace_id
-from adpkv_gateway import progress
-from adpkv_gateway.cards.fs import FsCard
+from adpkv_gateway.observe import progress
+from adpkv_gateway.cards.fs.card import FsCard
 from adpkv_gateway.cards.objfile import HEADER_BYTES
-from adpkv_gateway.fragments import fragment_key
-from adpkv_gateway.quotas import TenantBook
+from adpkv_gateway.cards.fragments import fragment_key
 
 
 def one_round(base: str, n: int, size: int, quota_objects) -> tuple[float, float, float]:
@@ -63,18 +62,6 @@ def one_round(base: str, n: int, size: int, quota_objects) -> tuple[float, float
         shutil.rmtree(root, ignore_errors=True)
 
 
-def book_cost(n: int = 200_000) -> float:
-    """µs of the quota accounting a write adds under the card's lock (a namespace with a quota)."""
-    keys = [k for k in KeyBuilder("bench").keys([i.to_bytes(8, "big") for i in range(n)])]
-    book = TenantBook({namespace_id("bench"): 1 << 60})
-    t0 = time.perf_counter()
-    for k in keys:
-        book.over_by(k[1:9], 36864)
-        book.charge(k, 36864)
-        book.enter(k)
-    return (time.perf_counter() - t0) / n * 1e6
-
-
 def advance_cost(n: int = 200_000) -> float:
     with progress.track("bench", n, "calls", stream=open("/dev/null", "w")) as p:
         t0 = time.perf_counter()
@@ -102,9 +89,6 @@ def main() -> None:
     print(f"{'side':38s} {'write µs':>9s} {'x peer':>7s} {'read µs':>8s} {'x peer':>7s} {'index µs/file':>14s}")
     for name, (w, r, ix) in med.items():
         print(f"{name:38s} {w:9.1f} {w / peer[0]:7.3f} {r:8.1f} {r / peer[1]:7.3f} {ix:14.1f}")
-    book = book_cost()
-    print(f"TenantBook per write (charge + enter, in memory): {book:.3f} µs = {book / peer[0]:.4f} of the "
-          f"peer's write")
     adv = advance_cost()
     print(f"Progress.advance: {adv:.3f} µs per file = {adv / peer[2]:.4f} of the index rebuild's "
           f"{peer[2]:.1f} µs per file")

@@ -155,8 +155,8 @@ def client_choice(cluster: RedisCluster, n: int, payload: bytes) -> list[dict]:
     """One thread, one object at a time: the card's own client vs redis-py's cluster client."""
     from redis.cluster import ClusterNode, RedisCluster as PyCluster
 
-    from adpkv_gateway.cards.resp_cluster import ClusterCard
-    from adpkv_gateway.fragments import fragment_key
+    from adpkv_gateway.cards.resp.cluster import ClusterCard
+    from adpkv_gateway.cards.fragments import fragment_key
     out = []
     card = ClusterCard(cluster.url)
     card.open()

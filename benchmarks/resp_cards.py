@@ -31,7 +31,7 @@ from adpkv_core.affinity import dialog_marks
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway.cards.resp_conn import RespConnection
+from adpkv_gateway.cards.resp.conn import RespConnection
 from adpkv_gateway.ops.spawn import GatewayProcess, RedisServer
 
 MiB = 1 << 20
@@ -161,9 +161,9 @@ def exist_round_trip(url: str, cluster: bool, n: int, repeats: int, tmp: str) ->
     import redis
     from redis.cluster import ClusterNode, RedisCluster as PyCluster
 
-    from adpkv_gateway.cards.resp import RespCard
-    from adpkv_gateway.cards.resp_cluster import ClusterCard
-    from adpkv_gateway.fragments import db_hash, fragment_key
+    from adpkv_gateway.cards.resp.card import RespCard
+    from adpkv_gateway.cards.resp.cluster import ClusterCard
+    from adpkv_gateway.cards.fragments import db_hash, fragment_key
     gw = GatewayProcess([url], log_path=os.path.join(tmp, f"gw-exist-{cluster}.log"), storage_backend="resp",
                         shared_memory_size=128 * MiB, thread_pool_size=THREADS, num_dbs=16).start()
     try:

@@ -19,14 +19,14 @@ import dataclasses
 import difflib
 import math
 import os
-from typing import Any, NamedTuple, Optional
+import pwd
+from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import yaml
 
-from adpkv_core.settings import parse_bool, parse_size
+from adpkv_core.settings import parse_bool, parse_pairs, parse_size
 
-from .namespaces import parse_owners
-from .quotas import parse_quotas
+from adpkv_gateway.cards.quotas import tenant_id
 
 
 @dataclasses.dataclass
@@ -39,7 +39,7 @@ class GatewayConfig:
     num_dbs: int = 16                        # databases of each card
     key_placement: str = "dialog"            # dialog or stripe
     key_layout_fingerprint: str = ""         # refuse to start on another key layout
-    previous_key_layout_fingerprint: str = ""  # a card-set change: the layout the cards record (gateway/layout_record.py)
+    previous_key_layout_fingerprint: str = ""  # a card-set change: the layout the cards record (gateway/layout/record.py)
     move_rate_bytes: int = 64 << 20          # a card-set change: bytes per second the mover moves at most
     shared_storage: bool = False             # nobody may clean
     start_clean: int = 0                     # 1: delete everything at start (refused when shared)
@@ -456,3 +456,60 @@ def _convert(name: str, kind: str, v: Any) -> Any:
     if isinstance(v, bool) or not isinstance(v, (str, int)):
         raise ConfigError(name, f"{v!r} is not a string")
     return str(v)
+
+
+# --------------------------------------------------------------------------- namespace settings
+def parse_quotas(value: Union[None, str, Mapping]) -> dict[str, int]:
+    """``namespace_quotas`` as given in YAML (a mapping) or as a flag (``a=1,b=2``):
+    namespace -> bytes. Raises ValueError with the reason."""
+    out: dict[str, int] = {}
+    for name, size in parse_pairs(value, "namespace_quotas", "NAME=BYTES", "namespace to bytes"):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"namespace_quotas: {name!r} is not a namespace name")
+        try:
+            nbytes = parse_size(size)             # bytes, or a number with a unit (512MiB)
+        except (TypeError, ValueError):
+            raise ValueError(f"namespace_quotas: {name}={size!r} is not a byte count (e.g. 1073741824 or 1GiB)") from None
+        if nbytes <= 0:
+            raise ValueError(f"namespace_quotas: {name}={nbytes}: a quota must be > 0 bytes")
+        tenant_id(name)      # an id: name must be well formed
+        out[name] = nbytes
+    return out
+
+
+def parse_owners(value: Union[None, str, Mapping]) -> dict[str, list[int]]:
+    """``namespace_owners`` as given in YAML (``{namespace or id:<16 hex>: [user or uid, ...]}``)
+    or as a flag (``NAME=USER[+USER...][,NAME=...]``): namespace -> uids. User names are
+    resolved on this host. Raises ValueError with the reason."""
+    pairs = [(n, u.split("+") if isinstance(u, str) and isinstance(value, str) else u)
+             for n, u in parse_pairs(value, "namespace_owners", "NAME=USER[+USER...]", "a namespace to its users")]
+    out: dict[str, list[int]] = {}
+    for name, users in pairs:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"namespace_owners: {name!r} is not a namespace name")
+        try:
+            tenant_id(name)
+        except ValueError:
+            raise ValueError(f"namespace_owners: {name!r} is not id: and 16 hex digits") from None
+        if isinstance(users, (str, int)):
+            users = [users]
+        if not isinstance(users, (list, tuple)) or not users:
+            raise ValueError(f"namespace_owners: {name}: give a list of users or uids")
+        out[name] = sorted({_uid(name, u) for u in users})
+    return out
+
+
+def _uid(namespace: str, user) -> int:
+    if isinstance(user, bool):
+        raise ValueError(f"namespace_owners: {namespace}: {user!r} is not a user or uid")
+    if isinstance(user, int) or (isinstance(user, str) and user.strip().isdigit()):
+        uid = int(user)
+        if not 0 <= uid < 2 ** 32 - 1:
+            raise ValueError(f"namespace_owners: {namespace}: uid {uid} is out of range")
+        return uid
+    if isinstance(user, str) and user.strip():
+        try:
+            return pwd.getpwnam(user.strip()).pw_uid
+        except KeyError:
+            raise ValueError(f"namespace_owners: {namespace}: no user {user!r} on this host") from None
+    raise ValueError(f"namespace_owners: {namespace}: {user!r} is not a user or uid")

@@ -14,7 +14,7 @@ import subprocess
 import time
 from typing import Callable, Optional
 
-from adpkv_gateway.cards.resp_conn import RespConnection, RespError
+from adpkv_gateway.cards.resp.conn import RespConnection, RespError
 
 REDIS = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")

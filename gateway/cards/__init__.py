@@ -1,17 +1,19 @@
-"""Cards: the storage backends behind the gateway."""
+"""Cards: the storage backends behind the gateway and the object format they share (see
+``adpkv_gateway``): ``open_cards`` opens a configuration's cards, an fs card (``cards.fs``) for a
+directory, a resp or cluster card (``cards.resp``) for a Redis URL. Imports ``observe``."""
 
 from __future__ import annotations
 
 import logging
 from typing import Callable, Sequence
 
-from ..quotas import quotas_by_id
-from .base import Card, CardError, CardIOError, CardUnavailable, CardUsage, NodeIOError
-from . import fs_lock
-from .fs import FsCard
-from .fs_lock import CardLock, CardLocked
-from .resp import RespCard
-from .resp_cluster import SCHEMES as CLUSTER_SCHEMES, ClusterCard
+from adpkv_gateway.cards.quotas import quotas_by_id
+from adpkv_gateway.cards.base import Card, CardError, CardIOError, CardUnavailable, CardUsage, NodeIOError
+from adpkv_gateway.cards.fs import lock as fs_lock
+from adpkv_gateway.cards.fs.card import FsCard
+from adpkv_gateway.cards.fs.lock import CardLock, CardLocked
+from adpkv_gateway.cards.resp.card import RespCard
+from adpkv_gateway.cards.resp.cluster import SCHEMES as CLUSTER_SCHEMES, ClusterCard
 
 __all__ = ["Card", "CardError", "CardIOError", "CardLock", "CardLocked", "CardUnavailable", "CardUsage", "ClusterCard",
            "FsCard", "NodeIOError", "RespCard", "close_cards", "open_cards"]

@@ -1,6 +1,6 @@
 """The card interface: one storage backend instance behind the gateway.
 
-A card stores fragments (the unit of storage, see ``adpkv_gateway.fragments``) in
+A card stores fragments (the unit of storage, see ``adpkv_gateway.cards.fragments``) in
 ``num_dbs`` databases. Only the gateway talks to cards. Every method may be
 called from many I/O threads at once. A read answers a ``Read`` verdict: ``HIT``
 only when the bytes are exactly those written by the write its caller expects;
@@ -16,7 +16,7 @@ object torn by two writers of different gateways) is ``Read.CHANGED``, a miss
 that removes nothing. So a hit is always one write's whole object.
 
 A fragment key is its object's key followed by a 2-byte fragment index
-(``adpkv_gateway.fragments.fragment_key``); fragment 0, the head, is written last
+(``adpkv_gateway.cards.fragments.fragment_key``); fragment 0, the head, is written last
 and records the size of the whole object. An object lives and dies whole: a card
 that evicts, deletes or drops a fragment drops every fragment of its object.
 
@@ -40,6 +40,8 @@ import enum
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
+
+from adpkv_gateway.cards.fragments import fragment_key
 
 
 
@@ -192,16 +194,6 @@ class PlacedFile(NamedTuple):
     entry: tuple[int, int]
 
 
-def object_key(fkey: bytes) -> bytes:
-    """The key of the object a fragment key belongs to."""
-    return fkey[:-2]
-
-
-def is_head(fkey: bytes) -> bool:
-    """Whether a fragment key names its object's head (fragment 0)."""
-    return fkey[-2:] == b"\0\0"
-
-
 def claim_record(uid: int) -> bytes:
     """How a card records the owner of a namespace: its uid in decimal, one line."""
     return b"%d\n" % uid
@@ -216,16 +208,13 @@ def parse_claim(data: bytes, what: str) -> int:
 
 
 class Card(abc.ABC):
-    """One storage backend instance with a stable serial number."""
+    """One storage backend instance with a stable serial number: what every card does (open,
+    read, write, heads, contains, delete, clean, usage, check, namespace claims, close). What
+    only some cards can do is a capability below (``DirectReads``, ``DirectWrites``,
+    ``HandsFiles``, ``IOProcessReads``, ``KeyedLayoutRecord``; ``BatchedReads``, ``DropsItself``,
+    ``KeysByTag`` say how a card behaves), which the store asks with ``isinstance``."""
 
     kind: str = ""
-    direct_reads: bool = False   # read_to_fd works: a client's region is filled without the ring
-    direct_writes: bool = False  # write_from_fd works: a client's region is stored without the ring
-    batched_reads: bool = False  # read_many does better than a loop over read (the store uses it)
-    drops_itself: bool = False   # a read whose verdict ``drops`` has already removed the object on the card
-    hands_files: bool = False    # open_placed works: a stored fragment's own file, opened read-only (MAP)
-    keys_by_tag: bool = False    # fragments are keyed by their slot tag (see the module): found only with it
-    keyed_layout_record: bool = False   # the layout record is a key of the card's: get/set_layout_record work
 
     def __init__(self, device: str):
         self.device = device
@@ -245,8 +234,8 @@ class Card(abc.ABC):
     def read_many(self, items: list[tuple[int, bytes, memoryview, bytes, Optional[int]]]) -> list:
         """Read ``(db, fragment key, buf, slot tag, write id)`` items, each as ``read`` does;
         for each: its ``Read`` verdict, or the ``CardIOError`` that failed it (a transport
-        failure: nothing may be concluded about the fragment). Cards with ``batched_reads``
-        do it in fewer round trips (the cluster card: one pipeline per node, all at once)."""
+        failure: nothing may be concluded about the fragment). A card that is ``BatchedReads``
+        does it in fewer round trips (the cluster card: one pipeline per node, all at once)."""
         out: list = []
         for db, fkey, buf, tag, write_id in items:
             try:
@@ -302,7 +291,7 @@ class Card(abc.ABC):
         """``heads_holding`` of the heads of many objects (object ``keys``, their heads in
         databases ``dbs``), as arrays: what a store's EXIST asks of a card. The fs card looks
         them all up in its index at once; this default asks ``heads_holding``."""
-        return HeadsFound.of(self.heads_holding([(db, key + b"\0\0") for key, db in zip(keys, dbs.tolist())],
+        return HeadsFound.of(self.heads_holding([(db, fragment_key(key, 0)) for key, db in zip(keys, dbs.tolist())],
                                                 first, tags))
 
     def object_sizes(self, heads: list[tuple[int, bytes]],
@@ -313,7 +302,7 @@ class Card(abc.ABC):
 
     def listed_heads(self) -> Iterator[Listed]:
         """Every object whose head is on the card, with the slot tag its head records (for the
-        mover's sweep, ``gateway/mover.py``; slow: a header read per object). Raises
+        mover's sweep, ``gateway/layout/mover.py``; slow: a header read per object). Raises
         ``CardIOError`` when the card cannot be listed now."""
         raise CardIOError(f"card {self.device}: a {self.kind} card cannot list its objects")
 
@@ -324,53 +313,6 @@ class Card(abc.ABC):
     def delete_many(self, items: list[tuple[int, bytes]], tags: Optional[list[bytes]] = None) -> int:
         """Remove many fragments; how many of them existed."""
         return sum(self.delete(db, fkey, tags[i] if tags else b"") for i, (db, fkey) in enumerate(items))
-
-    def read_to_fd(self, db: int, fkey: bytes, length: int, out_fd: int, out_offset: int,
-                   write_by: Optional[float] = None, write_id: Optional[int] = None) -> Read:
-        """Copy the fragment (``length`` bytes) into a client's buffer by descriptor, at
-        ``out_offset``, without the ring and without touching the buffer from user space;
-        its verdict as ``read`` (``UNDELIVERED`` when the buffer took less, or ``write_by``,
-        monotonic, came before a write into it: the client gave up, nothing more is
-        written). Only cards with ``direct_reads``."""
-        raise NotImplementedError(f"{type(self).__name__} has no direct reads")
-
-    def write_from_fd(self, db: int, fkey: bytes, length: int, in_fd: int, in_offset: int,
-                      object_bytes: int = 0, tag: bytes = b"", read_by: Optional[float] = None,
-                      write_id: int = 0) -> bool:
-        """``write`` of the ``length`` bytes at ``in_offset`` of a client's buffer, read by
-        descriptor (``pread``) straight into the card's object, without the ring; the checksum
-        is of exactly the bytes stored. False when it could not be stored: the buffer is
-        shorter now than that, or its last byte was read at or after ``read_by`` (monotonic;
-        the client had given up, its engine may have reused the buffer); nothing is left
-        behind. Only cards with ``direct_writes``."""
-        raise NotImplementedError(f"{type(self).__name__} has no direct writes")
-
-    def open_placed(self, fkey: bytes) -> Optional[PlacedFile]:
-        """A read-only descriptor of a stored fragment's file, one that is never written again
-        while placed (what the descriptor reads stays that file's bytes whatever happens to
-        its name), for MAP to check in place and hand; None when it is not stored or does
-        not open. Only cards with ``hands_files``."""
-        raise NotImplementedError(f"{type(self).__name__} hands no files")
-
-    def placed_checked(self, fkey: bytes, placed: PlacedFile, verdict: Read) -> Read:
-        """Account for the verdict of the in-place check of a file ``open_placed`` opened, as a
-        read's (a verdict that ``drops`` removes the object unless it is stale): the verdict
-        the gateway acts on. Only cards with ``hands_files``."""
-        raise NotImplementedError(f"{type(self).__name__} hands no files")
-
-    def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list[ProcessRead]:
-        """For each fragment (expected of the write ``write_ids`` names), an
-        ``FileRead`` that an I/O process can do (the gateway packs them into
-        ``io_procs.ReadTask``s), ``NoProcessRead.ABSENT`` when the card knows it is not
-        stored, or ``NoProcessRead.HERE`` when this card's reads cannot run in another
-        process. Called with a GET batch's fragments at once, on the gateway's loop (a card
-        with an index looks them all up under one lock)."""
-        return [NoProcessRead.HERE] * len(fkeys)
-
-    def process_read_result(self, task, verdict: Read) -> Read:
-        """Account for the verdict of a ``process_reads`` task (in the gateway's process): the
-        verdict the gateway acts on."""
-        return verdict
 
     def details(self) -> dict:
         """Extra facts for STATS and the status file, cached by the card (no I/O: called on
@@ -387,7 +329,7 @@ class Card(abc.ABC):
 
     def tenant_usage(self) -> list:
         """Bytes, objects, quota and quota evictions of each namespace on the card
-        (``adpkv_gateway.quotas.TenantUsage``), from memory (no I/O). Only a card that keeps
+        (``adpkv_gateway.cards.quotas.TenantUsage``), from memory (no I/O). Only a card that keeps
         an index knows them (fs); the others report none."""
         return []
 
@@ -396,7 +338,7 @@ class Card(abc.ABC):
         """Health probe: the card answers and still has the same serial."""
 
     # ------------------------------------------------------------------ namespace claims
-    # Who owns a key namespace is recorded on the cards themselves (``adpkv_gateway.namespaces``
+    # Who owns a key namespace is recorded on the cards themselves (``adpkv_gateway.store.namespaces``
     # decides what a claim means), so that it survives restarts of the gateway and is the same
     # for every gateway on a shared card. ``nsid`` is the 8-byte namespace id keys carry.
 
@@ -418,21 +360,105 @@ class Card(abc.ABC):
         """Keep the claim records from the card's own eviction (a Redis server evicts by
         its ``maxmemory-policy``, claims as any key): called every few seconds."""
 
-    # ------------------------------------------------------------------ the layout record
-    # The key layout the gateways on this card run with (``adpkv_gateway.layout_record``
-    # decides what it says). A card with ``keyed_layout_record`` keeps it under a key of its
-    # own (resp and cluster cards: ``resp.LAYOUT_KEY``); the fs card keeps it as a file in its
-    # directory, which ``layout_record`` reads and writes itself.
-
-    def get_layout_record(self) -> Optional[bytes]:
-        """The layout record as last written, None when the card holds none. Raises
-        ``CardIOError`` when the card cannot answer now. Only cards with ``keyed_layout_record``."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no keyed layout record")
-
-    def set_layout_record(self, data: bytes) -> None:
-        """Replace the layout record with ``data`` (one command: atomic on the server). Raises
-        ``CardIOError`` when the card cannot answer now. Only cards with ``keyed_layout_record``."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no keyed layout record")
-
     def close(self) -> None:
         """Release resources."""
+
+
+# =============================================================================== capabilities
+# What only some cards can do, each an ABC a card class also derives from; the store asks
+# ``isinstance(card, DirectReads)`` and so on. A capability of methods declares them abstract;
+# ``BatchedReads``, ``DropsItself`` and ``KeysByTag`` say how a card behaves.
+
+class DirectReads(abc.ABC):
+    """A client's region is filled without the ring (the fs card)."""
+
+    @abc.abstractmethod
+    def read_to_fd(self, db: int, fkey: bytes, length: int, out_fd: int, out_offset: int,
+                   write_by: Optional[float] = None, write_id: Optional[int] = None) -> Read:
+        """Copy the fragment (``length`` bytes) into a client's buffer by descriptor, at
+        ``out_offset``, without the ring and without touching the buffer from user space;
+        its verdict as ``read`` (``UNDELIVERED`` when the buffer took less, or ``write_by``,
+        monotonic, came before a write into it: the client gave up, nothing more is
+        written)."""
+
+
+class DirectWrites(abc.ABC):
+    """A client's region is stored without the ring (the fs card)."""
+
+    @abc.abstractmethod
+    def write_from_fd(self, db: int, fkey: bytes, length: int, in_fd: int, in_offset: int,
+                      object_bytes: int = 0, tag: bytes = b"", read_by: Optional[float] = None,
+                      write_id: int = 0) -> bool:
+        """``write`` of the ``length`` bytes at ``in_offset`` of a client's buffer, read by
+        descriptor (``pread``) straight into the card's object, without the ring; the checksum
+        is of exactly the bytes stored. False when it could not be stored: the buffer is
+        shorter now than that, or its last byte was read at or after ``read_by`` (monotonic;
+        the client had given up, its engine may have reused the buffer); nothing is left
+        behind."""
+
+
+class HandsFiles(abc.ABC):
+    """A stored fragment's own file can be handed out, opened read-only (MAP; the fs card)."""
+
+    @abc.abstractmethod
+    def open_placed(self, fkey: bytes) -> Optional[PlacedFile]:
+        """A read-only descriptor of a stored fragment's file, one that is never written again
+        while placed (what the descriptor reads stays that file's bytes whatever happens to
+        its name), for MAP to check in place and hand; None when it is not stored or does
+        not open."""
+
+    @abc.abstractmethod
+    def placed_checked(self, fkey: bytes, placed: PlacedFile, verdict: Read) -> Read:
+        """Account for the verdict of the in-place check of a file ``open_placed`` opened, as a
+        read's (a verdict that ``drops`` removes the object unless it is stale): the verdict
+        the gateway acts on."""
+
+
+class IOProcessReads(abc.ABC):
+    """Reads an I/O process can do (``datapath.io_procs``; the fs card): a card that is not one
+    has every read on the gateway's own pool."""
+
+    @abc.abstractmethod
+    def process_reads(self, fkeys: list[bytes], write_ids: list[Optional[int]]) -> list[ProcessRead]:
+        """For each fragment (expected of the write ``write_ids`` names), an ``FileRead`` that
+        an I/O process can do (the gateway packs them into ``io_procs.ReadTask``s),
+        ``NoProcessRead.ABSENT`` when the card knows it is not stored, or
+        ``NoProcessRead.HERE`` when this one cannot be read in another process. Called with a
+        GET batch's fragments at once, on the gateway's loop (a card with an index looks them
+        all up under one lock)."""
+
+    @abc.abstractmethod
+    def process_read_result(self, task, verdict: Read) -> Read:
+        """Account for the verdict of a ``process_reads`` task (in the gateway's process): the
+        verdict the gateway acts on."""
+
+
+class KeyedLayoutRecord(abc.ABC):
+    """The key layout record (``adpkv_gateway.layout.record``) is a key of the card's own (resp
+    and cluster cards: ``resp.LAYOUT_KEY``); the fs card keeps it as a file in its directory,
+    which ``layout.record`` reads and writes itself."""
+
+    @abc.abstractmethod
+    def get_layout_record(self) -> Optional[bytes]:
+        """The layout record as last written, None when the card holds none. Raises
+        ``CardIOError`` when the card cannot answer now."""
+
+    @abc.abstractmethod
+    def set_layout_record(self, data: bytes) -> None:
+        """Replace the layout record with ``data`` (one command: atomic on the server). Raises
+        ``CardIOError`` when the card cannot answer now."""
+
+
+class BatchedReads(abc.ABC):
+    """``Card.read_many`` does better than a loop over ``read`` (the store hands it whole
+    batches: the cluster card, one pipeline per node)."""
+
+
+class DropsItself(abc.ABC):
+    """A read whose verdict ``drops`` has already removed the object on the card (the fs card:
+    it knows whether the verdict is stale); for the others the store removes it."""
+
+
+class KeysByTag(abc.ABC):
+    """Fragments are keyed by their slot tag (see the module): found only with it (the cluster
+    card)."""

@@ -21,10 +21,10 @@ import threading
 import time
 from typing import Optional
 
-from ..checksum import Xxh3Stream, xxh3_64
-from . import objfmt
-from .base import Read
-from .fs_files import READ_FLAGS, verdict_of
+from adpkv_gateway.cards.checksum import Xxh3Stream, xxh3_64
+from adpkv_gateway.cards import objfmt
+from adpkv_gateway.cards.base import Read
+from adpkv_gateway.cards.fs.files import READ_FLAGS, verdict_of
 
 HEADER_BYTES = 4096          # the object header (objfmt), padded to one aligned block
 ALIGN = 4096

@@ -10,7 +10,7 @@ of the object than the head it looked up (``cards.base``: whole objects); the
 recorded object size lets a card tell whether all fragments of an object are there.
 
 The slot tag (``cards.base``: with ``key_placement: dialog`` the dialog mark, 8 bytes; else
-none) is what places the object (``gateway/placement.py``): the mover's sweep over a card-set
+none) is what places the object (``gateway/store/placement.py``): the mover's sweep over a card-set
 change reads it from each head to find the object's card in the new layout. One flag byte
 says whether it is recorded (``0x80 | its length``) and up to 8 bytes hold it. Headers
 written before it was recorded have a zero flag there (the bytes after the key were always
@@ -31,8 +31,8 @@ from typing import NamedTuple, Optional
 
 import xxhash
 
-from ..checksum import xxh3_64
-from .base import Head, Read
+from adpkv_gateway.cards.checksum import xxh3_64
+from adpkv_gateway.cards.base import Head, Read
 
 MAGIC = b"ADPKVOBJ"
 FORMAT = 2

@@ -32,8 +32,8 @@ import xxhash
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.ring import align_up
 
-from .. import progress
-from .spawn import GatewayProcess
+from adpkv_gateway.observe import progress
+from adpkv_gateway.ops.spawn import GatewayProcess
 
 MiB = 1 << 20
 

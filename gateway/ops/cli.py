@@ -15,8 +15,9 @@ from adpkv_core import __version__
 from adpkv_core import protocol as P
 from adpkv_core.settings import parse_size
 
-from .. import control, progress
-from ..config import RANGES, ConfigError, GatewayConfig, from_yaml, make_config
+from adpkv_gateway.ops import control
+from adpkv_gateway.observe import progress
+from adpkv_gateway.config import RANGES, ConfigError, GatewayConfig, from_yaml, make_config
 
 MiB = 1 << 20
 CLEAN_POLL_S = 0.5        # how often adpkv clean asks for the gateway's progress
@@ -233,7 +234,7 @@ def _clean_showing_progress(args) -> dict:
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    from adpkv_gateway.ops import bench
     try:
         sizes = [_size(s) for s in args.sizes.split(",")]
     except argparse.ArgumentTypeError as exc:
@@ -241,7 +242,7 @@ def cmd_bench(args) -> int:
         return 2
     regimes = ["cold", "hot"] if args.regime == "both" else [args.regime]
     if args.threads <= 0:
-        from ..config import default_io_threads
+        from adpkv_gateway.config import default_io_threads
         args.threads = default_io_threads()
     port = None
     where = "own gateways on fresh cards under --dir"
@@ -276,9 +277,9 @@ def _size_text(size: int) -> str:
 
 
 def cmd_doctor(args) -> int:
-    from . import doctor
-    from .doctor_host import Host
-    from .doctor_report import exit_code, report
+    from adpkv_gateway.ops import doctor
+    from adpkv_gateway.ops.doctor_host import Host
+    from adpkv_gateway.ops.doctor_report import exit_code, report
     config = _config(args) or make_config({"port": args.port})
     host = _target(args)[0]
     h = Host(config, config_given=bool(args.config), port_given=args.port_given, host=host,
@@ -297,7 +298,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from adpkv_gateway.ops.demo import run_demo
     return run_demo(args.dir, args.tokens, args.layers)
 
 

@@ -15,7 +15,7 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
 
-from .spawn import GatewayProcess
+from adpkv_gateway.ops.spawn import GatewayProcess
 
 CHUNK = 256            # tokens per stored chunk
 KV_HEADS, HEAD_DIM, DTYPE_BYTES = 4, 128, 2

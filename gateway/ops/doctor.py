@@ -53,14 +53,14 @@ from adpkv_core import __version__
 from adpkv_core import protocol as P
 from adpkv_core.door import SHM_DIR, door_dir, find_door
 
-from .. import control
-from ..cards.fs import CARD_FILE
-from ..config import socket_mode
-from ..metrics import status_file_problem
-from ..placement import key_layout_fingerprint
-from .doctor_fs import card as _card, card_devices, fstype as _fstype
-from .doctor_host import Host
-from .doctor_report import FAIL, OK, SKIP, WARN, Finding
+from adpkv_gateway.ops import control
+from adpkv_gateway.cards.fs.card import CARD_FILE
+from adpkv_gateway.config import socket_mode
+from adpkv_gateway.observe.metrics import status_file_problem
+from adpkv_gateway.store.placement import key_layout_fingerprint
+from adpkv_gateway.ops.doctor_fs import card as _card, card_devices, fstype as _fstype
+from adpkv_gateway.ops.doctor_host import Host
+from adpkv_gateway.ops.doctor_report import FAIL, OK, SKIP, WARN, Finding
 
 MiB = 1 << 20
 STATUS_STALE_S = 10.0          # a running gateway rewrites its status file every second

@@ -25,10 +25,10 @@ from typing import Optional
 
 from adpkv_core.protocol import GatewayStats
 
-from ..cards.fs import CARD_FILE
-from ..cards.fs_files import SUBDIR_NAMES, not_own
-from .doctor_host import Host
-from .doctor_report import FAIL, OK, WARN, Finding
+from adpkv_gateway.cards.fs.card import CARD_FILE
+from adpkv_gateway.cards.fs.files import SUBDIR_NAMES, not_own
+from adpkv_gateway.ops.doctor_host import Host
+from adpkv_gateway.ops.doctor_report import FAIL, OK, WARN, Finding
 
 LOW_FREE_BYTES = 1 << 30          # an fs card sized by free space with less than this is hardly a cache
 EPHEMERAL_FS = {"tmpfs": "memory: lost at every reboot", "ramfs": "memory: lost at every reboot",

@@ -7,7 +7,7 @@ import dataclasses
 import os
 import sys
 
-from ..config import GatewayConfig
+from adpkv_gateway.config import GatewayConfig
 
 
 @dataclasses.dataclass

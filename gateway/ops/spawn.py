@@ -13,7 +13,7 @@ from typing import Optional
 
 from adpkv_core.door import door_path, lock_path
 
-from ..control import wait_until_up
+from adpkv_gateway.ops.control import wait_until_up
 
 
 def free_port() -> int:
@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 class GatewayProcess:
-    """``python -m adpkv_gateway.main`` with the given settings; its log goes to ``log_path``."""
+    """``python -m adpkv_gateway.loop.main`` with the given settings; its log goes to ``log_path``."""
 
     def __init__(self, card_dirs, port: Optional[int] = None, log_path: Optional[str] = None,
                  **settings):
@@ -35,7 +35,7 @@ class GatewayProcess:
         self.proc: Optional[subprocess.Popen] = None
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "adpkv_gateway.main", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "adpkv_gateway.loop.main", "--port", str(self.port),
                "--storage-devices", *self.card_dirs]
         for name, value in self.settings.items():
             if isinstance(value, bool):
@@ -139,7 +139,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self) -> "RedisServer":
-        from ..cards.resp_conn import RespConnection
+        from adpkv_gateway.cards.resp.conn import RespConnection
         if REDIS is None:
             raise RuntimeError("redis-server is not installed (not on PATH)")
         args = [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,

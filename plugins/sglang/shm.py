@@ -14,7 +14,7 @@ the other wrote. Every request is a scattered one: an object is one or a few *pi
 (``protocol.Piece``: an MLA page is one, an MHA page its K and V halves, a ``layer_first``
 page one per layer, a Mamba state one per buffer; the stamp lives in a small memfd of the
 backend's own, ``StampArena``). The gateway reads each object whole and checks it before
-any piece lands (``gateway/scatter.py``), so a damaged or missing object never touches its
+any piece lands (``gateway/datapath/scatter.py``), so a damaged or missing object never touches its
 pool page (a plain region GET, ``get_into``, lets a corrupt page-cache-hot object's bytes
 land before its checksum is known).
 

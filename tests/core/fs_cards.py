@@ -8,11 +8,11 @@ import os
 import time
 
 from adpkv_core.keys import KeyBuilder
-from adpkv_gateway import control
-from adpkv_gateway.cards.fs import FsCard
-from adpkv_gateway.cards.fs_files import object_name
+from adpkv_gateway.ops import control
+from adpkv_gateway.cards.fs.card import FsCard
+from adpkv_gateway.cards.fs.files import object_name
 from adpkv_gateway.cards.objfile import Scratch, write_object_file
-from adpkv_gateway.fragments import fragment_db, fragment_key
+from adpkv_gateway.cards.fragments import fragment_db, fragment_key
 
 
 def payload_of(key: bytes, size: int) -> bytes:

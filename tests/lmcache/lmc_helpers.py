@@ -96,7 +96,7 @@ def bits(bm) -> list[int]:
 
 
 def gateway_stats(port: int) -> dict:
-    from adpkv_gateway.control import request
+    from adpkv_gateway.ops.control import request
 
     reply = request(port, {"op": "STATS"}, timeout_s=5.0)
     assert reply is not None, "gateway did not answer STATS"

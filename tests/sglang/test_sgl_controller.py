@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from sgl_pools import fill_random, mha_pool, page_bytes, storage_config
 
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 
 
 def controller_for(backend, pool):

@@ -16,7 +16,7 @@ import torch
 from sgl_pools import (LAYOUTS, fill_random, mha_pool, mla_pool, object_files, page_bytes, page_hashes,
                        storage_config)
 
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 
 POOLS = {"mha": mha_pool, "mla": mla_pool}
 N = 10

@@ -4,7 +4,7 @@ tokens as a recompute, while their moved chunks are read from the card of the pr
 
 from __future__ import annotations
 
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 from engine_run import engine_prompts, run_subprocess
 
 from test_engine import connector, floor_hit

@@ -257,7 +257,7 @@ def test_tensor_parallel_ranks_store_and_restore_their_slices(gateway, model_dir
         w.wait_for_save()
     # saves are asynchronous: wait until the gateway reports all 3 chunks x 2 layers stored on
     # the card (its counter moves when the card write is done), not merely handed to the ring
-    from adpkv_gateway import control
+    from adpkv_gateway.ops import control
 
     def objects():
         return control.request(gateway.port, {"op": "STATS"})["stats"]["objects"]

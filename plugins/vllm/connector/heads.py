@@ -100,10 +100,6 @@ class HeadShare:
         """Bytes of one row of this rank's heads (its heads' part of one index before them)."""
         return math.prod(self.page_shape[self.dim:]) * self.elem_bytes
 
-    @property
-    def canonical_page_bytes(self) -> int:
-        return self.row_bytes * self.shards * math.prod(self.page_shape[:self.dim])
-
     def view(self, ring: torch.Tensor, offset: int, stride: int, count: int, nblocks: int) -> torch.Tensor:
         """This rank's heads of ``count`` canonical objects (``nblocks`` pages each) at
         ``offset`` in the ring, one every ``stride`` bytes: a ``(count, nblocks, *page_shape)``

@@ -185,8 +185,8 @@ def test_symlinks_at_temporary_names_are_not_followed(tmp_path):
     (``O_EXCL | O_NOFOLLOW``), the root file keeps its bytes and mode, and the card serves no
     object of them; a symlink at an object's own name is a miss, never followed, and goes."""
     from adpkv_gateway.cards.base import Read
-    from adpkv_gateway.cards.fs import FsCard
-    from adpkv_gateway.cards.fs_files import subdir_of
+    from adpkv_gateway.cards.fs.card import FsCard
+    from adpkv_gateway.cards.fs.files import subdir_of
     card = FsCard(str(tmp_path / "card"), num_dbs=1)
     card.open()
     secret = tmp_path / "secret"

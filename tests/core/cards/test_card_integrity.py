@@ -13,11 +13,11 @@ import pytest
 
 from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
-from adpkv_gateway.cards import fs as fs_mod
+from adpkv_gateway.ops import control
+from adpkv_gateway.cards.fs import card as fs_mod
 from adpkv_gateway.cards.base import CardError, Read
-from adpkv_gateway.cards.fs import FsCard
-from adpkv_gateway.cards.fs_files import object_name
+from adpkv_gateway.cards.fs.card import FsCard
+from adpkv_gateway.cards.fs.files import object_name
 
 from ..fs_cards import object_dirs, object_paths
 from ..rankproc import get_checked, make_keys, pattern
@@ -145,7 +145,7 @@ def test_resp_card_object_with_a_lost_fragment_is_absent(redis_servers, start_ga
     keys = make_keys(2, salt=b"resp")
     c = Client(gw.port)
     assert c.put(keys, obj)[0] == [True, True]
-    from adpkv_gateway.cards.resp_conn import RespConnection
+    from adpkv_gateway.cards.resp.conn import RespConnection
     conn = RespConnection(server.url, 5.0)
     frag = keys[0] + (2).to_bytes(2, "big")
     victims = [k for k in conn.command(b"KEYS", b"adpkv:*") if k.endswith(frag)]
@@ -277,7 +277,7 @@ def test_card_group_shares_the_card_with_a_group(start_gateway, tmp_path):
 # ---------------------------------------------------------------- a store cut short
 _CUT_SHORT = r"""
 import os, sys
-from adpkv_gateway.cards.fs import FsCard
+from adpkv_gateway.cards.fs.card import FsCard
 root, region, point, o_direct = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
 card = FsCard(root, num_dbs=2, o_direct=o_direct)
 card.open()

@@ -16,9 +16,9 @@ import xxhash
 import pytest
 
 from adpkv_gateway.cards import objfmt
-from adpkv_gateway.layout_record import CardRecord, Layout, LayoutError
-from adpkv_gateway.layout_record import resolve as resolve_records
-from adpkv_gateway.placement import Placement
+from adpkv_gateway.layout.record import CardRecord, Layout, LayoutError
+from adpkv_gateway.layout.record import resolve as resolve_records
+from adpkv_gateway.store.placement import Placement
 
 from .test_cards_cluster import Dialogs, stats, wait_for
 
@@ -271,7 +271,7 @@ def test_drain_moves_a_card_away_then_it_can_go(start_gateway, tmp_path):
 
 
 def _drain_as_another_user(port: int) -> dict:
-    from adpkv_gateway import control
+    from adpkv_gateway.ops import control
     return {"drain": control.request(port, {"op": "DRAIN", "card": "x"}),
             "stats": control.request(port, {"op": "STATS"})["op"]}
 
@@ -307,7 +307,7 @@ def test_a_delete_during_the_change_removes_the_copy_on_the_previous_card(redis_
 
 
 def test_a_gateway_killed_mid_drain_resumes_it(start_gateway, tmp_path):
-    from adpkv_gateway import control
+    from adpkv_gateway.ops import control
     dirs = [str(tmp_path / f"fs{i}") for i in range(5)]
     gw = start_gateway(card_dirs=dirs, key_placement="stripe", move_rate_bytes=64 * 1024)    # ~4 objects/s
     dialogs = Dialogs("q", n=40, chunks=2, layers=1)

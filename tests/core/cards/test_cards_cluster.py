@@ -12,8 +12,8 @@ from adpkv_core.affinity import dialog_marks
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
-from adpkv_gateway.placement import Placement
+from adpkv_gateway.ops import control
+from adpkv_gateway.store.placement import Placement
 
 from ..rankproc import pattern
 

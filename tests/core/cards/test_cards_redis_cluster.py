@@ -18,9 +18,9 @@ from adpkv_core.affinity import dialog_marks
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 from adpkv_gateway.cards.base import Read
-from adpkv_gateway.cards.cluster_map import key_slot
+from adpkv_gateway.cards.resp.cluster_map import key_slot
 
 from ..rankproc import pattern
 
@@ -101,7 +101,7 @@ def cluster_gateway(start_gateway, cluster, **kw):
 
 def test_cluster_urls_and_key_slots(monkeypatch, tmp_path):
     from adpkv_gateway.cards.base import CardError
-    from adpkv_gateway.cards.cluster_map import parse_cluster_url
+    from adpkv_gateway.cards.resp.cluster_map import parse_cluster_url
     assert parse_cluster_url("redis+cluster://a:7000,b:7001") == ([("a", 7000), ("b", 7001)], None)
     assert parse_cluster_url("redis+cluster://:p%40ss@a:7000,b") == ([("a", 7000), ("b", 6379)], "p@ss")
     monkeypatch.setenv("ADPKV_RESP_PASSWORD", "from-env")
@@ -137,8 +137,8 @@ def test_store_restore_byte_exact_and_a_restarted_gateway_finds_everything(redis
     roles = sorted(n["role"] for n in card["cluster_nodes"])
     assert roles == ["primary"] * 3 + ["replica"] * 3, card["cluster_nodes"]
     assert all(p.dbsize() > 0 for p in cluster.primaries()), "objects must spread over every primary"
-    from adpkv_gateway.cards.resp_cluster import ClusterCard
-    from adpkv_gateway.fragments import fragment_key
+    from adpkv_gateway.cards.resp.cluster import ClusterCard
+    from adpkv_gateway.cards.fragments import fragment_key
     key = w.dialogs[0][0][0]
     assert len({key_slot(ClusterCard._key(i, fragment_key(key, i))) for i in range(4)}) == 1
     k0 = ClusterCard._key(0, fragment_key(key, 0))
@@ -345,8 +345,8 @@ def test_hash_tags_follow_key_placement(redis_cluster, start_gateway, placement)
 def test_batched_reads_check_every_fragment_and_follow_redirections(redis_cluster):
     """ClusterCard.read_many: one pipeline per node; a corrupt or missing value is a miss,
     a GET sent to the wrong node (a stale slot map: MOVED) still reads the right bytes."""
-    from adpkv_gateway.cards.resp_cluster import ClusterCard
-    from adpkv_gateway.fragments import fragment_key
+    from adpkv_gateway.cards.resp.cluster import ClusterCard
+    from adpkv_gateway.cards.fragments import fragment_key
     cluster = redis_cluster()
     card = ClusterCard(cluster.url)
     card.open()

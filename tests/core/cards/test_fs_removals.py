@@ -27,9 +27,9 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.cards.base import Read
-from adpkv_gateway.cards.fs import FsCard
-from adpkv_gateway.cards.fs_files import object_name
-from adpkv_gateway.fragments import fragment_db, fragment_extents, fragment_key
+from adpkv_gateway.cards.fs.card import FsCard
+from adpkv_gateway.cards.fs.files import object_name
+from adpkv_gateway.cards.fragments import fragment_db, fragment_extents, fragment_key
 
 from ..fs_cards import files_on_disk, gateway_stats, object_paths, settled_card
 from ..gateway.reliability_worker import payload
@@ -349,15 +349,15 @@ def _check_one(card: FsCard, keys: list[bytes], version: dict, k: int, strict: b
 # ---------------------------------------------------------------------------- resp: the same window
 def test_a_read_verdict_never_removes_a_later_write_on_a_resp_card(redis_servers):
     """The resp card has no index: the store removes an object a read found broken
-    (``Card.drops_itself`` False). A PUT of the key that lands between the read's verdict and
+    (not ``cards.base.DropsItself``). A PUT of the key that lands between the read's verdict and
     that removal (here: a real redis-server; the card's read wrapped so that the verdict about
     write 1 is handed back only after write 2 was stored) must survive it: the removal is of
     the write the read was of (issue 40). Before, the store deleted every fragment of the key,
     write 2's too."""
-    from adpkv_gateway.cards.resp import RespCard
-    from adpkv_gateway.health import CardHealth
-    from adpkv_gateway.store import ObjectStore, Pins
-    from adpkv_gateway.cards.resp_conn import RespConnection
+    from adpkv_gateway.cards.resp.card import RespCard
+    from adpkv_gateway.store.health import CardHealth
+    from adpkv_gateway.store.object_store import ObjectStore, Pins
+    from adpkv_gateway.cards.resp.conn import RespConnection
 
     server, = redis_servers(1)
     card = RespCard(server.url)

@@ -26,12 +26,12 @@ import pytest
 
 from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 from adpkv_gateway.cards.base import CardError
-from adpkv_gateway.cards.fs import FsCard
-from adpkv_gateway.cards.fs_files import object_name
-from adpkv_gateway.cards.fs_index import FsIndex
-from adpkv_gateway.fragments import fragment_db, fragment_key
+from adpkv_gateway.cards.fs.card import FsCard
+from adpkv_gateway.cards.fs.files import object_name
+from adpkv_gateway.cards.fs.index import FsIndex
+from adpkv_gateway.cards.fragments import fragment_db, fragment_key
 
 from ..fs_cards import build_card, card_keys, files_on_disk, object_paths, payload_of
 
@@ -466,7 +466,7 @@ def test_write_ids_survive_the_snapshot_and_the_scan_removes_torn_objects(tmp_pa
     import time as _time
 
     from adpkv_gateway.cards.base import Head, Read
-    from adpkv_gateway.cards.fs import SNAPSHOT_FILE, FsCard
+    from adpkv_gateway.cards.fs.card import SNAPSHOT_FILE, FsCard
     root = str(tmp_path / "card")
     whole, torn = b"w" * 28, b"t" * 28
     card = FsCard(root, num_dbs=2, capacity_bytes=1 << 30)
@@ -505,8 +505,8 @@ def test_the_batch_head_lookup_answers_as_heads_and_contains_many(tmp_path):
     extent) answers, for objects of one and of several fragments, absent ones, a GET's size that
     is and is not the stored one."""
     from adpkv_gateway.cards.base import Card, FirstExtent
-    from adpkv_gateway.health import CardHealth
-    from adpkv_gateway.store import ObjectStore, Pins
+    from adpkv_gateway.store.health import CardHealth
+    from adpkv_gateway.store.object_store import ObjectStore, Pins
     card = FsCard(str(tmp_path / "card"), num_dbs=4)
     card.open()
     store = ObjectStore([card], 16, 4, "dialog", 2048, True, 1, CardHealth([card], 0, 3), Pins())
@@ -533,7 +533,7 @@ def test_the_snapshot_check_judges_again_each_object_whose_files_changed(tmp_pat
     gone; one only touched since is sound and stays indexed, readable; an unchanged one
     stays. Real files, the card's own open/close."""
     from adpkv_gateway.cards.base import Head, Read
-    from adpkv_gateway.cards.fs import SNAPSHOT_FILE
+    from adpkv_gateway.cards.fs.card import SNAPSHOT_FILE
     root = str(tmp_path / "card")
     cut, touched, kept = b"c" * 28, b"t" * 28, b"k" * 28
     card = FsCard(root, num_dbs=2, capacity_bytes=1 << 30)

@@ -13,13 +13,13 @@ import time
 import numpy as np
 import pytest
 
-from adpkv_gateway.cards import fs_snapshot
+from adpkv_gateway.cards.fs import snapshot as fs_snapshot
 from adpkv_gateway.cards.base import FirstExtent
-from adpkv_gateway.cards.fs_files import FileRef
-from adpkv_gateway.cards.fs_index import START_TICK, FsIndex
-from adpkv_gateway.cards.fs_rows import Rows
-from adpkv_gateway.fragments import head_dbs
-from adpkv_gateway.quotas import tenant_of
+from adpkv_gateway.cards.fs.files import FileRef
+from adpkv_gateway.cards.fs.index import START_TICK, FsIndex
+from adpkv_gateway.cards.fs.rows import Rows
+from adpkv_gateway.cards.fragments import head_dbs
+from adpkv_gateway.cards.quotas import tenant_of
 
 from ..fs_cards import card_keys
 

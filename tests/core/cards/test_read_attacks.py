@@ -23,7 +23,7 @@ import pytest
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import namespace_id
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 from adpkv_gateway.cards.objfile import HEADER_BYTES, WHOLE_CACHED
 
 from ..fs_cards import object_paths

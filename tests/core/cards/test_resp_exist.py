@@ -22,14 +22,14 @@ import pytest
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 from adpkv_gateway.cards import objfmt
 from adpkv_gateway.cards.base import Card
-from adpkv_gateway.cards.cluster_map import key_slot
-from adpkv_gateway.cards.resp import RespCard
-from adpkv_gateway.cards.resp_conn import RespConnection
-from adpkv_gateway.cards.resp_cluster import ClusterCard
-from adpkv_gateway.fragments import fragment_key
+from adpkv_gateway.cards.resp.cluster_map import key_slot
+from adpkv_gateway.cards.resp.card import RespCard
+from adpkv_gateway.cards.resp.conn import RespConnection
+from adpkv_gateway.cards.resp.cluster import ClusterCard
+from adpkv_gateway.cards.fragments import fragment_key
 
 
 N = 16384

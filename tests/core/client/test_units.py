@@ -9,13 +9,13 @@ import pytest
 
 from adpkv_core import protocol as P
 from adpkv_core.affinity import dialog_mark, dialog_marks
-from adpkv_gateway.fragments import fragment_db, fragment_extents, fragment_key, head_dbs
+from adpkv_gateway.cards.fragments import fragment_db, fragment_extents, fragment_key, head_dbs
 from adpkv_core.keys import KEY_BYTES, KeyBuilder, namespace_id
 from adpkv_core.ring import max_parallel_ios, object_stride
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.config import make_config
-from adpkv_gateway.placement import Placement, key_layout_fingerprint
-from adpkv_gateway.ring_alloc import RingAllocator
+from adpkv_gateway.store.placement import Placement, key_layout_fingerprint
+from adpkv_gateway.datapath.ring_alloc import RingAllocator
 
 
 def test_key_layout_and_separation():
@@ -208,7 +208,7 @@ def test_gil_free_checksum_matches_xxhash():
 
     import xxhash
 
-    from adpkv_gateway.checksum import xxh3_64
+    from adpkv_gateway.cards.checksum import xxh3_64
     data = bytearray(os.urandom(300_000))
     for view in (data, memoryview(data)[7:250_007], bytes(data[:5000]), memoryview(bytes(data))):
         assert xxh3_64(view) == xxhash.xxh3_64_intdigest(view)
@@ -219,7 +219,7 @@ def test_streamed_checksum_matches_one_shot_in_any_pieces():
 
     import xxhash
 
-    from adpkv_gateway.checksum import Xxh3Stream
+    from adpkv_gateway.cards.checksum import Xxh3Stream
     data = bytearray(os.urandom(1_000_003))
     h = Xxh3Stream()
     for cuts in ([], [1], [4096, 262144, 262145], list(range(0, len(data), 65536))):
@@ -238,8 +238,8 @@ def test_fs_card_read_hashed_in_pieces_is_exact_and_catches_damage(tmp_path, siz
     import os
 
     from adpkv_gateway.cards.base import Read
-    from adpkv_gateway.cards.fs import FsCard
-    from adpkv_gateway.cards.fs_files import object_name
+    from adpkv_gateway.cards.fs.card import FsCard
+    from adpkv_gateway.cards.fs.files import object_name
     card = FsCard(str(tmp_path / "card"), num_dbs=2)
     card.open()
     data = bytearray(os.urandom(size))

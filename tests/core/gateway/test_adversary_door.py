@@ -3,7 +3,7 @@ issue 38, item 7).
 
 A real gateway runs as root; the adversary is a forked child of the test that drops to
 uid/gid 65534 after the imports (it cannot read the venv under /root, so it never execs
-python: an impostor *gateway* is ``adpkv_gateway.server.Gateway`` run in that child, the
+python: an impostor *gateway* is ``adpkv_gateway.loop.server.Gateway`` run in that child, the
 real class on a card of its own). Root's side is a real ``GatewayClient``.
 
 What is shown:
@@ -56,7 +56,7 @@ from adpkv_core.client import GatewayClient, gateway_answers
 from adpkv_core.door import SHM_DIR, DoorSession, door_dir, door_path, lock_path
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.config import make_config
-from adpkv_gateway.server import Gateway
+from adpkv_gateway.loop.server import Gateway
 from adpkv_gateway.ops.spawn import GatewayProcess, free_port
 
 from ..rankproc import get_checked, make_keys, pattern
@@ -532,7 +532,7 @@ def _hold_connections(report, door: str, n: int) -> None:
 
 
 def _gateway_stats(port: int) -> dict:
-    from adpkv_gateway import control
+    from adpkv_gateway.ops import control
     return control.request(port, {"op": "STATS"})["stats"]
 
 

@@ -10,11 +10,11 @@ import time
 
 from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
-from adpkv_gateway.cards.fs import FsCard
-from adpkv_gateway.health import CardHealth
-from adpkv_gateway.store import ObjectStore, Pins
-from adpkv_gateway.card_stats import CardStats
+from adpkv_gateway.ops import control
+from adpkv_gateway.cards.fs.card import FsCard
+from adpkv_gateway.store.health import CardHealth
+from adpkv_gateway.store.object_store import ObjectStore, Pins
+from adpkv_gateway.store.card_stats import CardStats
 
 from ..rankproc import make_keys
 

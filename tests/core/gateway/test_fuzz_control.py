@@ -59,7 +59,7 @@ from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, setti
 from adpkv_core import protocol as P
 from adpkv_core.door import DoorSession
 from adpkv_core.keys import KEY_BYTES, namespace_id
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 
 from ..adversary import NOBODY, as_nobody, read_back, store_own
 from ..rankproc import gateway_door, make_keys
@@ -77,7 +77,7 @@ KEYED_OPS = ("EXIST", "UNLOCK", "DELETE", "GET", "PUT")
 WORLD = 2
 RING = 64 << 20
 REGION_BYTES = 1 << 20
-MAX_KEYS = 1 << 20                     # gateway/server.py MAX_KEYS_PER_REQUEST
+MAX_KEYS = 1 << 20                     # gateway/loop/server.py MAX_KEYS_PER_REQUEST
 ANSWER_S = 10.0                        # the longest any frame may wait for its answer
 KNOWN_CODES = {P.BAD_MESSAGE, P.BAD_VERSION, P.UNKNOWN_OP, P.NOT_ATTACHED, P.ENGINE_BUSY, P.RANK_TAKEN,
                P.TOO_LARGE, P.UNKNOWN_BATCH, P.COLLECTIVE_MISMATCH, P.CLEAN_REFUSED, P.BAD_REGION,

@@ -16,7 +16,7 @@ from adpkv_core import protocol as P
 from adpkv_core.client import TURNED_OFF_MESSAGE, GatewayClient, StoreResult
 from adpkv_core.door import DoorSession
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 from adpkv_gateway.ops.spawn import free_port
 
 from ..fs_cards import object_paths
@@ -209,7 +209,7 @@ def test_clean_and_shared_storage(start_gateway, tmp_path):
     assert all(hits), "a refused CLEAN deleted something"
     assert "nothing was deleted" in shared.log()
     shared.stop()
-    refused = subprocess.run([sys.executable, "-m", "adpkv_gateway.main", "--storage-devices", gw.card_dirs[0],
+    refused = subprocess.run([sys.executable, "-m", "adpkv_gateway.loop.main", "--storage-devices", gw.card_dirs[0],
                               "--port", str(free_port()), "--shared-storage", "1", "--start-clean", "1"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "refusing to start" in refused.stderr
@@ -222,7 +222,7 @@ def test_fingerprint_mismatch_refuses_to_start(start_gateway):
     gw.stop()
     same = start_gateway(card_dirs=gw.card_dirs, key_layout_fingerprint=fp)
     same.stop()
-    bad = subprocess.run([sys.executable, "-m", "adpkv_gateway.main", "--storage-devices", gw.card_dirs[0],
+    bad = subprocess.run([sys.executable, "-m", "adpkv_gateway.loop.main", "--storage-devices", gw.card_dirs[0],
                           "--port", str(free_port()), "--key-layout-fingerprint", "0123456789abcdef"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "refusing to start" in bad.stderr
@@ -376,7 +376,7 @@ def test_a_second_gateway_on_a_busy_port_refuses_and_touches_nothing(start_gatew
     keys = make_keys(6)
     early = GatewayClient(ClientConfig(port=gw.port), "engine")
     assert early.enabled
-    second = subprocess.run([sys.executable, "-m", "adpkv_gateway.main", "--storage-devices",
+    second = subprocess.run([sys.executable, "-m", "adpkv_gateway.loop.main", "--storage-devices",
                              str(tmp_path / "another-card"), "--port", str(gw.port)],
                             capture_output=True, text=True, timeout=60)
     assert second.returncode == 2

@@ -11,7 +11,7 @@ import pytest
 
 from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 
 from ..fs_cards import object_dirs, object_paths
 from ..rankproc import make_keys, pattern, run_ranks

@@ -22,8 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import namespace_id
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
-from adpkv_gateway.quotas import parse_quotas, quotas_by_id
+from adpkv_gateway.ops import control
+from adpkv_gateway.cards.quotas import quotas_by_id
+from adpkv_gateway.config import parse_quotas
 
 from ..adversary import as_nobody
 from ..rankproc import make_keys, pattern
@@ -237,7 +238,7 @@ def test_a_bad_quota_is_refused_with_the_reason(bad, tmp_path):
     with pytest.raises(ValueError, match="namespace_quotas"):
         parse_quotas(bad)
     from adpkv_gateway.ops.spawn import free_port
-    out = subprocess.run([sys.executable, "-m", "adpkv_gateway.main", "--storage-devices", str(tmp_path / "c"),
+    out = subprocess.run([sys.executable, "-m", "adpkv_gateway.loop.main", "--storage-devices", str(tmp_path / "c"),
                           "--port", str(free_port()), "--namespace-quotas", bad],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "namespace_quotas" in out.stderr + out.stdout

@@ -24,9 +24,9 @@ import zlib
 import pytest
 
 from adpkv_core.client import GatewayClient
-from adpkv_gateway.fragments import fragment_extents
+from adpkv_gateway.cards.fragments import fragment_extents
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 
 from ..fs_cards import gateway_stats, object_dirs, settled_card
 from .reliability_worker import key_of, payload

@@ -18,7 +18,7 @@ from adpkv_core import protocol as P
 from adpkv_core.client import GatewayClient
 from adpkv_core.door import DoorSession
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 
 from ..adversary import NOBODY, OBJ, as_nobody, ring_fill
 from ..rankproc import gateway_door, make_keys, pattern

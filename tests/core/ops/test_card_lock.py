@@ -1,6 +1,6 @@
 """Issue 38 item 3: an fs card has one writer. The door's lock keeps a second gateway off a
 port, not off a card: a second gateway on another port that names the same card directory is
-refused by the card's own lock (``gateway/cards/fs_lock.py``), naming the first (pid, port),
+refused by the card's own lock (``gateway/cards/fs/lock.py``), naming the first (pid, port),
 unless every gateway on the card says ``shared_storage: true``. And a start refused late (its
 port taken) undoes what it did: a card it made is gone. Real gateway processes, started as an
 operator starts them."""
@@ -11,7 +11,7 @@ import json
 import os
 import socket
 
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 from adpkv_gateway.ops.spawn import GatewayProcess, free_port
 
 from .test_cli_edges import ADPKV_GATEWAY, run

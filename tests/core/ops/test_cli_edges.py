@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 from adpkv_gateway.config import GatewayConfig
 from adpkv_gateway.ops.spawn import free_port
 
@@ -28,7 +28,7 @@ def _script(name: str, module: str) -> list[str]:
 
 
 ADPKV = _script("adpkv", "adpkv_gateway.ops.cli")
-ADPKV_GATEWAY = _script("adpkv-gateway", "adpkv_gateway.main")
+ADPKV_GATEWAY = _script("adpkv-gateway", "adpkv_gateway.loop.main")
 
 
 def run(cmd: list[str], timeout: float = 120, **env) -> subprocess.CompletedProcess:

@@ -134,7 +134,7 @@ def test_gateway_image_runs_the_gateway_as_a_user_on_its_settings_and_checks_hea
     entry, cmd = json.loads(ops["ENTRYPOINT"]), json.loads(ops["CMD"])
     assert entry == ["adpkv-gateway"] and gateway_parser().parse_args(cmd).config == "/etc/adpkv/gateway.yaml"
     scripts = (REPO / "pyproject.toml").read_text()
-    assert 'adpkv-gateway = "adpkv_gateway.main:main"' in scripts and 'adpkv = "adpkv_gateway.ops.cli:main"' in scripts
+    assert 'adpkv-gateway = "adpkv_gateway.loop.main:main"' in scripts and 'adpkv = "adpkv_gateway.ops.cli:main"' in scripts
     assert not int(config.start_clean) and config.metrics_port and config.control_socket_group == "10001"
 
 
@@ -269,7 +269,7 @@ def test_the_manifest_gateway_runs_and_its_probe_and_metrics_answer(manifest, tm
     local.write_text(yaml.safe_dump(values))
     args = [str(local) if a == config_path else a for a in pod.gateway["args"]]
     gw = GatewayProcess(values["storage_devices"], port=values["port"], log_path=str(tmp_path / "gw.log"))
-    gw.command = lambda: [sys.executable, "-m", "adpkv_gateway.main", *args]
+    gw.command = lambda: [sys.executable, "-m", "adpkv_gateway.loop.main", *args]
     probe = [str(local) if a == config_path else a for a in pod.gateway["livenessProbe"]["exec"]["command"]]
     probe = [sys.executable, "-m", "adpkv_gateway.ops.cli", *probe[1:]]
     with gw:

@@ -23,7 +23,7 @@ import pytest
 
 from adpkv_gateway.ops import doctor, doctor_fs
 from adpkv_gateway.ops.doctor_host import Host
-from adpkv_gateway.cards.fs import CARD_FILE, FsCard
+from adpkv_gateway.cards.fs.card import CARD_FILE, FsCard
 from adpkv_gateway.config import make_config
 from adpkv_gateway.ops.spawn import GatewayProcess, free_port
 
@@ -80,7 +80,7 @@ def test_a_gateway_of_another_version(tmp_path):
     # stand-in: a real gateway process whose adpkv version is set before it starts
     gw = GatewayProcess(str(tmp_path / "card"), shared_memory_size=8 << 20, log_path=str(tmp_path / "gw.log"))
     gw.command = lambda: [sys.executable, "-c", "import sys, adpkv_core; adpkv_core.__version__ = '0.0.9'; "
-                          "from adpkv_gateway.main import main; sys.argv[0] = 'adpkv-gateway'; sys.exit(main())",
+                          "from adpkv_gateway.loop.main import main; sys.argv[0] = 'adpkv-gateway'; sys.exit(main())",
                           "--port", str(gw.port), "--storage-devices", str(tmp_path / "card"),
                           "--shared-memory-size", str(8 << 20)]
     with gw:

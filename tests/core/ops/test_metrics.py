@@ -1,4 +1,4 @@
-"""The gateway's metrics (gateway/metrics.py, gateway/status.py): a real gateway process serves
+"""The gateway's metrics (gateway/observe/metrics.py, gateway/observe/status.py): a real gateway process serves
 /metrics and writes the status file; both are parsed with prometheus_client's own parser, the
 names, labels and values checked against what the test did, and every query of the Grafana
 dashboard (deploy/grafana/) checked to use only names that exist."""
@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 from adpkv_gateway.config import make_config
 from adpkv_gateway.ops.spawn import free_port
 
@@ -260,9 +260,9 @@ def test_latency_buckets_hold_each_io_at_the_first_bound_at_or_above_it():
     """Prometheus buckets are ``le``: an I/O of exactly a bound counts in that bucket."""
     from types import SimpleNamespace
 
-    from adpkv_gateway.latency import IO_LATENCY_BUCKETS
-    from adpkv_gateway.metrics import GatewayMetrics
-    from adpkv_gateway.store import CardStats
+    from adpkv_gateway.observe.latency import IO_LATENCY_BUCKETS
+    from adpkv_gateway.observe.metrics import GatewayMetrics
+    from adpkv_gateway.store.object_store import CardStats
     stats = CardStats()
     for seconds in (0.00001, 0.001, 0.001, 0.0011, 99.0):
         stats.record(False, True, 4096, seconds)

@@ -25,9 +25,10 @@ import time
 import pytest
 
 from adpkv_core.keys import KeyBuilder
-from adpkv_gateway import control, progress
-from adpkv_gateway.cards.fs import FsCard
-from adpkv_gateway.fragments import fragment_key
+from adpkv_gateway.ops import control
+from adpkv_gateway.observe import progress
+from adpkv_gateway.cards.fs.card import FsCard
+from adpkv_gateway.cards.fragments import fragment_key
 from adpkv_gateway.ops.spawn import GatewayProcess, free_port
 
 from ..fs_cards import object_paths

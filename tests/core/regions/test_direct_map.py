@@ -27,7 +27,7 @@ from adpkv_core.client import GatewayClient
 from adpkv_core.direct_map import DirectMaps
 from adpkv_core.door import DoorSession
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway.cards.fs_files import object_name
+from adpkv_gateway.cards.fs.files import object_name
 
 from ..adversary import NOBODY, as_nobody
 from ..rankproc import gateway_door, get_checked, make_keys, pattern

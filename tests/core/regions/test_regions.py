@@ -15,7 +15,7 @@ from adpkv_core import protocol as P
 from adpkv_core.door import DoorSession, recv
 from adpkv_core.regions import shared_file_of
 from adpkv_core.settings import ClientConfig
-from adpkv_gateway import control
+from adpkv_gateway.ops import control
 from adpkv_gateway.ops.spawn import GatewayProcess
 
 from ..rankproc import gateway_door, make_keys

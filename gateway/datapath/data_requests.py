@@ -1,0 +1,144 @@
+"""GET and PUT requests -> data jobs (``jobs.DataJob``) that ``transfers.Transfers`` runs.
+
+Contract (``DataRequests``, one per gateway, on the loop's thread only):
+
+- ``check(identity, peer, msg)``: refuses a bad GET or PUT with ``ProtocolError`` before
+  anything is done for it (the loop answers ERROR; nothing changed): from a lookup peer (no
+  rank), of no key, an object whose ring stride is over half the ring (TOO_LARGE), a region
+  or piece its session did not register or a place outside its region (BAD_REGION). It
+  returns what ``on_data`` needs of a region or scattered request (its target and places).
+- ``on_data(identity, peer, msg, placed)``: one rank's GET or PUT that passed ``check``
+  (``placed``: what it returned), once the gateway let its session use the keys' namespaces.
+- A region request (``region``) or a scattered one (``pieces``) is a job of its rank at once,
+  and so is a request without ``tag`` or any request of a one-rank engine.
+- A tagged request of a multi-rank engine is its rank's part of a collective: it waits until
+  every rank of the engine sent its part of that tag, then all parts run as one job (one ring
+  extent per batch for every rank). A rank that sends a tag twice, or parts that differ (op,
+  keys, object size), fail the collective: COLLECTIVE_MISMATCH to every rank in it.
+- ``rank_left(identity, rank)``: a rank detached; every collective still waiting fails for the
+  other ranks in it (it needs every rank), the rank that left gets no answer.
+- Counters (the gateway's, shown by STATS): ``get_requests``/``put_requests`` per job started,
+  ``get_region_requests``/``put_region_requests`` per region or scattered request.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Callable, Optional, Union
+
+from adpkv_core import protocol as P
+from adpkv_core.ring import max_parallel_ios, object_stride
+
+from adpkv_gateway.door.entry import Session
+from adpkv_gateway.door.engines import EngineRegistry, Peer
+from adpkv_gateway.datapath.jobs import DataJob, Participant
+from adpkv_gateway.datapath.scatter import Scatter
+from adpkv_gateway.datapath.transfers import Transfers
+
+logger = logging.getLogger("adpkv.gateway")
+
+
+class DataRequests:
+    """The GET/PUT requests of the attached ranks, and the collectives not complete yet.
+
+    ``sessions_by_peer``: the door session each attached connection came with (its regions);
+    ``send(identity, message)`` replies to a rank."""
+
+    def __init__(self, engines: EngineRegistry, sessions_by_peer: dict[bytes, Session], transfers: Transfers,
+                 counters: collections.Counter, send: Callable[[bytes, P.Message], None]):
+        self.engines = engines
+        self.sessions_by_peer = sessions_by_peer
+        self.transfers = transfers
+        self.counters = counters
+        self._send = send
+        self.ring_size = transfers.ring_size
+        self.max_batch_bytes = transfers.max_batch_bytes
+        self.object_sizes_logged: set[int] = set()
+        # tag -> rank -> (its connection, its request): the parts of collectives not complete yet
+        self.collectives: dict[str, dict[int, tuple[bytes, Union[P.Get, P.Put]]]] = {}
+
+    def check(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put]) -> Optional[tuple]:
+        """Refuse a bad GET or PUT (see the module's contract); ``(target, places)`` of a region
+        or scattered request, None for one through the ring."""
+        if peer.rank is None:
+            raise P.ProtocolError(P.BAD_MESSAGE, f"a lookup peer cannot {msg.op}; attach as a rank")
+        if not msg.keys:         # a job of no object never finishes: no answer, and CLEAN refused for good
+            raise P.ProtocolError(P.BAD_MESSAGE, f"{msg.op} names no key")
+        obj, region = msg.obj, msg.region
+        stride = object_stride(obj)
+        if obj not in self.object_sizes_logged and len(self.object_sizes_logged) < 8:
+            self.object_sizes_logged.add(obj)
+            logger.info("Objects of %d bytes (io_size): max_parallel_ios = %d", obj,
+                        max_parallel_ios(self.ring_size, obj))
+        if stride > self.max_batch_bytes:
+            raise P.ProtocolError(P.TOO_LARGE, f"an object of {obj} bytes does not fit half the ring "
+                                  f"({self.max_batch_bytes} bytes); raise shared_memory_size")
+        at = msg.at
+        if at is None:                  # through the ring (a region or scattered request names its places: decoded so)
+            return None
+        regions = self.sessions_by_peer[identity].regions
+        if msg.pieces is not None:
+            if any(piece.region >= len(regions) for piece in msg.pieces):
+                raise P.ProtocolError(P.BAD_REGION, "a piece names a region this session did not register")
+            target = Scatter([regions[p.region] for p in msg.pieces], [p.length for p in msg.pieces])
+            return target, target.places(at, len(msg.keys))
+        assert region is not None       # at names places of a region or of pieces (the protocol's check)
+        if region >= len(regions):
+            raise P.ProtocolError(P.BAD_REGION, f"region {region} is not registered by this session")
+        return regions[region], regions[region].places(at, obj)
+
+    def on_data(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put], placed: Optional[tuple]) -> None:
+        """One rank's GET or PUT that passed ``check`` (see the module's contract)."""
+        keys, marks, obj, tag = msg.keys, msg.marks, msg.obj, msg.tag
+        unlock = isinstance(msg, P.Get) and msg.unlock
+        stride = object_stride(obj)
+        if placed is not None:
+            target, places = placed
+            job = DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock)
+            job.region, job.places = target, places
+            job.region_by = msg.write_by if isinstance(msg, P.Get) else msg.read_by
+            self.counters[job.op.lower() + "_region_requests"] += 1
+            self._start(job)
+            return
+        engine = self.engines.engine
+        if tag is None or engine is None or engine.world == 1:
+            self._start(DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock))
+            return
+        rank = peer.rank
+        assert rank is not None             # check() refused a lookup peer (no rank)
+        parts = self.collectives.setdefault(tag, {})
+        if rank in parts:
+            del self.collectives[tag]
+            self._fail_collective(parts, f"rank {peer.rank} sent tag {tag!r} twice")
+            raise P.ProtocolError(P.COLLECTIVE_MISMATCH, f"rank {peer.rank} sent tag {tag!r} twice")
+        parts[rank] = (identity, msg)
+        if len(parts) < engine.world:
+            return
+        del self.collectives[tag]
+        first = parts[0][1] if 0 in parts else next(iter(parts.values()))[1]
+        for ident, m in parts.values():
+            if type(m) is not type(first) or m.keys != first.keys or m.obj != first.obj:
+                self._fail_collective(parts, f"ranks sent different requests for tag {tag!r}")
+                return
+        self._start(DataJob(msg.op, keys, marks, obj, stride,
+                            [Participant(ident, m.id) for ident, m in parts.values()], unlock))
+
+    def _fail_collective(self, parts, why: str) -> None:
+        for ident, m in parts.values():
+            self._send(ident, P.error(m.id, P.COLLECTIVE_MISMATCH, why))
+
+    def _start(self, job: DataJob) -> None:
+        self.counters[job.op.lower() + "_requests"] += 1
+        engine = self.engines.engine
+        assert engine is not None          # attached: the request came from one of its ranks
+        job.namespace = engine.namespace
+        job.ring = self.transfers.engine_ring(engine)      # only the asking engine's ring carries its data
+        self.transfers.start(job)
+
+    def rank_left(self, identity: bytes, rank: int) -> None:
+        """A rank detached: a collective needs every rank, none that is still waiting can complete now."""
+        for tag, parts in list(self.collectives.items()):
+            del self.collectives[tag]
+            self._fail_collective({r: v for r, v in parts.items() if v[0] != identity},
+                                  f"rank {rank} left before the collective {tag!r} was complete")

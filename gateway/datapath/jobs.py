@@ -1,0 +1,95 @@
+"""Data requests in flight: a GET or PUT job, split into batches of ring slots (the
+state; ``transfers`` moves it).
+
+A job serves one request: one rank's own (independent) or every rank's part of
+a collective one. The server hands it ring extents batch by batch (at most
+``MAX_BATCHES_IN_FLIGHT`` at a time), so a request larger than the ring runs
+in several batches and the ring size never limits a request.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from adpkv_gateway.door.regions import Region
+    from adpkv_gateway.datapath.ring_alloc import EngineRing
+
+MAX_BATCHES_IN_FLIGHT = 2
+
+
+class Participant:
+    """A rank taking part in a job: where replies go and which request id they echo."""
+
+    __slots__ = ("identity", "req_id")
+
+    def __init__(self, identity: bytes, req_id: int):
+        self.identity = identity
+        self.req_id = req_id
+
+
+class Batch:
+    """Objects ``first .. first+count-1`` of a job placed at ring ``offset`` (see
+    ``transfers`` for its stages)."""
+
+    __slots__ = ("id", "job", "first", "count", "offset", "nbytes", "stage", "pending",
+                 "flags", "waiting", "filled", "direct")
+
+    def __init__(self, batch_id: int, job: "DataJob", first: int, count: int, offset: int, nbytes: int):
+        self.id = batch_id
+        self.job = job
+        self.first = first
+        self.count = count
+        self.offset = offset
+        self.nbytes = nbytes
+        self.stage = None                      # transfers.Stage
+        self.pending = 0                       # pool / process tasks of the stage still running
+        self.flags = bytearray(count)          # per object: found / still good (GET), in the ring / stored (PUT)
+        self.waiting: set[bytes] = set()       # ranks that still have to RELEASE / FILL
+        self.filled = True                     # PUT: every rank filled its part
+        self.direct: set[int] = set()          # GET into a region: objects read straight into it
+
+    def object_offset(self, j: int) -> int:
+        return self.offset + j * self.job.stride
+
+
+class DataJob:
+    """One GET or PUT request of one or more ranks."""
+
+    def __init__(self, op: str, keys: Sequence[bytes], marks: Optional[Sequence[int]], object_bytes: int,
+                 stride: int, participants: list[Participant], unlock: bool = False):
+        self.op = op
+        self.keys = list(keys)
+        self.marks = list(marks) if marks else None
+        self.object_bytes = object_bytes
+        self.stride = stride
+        self.participants = participants
+        self.next = 0
+        self.batches: dict[int, Batch] = {}
+        self.results = bytearray(len(self.keys))
+        self.existed = bytearray(len(self.keys))   # PUT: already stored, not written again
+        self.unlock = unlock                       # GET: release this rank's pins on the keys when done
+        # into/out of a client's region: the gateway copies between the ring and the region's
+        # descriptor itself (``Region``, and each object's offset in its file)
+        self.region: Optional[Region] = None
+        self.places: list[int] = []
+        # into (GET) / out of (PUT) a region: no write into it / nothing read from it stored
+        # after this moment (the client's give-up time, monotonic clock)
+        self.region_by: Optional[float] = None
+        self.namespace = ""                       # of the engine that asked (the metrics' label)
+        self.ring: Optional[EngineRing] = None    # the ring of the engine that asked
+        self.started = time.monotonic()           # every part arrived (the request latency's start)
+
+    @property
+    def n(self) -> int:
+        return len(self.keys)
+
+    def mark(self, i: int) -> int:
+        return self.marks[i] if self.marks else 0
+
+    def finished(self) -> bool:
+        return self.next >= self.n and not self.batches
+
+    def wants_more(self) -> bool:
+        return self.next < self.n and len(self.batches) < MAX_BATCHES_IN_FLIGHT

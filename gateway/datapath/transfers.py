@@ -1,0 +1,396 @@
+"""Transfers: the life of GET and PUT jobs, batch by batch, between the cards and the ring.
+
+A job (``jobs.DataJob``) is one request of one rank, or of every rank of a collective.
+It runs as batches of ring extents (at most half the ring each, two in flight per job),
+so the ring never limits a request. Each batch goes through its stages in order; one
+stage ends when its work (card I/O, the ranks' copies, a region copy) is all done, and
+``_advance`` then starts the next — the only place that moves a batch on:
+
+    GET:  LOOKUP (``store.plan_reads``: which card holds each object, its fragments'
+          reads) -> READ (card -> ring, checked; a card with ``direct_reads`` straight into
+          the engine's region) -> TO_RANKS (BATCH; every rank copies out and RELEASEs)
+             or TO_REGION (the gateway pwrites into the engine's region)  -> RETIRED
+    PUT:  FILL (BATCH; every rank fills and answers FILLED; none for a region)
+          -> WRITE (``store.put``: which objects exist already, and ring -> cards of the
+             others; from a region: a card with ``direct_writes`` reads the object from the
+             region's descriptor itself, one copy; any other card gets it through the ring,
+             preadv into the slot, then written)  -> RETIRED
+
+``batch.flags`` carries one byte per object through the stages: found / still good
+(GET), in the ring / stored (PUT). At RETIRED they become the job's results, the ring
+extent is freed, waiting jobs get extents, and a job with no batch left and none to
+open answers DONE to its participants (``_finish``, from ``_pump``: after ``start`` and
+``_retire``).
+
+Everything here runs on the gateway loop's thread; card I/O runs on the pool (or the
+I/O processes) through ``run`` and comes back to ``_io_done`` on the loop. Transfers never
+touches a card: every card call, the choice of what a card can do, and their accounting
+are the store's (``store.ObjectStore``). The copies
+between the cards or the ring and a client's region are ``region_io.py``'s.
+
+Rings: every engine has a ring of its own (``ring_alloc.EngineRing``, made by ``engine_ring``
+the first time the engine needs it: its first rank's RING at the door, or its first data
+request), and a job moves only through the ring of the engine that asked (``job.ring``).
+When the engine detaches, ``retire_ring`` stops every batch from starting on its ring (its
+jobs, whose ranks are all gone, end with what they had); the gateway unmaps the ring when
+the last batch holding an extent of it retires.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+import itertools
+import logging
+import time
+from concurrent.futures import Executor
+from typing import Callable, Optional
+
+from adpkv_core import protocol as P
+from adpkv_core.ring import Ring, align_up
+
+from adpkv_gateway.datapath import io_procs
+from adpkv_gateway.datapath.jobs import Batch, DataJob
+from adpkv_gateway.observe.latency import LatencyBuckets
+from adpkv_gateway.datapath.region_io import RegionSource, RingSource, direct_reads, to_region
+from adpkv_gateway.datapath.ring_alloc import EngineRing
+from adpkv_gateway.datapath.scatter import Scatter, to_scatter
+from adpkv_gateway.store.object_store import NoProcessRead, ObjectStore, Outcome, PutItem, ReadPlan
+
+logger = logging.getLogger("adpkv.gateway")
+
+IO_TASK_ITEMS = 16        # fragments (reads) or objects (writes) per pool task
+
+
+class Stage(enum.Enum):
+    LOOKUP = "lookup"
+    READ = "read"
+    TO_RANKS = "to_ranks"
+    TO_REGION = "to_region"
+    FILL = "fill"
+    WRITE = "write"
+    RETIRED = "retired"
+
+
+# How a stage's per-object I/O results combine into the batch's flags.
+_CLEARS = {Stage.READ, Stage.TO_REGION}        # an object that failed is no longer good
+_SETS = {Stage.WRITE}                          # the result says whether the object made it
+
+
+class Transfers:
+    """The jobs and batches in flight, and the ring extents they hold.
+
+    ``run(executor, work, then, fail)`` runs ``work()`` on an executor and calls ``then(result)``
+    (or ``fail(exc)``) back on the loop; ``send(identity, message)`` replies to a rank;
+    ``attached(identity)`` says whether a rank is still there; ``unpin(identity, keys)``
+    drops a rank's pins on keys (a GET with ``unlock``); ``make_ring()`` creates a fresh ring
+    of ``ring_size`` bytes (``Ring.create``) for an engine.
+    """
+
+    def __init__(self, ring_size: int, make_ring: Callable[[], Ring], store: ObjectStore, pool: Executor,
+                 procs: Optional[io_procs.ReaderPool], io_threads: int,
+                 run: Callable, send: Callable[[bytes, P.Message], None], attached: Callable[[bytes], bool],
+                 unpin: Callable[[bytes, list], None]):
+        self.ring_size = align_up(ring_size)
+        self._make_ring = make_ring
+        self.rings: dict[int, EngineRing] = {}       # by number: the rings still mapped here
+        self._ring_numbers = itertools.count(1)
+        self.max_batch_bytes = self.ring_size // 2
+        self.store = store
+        self.pool = pool
+        self.procs = procs
+        self.io_threads = io_threads
+        self._run = run
+        self._send = send
+        self._attached = attached
+        self._unpin = unpin
+        self.jobs: "collections.OrderedDict[int, DataJob]" = collections.OrderedDict()
+        self.batches: dict[int, Batch] = {}
+        # seconds from a request's arrival to its DONE, by op (the loop's thread only)
+        self.request_latency = {"GET": LatencyBuckets(), "PUT": LatencyBuckets()}
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ entry points
+    def start(self, job: DataJob) -> None:
+        self.jobs[id(job)] = job
+        self._pump()
+
+    def ack(self, identity: bytes, msg) -> None:
+        """A rank's RELEASE (GET) or FILLED (PUT) of a batch it was given."""
+        batch = self.batches.get(msg.batch)
+        if batch is None or identity not in batch.waiting:
+            raise P.ProtocolError(P.UNKNOWN_BATCH, f"batch {msg.batch} is not waiting for this rank")
+        want = P.Release if batch.job.op == "GET" else P.Filled
+        if not isinstance(msg, want):
+            raise P.ProtocolError(P.BAD_MESSAGE, f"batch {msg.batch} of a {batch.job.op} wants "
+                                  f"{want.__struct_config__.tag}")
+        self._rank_done(batch, identity, isinstance(msg, P.Release) or msg.ok)
+
+    def rank_left(self, identity: bytes) -> None:
+        """A rank detached: no batch waits for it any more (a PUT it did not fill stores nothing)."""
+        for batch in list(self.batches.values()):
+            if identity in batch.waiting:
+                self._rank_done(batch, identity, filled=batch.job.op == "GET")
+
+    # ------------------------------------------------------------------ rings
+    def engine_ring(self, engine) -> EngineRing:
+        """The ring of ``engine`` (an ``engines.EngineSession``), made now if it has none yet."""
+        if engine.ring is None:
+            number = next(self._ring_numbers)
+            engine.ring = self.rings[number] = EngineRing(self._make_ring(), number)
+            # its pages allocated off the loop; in use meanwhile they fault in as needed
+            self._run(self.pool, engine.ring.ring.populate, lambda _: None, lambda _: None)
+            logger.info("Ring %d of engine %s: %d bytes (a sealed memfd of its own)", number, engine.engine_id,
+                        self.ring_size)
+        return engine.ring
+
+    def retire_ring(self, ring: EngineRing) -> None:
+        """Its engine detached: no batch starts on ``ring`` any more; unmapped once none holds it."""
+        ring.retired = True
+        self._pump()
+        self._drop_if_idle(ring)
+
+    def _drop_if_idle(self, ring: EngineRing) -> None:
+        if ring.retired and ring.batches == 0 and self.rings.pop(ring.number, None) is not None:
+            ring.ring.close()
+            logger.info("Ring %d unmapped (its engine detached, nothing in flight uses it)", ring.number)
+
+    def ring_in_use(self) -> int:
+        """Bytes of ring extents held by batches now, over every ring."""
+        return sum(r.alloc.in_use for r in self.rings.values())
+
+    # ------------------------------------------------------------------ ring extents
+    def _pump(self) -> None:
+        """Give ring extents to jobs that want them, oldest first. A job whose engine detached
+        gets none any more: it ends with what its batches so far found or stored."""
+        for job in list(self.jobs.values()):
+            ring = job.ring
+            if ring.retired:
+                job.next = job.n
+            while job.wants_more():
+                count = min(job.n - job.next, self.max_batch_bytes // job.stride,
+                            ring.alloc.largest_free() // job.stride)
+                if count <= 0:
+                    return  # the ring is busy: wait for a release, keep the order
+                nbytes = count * job.stride
+                batch = Batch(next(self._ids), job, job.next, count, ring.alloc.alloc(nbytes), nbytes)
+                ring.batches += 1
+                job.next += count
+                job.batches[batch.id] = batch
+                self.batches[batch.id] = batch
+                if job.op == "GET":
+                    self._enter(batch, Stage.LOOKUP)
+                elif job.region is not None:
+                    batch.flags[:] = b"\x01" * count          # in the region: to be stored
+                    self._enter(batch, Stage.WRITE)
+                else:
+                    self._enter(batch, Stage.FILL)
+            if job.finished() and id(job) in self.jobs:
+                self._finish(job)         # a request of no keys has no batch to retire
+
+    def _slot(self, batch: Batch, j: int, offset: int = 0, length: Optional[int] = None) -> memoryview:
+        """Bytes ``offset..offset+length`` of object ``j`` of a batch, in the ring."""
+        return batch.job.ring.ring.slot(batch.object_offset(j) + offset,
+                              batch.job.object_bytes if length is None else length)
+
+    # ------------------------------------------------------------------ stages
+    def _enter(self, batch: Batch, stage: Stage) -> None:
+        """Start ``stage`` of a batch; a stage with nothing to wait for advances at once."""
+        batch.stage = stage
+        job = batch.job
+        keys = job.keys[batch.first:batch.first + batch.count]
+        marks = job.marks[batch.first:batch.first + batch.count] if job.marks else None
+        if stage is Stage.LOOKUP:
+            batch.pending += 1
+            into_region = job.region is not None and not isinstance(job.region, Scatter)
+            self._run(self.pool, lambda: self.store.plan_reads(keys, marks, job.object_bytes, into_region),
+                      lambda plan: self._looked_up(batch, plan),
+                      lambda exc: self._looked_up(batch, ReadPlan([], [])))
+        elif stage is Stage.WRITE:
+            items = []
+            for j in range(batch.count):
+                if batch.flags[j]:
+                    i = batch.first + j
+                    source = RingSource(self._slot(batch, j)) if job.region is None else \
+                        RegionSource(job.region, job.places[i], self._slot(batch, j), job.region_by)
+                    items.append(PutItem(j, job.keys[i], job.mark(i), source))
+            batch.flags[:] = bytes(batch.count)
+            self._submit(batch, lambda group: self.store.put(group, job.object_bytes), items)
+        elif stage in (Stage.TO_RANKS, Stage.FILL):
+            batch.waiting = {p.identity for p in job.participants if self._attached(p.identity)}
+            if stage is Stage.FILL and not batch.waiting:
+                batch.filled = False
+            for p in job.participants:
+                if p.identity in batch.waiting:
+                    self._send(p.identity, P.Batch(id=p.req_id, batch=batch.id, first=batch.first,
+                                                   count=batch.count, offset=batch.offset, stride=job.stride,
+                                                   obj=job.object_bytes,
+                                                   hits=bytes(batch.flags) if job.op == "GET" else None))
+        elif stage is Stage.TO_REGION:
+            items = [(j, self._slot(batch, j), job.places[batch.first + j])
+                     for j in range(batch.count) if batch.flags[j] and j not in batch.direct]
+            copy = to_scatter if isinstance(job.region, Scatter) else to_region
+            self._submit(batch, lambda group: copy(job.region, group, job.region_by), items)
+        if batch.pending == 0 and not batch.waiting:
+            self._advance(batch)
+
+    def _advance(self, batch: Batch) -> None:
+        """The batch's current stage is complete: go on to the next."""
+        job, stage = batch.job, batch.stage
+        if stage is Stage.READ:
+            self.store.count_reads(job.namespace, sum(batch.flags), batch.count, job.object_bytes)
+            self._enter(batch, Stage.TO_REGION if job.region is not None else Stage.TO_RANKS)
+        elif stage is Stage.FILL:
+            if batch.filled:
+                batch.flags[:] = b"\x01" * batch.count
+            else:
+                batch.flags[:] = bytes(batch.count)      # a rank did not fill its part: store none
+            if any(batch.flags):
+                self._enter(batch, Stage.WRITE)
+            else:
+                self._retire(batch)
+        elif stage in (Stage.TO_RANKS, Stage.TO_REGION, Stage.WRITE):
+            self._retire(batch)
+
+    def _looked_up(self, batch: Batch, plan: ReadPlan) -> None:
+        """A GET's LOOKUP is done: ``plan`` has the fragments to read of every object found
+        (none when the lookup failed: all miss); start them (READ)."""
+        batch.pending -= 1
+        job = batch.job
+        first, flags, base, stride = batch.first, batch.flags, batch.offset, job.stride
+        for j in plan.found():
+            flags[j] = 1
+        reads = [(j, f, base + j * stride + f.offset) for j, f in plan.ring]   # (j, fragment, ring offset)
+        # card -> the engine's region in one copy, by its descriptor (no ring)
+        direct = [(j, f, job.places[first + j] + f.offset) for j, f in plan.direct]
+        batch.direct.update(j for j, _ in plan.direct)
+        batch.stage = Stage.READ
+        if self.procs:
+            reads = self._read_in_processes(batch, reads)
+        slot = job.ring.ring.slot
+        self._submit(batch, self.store.read_many, [(j, f, slot(at, f.length)) for j, f, at in reads])
+        region, write_by = job.region, job.region_by
+        self._submit(batch, lambda group: direct_reads(self.store, region, group, write_by), direct)
+        if batch.pending == 0:
+            self._advance(batch)
+
+    def _rank_done(self, batch: Batch, identity: bytes, filled: bool) -> None:
+        """A rank is done with a batch (released it, filled it, or left)."""
+        batch.waiting.discard(identity)
+        if not filled:
+            batch.filled = False
+        if not batch.waiting and batch.pending == 0:
+            self._advance(batch)
+
+    def _retire(self, batch: Batch) -> None:
+        """The batch is done with the ring: its flags become results, its extent is freed,
+        and its job moves on (or finishes)."""
+        job = batch.job
+        batch.stage = Stage.RETIRED
+        job.results[batch.first:batch.first + batch.count] = batch.flags
+        if job.op == "PUT":
+            self.store.count_writes(job.namespace, sum(batch.flags), batch.count, job.object_bytes)
+        job.ring.alloc.free(batch.offset, batch.nbytes)
+        job.ring.batches -= 1
+        del job.batches[batch.id]
+        del self.batches[batch.id]
+        self._drop_if_idle(job.ring)
+        self._pump()
+        if job.finished() and id(job) in self.jobs:
+            self._finish(job)
+
+    def _finish(self, job: DataJob) -> None:
+        del self.jobs[id(job)]
+        self.request_latency[job.op].add(time.monotonic() - job.started)
+        for p in job.participants:
+            if not self._attached(p.identity):
+                continue
+            if job.op == "GET":
+                if job.unlock:
+                    self._unpin(p.identity, job.keys)
+                self._send(p.identity, P.Done(id=p.req_id, hits=bytes(job.results)))
+            else:
+                self._send(p.identity, P.Done(id=p.req_id, stored=bytes(job.results), existed=bytes(job.existed)))
+
+    # ------------------------------------------------------------------ I/O on the pool
+    def _submit(self, batch: Batch, work, items: list) -> None:
+        """Run ``work(group)`` on the pool for each group of a batch's I/O items: few tasks,
+        one per thread at most ``IO_TASK_ITEMS`` items, keep the loop and the GIL out of the
+        way of the I/O itself."""
+        if not items:
+            return
+        per = min(IO_TASK_ITEMS, -(-len(items) // self.io_threads))
+        for k in range(0, len(items), per):
+            group = items[k:k + per]
+            batch.pending += 1
+            self._run(self.pool, lambda g=group: work(g), lambda results: self._io_done(batch, results),
+                      lambda exc, g=group: self._io_done(batch, [Outcome(item[0], False) for item in g]))
+
+    def _io_done(self, batch: Batch, results: list[Outcome]) -> None:
+        """One I/O task of the batch's stage finished with an ``Outcome`` per object."""
+        batch.pending -= 1
+        if batch.stage in _CLEARS:
+            for r in results:
+                if not r.ok:
+                    batch.flags[r.j] = 0
+        elif batch.stage in _SETS:
+            existed = batch.job.existed
+            for r in results:
+                batch.flags[r.j] = 1 if r.ok else 0
+                if r.existed:
+                    existed[batch.first + r.j] = 1
+        if batch.pending == 0 and not batch.waiting:
+            self._advance(batch)
+
+    def _read_in_processes(self, batch: Batch, reads: list) -> list:
+        """Hand the ``(j, fragment, ring offset)`` reads that a card can do in the I/O
+        processes to them (fs cards; each card's tasks made in one call), one ``ReadTask``
+        per process and card: every reader busy with the batch at once, and as few tasks
+        to send and account for as that allows; return the others for the pool."""
+        rest = []
+        by_card: dict[int, list] = collections.defaultdict(list)
+        for read in reads:
+            by_card[read[1].card].append(read)
+        for card, group in by_card.items():
+            tasks = self.store.process_reads(card, [frag for _, frag, _ in group])
+            if NoProcessRead.ABSENT in tasks or NoProcessRead.HERE in tasks:
+                kept = []
+                for read, task in zip(group, tasks):
+                    if task is NoProcessRead.HERE:
+                        rest.append(read)
+                    elif task is NoProcessRead.ABSENT:        # the card knows the object is gone
+                        batch.flags[read[0]] = 0
+                    else:
+                        kept.append((read, task))
+                group, tasks = [read for read, _ in kept], [task for _, task in kept]
+            per = max(1, -(-len(group) // self.procs.processes))
+            for k in range(0, len(group), per):
+                part, files = group[k:k + per], tasks[k:k + per]
+                task = io_procs.ReadTask.of(files, [at for _, _, at in part], [frag.length for _, frag, _ in part],
+                                            batch.job.ring, min(self.rings))
+                batch.pending += 1
+                self._run(self.procs, functools.partial(io_procs.read_task, task),
+                          lambda result, c=card, p=part, f=files, t=task:
+                          self._process_reads_done(batch, c, p, f, t, result),
+                          lambda exc, p=part: self._io_done(batch, [Outcome(j, False) for j, _, _ in p]))
+        return rest
+
+    def _process_reads_done(self, batch: Batch, card: int, part: list, files: list, task: "io_procs.ReadTask",
+                            result: tuple) -> None:
+        """An I/O process ran ``task`` (``part``'s reads of one card, the card's ``files``):
+        its missed reads' ``(k, verdict)`` and every read's seconds, accounted by the store
+        (``process_reads_done``). A read that missed goes to the object's next replica on the
+        pool, as ``store.read_many`` does there."""
+        misses, seconds = result
+        self.store.process_reads_done(card, files, task.lengths, misses, seconds)
+        done, again = [], []
+        for k, _ in misses:
+            j, frag, offset = part[k]
+            if frag.others:
+                again.append((j, frag, batch.job.ring.ring.slot(offset, frag.length)))
+            else:
+                done.append(Outcome(j, False))
+        if again:
+            self._submit(batch, self.store.read_from_replicas, again)
+        self._io_done(batch, done)

@@ -1,0 +1,67 @@
+"""The gateway's subsystems import only those below them (``adpkv_gateway.LAYERS``), and no folder
+of the gateway holds more than 12 modules: read from the source (an AST walk over every import,
+those inside functions and under TYPE_CHECKING too), so a new import that runs up the layers
+fails here, naming the file and the import."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import adpkv_gateway
+
+GATEWAY = pathlib.Path(adpkv_gateway.__file__).resolve().parent
+MAX_MODULES = 12
+
+
+def _package(path: pathlib.Path) -> str:
+    """The subsystem of a gateway file: its top folder, or its name for a top-level module."""
+    rel = path.relative_to(GATEWAY)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imported_packages(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, subsystem) of every import of ``adpkv_gateway.<subsystem>...`` in the file."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] != "adpkv_gateway":
+                continue
+            if len(parts) > 1:
+                out.append((node.lineno, parts[1]))
+            else:          # from adpkv_gateway import <subsystem>, ...
+                out += [(node.lineno, a.name) for a in node.names if a.name != "LAYERS"]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name.split(".")[1]) for a in node.names
+                    if a.name.startswith("adpkv_gateway.")]
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            out.append((node.lineno, f"relative import (level {node.level})"))
+    return out
+
+
+def test_layers_are_a_strict_order():
+    seen: set[str] = set()
+    for name, below in adpkv_gateway.LAYERS:
+        assert below <= seen, f"{name} may import {sorted(below - seen)}, which are not below it"
+        seen.add(name)
+
+
+def test_every_import_runs_down_the_layers():
+    allowed = dict(adpkv_gateway.LAYERS)
+    files = sorted(p for p in GATEWAY.rglob("*.py") if p.name != "__init__.py" or p.parent != GATEWAY)
+    assert files
+    bad = []
+    for path in files:
+        pkg = _package(path)
+        assert pkg in allowed, f"{path.relative_to(GATEWAY)}: subsystem {pkg} is not in adpkv_gateway.LAYERS"
+        for line, target in _imported_packages(path):
+            if target != pkg and target not in allowed[pkg]:
+                bad.append(f"{path.relative_to(GATEWAY)}:{line} ({pkg}) imports {target}")
+    assert not bad, "imports against adpkv_gateway.LAYERS:\n" + "\n".join(bad)
+
+
+def test_no_folder_holds_more_than_12_modules():
+    for folder in [GATEWAY] + [p for p in GATEWAY.rglob("*") if p.is_dir() and p.name != "__pycache__"]:
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        assert len(modules) <= MAX_MODULES, f"{folder.relative_to(GATEWAY.parent)}: {len(modules)} modules"
