@@ -28,13 +28,13 @@ from typing import Optional, Sequence
 
 import zmq
 
-from . import protocol as P
-from .door import DoorNotFound, DoorSession, UntrustedGateway, check_gateway, find_door
-from .link import LOOKUPS_OFF_MESSAGE, TURNED_OFF_MESSAGE, Link
-from .request import (DELETE_OK, EXIST_OK, HELLO_OK, OK, STATS_OK, BatchCallback, RingBatch, StoreResult, data_request,
+from adpkv_core.wire import protocol as P
+from adpkv_core.wire.door import DoorNotFound, DoorSession, UntrustedGateway, check_gateway, find_door
+from adpkv_core.link import LOOKUPS_OFF_MESSAGE, TURNED_OFF_MESSAGE, Link
+from adpkv_core.request import (DELETE_OK, EXIST_OK, HELLO_OK, OK, STATS_OK, BatchCallback, RingBatch, StoreResult, data_request,
                       nothing, reply_flags, resolved)
-from .ring import Ring
-from .settings import ClientConfig
+from adpkv_core.memory.ring import Ring
+from adpkv_core.settings import ClientConfig
 
 # what callers import from here (some of it defined in request, link, settings)
 __all__ = ["GatewayClient", "RingBatch", "BatchCallback", "StoreResult", "ClientConfig", "door_of",

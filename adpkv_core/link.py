@@ -38,11 +38,11 @@ from typing import Any, Optional
 
 import zmq
 
-from . import protocol as P
-from .door import DoorSession
-from .region_lock import take_back
-from .request import OK, REGION_WRITE_MARGIN_S, Pending, RingBatch, StoreResult, nothing, reply_flags, resolved
-from .settings import ClientConfig
+from adpkv_core.wire import protocol as P
+from adpkv_core.wire.door import DoorSession
+from adpkv_core.memory.region_lock import take_back
+from adpkv_core.request import OK, REGION_WRITE_MARGIN_S, Pending, RingBatch, StoreResult, nothing, reply_flags, resolved
+from adpkv_core.settings import ClientConfig
 
 logger = logging.getLogger("adpkv.client")
 

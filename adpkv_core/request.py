@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Optional, Sequence
 
-from . import protocol as P
+from adpkv_core.wire import protocol as P
 
 REGION_WRITE_MARGIN_S = 0.5     # a request into/out of a region: the gateway stops touching it this long before we give up
 

@@ -27,8 +27,8 @@ import collections
 import logging
 from typing import Callable, Optional, Union
 
-from adpkv_core import protocol as P
-from adpkv_core.ring import max_parallel_ios, object_stride
+from adpkv_core.wire import protocol as P
+from adpkv_core.memory.ring import max_parallel_ios, object_stride
 
 from adpkv_gateway.door.entry import Session
 from adpkv_gateway.door.engines import EngineRegistry, Peer

@@ -47,8 +47,8 @@ import time
 from concurrent.futures import Executor
 from typing import Callable, Optional
 
-from adpkv_core import protocol as P
-from adpkv_core.ring import Ring, align_up
+from adpkv_core.wire import protocol as P
+from adpkv_core.memory.ring import Ring, align_up
 
 from adpkv_gateway.datapath import io_procs
 from adpkv_gateway.datapath.jobs import Batch, DataJob
