@@ -50,6 +50,7 @@ request at ring ``offset`` with ``stride`` bytes between them.
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Any, Optional, Union, get_args
 
 import msgspec
@@ -113,6 +114,13 @@ class Message(Struct, tag_field="op", kw_only=True):
     @property
     def op(self) -> str:
         return str(self.__struct_config__.tag)
+
+
+class Op(str, enum.Enum):
+    """The data requests' ops: what a request moves, and which way (a ``str``: it compares equal
+    to the op on the wire)."""
+    GET = "GET"
+    PUT = "PUT"
 
 
 def _op(name: str) -> dict:

@@ -13,6 +13,8 @@ import enum
 import time
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from adpkv_core.wire import protocol as P
+
 if TYPE_CHECKING:
     from adpkv_gateway.door.regions import Region
     from adpkv_gateway.datapath.ring_alloc import EngineRing
@@ -70,7 +72,7 @@ class Batch:
 class DataJob:
     """One GET or PUT request of one or more ranks."""
 
-    def __init__(self, op: str, keys: Sequence[bytes], marks: Optional[Sequence[int]], object_bytes: int,
+    def __init__(self, op: P.Op, keys: Sequence[bytes], marks: Optional[Sequence[int]], object_bytes: int,
                  stride: int, participants: list[Participant], unlock: bool = False):
         self.op = op
         self.keys = list(keys)

@@ -97,7 +97,7 @@ class Transfers:
         self.jobs: "collections.OrderedDict[int, DataJob]" = collections.OrderedDict()
         self.batches: dict[int, Batch] = {}
         # seconds from a request's arrival to its DONE, by op (the loop's thread only)
-        self.request_latency = {"GET": LatencyBuckets(), "PUT": LatencyBuckets()}
+        self.request_latency = {P.Op.GET: LatencyBuckets(), P.Op.PUT: LatencyBuckets()}
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ entry points
@@ -110,7 +110,7 @@ class Transfers:
         batch = self.batches.get(msg.batch)
         if batch is None or identity not in batch.waiting:
             raise P.ProtocolError(P.UNKNOWN_BATCH, f"batch {msg.batch} is not waiting for this rank")
-        want = P.Release if batch.job.op == "GET" else P.Filled
+        want = P.Release if batch.job.op is P.Op.GET else P.Filled
         if not isinstance(msg, want):
             raise P.ProtocolError(P.BAD_MESSAGE, f"batch {msg.batch} of a {batch.job.op} wants "
                                   f"{want.__struct_config__.tag}")
@@ -120,7 +120,7 @@ class Transfers:
         """A rank detached: no batch waits for it any more (a PUT it did not fill stores nothing)."""
         for batch in list(self.batches.values()):
             if identity in batch.waiting:
-                self._rank_done(batch, identity, filled=batch.job.op == "GET")
+                self._rank_done(batch, identity, filled=batch.job.op is P.Op.GET)
 
     # ------------------------------------------------------------------ rings
     def engine_ring(self, engine) -> EngineRing:
@@ -170,7 +170,7 @@ class Transfers:
                 job.next += count
                 job.batches[batch.id] = batch
                 self.batches[batch.id] = batch
-                if job.op == "GET":
+                if job.op is P.Op.GET:
                     self._enter(batch, Stage.LOOKUP)
                 elif job.region is not None:
                     batch.flags[:] = b"\x01" * count          # in the region: to be stored
@@ -217,7 +217,7 @@ class Transfers:
                     self._send(p.identity, P.Batch(id=p.req_id, batch=batch.id, first=batch.first,
                                                    count=batch.count, offset=batch.offset, stride=job.stride,
                                                    obj=job.object_bytes,
-                                                   hits=bytes(batch.flags) if job.op == "GET" else None))
+                                                   hits=bytes(batch.flags) if job.op is P.Op.GET else None))
         elif stage is Stage.TO_REGION:
             copies = [(j, self._slot(batch, j), job.places[batch.first + j])
                       for j in range(batch.count) if batch.flags[j] and j not in batch.direct]
@@ -280,7 +280,7 @@ class Transfers:
         job = batch.job
         batch.stage = Stage.RETIRED
         job.results[batch.first:batch.first + batch.count] = batch.flags
-        if job.op == "PUT":
+        if job.op is P.Op.PUT:
             self.store.count_writes(job.namespace, sum(batch.flags), batch.count, job.object_bytes)
         job.ring.alloc.free(batch.offset, batch.nbytes)
         job.ring.batches -= 1
@@ -297,7 +297,7 @@ class Transfers:
         for p in job.participants:
             if not self._attached(p.identity):
                 continue
-            if job.op == "GET":
+            if job.op is P.Op.GET:
                 if job.unlock:
                     self._unpin(p.identity, job.keys)
                 self._send(p.identity, P.Done(id=p.req_id, hits=bytes(job.results)))
