@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import Sequence
 
-from .keys import ChunkHash, chunk_digest
+from adpkv_core.keys import ChunkHash, chunk_digest
 
 
 def dialog_mark(chunk_hashes: Sequence[ChunkHash], affinity_chunks: int = 1) -> int:

@@ -33,9 +33,9 @@ import time
 import weakref
 from typing import Any, Callable, Optional
 
-from .client import LOOKUPS_OFF_MESSAGE, TURNED_OFF_MESSAGE, GatewayClient, gateway_answers
-from .ringview import RingView
-from .settings import ClientConfig
+from adpkv_core.client import LOOKUPS_OFF_MESSAGE, TURNED_OFF_MESSAGE, GatewayClient, gateway_answers
+from adpkv_core.ringview import RingView
+from adpkv_core.settings import ClientConfig
 
 logger = logging.getLogger("adpkv.attachment")
 

@@ -28,13 +28,13 @@ from typing import Optional, Sequence
 
 import zmq
 
-from . import protocol as P
-from .door import DoorNotFound, DoorSession, UntrustedGateway, check_gateway, find_door
-from .link import LOOKUPS_OFF_MESSAGE, TURNED_OFF_MESSAGE, Link
-from .request import (DELETE_OK, EXIST_OK, HELLO_OK, OK, STATS_OK, BatchCallback, RingBatch, StoreResult, data_request,
+from adpkv_core.wire import protocol as P
+from adpkv_core.wire.door import DoorNotFound, DoorSession, UntrustedGateway, check_gateway, find_door
+from adpkv_core.link import LOOKUPS_OFF_MESSAGE, TURNED_OFF_MESSAGE, Link
+from adpkv_core.request import (DELETE_OK, EXIST_OK, HELLO_OK, OK, STATS_OK, BatchCallback, RingBatch, StoreResult, data_request,
                       nothing, reply_flags, resolved)
-from .ring import Ring
-from .settings import ClientConfig
+from adpkv_core.memory.ring import Ring
+from adpkv_core.settings import ClientConfig
 
 # what callers import from here (some of it defined in request, link, settings)
 __all__ = ["GatewayClient", "RingBatch", "BatchCallback", "StoreResult", "ClientConfig", "door_of",
@@ -303,22 +303,22 @@ class GatewayClient:
              marks: Optional[Sequence[int]], tag: Optional[str], slice_: Optional[tuple[int, int]],
              unlock: bool = False, into: Optional[tuple] = None) -> "Future[list[bool]]":
         """A GET: resolves with its hits."""
-        return self._data("GET", keys, object_bytes, on_batch, marks, tag, slice_, unlock, into)
+        return self._data(P.Op.GET, keys, object_bytes, on_batch, marks, tag, slice_, unlock, into)
 
     def _put(self, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
              marks: Optional[Sequence[int]], tag: Optional[str], slice_: Optional[tuple[int, int]],
              into: Optional[tuple] = None) -> "Future[StoreResult]":
         """A PUT: resolves with a ``StoreResult``."""
-        return self._data("PUT", keys, object_bytes, on_batch, marks, tag, slice_, False, into)
+        return self._data(P.Op.PUT, keys, object_bytes, on_batch, marks, tag, slice_, False, into)
 
-    def _data(self, op: str, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
+    def _data(self, op: P.Op, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
               marks: Optional[Sequence[int]], tag: Optional[str], slice_: Optional[tuple[int, int]],
               unlock: bool = False, into: Optional[tuple] = None) -> Future:
         n = len(keys)
         if n == 0 or not self._link.enabled or self.rank is None:
             return resolved(nothing(op, n))
         locks: tuple[int, ...] = ()
-        if into is not None and op == "GET":
+        if into is not None and op is P.Op.GET:
             # the request's own duplicates (closed when it resolves): close() may close ours meanwhile
             region, _, pieces = into
             ids = {region} if pieces is None else {int(r) for r, _ in pieces}

@@ -41,7 +41,7 @@ from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from . import protocol as P
+from adpkv_core.wire import protocol as P
 
 logger = logging.getLogger("adpkv.direct_map")
 

@@ -38,11 +38,11 @@ from typing import Any, Optional
 
 import zmq
 
-from . import protocol as P
-from .door import DoorSession
-from .region_lock import take_back
-from .request import OK, REGION_WRITE_MARGIN_S, Pending, RingBatch, StoreResult, nothing, reply_flags, resolved
-from .settings import ClientConfig
+from adpkv_core.wire import protocol as P
+from adpkv_core.wire.door import DoorSession
+from adpkv_core.memory.region_lock import take_back
+from adpkv_core.request import OK, REGION_WRITE_MARGIN_S, Pending, RingBatch, StoreResult, nothing, reply_flags, resolved
+from adpkv_core.settings import ClientConfig
 
 logger = logging.getLogger("adpkv.client")
 
@@ -126,8 +126,8 @@ class Link:
 
     def restores_in_flight(self) -> int:
         """GET requests queued or sent and not answered yet (any thread may ask)."""
-        return sum(1 for _, p, _ in list(self._outbox) if p.op == "GET") + \
-            sum(1 for p in list(self._pending.values()) if p.op == "GET")
+        return sum(1 for _, p, _ in list(self._outbox) if p.op is P.Op.GET) + \
+            sum(1 for p in list(self._pending.values()) if p.op is P.Op.GET)
 
     def stop(self) -> None:
         """Stop the I/O thread (without a turn-off line): what is in flight or queued resolves
@@ -254,9 +254,9 @@ class Link:
             pending.future.set_result(msg)
             return
         if isinstance(msg, P.Done):
-            flags = reply_flags(msg.hits if pending.op == "GET" else msg.stored, pending.n)
+            flags = reply_flags(msg.hits if pending.op is P.Op.GET else msg.stored, pending.n)
             flags = [f and bool(c) for f, c in zip(flags, pending.ok)]
-            if pending.op == "PUT":
+            if pending.op is P.Op.PUT:
                 pending.future.set_result(StoreResult(flags, reply_flags(msg.existed, pending.n)))
             else:
                 pending.future.set_result(flags)
@@ -274,7 +274,7 @@ class Link:
         batch = RingBatch(first, count, msg.offset, msg.stride, msg.obj,
                           pending.slice[0], pending.slice[1], hits)
         ok = True
-        if pending.op == "GET" and hits is not None and not any(hits):
+        if pending.op is P.Op.GET and hits is not None and not any(hits):
             pass  # nothing to copy
         else:
             try:
@@ -284,7 +284,7 @@ class Link:
                 ok = False
         if ok and isinstance(pending.ok, bytearray):      # a ring request: its copies are counted
             pending.ok[first:first + count] = b"\x01" * count
-        reply = (P.Release if pending.op == "GET" else P.Filled)(id=msg.id, batch=msg.batch, ok=ok)
+        reply = (P.Release if pending.op is P.Op.GET else P.Filled)(id=msg.id, batch=msg.batch, ok=ok)
         try:
             self._send(reply)
         except zmq.ZMQError as exc:

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Optional, Sequence
 
-from . import protocol as P
+from adpkv_core.wire import protocol as P
 
 REGION_WRITE_MARGIN_S = 0.5     # a request into/out of a region: the gateway stops touching it this long before we give up
 
@@ -84,10 +84,10 @@ class StoreResult:
         return cls([False] * n, [False] * n)
 
 
-def nothing(op: str, n: int) -> "list[bool] | StoreResult":
+def nothing(op: P.Op, n: int) -> "list[bool] | StoreResult":
     """What a data request of ``n`` objects resolves with when it gets no usable answer (the
     cache is off, the gateway refused or went away): ``n`` misses (GET) or nothing stored (PUT)."""
-    return [False] * n if op == "GET" else StoreResult.none(n)
+    return [False] * n if op is P.Op.GET else StoreResult.none(n)
 
 
 class Pending:
@@ -135,7 +135,7 @@ def resolved(value) -> Future:
     return f
 
 
-def data_request(op: str, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
+def data_request(op: P.Op, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
                  marks: Optional[Sequence[int]], tag: Optional[str], slice_: Optional[tuple[int, int]],
                  unlock: bool, into: Optional[tuple], timeout_s: float,
                  region_locks: tuple[int, ...] = ()) -> tuple[P.Message, Pending]:
@@ -148,7 +148,7 @@ def data_request(op: str, keys: Sequence[bytes], object_bytes: int, on_batch: Op
     fields = dict(keys=list(keys), obj=int(object_bytes), marks=None if marks is None else list(marks),
                   tag=None if tag is None else str(tag), region=region, at=at,
                   pieces=None if pieces is None else [P.Piece(int(r), int(n)) for r, n in pieces])
-    msg = P.Get(unlock=bool(unlock), **fields) if op == "GET" else P.Put(**fields)
+    msg = P.Get(unlock=bool(unlock), **fields) if op is P.Op.GET else P.Put(**fields)
     pending = Pending(Future(), op, len(keys), on_batch, 0.0, slice_ or (0, int(object_bytes)), DATA, data=True)
     if into is not None:
         # The gateway writes into (GET) or reads from (PUT) our buffer only until we give up

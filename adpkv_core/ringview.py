@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 from typing import Optional, Sequence
 
-from .client import RingBatch
+from adpkv_core.client import RingBatch
 
 # Copies between the ring and engine host buffers use libc memmove through ctypes:
 # it drops the GIL for the copy and runs on the calling thread only. A torch

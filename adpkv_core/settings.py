@@ -19,7 +19,7 @@ class ClientConfig:
 
     port: int = 5557
     host: str = "127.0.0.1"
-    socket: str = ""                     # the gateway's door; "": found from port (adpkv_core.door.find_door)
+    socket: str = ""                     # the gateway's door; "": found from port (adpkv_core.wire.door.find_door)
     namespace: str = ""                  # deployment namespace (required on shared cards)
     key_namespace_from_model: bool = False
     affinity_chunks: int = 1             # chunks of the prompt start that make the dialog mark

@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from adpkv_core.client import GatewayClient
-from adpkv_core.door import door_path
+from adpkv_core.wire.door import door_path
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.ops.spawn import GatewayProcess
 

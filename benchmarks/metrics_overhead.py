@@ -30,7 +30,7 @@ import time
 import msgspec
 from prometheus_client import Histogram
 
-from adpkv_core.protocol import GatewayStats
+from adpkv_core.wire.protocol import GatewayStats
 
 from adpkv_gateway.observe.latency import IO_LATENCY_BUCKETS
 from adpkv_gateway.observe.metrics import GatewayMetrics

@@ -1,4 +1,4 @@
-"""What the region lock (``adpkv_core.region_lock``, issue 25 item 10) costs per object on the
+"""What the region lock (``adpkv_core.memory.region_lock``, issue 25 item 10) costs per object on the
 region GET path.
 
 1. ``write``: writes into a /dev/shm file in tasks of 16 (as the gateway's I/O tasks), each a
@@ -32,9 +32,9 @@ from adpkv_gateway.ops.spawn import GatewayProcess
 
 def write_cost(sizes, n, rounds, per_task=16) -> None:
     try:
-        from adpkv_core.region_lock import holding
+        from adpkv_core.memory.region_lock import holding
     except ImportError:
-        print("write: no adpkv_core.region_lock in this tree (before the change)")
+        print("write: no adpkv_core.memory.region_lock in this tree (before the change)")
         return
     path = f"/dev/shm/adpkv-lock-cost-{uuid.uuid4().hex[:8]}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -54,7 +54,7 @@ class GatewayConfig:
     metrics_address: str = "127.0.0.1"       # ... on this address (0.0.0.0: every interface, e.g. in a pod)
     port: int = 5557
     bind_address: str = "127.0.0.1"
-    control_socket: str = ""                 # the door (Unix socket); "": adpkv_core.door.door_path
+    control_socket: str = ""                 # the door (Unix socket); "": adpkv_core.wire.door.door_path
     control_socket_mode: str = "0660"        # its permissions (octal): who may use the gateway at all
     control_socket_group: str = ""           # its group (name or gid); "": the gateway's own
     operator_group: str = ""                 # members may CLEAN (root and the gateway's user always may)

@@ -245,9 +245,10 @@ class Card(abc.ABC):
         return out
 
     @abc.abstractmethod
-    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"",
+    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: Optional[bytes] = b"",
               write_id: int = 0) -> bool:
-        """Store ``buf`` atomically under ``fkey``; False if it could not be stored.
+        """Store ``buf`` atomically under ``fkey``; False if it could not be stored. ``tag``:
+        the object's slot tag (None: not known, recorded as a header written before tags were).
         ``object_bytes``: the size of the whole object, recorded in its head fragment;
         ``write_id``: the write's id, stamped in the fragment's header (every fragment of one
         write of an object carries the same)."""
@@ -387,7 +388,7 @@ class DirectWrites(abc.ABC):
 
     @abc.abstractmethod
     def write_from_fd(self, db: int, fkey: bytes, length: int, in_fd: int, in_offset: int,
-                      object_bytes: int = 0, tag: bytes = b"", read_by: Optional[float] = None,
+                      object_bytes: int = 0, tag: Optional[bytes] = b"", read_by: Optional[float] = None,
                       write_id: int = 0) -> bool:
         """``write`` of the ``length`` bytes at ``in_offset`` of a client's buffer, read by
         descriptor (``pread``) straight into the card's object, without the ring; the checksum

@@ -27,8 +27,8 @@ import collections
 import logging
 from typing import Callable, Optional, Union
 
-from adpkv_core import protocol as P
-from adpkv_core.ring import max_parallel_ios, object_stride
+from adpkv_core.wire import protocol as P
+from adpkv_core.memory.ring import max_parallel_ios, object_stride
 
 from adpkv_gateway.door.entry import Session
 from adpkv_gateway.door.engines import EngineRegistry, Peer
@@ -95,7 +95,7 @@ class DataRequests:
         stride = object_stride(obj)
         if placed is not None:
             target, places = placed
-            job = DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock)
+            job = DataJob(P.Op(msg.op), keys, marks, obj, stride, [Participant(identity, msg.id)], unlock)
             job.region, job.places = target, places
             job.region_by = msg.write_by if isinstance(msg, P.Get) else msg.read_by
             self.counters[job.op.lower() + "_region_requests"] += 1
@@ -103,7 +103,7 @@ class DataRequests:
             return
         engine = self.engines.engine
         if tag is None or engine is None or engine.world == 1:
-            self._start(DataJob(msg.op, keys, marks, obj, stride, [Participant(identity, msg.id)], unlock))
+            self._start(DataJob(P.Op(msg.op), keys, marks, obj, stride, [Participant(identity, msg.id)], unlock))
             return
         rank = peer.rank
         assert rank is not None             # check() refused a lookup peer (no rank)
@@ -121,7 +121,7 @@ class DataRequests:
             if type(m) is not type(first) or m.keys != first.keys or m.obj != first.obj:
                 self._fail_collective(parts, f"ranks sent different requests for tag {tag!r}")
                 return
-        self._start(DataJob(msg.op, keys, marks, obj, stride,
+        self._start(DataJob(P.Op(msg.op), keys, marks, obj, stride,
                             [Participant(ident, m.id) for ident, m in parts.values()], unlock))
 
     def _fail_collective(self, parts, why: str) -> None:

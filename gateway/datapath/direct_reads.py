@@ -34,7 +34,7 @@ import mmap
 import os
 from typing import Optional, Sequence
 
-from adpkv_core import protocol as P
+from adpkv_core.wire import protocol as P
 
 from adpkv_gateway.cards import objfmt
 from adpkv_gateway.cards.base import Read

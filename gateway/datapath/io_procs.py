@@ -27,7 +27,7 @@ from concurrent.futures import Executor, Future
 from multiprocessing.connection import wait
 from typing import Callable, Optional, Sequence
 
-from adpkv_core.ring import Ring
+from adpkv_core.memory.ring import Ring
 
 from adpkv_gateway.cards.base import FileRead, Read
 from adpkv_gateway.cards.fs.files import object_name, verdict_of

@@ -9,14 +9,29 @@ in several batches and the ring size never limits a request.
 
 from __future__ import annotations
 
+import enum
 import time
 from typing import TYPE_CHECKING, Optional, Sequence
+
+from adpkv_core.wire import protocol as P
 
 if TYPE_CHECKING:
     from adpkv_gateway.door.regions import Region
     from adpkv_gateway.datapath.ring_alloc import EngineRing
 
 MAX_BATCHES_IN_FLIGHT = 2
+
+
+class Stage(enum.Enum):
+    """Where a batch is in its life (``transfers``: one place moves it on)."""
+
+    LOOKUP = "lookup"
+    READ = "read"
+    TO_RANKS = "to_ranks"
+    TO_REGION = "to_region"
+    FILL = "fill"
+    WRITE = "write"
+    RETIRED = "retired"
 
 
 class Participant:
@@ -43,7 +58,7 @@ class Batch:
         self.count = count
         self.offset = offset
         self.nbytes = nbytes
-        self.stage = None                      # transfers.Stage
+        self.stage: Optional[Stage] = None     # None until the batch enters its first stage
         self.pending = 0                       # pool / process tasks of the stage still running
         self.flags = bytearray(count)          # per object: found / still good (GET), in the ring / stored (PUT)
         self.waiting: set[bytes] = set()       # ranks that still have to RELEASE / FILL
@@ -57,7 +72,7 @@ class Batch:
 class DataJob:
     """One GET or PUT request of one or more ranks."""
 
-    def __init__(self, op: str, keys: Sequence[bytes], marks: Optional[Sequence[int]], object_bytes: int,
+    def __init__(self, op: P.Op, keys: Sequence[bytes], marks: Optional[Sequence[int]], object_bytes: int,
                  stride: int, participants: list[Participant], unlock: bool = False):
         self.op = op
         self.keys = list(keys)
@@ -78,8 +93,19 @@ class DataJob:
         # after this moment (the client's give-up time, monotonic clock)
         self.region_by: Optional[float] = None
         self.namespace = ""                       # of the engine that asked (the metrics' label)
-        self.ring: Optional[EngineRing] = None    # the ring of the engine that asked
+        self._ring: Optional[EngineRing] = None   # the ring of the engine that asked (``ring``)
         self.started = time.monotonic()           # every part arrived (the request latency's start)
+
+    @property
+    def ring(self) -> "EngineRing":
+        """The ring of the engine that asked: set once, by ``data_requests`` before the job
+        starts (a job never runs without one)."""
+        assert self._ring is not None, "a data job started before it was given its engine's ring"
+        return self._ring
+
+    @ring.setter
+    def ring(self, ring: "EngineRing") -> None:
+        self._ring = ring
 
     @property
     def n(self) -> int:

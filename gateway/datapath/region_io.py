@@ -12,7 +12,7 @@ there):
   passed: its engine may reuse the buffer), nor past the region's size now (a write would
   grow the client's file); ``door.Region.size_now`` is that check, made again before every
   write, and those checks and the writes of a task happen under a lock the client waits for
-  before it takes its buffer back (``adpkv_core.region_lock.holding``).
+  before it takes its buffer back (``adpkv_core.memory.region_lock.holding``).
 - Nothing read from a region is stored once the client gave up on a PUT (``read_by``), nor
   from a region shorter than the object.
 
@@ -26,7 +26,7 @@ import os
 import time
 from typing import Optional
 
-from adpkv_core.region_lock import holding
+from adpkv_core.memory.region_lock import holding
 
 from adpkv_gateway.datapath.scatter import Scatter
 from adpkv_gateway.store.object_store import ObjectStore, Outcome, PutSource, RegionBytes

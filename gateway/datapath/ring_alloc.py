@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 
-from adpkv_core.ring import RING_ALIGN
+from adpkv_core.memory.ring import RING_ALIGN
 
 
 class RingAllocator:

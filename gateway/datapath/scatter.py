@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from adpkv_core.region_lock import holding
+from adpkv_core.memory.region_lock import holding
 
 from adpkv_gateway.store.object_store import Outcome
 

@@ -39,7 +39,6 @@ the last batch holding an extent of it retires.
 from __future__ import annotations
 
 import collections
-import enum
 import functools
 import itertools
 import logging
@@ -47,11 +46,11 @@ import time
 from concurrent.futures import Executor
 from typing import Callable, Optional
 
-from adpkv_core import protocol as P
-from adpkv_core.ring import Ring, align_up
+from adpkv_core.wire import protocol as P
+from adpkv_core.memory.ring import Ring, align_up
 
 from adpkv_gateway.datapath import io_procs
-from adpkv_gateway.datapath.jobs import Batch, DataJob
+from adpkv_gateway.datapath.jobs import Batch, DataJob, Stage
 from adpkv_gateway.observe.latency import LatencyBuckets
 from adpkv_gateway.datapath.region_io import RegionSource, RingSource, direct_reads, to_region
 from adpkv_gateway.datapath.ring_alloc import EngineRing
@@ -61,16 +60,6 @@ from adpkv_gateway.store.object_store import NoProcessRead, ObjectStore, Outcome
 logger = logging.getLogger("adpkv.gateway")
 
 IO_TASK_ITEMS = 16        # fragments (reads) or objects (writes) per pool task
-
-
-class Stage(enum.Enum):
-    LOOKUP = "lookup"
-    READ = "read"
-    TO_RANKS = "to_ranks"
-    TO_REGION = "to_region"
-    FILL = "fill"
-    WRITE = "write"
-    RETIRED = "retired"
 
 
 # How a stage's per-object I/O results combine into the batch's flags.
@@ -108,7 +97,7 @@ class Transfers:
         self.jobs: "collections.OrderedDict[int, DataJob]" = collections.OrderedDict()
         self.batches: dict[int, Batch] = {}
         # seconds from a request's arrival to its DONE, by op (the loop's thread only)
-        self.request_latency = {"GET": LatencyBuckets(), "PUT": LatencyBuckets()}
+        self.request_latency = {P.Op.GET: LatencyBuckets(), P.Op.PUT: LatencyBuckets()}
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ entry points
@@ -121,7 +110,7 @@ class Transfers:
         batch = self.batches.get(msg.batch)
         if batch is None or identity not in batch.waiting:
             raise P.ProtocolError(P.UNKNOWN_BATCH, f"batch {msg.batch} is not waiting for this rank")
-        want = P.Release if batch.job.op == "GET" else P.Filled
+        want = P.Release if batch.job.op is P.Op.GET else P.Filled
         if not isinstance(msg, want):
             raise P.ProtocolError(P.BAD_MESSAGE, f"batch {msg.batch} of a {batch.job.op} wants "
                                   f"{want.__struct_config__.tag}")
@@ -131,7 +120,7 @@ class Transfers:
         """A rank detached: no batch waits for it any more (a PUT it did not fill stores nothing)."""
         for batch in list(self.batches.values()):
             if identity in batch.waiting:
-                self._rank_done(batch, identity, filled=batch.job.op == "GET")
+                self._rank_done(batch, identity, filled=batch.job.op is P.Op.GET)
 
     # ------------------------------------------------------------------ rings
     def engine_ring(self, engine) -> EngineRing:
@@ -174,12 +163,14 @@ class Transfers:
                 if count <= 0:
                     return  # the ring is busy: wait for a release, keep the order
                 nbytes = count * job.stride
-                batch = Batch(next(self._ids), job, job.next, count, ring.alloc.alloc(nbytes), nbytes)
+                offset = ring.alloc.alloc(nbytes)
+                assert offset is not None               # count fits the largest free extent
+                batch = Batch(next(self._ids), job, job.next, count, offset, nbytes)
                 ring.batches += 1
                 job.next += count
                 job.batches[batch.id] = batch
                 self.batches[batch.id] = batch
-                if job.op == "GET":
+                if job.op is P.Op.GET:
                     self._enter(batch, Stage.LOOKUP)
                 elif job.region is not None:
                     batch.flags[:] = b"\x01" * count          # in the region: to be stored
@@ -226,12 +217,12 @@ class Transfers:
                     self._send(p.identity, P.Batch(id=p.req_id, batch=batch.id, first=batch.first,
                                                    count=batch.count, offset=batch.offset, stride=job.stride,
                                                    obj=job.object_bytes,
-                                                   hits=bytes(batch.flags) if job.op == "GET" else None))
+                                                   hits=bytes(batch.flags) if job.op is P.Op.GET else None))
         elif stage is Stage.TO_REGION:
-            items = [(j, self._slot(batch, j), job.places[batch.first + j])
-                     for j in range(batch.count) if batch.flags[j] and j not in batch.direct]
+            copies = [(j, self._slot(batch, j), job.places[batch.first + j])
+                      for j in range(batch.count) if batch.flags[j] and j not in batch.direct]
             copy = to_scatter if isinstance(job.region, Scatter) else to_region
-            self._submit(batch, lambda group: copy(job.region, group, job.region_by), items)
+            self._submit(batch, lambda group: copy(job.region, group, job.region_by), copies)
         if batch.pending == 0 and not batch.waiting:
             self._advance(batch)
 
@@ -289,7 +280,7 @@ class Transfers:
         job = batch.job
         batch.stage = Stage.RETIRED
         job.results[batch.first:batch.first + batch.count] = batch.flags
-        if job.op == "PUT":
+        if job.op is P.Op.PUT:
             self.store.count_writes(job.namespace, sum(batch.flags), batch.count, job.object_bytes)
         job.ring.alloc.free(batch.offset, batch.nbytes)
         job.ring.batches -= 1
@@ -306,7 +297,7 @@ class Transfers:
         for p in job.participants:
             if not self._attached(p.identity):
                 continue
-            if job.op == "GET":
+            if job.op is P.Op.GET:
                 if job.unlock:
                     self._unpin(p.identity, job.keys)
                 self._send(p.identity, P.Done(id=p.req_id, hits=bytes(job.results)))
@@ -352,21 +343,20 @@ class Transfers:
         by_card: dict[int, list] = collections.defaultdict(list)
         for read in reads:
             by_card[read[1].card].append(read)
+        procs = self.procs
+        assert procs is not None                        # the caller checked it
         for card, group in by_card.items():
-            tasks = self.store.process_reads(card, [frag for _, frag, _ in group])
-            if NoProcessRead.ABSENT in tasks or NoProcessRead.HERE in tasks:
-                kept = []
-                for read, task in zip(group, tasks):
-                    if task is NoProcessRead.HERE:
-                        rest.append(read)
-                    elif task is NoProcessRead.ABSENT:        # the card knows the object is gone
-                        batch.flags[read[0]] = 0
-                    else:
-                        kept.append((read, task))
-                group, tasks = [read for read, _ in kept], [task for _, task in kept]
-            per = max(1, -(-len(group) // self.procs.processes))
-            for k in range(0, len(group), per):
-                part, files = group[k:k + per], tasks[k:k + per]
+            kept: list = []                            # (read, the card's FileRead) for the processes
+            for read, how in zip(group, self.store.process_reads(card, [frag for _, frag, _ in group])):
+                if how is NoProcessRead.HERE:
+                    rest.append(read)
+                elif how is NoProcessRead.ABSENT:        # the card knows the object is gone
+                    batch.flags[read[0]] = 0
+                else:
+                    kept.append((read, how))
+            per = max(1, -(-len(kept) // procs.processes))
+            for k in range(0, len(kept), per):
+                part, files = [read for read, _ in kept[k:k + per]], [how for _, how in kept[k:k + per]]
                 task = io_procs.ReadTask.of(files, [at for _, _, at in part], [frag.length for _, frag, _ in part],
                                             batch.job.ring, min(self.rings))
                 batch.pending += 1

@@ -1,4 +1,4 @@
-"""Taking the door's path at start (``adpkv_core.door``): its directory, its lock, then the door.
+"""Taking the door's path at start (``adpkv_core.wire.door``): its directory, its lock, then the door.
 
 Contract:
 
@@ -32,7 +32,7 @@ import os
 import socket
 import stat
 
-from adpkv_core import door as D
+from adpkv_core.wire import door as D
 
 logger = logging.getLogger("adpkv.gateway")
 

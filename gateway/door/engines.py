@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Optional
 
-from adpkv_core import protocol as P
+from adpkv_core.wire import protocol as P
 
 logger = logging.getLogger("adpkv.gateway")
 

@@ -1,4 +1,4 @@
-"""The gateway's side of the door (``adpkv_core.door``): who may come in, and as whom.
+"""The gateway's side of the door (``adpkv_core.wire.door``): who may come in, and as whom.
 
 - Before it, at start: the door directory (the default door's), the lock beside the door,
   then the door file (``claim``: another user's directory, lock or door is never used).
@@ -32,9 +32,9 @@ import socket
 import time
 from typing import Callable, Optional
 
-from adpkv_core import door as D
-from adpkv_core import protocol as P
-from adpkv_core.ring import Ring
+from adpkv_core.wire import door as D
+from adpkv_core.wire import protocol as P
+from adpkv_core.memory.ring import Ring
 
 from adpkv_gateway.door.claim import bind_door, group_id
 from adpkv_gateway.door.regions import Region, take_region

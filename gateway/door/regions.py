@@ -22,9 +22,9 @@ import stat
 import time
 from typing import Optional
 
-from adpkv_core import door as D
-from adpkv_core import protocol as P
-from adpkv_core.ring import is_ring_fd
+from adpkv_core.wire import door as D
+from adpkv_core.wire import protocol as P
+from adpkv_core.memory.ring import is_ring_fd
 
 
 class Region:

@@ -45,7 +45,7 @@ from typing import Callable, Iterable, Optional
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from adpkv_core.protocol import GatewayStats
+from adpkv_core.wire.protocol import GatewayStats
 
 from adpkv_gateway.observe import metrics
 from adpkv_gateway.cards.base import CardIOError, Read

@@ -29,10 +29,10 @@ from typing import Callable, Optional, Union
 import zmq
 
 from adpkv_core import __version__
-from adpkv_core import protocol as P
-from adpkv_core.door import door_dir, door_path
+from adpkv_core.wire import protocol as P
+from adpkv_core.wire.door import door_dir, door_path
 from adpkv_core.keys import namespace_id
-from adpkv_core.ring import Ring
+from adpkv_core.memory.ring import Ring
 
 from adpkv_gateway.datapath import io_procs
 from adpkv_gateway.cards import close_cards, open_cards

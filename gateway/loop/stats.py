@@ -2,7 +2,7 @@
 own state, taken on the loop (``loop_snapshot``: consistent, cheap), and the cards' usage,
 taken on the I/O pool (``card_usages``: on a Redis-protocol card a network round trip, so
 never on the loop); ``merge`` puts them together into the typed reply,
-``adpkv_core.protocol.GatewayStats``."""
+``adpkv_core.wire.protocol.GatewayStats``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import msgspec
 
 from adpkv_core import __version__
-from adpkv_core import protocol as P
+from adpkv_core.wire import protocol as P
 from adpkv_core.keys import DEFAULT_NAMESPACE, namespace_id
 
 from adpkv_gateway.observe import progress

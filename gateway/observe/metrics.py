@@ -14,7 +14,7 @@ Two kinds of collectors feed the registry:
   scrape. (The requests' latency is a figure: ``stats.py`` copies it on the loop.)
 
 To add metrics, either append ``fn(figures) -> iterable of metric families`` to
-``FROM_FIGURES`` (the figures are what STATS answers, ``adpkv_core.protocol.GatewayStats``:
+``FROM_FIGURES`` (the figures are what STATS answers, ``adpkv_core.wire.protocol.GatewayStats``:
 put what you need into it there and in ``gateway/loop/stats.py``), or register a ``prometheus_client`` collector of your own on
 ``Gateway.metrics.registry`` (an object whose ``collect()`` yields metric families; it runs in
 the status writer's pool thread and in the /metrics server's thread, so it must only read
@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server, write_to_textfile
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from adpkv_core.protocol import GatewayStats
+from adpkv_core.wire.protocol import GatewayStats
 
 from adpkv_gateway.observe.latency import histogram_buckets
 from adpkv_gateway.observe.status import FAMILIES, PREFIX

@@ -14,7 +14,7 @@ from typing import Iterable
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily,
                                     Metric)
 
-from adpkv_core.protocol import GatewayStats
+from adpkv_core.wire.protocol import GatewayStats
 
 from adpkv_gateway.observe.latency import histogram_buckets
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import xxhash
 
 from adpkv_core.keys import KeyBuilder
-from adpkv_core.ring import align_up
+from adpkv_core.memory.ring import align_up
 
 from adpkv_gateway.observe import progress
 from adpkv_gateway.ops.spawn import GatewayProcess

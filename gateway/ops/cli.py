@@ -12,7 +12,7 @@ import time
 from typing import Optional
 
 from adpkv_core import __version__
-from adpkv_core import protocol as P
+from adpkv_core.wire import protocol as P
 from adpkv_core.settings import parse_size
 
 from adpkv_gateway.ops import control

@@ -1,9 +1,9 @@
 """Talk to a running gateway from tools (the ``adpkv`` CLI, tests): one request, one reply.
 
 A request other than PING needs a session: ``request`` opens one at the gateway's door
-(``adpkv_core.door``) for the call, with the caller's own credentials. Requests and
+(``adpkv_core.wire.door``) for the call, with the caller's own credentials. Requests and
 replies are plain maps here (what the CLI prints and tests inspect); the request is
-checked against its ``adpkv_core.protocol`` type before it is sent.
+checked against its ``adpkv_core.wire.protocol`` type before it is sent.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Optional
 import msgspec
 import zmq
 
-from adpkv_core import protocol as P
-from adpkv_core.door import DoorSession, UntrustedGateway, default_trusted_uids, find_door
+from adpkv_core.wire import protocol as P
+from adpkv_core.wire.door import DoorSession, UntrustedGateway, default_trusted_uids, find_door
 
 _ids = itertools.count(1)
 
@@ -25,7 +25,7 @@ def request(port: int, msg: dict, host: str = "127.0.0.1", timeout_s: float = 3.
             door: Optional[str] = None) -> Optional[dict]:
     """Send one control message; the reply, or None if the gateway did not answer in time.
     ``door`` is the gateway's control socket when it is not the default for ``port`` (the door
-    of a gateway of our own user, else root's: ``adpkv_core.door.find_door``)."""
+    of a gateway of our own user, else root's: ``adpkv_core.wire.door.find_door``)."""
     session = None
     msg = dict(msg)
     if msg.get("op") != "PING":

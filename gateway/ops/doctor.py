@@ -7,7 +7,7 @@ the doctor's working directory) or its port (the running gateway's cards then); 
 
 - ``gateway``: it answers PING and STATS; its adpkv version against this host's;
 - ``door``: the gateway's Unix socket exists (the YAML's ``control_socket``, else the port's door
-  in the door directory of the doctor's user, the engine's user or root: ``adpkv_core.door``),
+  in the door directory of the doctor's user, the engine's user or root: ``adpkv_core.wire.door``),
   and the engine's user (``--engine-user``, default the doctor's) may connect to it (write
   permission on the socket by owner, group or others, as the kernel decides); a door any local
   user may open is a warning, and so is a default door in a directory the engine's client does
@@ -50,8 +50,8 @@ import time
 from typing import Optional
 
 from adpkv_core import __version__
-from adpkv_core import protocol as P
-from adpkv_core.door import SHM_DIR, door_dir, find_door
+from adpkv_core.wire import protocol as P
+from adpkv_core.wire.door import SHM_DIR, door_dir, find_door
 
 from adpkv_gateway.ops import control
 from adpkv_gateway.cards.fs.card import CARD_FILE

@@ -23,7 +23,7 @@ import os
 import stat
 from typing import Optional
 
-from adpkv_core.protocol import GatewayStats
+from adpkv_core.wire.protocol import GatewayStats
 
 from adpkv_gateway.cards.fs.card import CARD_FILE
 from adpkv_gateway.cards.fs.files import SUBDIR_NAMES, not_own

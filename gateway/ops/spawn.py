@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Optional
 
-from adpkv_core.door import door_path, lock_path
+from adpkv_core.wire.door import door_path, lock_path
 
 from adpkv_gateway.ops.control import wait_until_up
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Collection, Mapping, Optional, Sequence
 
-from adpkv_core import protocol as P
+from adpkv_core.wire import protocol as P
 
 from adpkv_gateway.cards.base import Card, CardError, CardIOError
 from adpkv_gateway.cards.quotas import NS_ID, tenant_id

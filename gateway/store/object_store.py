@@ -84,7 +84,8 @@ class Fragment(NamedTuple):
     length: int
     object_bytes: int = 0                 # size of the whole object
     others: tuple[int, ...] = ()          # replica cards to read it from when ``card`` misses
-    slot_tag: bytes = b""                 # its object's slot tag (``ObjectStore.slot_tag``), given to the card
+    slot_tag: Optional[bytes] = b""       # its object's slot tag (``ObjectStore.slot_tag``), given to the card;
+    #                                       None: not known (a move's object whose head records none)
     write_id: Optional[int] = None        # the write its head named at lookup: every fragment must be of it
 
 
@@ -365,7 +366,7 @@ class ObjectStore:
         parts = [(dbs[i], fragment_key(key, i), off, ln) for i, (off, ln) in enumerate(extents)]
         return parts[1:] + parts[:1]
 
-    def _frags(self, card: int, key: bytes, object_bytes: int, tag: bytes = b"") -> list[Fragment]:
+    def _frags(self, card: int, key: bytes, object_bytes: int, tag: Optional[bytes] = b"") -> list[Fragment]:
         return [Fragment(card, db, fkey, off, ln, 0, (), tag)
                 for db, fkey, off, ln in self._layout(key, fragment_extents(object_bytes, self.fragment_size))]
 
@@ -383,7 +384,7 @@ class ObjectStore:
         cut = [(fragment_key(b"", i), i if self.spread else 0, *extents[i]) for i in order]
         dbs = self.num_dbs
         tags = [self.slot_tag(m) for m in marks] if self.placement_mode == "dialog" and marks else None
-        out = []
+        out: list[tuple[int, Fragment]] = []
         add = out.append
         for j, card in enumerate(holders):
             if card is None:
@@ -406,7 +407,8 @@ class ObjectStore:
         if not into_region:
             return ReadPlan(plans, [])
         cards = self.cards
-        ring, direct = [], []
+        ring: list[tuple[int, Fragment]] = []
+        direct: list[tuple[int, Fragment]] = []
         for item in plans:
             (direct if isinstance(cards[item[1].card], DirectReads) else ring).append(item)
         return ReadPlan(ring, direct)
@@ -435,25 +437,25 @@ class ObjectStore:
         for i, holder in enumerate(self.holders(keys, marks, object_bytes)):
             if holder is None:
                 continue
-            card = self.cards[int(holder)]
-            if not isinstance(card, HandsFiles):
+            handing = self.cards[int(holder)]
+            if not isinstance(handing, HandsFiles):
                 continue
             fkey = fragment_key(keys[i], 0)
-            placed = card.open_placed(fkey)
+            placed = handing.open_placed(fkey)
             if placed is not None:
-                opened.append((i, card, placed, OpenedFile(placed.fd, fkey, getattr(holder, "write_id", None))))
+                opened.append((i, handing, placed, OpenedFile(placed.fd, fkey, getattr(holder, "write_id", None))))
         try:
             verdicts = check([item[3] for item in opened])
         except BaseException:
             for item in opened:
                 os.close(item[2].fd)
             raise
-        for (i, card, placed, file), verdict in zip(opened, verdicts):
+        for (i, hands, placed, file), verdict in zip(opened, verdicts):
             if verdict is Read.HIT:
                 out[i] = placed.fd
                 continue
             os.close(placed.fd)
-            card.placed_checked(file.fkey, placed, verdict)
+            hands.placed_checked(file.fkey, placed, verdict)
         return out
 
     def process_reads(self, card: int, frags: Sequence[Fragment]) -> list[ProcessRead]:
@@ -527,7 +529,10 @@ class ObjectStore:
 
     def _read(self, frag: Fragment, buf: memoryview) -> Read:
         """The verdict of one fragment's read."""
-        return self._card_read(frag, lambda card: card.read(frag.db, frag.fkey, buf, frag.slot_tag, frag.write_id))
+        # a tag not known (None) finds what is keyed without one: a card that keys by tag holds
+        # no object without a recorded tag (the mover passes those over, ``keys_by_tag``)
+        return self._card_read(frag, lambda card: card.read(frag.db, frag.fkey, buf, frag.slot_tag or b"",
+                                                            frag.write_id))
 
     def read_to_fds(self, items, write_by: Optional[float] = None) -> list[Outcome]:
         """Read ``(j, fragment, descriptor, offset)`` items straight into a client's buffer
@@ -536,8 +541,10 @@ class ObjectStore:
         ``read_many``."""
         out = []
         for j, frag, fd, offset in items:
-            verdict = self._card_read(frag, lambda card, f=frag, d=fd, o=offset:
-                                      card.read_to_fd(f.db, f.fkey, f.length, d, o, write_by, f.write_id))
+            def into(card: Card, f: Fragment = frag, d: int = fd, o: int = offset) -> Read:
+                assert isinstance(card, DirectReads)      # plan_reads sends only such cards' fragments here
+                return card.read_to_fd(f.db, f.fkey, f.length, d, o, write_by, f.write_id)
+            verdict = self._card_read(frag, into)
             if verdict.drops:
                 self._remove_broken(frag.card, object_key(frag.fkey), frag.object_bytes, frag.slot_tag,
                                     frag.write_id)
@@ -646,7 +653,7 @@ class ObjectStore:
         does not answer is logged and keeps them (nothing raised)."""
         frags = self._frags(card, key, object_bytes)
         try:
-            self.cards[card].delete_many([(f.db, f.fkey) for f in frags], [tag] * len(frags))
+            self.cards[card].delete_many([(f.db, f.fkey) for f in frags], [tag or b""] * len(frags))
         except CardIOError as exc:
             logger.warning("%s", exc)
 
@@ -725,9 +732,13 @@ class ObjectStore:
         (``DirectWrites.write_from_fd``: every card of the plans is one), nothing read
         at or after ``src.read_by``; True as ``write_replicas``."""
         write_id = new_write_id()
-        return any([self._write_object(frags, n, write_id, lambda card, f: card.write_from_fd(
-            f.db, f.fkey, f.length, src.fd, src.offset + f.offset, object_bytes=n if f.offset == 0 else 0,
-            tag=f.slot_tag, read_by=src.read_by, write_id=write_id)) for frags in plans])
+
+        def put(card: Card, f: Fragment) -> bool:
+            assert isinstance(card, DirectWrites)         # put() checked every card of the plans
+            return card.write_from_fd(f.db, f.fkey, f.length, src.fd, src.offset + f.offset,
+                                      object_bytes=n if f.offset == 0 else 0, tag=f.slot_tag,
+                                      read_by=src.read_by, write_id=write_id)
+        return any([self._write_object(frags, n, write_id, put) for frags in plans])
 
     def _write_object(self, frags: Sequence[Fragment], object_bytes: int, write_id: int,
                       put: Callable[[Card, Fragment], bool]) -> bool:
@@ -740,7 +751,9 @@ class ObjectStore:
         first = frags[0]
         with self._write_lock(first.card, object_key(first.fkey)):
             for frag in frags:
-                ok, transport_ok = self._card_write(frag, lambda card, f=frag: put(card, f))
+                def write_one(card: Card, f: Fragment = frag) -> bool:
+                    return put(card, f)
+                ok, transport_ok = self._card_write(frag, write_one)
                 if not ok:
                     if transport_ok:
                         self.remove_object(frag.card, object_key(frag.fkey), object_bytes, frag.slot_tag)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from lmcache.logging import init_logger
 
 from adpkv_core.attachment import Attachment, Session
-from adpkv_core.protocol import GatewayStats
+from adpkv_core.wire.protocol import GatewayStats
 from adpkv_core.settings import ClientConfig
 
 from ._compat import (

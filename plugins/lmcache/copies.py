@@ -34,7 +34,7 @@ from adpkv_core.attachment import Session
 from adpkv_core.ringview import RingView
 from adpkv_core.client import BatchCallback
 from adpkv_core.grouping import group_by_size
-from adpkv_core.regions import SharedFile, shared_file_of
+from adpkv_core.memory.regions import SharedFile, shared_file_of
 
 logger = init_logger("adpkv_lmcache")
 

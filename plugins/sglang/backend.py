@@ -65,7 +65,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from adpkv_core.affinity import dialog_marks
 from adpkv_core.attachment import Attachment, Session
-from adpkv_core.protocol import GatewayStats
+from adpkv_core.wire.protocol import GatewayStats
 from adpkv_core.keys import KIND_KV, KeyBuilder
 from adpkv_core.settings import parse_bool
 

@@ -13,8 +13,8 @@ import traceback
 import msgpack
 import zmq
 
-from adpkv_core import protocol as P
-from adpkv_core.door import DoorSession
+from adpkv_core.wire import protocol as P
+from adpkv_core.wire.door import DoorSession
 
 from .rankproc import gateway_door, pattern
 

@@ -9,7 +9,7 @@ import traceback
 import xxhash
 
 from adpkv_core.client import GatewayClient
-from adpkv_core.door import door_path
+from adpkv_core.wire.door import door_path
 from adpkv_core.keys import KeyBuilder
 from adpkv_core.settings import ClientConfig
 

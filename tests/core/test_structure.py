@@ -1,16 +1,19 @@
-"""The gateway's subsystems import only those below them (``adpkv_gateway.LAYERS``), and no folder
-of the gateway holds more than 12 modules: read from the source (an AST walk over every import,
-those inside functions and under TYPE_CHECKING too), so a new import that runs up the layers
-fails here, naming the file and the import."""
+"""The gateway's subsystems import only those below them (``adpkv_gateway.LAYERS``), adpkv_core's
+memory imports nothing of adpkv_core and its wire nothing of the client, and no product folder
+holds more than 12 modules: read from the source (an AST walk over every import, those inside
+functions and under TYPE_CHECKING too), so a new import that runs up the layers fails here,
+naming the file and the import."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
 
+import adpkv_core
 import adpkv_gateway
 
 GATEWAY = pathlib.Path(adpkv_gateway.__file__).resolve().parent
+CORE = pathlib.Path(adpkv_core.__file__).resolve().parent
 MAX_MODULES = 12
 
 
@@ -61,7 +64,32 @@ def test_every_import_runs_down_the_layers():
     assert not bad, "imports against adpkv_gateway.LAYERS:\n" + "\n".join(bad)
 
 
+def _core_imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, module under adpkv_core) of every absolute import of adpkv_core in the file."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("adpkv_core"):
+            mod = node.module[len("adpkv_core"):].lstrip(".")
+            out += [(node.lineno, f"{mod}.{a.name}" if mod else a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            out.append((node.lineno, "relative import"))
+    return out
+
+
+def test_core_memory_and_wire_stay_below_the_client():
+    allowed = {"memory": ("memory.",), "wire": ("memory.", "wire.", "keys.")}
+    bad = []
+    for pkg, ok in allowed.items():
+        for path in sorted((CORE / pkg).glob("*.py")):
+            for line, target in _core_imports(path):
+                if not target.startswith(ok):
+                    bad.append(f"{path.relative_to(CORE)}:{line} imports adpkv_core.{target}")
+    assert not bad, "\n".join(bad)
+
+
 def test_no_folder_holds_more_than_12_modules():
-    for folder in [GATEWAY] + [p for p in GATEWAY.rglob("*") if p.is_dir() and p.name != "__pycache__"]:
-        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
-        assert len(modules) <= MAX_MODULES, f"{folder.relative_to(GATEWAY.parent)}: {len(modules)} modules"
+    products = [GATEWAY, CORE] + [CORE.parent / "plugins" / p for p in ("vllm", "lmcache", "sglang")]
+    for top in products:
+        for folder in [top] + [p for p in top.rglob("*") if p.is_dir() and p.name != "__pycache__"]:
+            modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+            assert len(modules) <= MAX_MODULES, f"{folder.relative_to(top.parent)}: {len(modules)} modules"

@@ -318,7 +318,7 @@ def test_scattered_requests_outside_a_region_are_refused_and_change_nothing(gate
 def test_scattered_requests_are_checked_where_they_are_decoded():
     """Pieces that do not add up to the object, offsets that are not one a piece of every key,
     a region or tag beside pieces: refused by ``decode_request`` (BAD_MESSAGE), before any work."""
-    from adpkv_core import protocol as P
+    from adpkv_core.wire import protocol as P
 
     keys = [b"\x01" * 28, b"\x02" * 28]
     good = dict(id=1, keys=keys, obj=10, pieces=[P.Piece(0, 4), P.Piece(1, 6)], at=[0, 16, 32, 48])

@@ -23,7 +23,7 @@ import random
 import pytest
 import torch
 
-from adpkv_core.ring import object_stride
+from adpkv_core.memory.ring import object_stride
 from adpkv_vllm.common.copy import PagedLayer, as_index
 from adpkv_vllm.connector.heads import HeadShare
 

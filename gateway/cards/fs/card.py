@@ -487,11 +487,11 @@ class FsCard(Card, DirectReads, DirectWrites, HandsFiles, IOProcessReads, DropsI
         return verdict
 
     def write_from_fd(self, db: int, fkey: bytes, length: int, in_fd: int, in_offset: int,
-                      object_bytes: int = 0, tag: bytes = b"", read_by: Optional[float] = None,
+                      object_bytes: int = 0, tag: Optional[bytes] = b"", read_by: Optional[float] = None,
                       write_id: int = 0) -> bool:
         return self.write(db, fkey, FdSlice(in_fd, in_offset, length, read_by), object_bytes, tag, write_id)
 
-    def write(self, db: int, fkey: bytes, buf, object_bytes: int = 0, tag: bytes = b"", write_id: int = 0) -> bool:
+    def write(self, db: int, fkey: bytes, buf, object_bytes: int = 0, tag: Optional[bytes] = b"", write_id: int = 0) -> bool:
         """``buf``: a memoryview, or an ``FdSlice`` of a client's region (``write_from_fd``).
         The file is created under a new temporary name (``O_EXCL | O_NOFOLLOW``: nothing
         placed there is followed or reused) in the database's directory, by descriptor, and

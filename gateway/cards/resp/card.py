@@ -128,7 +128,7 @@ class RespCard(Card, KeyedLayoutRecord):
             logger.warning("resp card %s: %s is %s; a miss", self.device, fkey.hex(), verdict.value)
         return verdict
 
-    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"",
+    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: Optional[bytes] = b"",
               write_id: int = 0) -> bool:
         header = self._header_buf()
         objfmt.fill_header(header, fkey, buf, object_bytes if is_head(fkey) else 0, write_id, tag)

@@ -105,7 +105,7 @@ class ClusterCard(ClusterRouting, Card, BatchedReads, KeysByTag, KeyedLayoutReco
 
     # ------------------------------------------------------------------ keys
     @staticmethod
-    def _key(db: int, fkey: bytes, tag: bytes = b"") -> bytes:
+    def _key(db: int, fkey: bytes, tag: Optional[bytes] = b"") -> bytes:
         """The cluster key of a fragment: its hash tag from the store's slot tag (a dialog
         mark: a dialog in one slot) or, with none, from its object's key (an object in one
         slot). Every command about a fragment must be given the tag it was written with."""
@@ -284,7 +284,7 @@ class ClusterCard(ClusterRouting, Card, BatchedReads, KeysByTag, KeyedLayoutReco
                 out[i] = exc
         return out
 
-    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: bytes = b"",
+    def write(self, db: int, fkey: bytes, buf: memoryview, object_bytes: int = 0, tag: Optional[bytes] = b"",
               write_id: int = 0) -> bool:
         header = self._header_buf()
         head = is_head(fkey)

@@ -84,7 +84,7 @@ with required_vllm_api(
 
 from adpkv_core.attachment import Attachment, Session, reconnect_setting
 from adpkv_core.keys import KIND_TIER_ROW, KeyBuilder, key_namespace
-from adpkv_core.regions import shared_file_of
+from adpkv_core.memory.regions import shared_file_of
 from adpkv_core.settings import ClientConfig, refuse_unknown
 
 from ..common.settings import ConfigInfoLabels, ensure_logging

@@ -278,7 +278,7 @@ def _drain_as_another_user(port: int) -> dict:
 
 @pytest.mark.security
 def test_drain_is_for_operators(start_gateway, tmp_path):
-    from adpkv_core import protocol as P
+    from adpkv_core.wire import protocol as P
     from ..adversary import as_nobody
     dirs = [str(tmp_path / f"fs{i}") for i in range(2)]
     gw = start_gateway(card_dirs=dirs, control_socket_mode="0666")

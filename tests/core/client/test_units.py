@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from adpkv_core import protocol as P
+from adpkv_core.wire import protocol as P
 from adpkv_core.affinity import dialog_mark, dialog_marks
 from adpkv_gateway.cards.fragments import fragment_db, fragment_extents, fragment_key, head_dbs
 from adpkv_core.keys import KEY_BYTES, KeyBuilder, namespace_id
-from adpkv_core.ring import max_parallel_ios, object_stride
+from adpkv_core.memory.ring import max_parallel_ios, object_stride
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.config import make_config
 from adpkv_gateway.store.placement import Placement, key_layout_fingerprint
@@ -91,7 +91,7 @@ def test_mapping_a_ring_lets_other_threads_run():
     import threading
     import time
 
-    from adpkv_core.ring import RING_SEALS, Ring
+    from adpkv_core.memory.ring import RING_SEALS, Ring
     size = 1 << 30
     fd = os.memfd_create("adpkv-test-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)

@@ -9,7 +9,7 @@ real class on a card of its own). Root's side is a real ``GatewayClient``.
 What is shown:
 
 - the door and its lock are where only the gateway's user may create entries: root's in
-  /run/adpkv, another user's in its own /dev/shm/adpkv-<uid> (``adpkv_core.door``). A user
+  /run/adpkv, another user's in its own /dev/shm/adpkv-<uid> (``adpkv_core.wire.door``). A user
   that creates every path it can for a port's door (the old /dev/shm/adpkv-<port>.sock and its
   lock, /dev/shm/adpkv-0, ...) does not stop root's gateway, and cannot create anything in
   /run/adpkv; a door directory that is not its user's own (another user's, writable by others,
@@ -51,9 +51,9 @@ import msgspec
 import pytest
 import zmq
 
-from adpkv_core import protocol as P
+from adpkv_core.wire import protocol as P
 from adpkv_core.client import GatewayClient, gateway_answers
-from adpkv_core.door import SHM_DIR, DoorSession, door_dir, door_path, lock_path
+from adpkv_core.wire.door import SHM_DIR, DoorSession, door_dir, door_path, lock_path
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.config import make_config
 from adpkv_gateway.loop.server import Gateway

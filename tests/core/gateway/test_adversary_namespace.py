@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from adpkv_core import protocol as P
+from adpkv_core.wire import protocol as P
 from adpkv_core.client import GatewayClient
 from adpkv_core.keys import namespace_id
 from adpkv_core.settings import ClientConfig

@@ -56,8 +56,8 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings, strategies as st
 
-from adpkv_core import protocol as P
-from adpkv_core.door import DoorSession
+from adpkv_core.wire import protocol as P
+from adpkv_core.wire.door import DoorSession
 from adpkv_core.keys import KEY_BYTES, namespace_id
 from adpkv_gateway.ops import control
 

@@ -12,9 +12,9 @@ import msgpack
 import pytest
 import zmq
 
-from adpkv_core import protocol as P
+from adpkv_core.wire import protocol as P
 from adpkv_core.client import TURNED_OFF_MESSAGE, GatewayClient, StoreResult
-from adpkv_core.door import DoorSession
+from adpkv_core.wire.door import DoorSession
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.ops import control
 from adpkv_gateway.ops.spawn import free_port
@@ -414,7 +414,7 @@ def test_a_ring_of_the_wrong_size_turns_the_cache_off(tmp_path):
     gateway could be made to do that."""
     import socket
     import threading
-    from adpkv_core import door as D
+    from adpkv_core.wire import door as D
     path = str(tmp_path / "door.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)

@@ -14,9 +14,9 @@ import uuid
 
 import pytest
 
-from adpkv_core import protocol as P
+from adpkv_core.wire import protocol as P
 from adpkv_core.client import GatewayClient
-from adpkv_core.door import DoorSession
+from adpkv_core.wire.door import DoorSession
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.ops import control
 

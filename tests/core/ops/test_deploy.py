@@ -35,7 +35,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from adpkv_core.door import door_dir
+from adpkv_core.wire.door import door_dir
 from adpkv_gateway import config as cfg
 from adpkv_gateway.ops.spawn import GatewayProcess, free_port
 
@@ -236,7 +236,7 @@ def test_pod_shape(manifest, tmp_path):
     assert defines_class(module, name), f"{module} defines no {name}"
     assert port == config.port
     # whatever user the engine's image runs as, its client trusts the gateway's user and so
-    # looks for the door in that user's door directory (adpkv_core.door.find_door)
+    # looks for the door in that user's door directory (adpkv_core.wire.door.find_door)
     assert users == str(sc["runAsUser"]), users
 
 

@@ -30,7 +30,7 @@ import msgpack
 import pytest
 import zmq
 
-from adpkv_core import protocol as P
+from adpkv_core.wire import protocol as P
 from adpkv_core.client import GatewayClient
 from adpkv_core.settings import ClientConfig
 

@@ -22,10 +22,10 @@ import threading
 import pytest
 
 from adpkv_core import direct_map
-from adpkv_core import protocol as P
+from adpkv_core.wire import protocol as P
 from adpkv_core.client import GatewayClient
 from adpkv_core.direct_map import DirectMaps
-from adpkv_core.door import DoorSession
+from adpkv_core.wire.door import DoorSession
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.cards.fs.files import object_name
 

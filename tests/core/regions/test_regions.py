@@ -11,9 +11,9 @@ import msgspec
 import pytest
 
 from adpkv_core.client import GatewayClient
-from adpkv_core import protocol as P
-from adpkv_core.door import DoorSession, recv
-from adpkv_core.regions import shared_file_of
+from adpkv_core.wire import protocol as P
+from adpkv_core.wire.door import DoorSession, recv
+from adpkv_core.memory.regions import shared_file_of
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.ops import control
 from adpkv_gateway.ops.spawn import GatewayProcess

@@ -18,7 +18,7 @@ Requests (client → gateway, ZeroMQ)::
     PUT    keys, marks?, obj, tag?                     -> BATCH*, then DONE stored existed
     GET/PUT ... region, at  (no tag)                   -> DONE only: the gateway moves each object
            between the card and ``at[i]`` of a region the session handed over at the door
-           (``adpkv_core.door``), the engine copies nothing
+           (``adpkv_core.wire.door``), the engine copies nothing
     GET/PUT ... pieces, at  (no region, no tag)        -> DONE only: as above, each object scattered
            over a few (region, length) pieces (e.g. a page's K and V halves in a host pool)
     RELEASE batch        (after copying a GET batch out of the ring)
@@ -28,7 +28,7 @@ Requests (client → gateway, ZeroMQ)::
     DRAIN  session, card                               -> OK serial fingerprint | ERROR DRAIN_REFUSED / FORBIDDEN
     STATS  session                                     -> OK stats
 
-Door requests (client → gateway, Unix socket, ``adpkv_core.door``)::
+Door requests (client → gateway, Unix socket, ``adpkv_core.wire.door``)::
 
     SESSION                                            -> OK token proof
     RING    (after HELLO as a rank of the engine)       -> OK size  + the engine's ring fd | ERROR FORBIDDEN
@@ -50,12 +50,13 @@ request at ring ``offset`` with ``stride`` bytes between them.
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Any, Optional, Union, get_args
 
 import msgspec
 from msgspec import Meta, Struct
 
-from .keys import KEY_BYTES
+from adpkv_core.keys import KEY_BYTES
 
 PROTOCOL_VERSION = 1
 
@@ -113,6 +114,13 @@ class Message(Struct, tag_field="op", kw_only=True):
     @property
     def op(self) -> str:
         return str(self.__struct_config__.tag)
+
+
+class Op(str, enum.Enum):
+    """The data requests' ops: what a request moves, and which way (a ``str``: it compares equal
+    to the op on the wire)."""
+    GET = "GET"
+    PUT = "PUT"
 
 
 def _op(name: str) -> dict:

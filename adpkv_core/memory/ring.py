@@ -2,7 +2,7 @@
 
 The gateway creates a ring for each engine that attaches, as a fresh memfd
 (``adpkv-ring-<port>``) sealed against shrinking and growing, and hands it as a
-descriptor through its door (``adpkv_core.door``, RING) only to the attached ranks of
+descriptor through its door (``adpkv_core.wire.door``, RING) only to the attached ranks of
 that engine's owner: no other session ever maps memory that carries the engine's data.
 There is no ring file anyone could replace, truncate or link to, so no process can make
 the gateway fault on the ring. A slot lives for

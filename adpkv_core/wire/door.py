@@ -26,7 +26,7 @@ that port is served to a process that has not first come through the door:
   session's ``proof`` then lets it tell the door's gateway from any other process on the
   control port (``protocol``: HELLO's reply).
 
-One message is one packet: a msgpack map (``adpkv_core.protocol``), descriptors in
+One message is one packet: a msgpack map (``adpkv_core.wire.protocol``), descriptors in
 its ancillary data.
 
 Where the door is (the default, when neither the gateway's ``control_socket`` nor the client's
@@ -55,10 +55,10 @@ import stat
 import struct
 from typing import Iterable, Optional, Sequence
 
-from . import protocol as P
-from .ring import Ring
+from adpkv_core.wire import protocol as P
+from adpkv_core.memory.regions import SHM_DIR
+from adpkv_core.memory.ring import Ring
 
-SHM_DIR = "/dev/shm"
 ROOT_DOOR_DIR = "/run/adpkv"  # root's gateways' doors
 USER_DOOR_DIR = os.path.join(SHM_DIR, "adpkv-{uid}")   # another user's
 MAX_PACKET = 1 << 16          # a door message is small: a map of a few fields

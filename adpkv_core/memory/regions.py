@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 from typing import NamedTuple, Optional
 
-from .door import SHM_DIR
+SHM_DIR = "/dev/shm"     # where shared-memory buffers live (and the doors of users but root)
+
 
 
 class SharedFile(NamedTuple):
