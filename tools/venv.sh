@@ -25,6 +25,8 @@ if [[ ! -f "$venv/.adpkv-stamp" || "$(cat "$venv/.adpkv-stamp")" != "$stamp" ]];
   if [[ -f "$post" ]]; then
     VENV="$venv" bash "$post" >&2
   fi
+  # files identical to a finished sibling venv's (the same torch, triton ... wheels) become hard links
+  python3 "$repo/tools/venv_links.py" "$venv" || true
   echo "$stamp" > "$venv/.adpkv-stamp"
 fi
 # This checkout's packages under their import names (links), for PYTHONPATH: tools/test.sh puts

@@ -69,12 +69,34 @@ def engine_tiering(model_dir: str, extra: dict, block_size: int = 16, layers: in
         device_config=DeviceConfig("cpu"),
     )
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_gpu_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(names, FullAttentionSpec(
-            block_size=block_size, num_kv_heads=heads, head_size=head_dim, dtype=torch.float32))])
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_dim, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    kv_cache_config.kv_cache_tensors = _sizing_tensors(vllm_config, kv_cache_config, spec.page_size_bytes * layers)
     conn = OffloadingConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
     return conn, conn.connector_scheduler.manager
+
+
+def _sizing_tensors(vllm_config, kv_cache_config, block_bytes: int) -> list:
+    """No KV cache tensors (the scheduler role has none), as vLLM 0.30 and later size the CPU tier
+    from the groups' pages; vLLM 0.28 and 0.29 size it from the tensors only (none: a tier of
+    0 rows), so there the one packed tensor the workers would allocate is described."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    if build_offloading_config(vllm_config, kv_cache_config).worker_kv_bytes_per_block > 0:
+        return []
+    names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+    size = block_bytes * kv_cache_config.num_blocks           # block-outermost: a block holds every layer's page
+    if "layers" in KVCacheTensor.__dataclass_fields__:        # vLLM 0.29's placement fields
+        return [KVCacheTensor(size=size, layers=names, layer_stride=block_bytes // len(names),
+                              block_stride=block_bytes)]
+    return [KVCacheTensor(size=size, shared_by=names, block_stride=block_bytes)]
+
+
+def _rows(spec):
+    """A CPU load/store spec's rows: ``chunk_ids`` (vLLM 0.30 and later), ``block_ids`` before."""
+    return spec.chunk_ids if hasattr(spec, "chunk_ids") else spec.block_ids
 
 
 def rows(manager) -> np.ndarray:
@@ -110,7 +132,7 @@ def store(manager, keys: list, req_id: str, write: bool = True, timeout_s: float
     assert out is not None, "the CPU tier could not take the rows"
     if write:
         view = rows(manager)
-        for k, c in zip(out.keys_to_store, out.store_spec.chunk_ids):
+        for k, c in zip(out.keys_to_store, _rows(out.store_spec)):
             view[int(c)] = payload(k, view.shape[1])
     with manager_lock(manager):
         manager.complete_store(out.keys_to_store, ctx, True)
@@ -150,7 +172,7 @@ def load(manager, keys: list, req_id: str, timeout_s: float = 20.0):
         if hits:
             spec = manager.prepare_load(hits, ctx)
             view = rows(manager)
-            data = {k: view[int(c)].copy() for k, c in zip(hits, spec.chunk_ids)}
+            data = {k: view[int(c)].copy() for k, c in zip(hits, _rows(spec))}
             manager.complete_load(hits, ctx)
         manager.on_request_finished(ctx)
         manager.on_schedule_end(STEP)

@@ -1,15 +1,18 @@
 """The vLLM releases this package runs on, and the one guard in front of vLLM APIs that
 older releases lack.
 
-One code base serves vLLM 0.26, 0.32 and 0.33 (tested: docs/vllm.md "Versions"). What 0.33
+One code base serves vLLM 0.26 to 0.33 (tested: docs/vllm.md "vLLM versions"). What 0.33
 added to the contracts (sleep mode, the offloading manager's ``lock``, config info metrics,
 the ``expedited`` flag of a load) is implemented as plain methods and parameters that 0.32
 and 0.26 never call, so no module branches on the vLLM version. The places that must know
 ask here, by capability, never by version number: an import of an API a release may lack
 (``required_vllm_api`` turns the bare ``ImportError`` into one that says which adpkv class
-needs what and what to use instead), ``transfer_results_type`` (0.26 has no
+needs what and what to use instead), ``transfer_results_type`` (0.26 to 0.29 have no
 ``get_transfer_results``), ``reports_failed_requests`` (what the connector can serve
-without it) and ``offloading_kv_cache_layout`` (0.26's offloading config does not state it).
+without it) and ``offloading_kv_cache_layout`` (0.26's and 0.28's offloading config does not state it),
+``tiering_api_missing`` and the bridges of what vLLM 0.28 to 0.31 spell otherwise in the
+tiering ``AdpSecondaryTier`` plugs into (``secondary_tier_init_args``, ``tier_row_bytes``,
+``tier_job_rows``, ``job_result``).
 The one private vLLM attribute adpkv reads is behind ``tiering_rows_file``.
 """
 
@@ -42,8 +45,8 @@ def _release() -> str:
 
 
 def transfer_results_type() -> Any:
-    """vLLM's ``KVConnectorTransferResults`` (what ``get_transfer_results`` returns; 0.32 and
-    0.33 have it, 0.26 to 0.29 do not), or None on a release without it: such a release never
+    """vLLM's ``KVConnectorTransferResults`` (what ``get_transfer_results`` returns; 0.30 and
+    later have it, 0.26 to 0.29 do not), or None on a release without it: such a release never
     calls ``get_transfer_results`` and takes a connector's finished loads from ``get_finished``."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -54,9 +57,9 @@ def transfer_results_type() -> Any:
 
 def reports_failed_requests() -> bool:
     """Whether this vLLM takes a failed load of a whole request (``failed_recving`` of
-    ``get_transfer_results``, vLLM 0.32 and 0.33).
+    ``get_transfer_results``, vLLM 0.30 and later).
 
-    Without it (vLLM 0.26) the only report of a failed load is by block
+    Without it (vLLM 0.26 to 0.29) the only report of a failed load is by block
     (``get_block_ids_with_load_errors``, for the asynchronous loads of ``get_finished`` too), and
     vLLM 0.26's scheduler takes that only for a model with one KV cache group: with several
     (``Scheduler._update_requests_with_invalid_blocks`` unpacks one group's block ids) it raises
@@ -68,14 +71,70 @@ def reports_failed_requests() -> bool:
 
 def offloading_kv_cache_layout(config: Any) -> str:
     """The KV cache layout of the pages ``AdpOffloadingSpec`` stores, for its model identity:
-    ``OffloadingConfig.kv_cache_layout`` (vLLM 0.32 and 0.33; unset: the attention backend's
+    ``OffloadingConfig.kv_cache_layout`` (vLLM 0.29 and later; unset: the attention backend's
     default, asked in neither process, so the manager and the workers agree). A vLLM whose
-    config has no such field (0.26) gets a name of its own: its objects never share a
+    config has no such field (0.26, 0.28) gets a name of its own: its objects never share a
     namespace with those of an engine that states its layout (a miss, never a wrong hit),
     and engines of that release still share theirs."""
     if not hasattr(config, "kv_cache_layout"):
         return "not-stated"
     return str(config.kv_cache_layout or "backend-default")
+
+
+def tiering_api_missing() -> Optional[str]:
+    """What ``AdpSecondaryTier`` needs of vLLM's tiering (vllm.v1.kv_offload.tiering) and this vLLM
+    lacks, or None when it has it all: ``SecondaryTierManager``, ``TransferJob`` naming the
+    CPU tier's rows (``chunk_ids``, or ``block_ids`` before vLLM 0.30), ``JobResult``. What the
+    releases spell differently is bridged by the functions below; a release whose
+    tiering lacks one of these gets the tier refused at import (``tier.py``), not a failure
+    inside vLLM's step. The import errors of a release without a tiering package in this
+    shape (0.26's: ``JobMetadata``, no ``Medium``) are the import guard's (``required_vllm_api``)."""
+    try:
+        from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+    except ImportError as exc:
+        return f"vllm.v1.kv_offload.tiering.base ({exc})"
+    fields = getattr(TransferJob, "__dataclass_fields__", {})
+    missing = [] if ("chunk_ids" in fields or "block_ids" in fields) else ["TransferJob.chunk_ids"]
+    if "job_id" not in getattr(JobResult, "__dataclass_fields__", {}):
+        missing.append("JobResult.job_id")
+    if not hasattr(SecondaryTierManager, "get_finished_jobs"):
+        missing.append("SecondaryTierManager.get_finished_jobs")
+    return ", ".join(missing) or None
+
+
+def secondary_tier_init_args(base: Any, backpressure_detector: Any) -> tuple:
+    """The arguments after ``tier_type`` that this vLLM's ``SecondaryTierManager.__init__`` takes:
+    the back-pressure detector (vLLM 0.32 and later), or none (0.28 to 0.31, which have no
+    back-pressure and pass none)."""
+    import inspect
+    takes = "backpressure_detector" in inspect.signature(base.__init__).parameters
+    return (backpressure_detector,) if takes else ()
+
+
+def tier_row_bytes(tier: Any, primary_kv_view: memoryview) -> int:
+    """The bytes of one CPU-tier row: ``SecondaryTierManager.block_size_bytes`` (vLLM 0.32 and
+    later), else what that property is there, the primary view's first stride (0.28 to 0.31)."""
+    size = getattr(tier, "block_size_bytes", None)
+    if size is None:
+        strides = primary_kv_view.strides
+        assert strides is not None, "a CPU tier's rows are a strided view"
+        size = strides[0]
+    return int(size)
+
+
+def tier_job_rows(job: Any) -> Any:
+    """The CPU tier's rows of a tiering ``TransferJob``: ``chunk_ids`` (vLLM 0.30 and later) or
+    ``block_ids`` (0.28, 0.29: the same rows under their earlier name)."""
+    rows = getattr(job, "chunk_ids", None)
+    return job.block_ids if rows is None else rows
+
+
+def job_result(result_type: Any, transfer_bytes: int, **fields: Any) -> Any:
+    """A tiering ``JobResult``; ``transfer_bytes`` (the bytes moved, vLLM 0.32 and later) only
+    where this vLLM's result carries it."""
+    if "transfer_bytes" in getattr(result_type, "__dataclass_fields__", {}):
+        fields["transfer_bytes"] = transfer_bytes
+    return result_type(**fields)
 
 
 def tiering_rows_file(spec: Any) -> Optional[str]:
@@ -84,7 +143,7 @@ def tiering_rows_file(spec: Any) -> Optional[str]:
     not show one.
 
     PRIVATE vLLM API: ``TieringOffloadingSpec._scheduler_mmap`` (vllm/v1/kv_offload/tiering,
-    vLLM 0.32 and 0.33), an object with ``mmap_path``, ``fd`` and ``mmap_obj``; vLLM has no
+    vLLM 0.28 to 0.33), an object with ``mmap_path``, ``fd`` and ``mmap_obj``; vLLM has no
     public accessor for it. A release without it gives None, and the secondary tier moves
     rows through the ring instead (slower, never wrong). The file may be unlinked already:
     then ``/proc/self/fd/<fd>`` reopens the very same file."""

@@ -173,7 +173,7 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]):
         """Also the asynchronous loads of a model with several KV cache groups: a request
         whose load failed is in ``failed_recving`` (vLLM recomputes it whole). A vLLM without
-        it (0.26) never calls it, and the connector serves no such model there
+        it (0.26 to 0.29) never calls it, and the connector serves no such model there
         (``vllm_api.reports_failed_requests``)."""
         if self.connector_worker is None:
             return super().get_transfer_results(finished_req_ids)

@@ -324,7 +324,7 @@ def cache_groups(vllm_config, kv_cache_config) -> tuple[list[CacheGroup], str]:
         return [], ("several KV cache groups or a recurrent state, whose restores load asynchronously: "
                     "this vLLM cannot take a failed load of such a model (it has no get_transfer_results "
                     "to fail a request, and its scheduler raises on failed blocks of several groups; "
-                    "vLLM 0.26), so nothing is restored; vLLM 0.32 and later restore it")
+                    "vLLM 0.26 to 0.29), so nothing is restored; vLLM 0.30 and later restore it")
     return groups, ""
 
 

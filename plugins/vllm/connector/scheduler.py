@@ -156,7 +156,7 @@ class AdpConnectorScheduler:
         self._step = 0
         self._last_step_loads: dict[str, list[int]] = {}
         self._load_failed: set[str] = set()     # asynchronous loads that failed: no second try
-        # the blocks of each asynchronous load in flight (a vLLM without failed_recving, 0.26,
+        # the blocks of each asynchronous load in flight (a vLLM without failed_recving, 0.26 to 0.29,
         # reports its failure by block)
         self._async_loading: dict[str, set[int]] = {}
         # per group, the layers whose keys an EXIST asks for: its first and last (or all); an
@@ -465,7 +465,7 @@ class AdpConnectorScheduler:
         bpc = self.cfg.blocks_per_chunk
         for req_id in list(self._async_loading):
             if self._async_loading[req_id] & invalid:
-                # an asynchronous load failed by block (0.26): vLLM recomputes the request from
+                # an asynchronous load failed by block (0.26 to 0.29): vLLM recomputes the request from
                 # its first failed block, and no second load is tried for it
                 self._load_failed.add(req_id)
                 self.choice.forget(req_id)

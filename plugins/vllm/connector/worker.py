@@ -87,7 +87,7 @@ class AdpConnectorWorker:
         self._target_layers = {g.index: [n for n in g.layer_names if n not in self._drafter] for g in cfg.groups}
         self._async_loads: list[AsyncLoad] = []   # cfg.loads_async: loads outside the pass
         # how vLLM takes an asynchronous load's end: per request (get_transfer_results) or, without
-        # it (0.26), from get_finished, a failure by its blocks
+        # it (0.26 to 0.29), from get_finished, a failure by its blocks
         self._loads_by_request = reports_failed_requests()
         self._num_blocks = num_blocks
         self._load_futs: dict[str, tuple[Any, ChunkPlanIndex, Optional[LayerLoad]]] = {}
@@ -585,7 +585,7 @@ class AdpConnectorWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """(finished requests whose blocks the scheduler kept for our saves, once their pages
         are in the ring (the storage write itself is not awaited); on a vLLM without
-        ``get_transfer_results`` (0.26), the requests whose asynchronous load ended, a failed
+        ``get_transfer_results`` (0.26 to 0.29), the requests whose asynchronous load ended, a failed
         one's blocks reported by ``get_block_ids_with_load_errors`` in this same pass)."""
         done = self._finished_saves(finished_req_ids)
         if self._loads_by_request:

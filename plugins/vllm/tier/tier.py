@@ -59,7 +59,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import numpy as np
 
-from ..common.vllm_api import required_vllm_api, tiering_rows_file
+from ..common.vllm_api import (job_result, offloading_kv_cache_layout, required_vllm_api,
+                               secondary_tier_init_args, tier_job_rows, tier_row_bytes, tiering_api_missing,
+                               tiering_rows_file)
 
 with required_vllm_api(
         "adpkv_vllm.AdpSecondaryTier",
@@ -81,6 +83,9 @@ with required_vllm_api(
     )
     from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
     from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+    if tiering_api_missing() is not None:
+        raise ImportError(f"its tiering lacks {tiering_api_missing()}")
 
 from adpkv_core.attachment import Attachment, Session, reconnect_setting
 from adpkv_core.keys import KIND_TIER_ROW, KeyBuilder, key_namespace
@@ -129,7 +134,7 @@ def tier_identity(spec: "OffloadingSpec", row_bytes: int) -> dict:
                           "kv_bytes_per_block": cfg.worker_kv_bytes_per_block, "row_bytes": row_bytes},
                 chunk_size=cfg.cache.blocks_per_chunk, tp_size=p.tp_size,
                 parallel=[p.world_size, p.pp_size, p.pcp_size, p.dcp_size],
-                layout=str(cfg.kv_cache_layout or "backend-default"),
+                layout=offloading_kv_cache_layout(cfg),
                 replicated=bool(getattr(cfg, "replicated_layout", False)),
                 canonical=bool(getattr(cfg, "canonical_layout", False)),
                 format=ROW_FORMAT)
@@ -210,14 +215,15 @@ class AdpSecondaryTier(SecondaryTierManager):
                  backpressure_detector: "Optional[BackpressureDetector]" = None,
                  locality: Optional[str] = None, enable_kv_events: bool = True, events_sweep_s: float = 60.0,
                  **settings: Any):
-        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        super().__init__(offloading_spec, primary_kv_view, tier_type,
+                         *secondary_tier_init_args(SecondaryTierManager, backpressure_detector))
         ensure_logging()
         refuse_unknown(settings, _known_settings(), "setting of the AdpSecondaryTier")
         self.locality = Locality(str(locality).upper()) if locality else None
         self.client_config = ClientConfig.from_settings(settings, prefix="adpkv.")
         self.reconnect_s = reconnect_setting(settings)
         cfg = offloading_spec.config
-        self.row_bytes = int(self.block_size_bytes)
+        self.row_bytes = tier_row_bytes(self, primary_kv_view)
         self.num_rows = len(primary_kv_view)
         self.namespace = key_namespace(self.client_config.namespace,
                                        tier_identity(offloading_spec, self.row_bytes),
@@ -330,7 +336,7 @@ class AdpSecondaryTier(SecondaryTierManager):
         if s is None or not s.enabled or not j.keys:
             self._done(j, [False] * len(j.keys))
             return
-        at = [int(c) * self.row_bytes for c in job.chunk_ids]
+        at = [int(c) * self.row_bytes for c in tier_job_rows(job)]
         skeys = [self.storage_key(k) for k in j.keys]
         rid = s.state.get("region")
         client = s.client
@@ -390,9 +396,9 @@ class AdpSecondaryTier(SecondaryTierManager):
                 if answered:
                     self._kv_events.forget(bad)
             success = not bad
-            out.append(JobResult(job_id=job_id, success=success,
-                                 successful_keys=tuple(ok) if (not success and ok and not j.store) else None,
-                                 transfer_time=j.seconds, transfer_bytes=len(ok) * self.row_bytes))
+            out.append(job_result(JobResult, len(ok) * self.row_bytes, job_id=job_id, success=success,
+                                  successful_keys=tuple(ok) if (not success and ok and not j.store) else None,
+                                  transfer_time=j.seconds))
         return out
 
     def has_pending_work(self) -> bool:

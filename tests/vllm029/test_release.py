@@ -1,0 +1,3 @@
+"""vLLM 0.29's suite: every test of tests/vllm/release_suite.py (what runs: RELEASES["0.29"] there)."""
+
+from release_suite import *  # noqa: F401,F403
