@@ -40,6 +40,8 @@ from adpkv_vllm.connector.connector import AdpKVConnector
 
 init_none_hash(sha256)
 _ids = itertools.count(1)
+# vLLM 0.34's ModelRunnerOutput has no req_id_to_index (the index is the position in req_ids)
+_HAS_REQ_INDEX = "req_id_to_index" in getattr(ModelRunnerOutput, "__dataclass_fields__", {})
 HEADS, HEAD_DIM = 2, 64
 
 
@@ -156,9 +158,9 @@ class Harness:
         self.finished_recving |= kco.finished_recving or set()
         self.failed_recving |= getattr(kco, "failed_recving", None) or set()   # none on vLLM 0.26
         req_ids = list(so.num_scheduled_tokens)
-        out = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[5] for _ in req_ids], kv_connector_output=kco)
+        index = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}} if _HAS_REQ_INDEX else {}  # < 0.34
+        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[5] for _ in req_ids],
+                                kv_connector_output=kco, **index)
         self.scheduler.update_from_output(so, out)
         return so, meta
 
