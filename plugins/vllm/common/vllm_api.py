@@ -55,6 +55,16 @@ def transfer_results_type() -> Any:
     return KVConnectorTransferResults
 
 
+def kv_cache_access_in_process() -> Any:
+    """vLLM's ``KVCacheAccess.IN_PROCESS`` (vLLM >= 0.34, ``vllm.config.kv_transfer``), what
+    ``AdpKVConnector.kv_cache_access`` answers; None on a release without it (one that never asks)."""
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess
+    except ImportError:
+        return None
+    return KVCacheAccess.IN_PROCESS
+
+
 def reports_failed_requests() -> bool:
     """Whether this vLLM takes a failed load of a whole request (``failed_recving`` of
     ``get_transfer_results``, vLLM 0.32 and 0.33).
