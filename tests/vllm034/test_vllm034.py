@@ -243,3 +243,62 @@ def test_device_pointers_are_turned_back_into_the_blocks_they_address():
     other.ptrs[4] += np.uint64(page)                      # the group's second tensor: another block
     with pytest.raises(ValueError):
         offload_device_blocks(other, tensors, refs)
+
+
+# ------------------------------------------------------------------ the tier: events, failed promotions
+def test_the_tiers_stored_events_say_storage_through_vllms_tracker(model_dir, gateway):
+    """``BlockStored.medium`` (GPU / CPU / STORAGE): the rows our tier stores reach vLLM 0.34's
+    KV-event stream as ``STORAGE`` stores, next to the CPU tier's ``CPU`` ones."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+    from vllm.v1.kv_offload.base import get_offload_block_hash
+
+    from test_secondary_tier import keys_of, tier_json
+    from tiering_driver import engine_tiering, store
+
+    conn, m = engine_tiering(model_dir, tier_json(gateway.port))
+    try:
+        keys = keys_of(6, seed=21)
+        assert store(m, keys, "ev") == keys
+        stored = [e for e in conn.take_events() if isinstance(e, BlockStored)]
+        media = {e.medium for e in stored}
+        assert media == {"CPU", "STORAGE"}, media
+        ours = [h for e in stored if e.medium == "STORAGE" for h in e.block_hashes]
+        assert sorted(ours) == sorted(maybe_convert_block_hash(BlockHash(get_offload_block_hash(k)))
+                                      for k in keys)
+    finally:
+        conn.shutdown()
+
+
+def test_a_failed_promotion_defers_no_release(model_dir, gateway):
+    """``JobResult.deferred_release`` (vLLM 0.34): a tier whose I/O may still write a failed
+    promotion's rows hands vLLM an event to wait for. Ours never: a load's requests into vLLM's
+    region resolve only once the gateway may no longer write there (adpkv_core.request's write
+    margin), and ring copies run before their request resolves. A promotion of rows the gateway
+    does not hold fails with no deferred release; vLLM frees the rows at once and recomputes."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from test_secondary_tier import adp_tier, keys_of, tier_json
+    from tiering_driver import engine_tiering, load
+
+    conn, m = engine_tiering(model_dir, tier_json(gateway.port))
+    tier = adp_tier(m)
+    results = []
+    finished = tier.get_finished_jobs
+
+    def recording():
+        out = list(finished())
+        results.extend(out)
+        return out
+
+    tier.get_finished_jobs = recording
+    tier._exist = lambda keys: [True] * len(keys)        # lookups say HIT for rows never stored
+    try:
+        keys = keys_of(4, seed=22)
+        res, data, _ = load(m, keys, "p")
+        assert res == [LookupResult.MISS] * len(keys) and not data
+        failed = [r for r in results if not r.success]
+        assert failed and all(r.deferred_release is None for r in failed)
+        tier.drain_jobs()
+    finally:
+        conn.shutdown()
