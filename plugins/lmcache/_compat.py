@@ -77,7 +77,7 @@ from lmcache.v1.platform import create_event_notifier  # noqa: E402,F401
 try:  # 0.5.7: the memory tags of an L1 manager or L2 adapter
     from lmcache.v1.distributed.api import MemoryResidency, MemorySegment, MemoryTags
 except ImportError:  # 0.5.6: no memory tags; get_memory_tags is never called
-    MemoryResidency = MemorySegment = MemoryTags = None  # type: ignore[assignment,misc]
+    MemoryResidency = MemorySegment = MemoryTags = None
 
 
 def memory_tags(shared: bool):

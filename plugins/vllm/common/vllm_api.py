@@ -107,11 +107,11 @@ def offload_device_blocks(spec: Any, tensors: Sequence[Any],
     tensor: anything else raises ``ValueError`` (the job fails; never a copy of other blocks)."""
     ptrs = getattr(spec, "ptrs", None)
     if ptrs is None:                       # GPULoadStoreSpec (vLLM <= 0.33)
-        ids = [int(b) for b in spec.block_ids]
-        sizes = list(spec.group_sizes) if spec.group_sizes else [len(ids)]
+        block_ids = [int(b) for b in spec.block_ids]
+        sizes = list(spec.group_sizes) if spec.group_sizes else [len(block_ids)]
         out, at = [], 0
         for g, size in enumerate(sizes):
-            out.append((g, ids[at:at + size], int(spec.block_indices[g]) if spec.block_indices else 0))
+            out.append((g, block_ids[at:at + size], int(spec.block_indices[g]) if spec.block_indices else 0))
             at += size
         return out
     import numpy as np
