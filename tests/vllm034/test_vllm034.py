@@ -89,6 +89,18 @@ def test_the_connector_reaches_the_kv_cache_in_process_only(model_dir, gateway):
         assert not access.needs_single_chunk() and KVCacheAccess.LEGACY_IPC not in access
         assert "supports_lookahead_block_hashes" in vars(AdpKVConnector)
         assert AdpKVConnector.supports_lookahead_block_hashes(ktc) is False
+        # vLLM's own decision on a CUDA platform (played here: the CPU has no extensible cache):
+        # with this connector the extensible KV cache is on by default
+        from unittest import mock
+
+        from vllm.platforms import current_platform
+        cc = h.vllm_config.cache_config
+        cc.enable_extensible_kv_cache, cc._extensible_kv_cache_resolved = None, False
+        platform = type(current_platform)
+        with mock.patch.object(platform, "is_cuda_alike", lambda self: True), \
+                mock.patch.object(platform, "is_rocm", lambda self: False):
+            h.vllm_config._resolve_extensible_kv_cache()
+        assert cc.enable_extensible_kv_cache is True
     finally:
         h.close()
 

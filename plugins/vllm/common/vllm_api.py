@@ -4,15 +4,16 @@ older releases lack.
 One code base serves vLLM 0.26, 0.32, 0.33 and 0.34 (tested: docs/vllm.md "Versions"). What
 0.33 added to the contracts (sleep mode, the offloading manager's ``lock``, config info metrics,
 the ``expedited`` flag of a load) and what 0.34 added (``kv_cache_access``,
-``supports_lookahead_block_hashes``, ``may_load_async``, ``JobResult.deferred_release``) is
+``supports_lookahead_block_hashes``, ``may_load_async``) is
 implemented as plain methods and parameters that older releases never call, so no module
 branches on the vLLM version. The places that must know
 ask here, by capability, never by version number: an import of an API a release may lack
 (``required_vllm_api`` turns the bare ``ImportError`` into one that says which adpkv class
 needs what and what to use instead), ``transfer_results_type`` (0.26 has no
 ``get_transfer_results``), ``reports_failed_requests`` (what the connector can serve
-without it) ``offloading_kv_cache_layout`` (0.26's offloading config does not state it) and
-``offload_device_blocks`` (0.34 hands an offloading worker device pointers, not block ids).
+without it), ``offloading_kv_cache_layout`` (0.26's offloading config does not state it),
+``kv_cache_access_in_process`` (0.34's ``KVCacheAccess``) and ``offload_device_blocks`` (0.34
+hands an offloading worker device pointers, not block ids).
 The one private vLLM attribute adpkv reads is behind ``tiering_rows_file``.
 """
 
