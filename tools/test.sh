@@ -11,7 +11,10 @@
 #            repeat those capabilities and run by name (bash tools/test.sh vllm029 vllm031), which keeps
 #            a first run within CI's 90 minutes on 2 cores (docs/vllm.md "vLLM versions")
 #   vllm033  vllm 0.33.0 (the CUDA wheel and its CUDA torch; its classes run on the CPU)  tests/vllm033
+#   vllm034  vllm 0.34.0 (the CUDA wheel without its GPU kernel packages, torch 2.14.0; its classes run
+#            on the CPU): the 0.33 suite's tests by import plus its own   tests/vllm034
 #   lmcache  lmcache 0.5.6 + torch 2.13.0 CPU     tests/lmcache
+#   lmcache057  lmcache 0.5.7rc2 + torch 2.13.0 CPU: the lmcache suite by import plus its own   tests/lmcache057
 #   sglang   sglang 0.5.23 + torch 2.14.1 (runs on the CPU; its page hash JIT-compiles: g++, libssl-dev)
 #   typecheck  mypy (requirements/typecheck.txt) over adpkv_core, the gateway and the adapters,
 #            as pyproject.toml's [tool.mypy] says
@@ -25,7 +28,7 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 export PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false PYTHONUNBUFFERED=1
 suites=("$@")
-[[ ${#suites[@]} -eq 0 ]] && suites=(typecheck core vllm vllm026 vllm028 vllm030 vllm033 lmcache sglang)
+[[ ${#suites[@]} -eq 0 ]] && suites=(typecheck core vllm vllm026 vllm028 vllm030 vllm033 vllm034 lmcache lmcache057 sglang)
 
 system_setup() {
   local need=() s

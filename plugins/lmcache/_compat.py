@@ -8,7 +8,11 @@ on the way there (see docs/lmcache.md):
 - 0.4.7 has the plugin type and ``L2StoreResult`` but ``Bitmap`` lives in
   ``lmcache.native_storage_ops`` and a lookup takes only the keys;
 - 0.5.0 passes one ``MemoryLayoutDesc`` to a lookup, 0.5.6 a dict of them per
-  object group.
+  object group;
+- 0.5.7 adds the abstract ``get_memory_tags()`` (``MemoryTags(segment, residency)``, for
+  prefetch filtering and L1-L2 affinity) and ``submit_touch(keys)`` to the adapter base:
+  an adapter without ``get_memory_tags`` does not instantiate there. Ours has both; on
+  0.5.6 (no ``MemoryTags``) nothing calls them.
 
 We accept the second lookup argument in any of these shapes and ignore it, and
 refuse any LMCache outside 0.5.x with a clear message rather than misbehave.
@@ -69,3 +73,18 @@ from lmcache.v1.distributed.internal_api import L2StoreResult  # noqa: E402,F401
 from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface, L2TaskId  # noqa: E402,F401
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase  # noqa: E402,F401
 from lmcache.v1.platform import create_event_notifier  # noqa: E402,F401
+
+try:  # 0.5.7: the memory tags of an L1 manager or L2 adapter
+    from lmcache.v1.distributed.api import MemoryResidency, MemorySegment, MemoryTags
+except ImportError:  # 0.5.6: no memory tags; get_memory_tags is never called
+    MemoryResidency = MemorySegment = MemoryTags = None
+
+
+def memory_tags(shared: bool):
+    """The ``MemoryTags`` of an adpkv gateway's objects: segment ``STORAGE`` (its cards: files,
+    Redis servers), residency ``REMOTE`` when ``shared`` (the adapter spec's ``"shared": true``:
+    cards shared with other hosts, LMCache's "a domain shared with other hosts", as its fs adapter
+    answers) else ``LOCAL`` (the gateway runs on this host). Only on LMCache >= 0.5.7."""
+    if MemoryTags is None:
+        raise NotImplementedError(f"lmcache {LMCACHE_VERSION} has no MemoryTags (LMCache >= 0.5.7 asks for them)")
+    return MemoryTags(MemorySegment.STORAGE, MemoryResidency.REMOTE if shared else MemoryResidency.LOCAL)

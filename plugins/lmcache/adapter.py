@@ -48,6 +48,7 @@ from ._compat import (
     L2AdapterInterface,
     L2StoreResult,
     L2TaskId,
+    memory_tags,
 )
 from .config import AdpL2AdapterConfig
 from .copies import L1Pool, buffer_of, send
@@ -325,6 +326,27 @@ class AdpL2Adapter(L2AdapterInterface):
 
     def query_load_result(self, task_id: L2TaskId) -> Optional[Bitmap]:
         return self._tasks.pop("load", task_id)
+
+    # ------------------------------------------------------------------ LMCache >= 0.5.7
+    def get_memory_tags(self) -> Any:
+        """Where the objects live (LMCache >= 0.5.7, prefetch target filtering and L1-L2
+        affinity): ``STORAGE``, ``LOCAL``, or ``REMOTE`` when the adapter's spec says
+        ``"shared": true`` (LMCache's own field of every ``--l2-adapter``, which its storage
+        manager hands the adapter through ``set_backend_identity``: cards shared with other
+        hosts, such as a shared file system or a Redis server or cluster; ``_compat.memory_tags``)."""
+        return memory_tags(bool(getattr(self, "_shared", False)))
+
+    def submit_touch(self, keys: list[ObjectKey]) -> None:
+        """Mark ``keys`` accessed without moving bytes (LMCache >= 0.5.7: a load served from L1
+        refreshes L2's recency too). LMCache's eviction listeners learn of the access; the
+        gateway keeps its own LRU, which its reads refresh (a lookup does not), so nothing goes
+        to it. Never blocks, never raises into LMCache."""
+        if not keys:
+            return
+        try:
+            self._notify_keys_accessed(list(keys))
+        except Exception:
+            logger.exception("L2 listener failed on touched keys")
 
     # ------------------------------------------------------------------ delete / usage / status
     def delete(self, keys: list[ObjectKey]) -> None:

@@ -40,6 +40,8 @@ from adpkv_vllm.connector.connector import AdpKVConnector
 
 init_none_hash(sha256)
 _ids = itertools.count(1)
+# vLLM 0.34's ModelRunnerOutput has no req_id_to_index (the index is the position in req_ids)
+_HAS_REQ_INDEX = "req_id_to_index" in getattr(ModelRunnerOutput, "__dataclass_fields__", {})
 HEADS, HEAD_DIM = 2, 64
 
 
@@ -62,8 +64,11 @@ class Harness:
                  chunk_size: int = 64, num_blocks: int = 256, layers: int = 2,
                  max_batched: int = 512, extra: dict | None = None, groups: list | None = None,
                  worker_specs: dict | None = None, offloading: bool = False, cudagraph_mode: str | None = None,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, hash_block_size: int | None = None):
         self.block_size = block_size
+        # tokens per block hash where they are fewer than a block's (vLLM >= 0.33's
+        # prefix_match_unit, a hybrid model's gcd); vLLM states it in the KV cache config
+        self.hash_block_size = hash_block_size or block_size
         if groups is None:
             groups = [([f"model.layers.{i}.self_attn.attn" for i in range(layers)], FullAttentionSpec(
                 block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32))]
@@ -104,6 +109,9 @@ class Harness:
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(list(names), spec) for names, spec in groups])
+        hashes = {"hash_block_size": hash_block_size} if hash_block_size else {}
+        for k, v in hashes.items():
+            setattr(self.kv_cache_config, k, v)
         # the worker first, as in vLLM: its rank-0 client also serves the scheduler's lookups.
         # Its config may carry a group's per-layer specs (vLLM's UniformTypeKVCacheSpecs) where
         # the scheduler's has one representative spec, as in vLLM 0.32
@@ -111,6 +119,8 @@ class Harness:
         worker_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(list(names), spec) for names, spec in worker_groups])
+        for k, v in hashes.items():
+            setattr(worker_config, k, v)
         if offloading:
             from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
             self.worker = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, worker_config)
@@ -121,7 +131,7 @@ class Harness:
         self.register_kv_caches()
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
-                                   block_size=block_size, log_stats=True)
+                                   block_size=block_size, log_stats=True, **hashes)
         self.connector = self.scheduler.connector
         self.requests: dict[str, Request] = {}
         self.load_errors: list[set[int]] = []
@@ -143,7 +153,7 @@ class Harness:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         req = Request(request_id=f"r{next(_ids)}", prompt_token_ids=list(tokens), sampling_params=sp,
                       pooling_params=None, cache_salt=salt,
-                      block_hasher=get_request_block_hasher(self.block_size, sha256))
+                      block_hasher=get_request_block_hasher(self.hash_block_size, sha256))
         self.requests[req.request_id] = req
         self.scheduler.add_request(req)
         return req
@@ -158,9 +168,9 @@ class Harness:
         self.finished_recving |= kco.finished_recving or set()
         self.failed_recving |= getattr(kco, "failed_recving", None) or set()   # none on vLLM 0.26
         req_ids = list(so.num_scheduled_tokens)
-        out = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[5] for _ in req_ids], kv_connector_output=kco)
+        index = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}} if _HAS_REQ_INDEX else {}  # < 0.34
+        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[5] for _ in req_ids],
+                                kv_connector_output=kco, **index)
         self.scheduler.update_from_output(so, out)
         return so, meta
 

@@ -34,14 +34,25 @@ from adpkv_core.direct_map import Mapping, runs
 logger = logging.getLogger("adpkv.vllm")
 
 
-def block_major_view(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+def block_major_view(t: torch.Tensor, num_blocks: int, kernel_split: Optional[int] = None) -> torch.Tensor:
     """A view of one layer's KV cache with the block index as dim 0.
 
     Handles vLLM's standardized per-layer ``[B, H, N, C]`` view (0.32+), kernel
     block splitting (``B = num_blocks * k``, grouped back to manager blocks) and
     the older ``(2, num_blocks, ...)`` K/V-outermost layouts (the block dim is
     moved to the front; the page of a block is then its K part and its V part).
+
+    ``kernel_split`` (k, when the caller knows it from the block sizes): a ``[B, ...]`` view
+    with more than ``num_blocks * k`` rows is a view over vLLM 0.34's extensible KV cache
+    reservation (a layout that is not block-compact keeps such views; blocks keep fixed
+    offsets, the committed ones first): only the first ``num_blocks * k`` rows are the cache.
+    Without it, more rows than blocks are taken for a kernel split.
     """
+    if kernel_split is not None and kernel_split >= 1 and t.shape[0] >= num_blocks * kernel_split \
+            and t.shape[0] % kernel_split == 0:
+        rows = num_blocks * kernel_split
+        t = t[:rows]                       # the committed blocks of a reservation (or all of t)
+        return t if kernel_split == 1 else t.unflatten(0, (num_blocks, kernel_split))
     if t.shape[0] == num_blocks:
         return t
     if t.shape[0] % num_blocks == 0 and t.shape[0] > num_blocks:
@@ -55,9 +66,9 @@ def block_major_view(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
 class PagedLayer:
     """One layer's KV blocks and the copies of whole chunks to and from the ring."""
 
-    def __init__(self, name: str, kv: torch.Tensor, num_blocks: int):
+    def __init__(self, name: str, kv: torch.Tensor, num_blocks: int, kernel_split: Optional[int] = None):
         self.name = name
-        self.view = block_major_view(kv, num_blocks)
+        self.view = block_major_view(kv, num_blocks, kernel_split)
         self.page_shape = tuple(self.view.shape[1:])
         self.dtype = self.view.dtype
         self.device = self.view.device

@@ -12,7 +12,7 @@ import math
 import os
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 from adpkv_core.keys import DEFAULT_NAMESPACE, chunk_digest, key_namespace
 from adpkv_core.settings import ClientConfig, parse_bool
@@ -184,7 +184,7 @@ def ordered_layer_names(layer_names: Sequence[str]) -> list[str]:
 
 # --------------------------------------------------------------------------- namespace
 def resolve_namespace(vllm_config, settings: AdapterSettings, layout: str, engine_id: str,
-                      layout_tp_size: int = 1) -> str:
+                      layout_tp_size: int = 1, page_tokens: Optional[int] = None) -> str:
     """The key namespace of the KV connector (``adpkv_core.keys.key_namespace``).
 
     ``adpkv.namespace`` as given; with ``adpkv.key_namespace_from_model`` derived from it
@@ -198,11 +198,18 @@ def resolve_namespace(vllm_config, settings: AdapterSettings, layout: str, engin
     ``connector/heads.py``), else the engine's. Objects of a per-TP layout of more than one rank are
     also kept apart under a given ``adpkv.namespace`` (suffix ``/tp<size>``): the same
     deployment namespace at another TP size never reads them.
+
+    ``page_tokens``: the block size, where the objects' bytes depend on it and their keys do
+    not say it (``ConnectorConfig.resolve``: blocks larger than the block hashes); under a given
+    ``adpkv.namespace`` those objects are kept apart too (suffix ``/block<tokens>``). The model
+    identity of ``key_namespace_from_model`` has the block size already.
     """
     cfg = settings.client
     identity = None
-    if not cfg.key_namespace_from_model and layout_tp_size > 1:
-        return key_namespace(f"{cfg.namespace or DEFAULT_NAMESPACE}/tp{layout_tp_size}")
+    if not cfg.key_namespace_from_model and (layout_tp_size > 1 or page_tokens):
+        suffix = (f"/tp{layout_tp_size}" if layout_tp_size > 1 else "") + \
+            (f"/block{page_tokens}" if page_tokens else "")
+        return key_namespace(f"{cfg.namespace or DEFAULT_NAMESPACE}{suffix}")
     if cfg.key_namespace_from_model:
         mc = vllm_config.model_config
         hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)

@@ -1,18 +1,21 @@
 """The vLLM releases this package runs on, and the one guard in front of vLLM APIs that
 older releases lack.
 
-One code base serves vLLM 0.26 to 0.33 (tested: docs/vllm.md "vLLM versions"). What 0.33
-added to the contracts (sleep mode, the offloading manager's ``lock``, config info metrics,
-the ``expedited`` flag of a load) is implemented as plain methods and parameters that 0.32
-and 0.26 never call, so no module branches on the vLLM version. The places that must know
+One code base serves vLLM 0.26 and 0.28 to 0.34 (tested: docs/vllm.md "vLLM versions"). What
+0.33 added to the contracts (sleep mode, the offloading manager's ``lock``, config info metrics,
+the ``expedited`` flag of a load) and what 0.34 added (``kv_cache_access``,
+``supports_lookahead_block_hashes``, ``may_load_async``) is implemented as plain methods and
+parameters that older releases never call, so no module branches on the vLLM version. The
+places that must know
 ask here, by capability, never by version number: an import of an API a release may lack
 (``required_vllm_api`` turns the bare ``ImportError`` into one that says which adpkv class
 needs what and what to use instead), ``transfer_results_type`` (0.26 to 0.29 have no
 ``get_transfer_results``), ``reports_failed_requests`` (what the connector can serve
-without it) and ``offloading_kv_cache_layout`` (0.26's and 0.28's offloading config does not state it),
-``tiering_api_missing`` and the bridges of what vLLM 0.28 to 0.31 spell otherwise in the
+without it), ``offloading_kv_cache_layout`` (0.26's and 0.28's offloading config does not state
+it), ``tiering_api_missing`` and the bridges of what vLLM 0.28 to 0.31 spell otherwise in the
 tiering ``AdpSecondaryTier`` plugs into (``secondary_tier_init_args``, ``tier_row_bytes``,
-``tier_job_rows``, ``job_result``).
+``tier_job_rows``, ``job_result``), ``kv_cache_access_in_process`` (0.34's ``KVCacheAccess``) and
+``offload_device_blocks`` (0.34 hands an offloading worker device pointers, not block ids).
 The one private vLLM attribute adpkv reads is behind ``tiering_rows_file``.
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 
@@ -53,6 +56,16 @@ def transfer_results_type() -> Any:
     except ImportError:
         return None
     return KVConnectorTransferResults
+
+
+def kv_cache_access_in_process() -> Any:
+    """vLLM's ``KVCacheAccess.IN_PROCESS`` (vLLM >= 0.34, ``vllm.config.kv_transfer``), what
+    ``AdpKVConnector.kv_cache_access`` answers; None on a release without it (one that never asks)."""
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess
+    except ImportError:
+        return None
+    return KVCacheAccess.IN_PROCESS
 
 
 def reports_failed_requests() -> bool:
@@ -135,6 +148,55 @@ def job_result(result_type: Any, transfer_bytes: int, **fields: Any) -> Any:
     if "transfer_bytes" in getattr(result_type, "__dataclass_fields__", {}):
         fields["transfer_bytes"] = transfer_bytes
     return result_type(**fields)
+
+
+def offload_device_blocks(spec: Any, tensors: Sequence[Any],
+                          group_data_refs: Sequence[Sequence[Any]]) -> list[tuple[int, list[int], int]]:
+    """The device side of an offloading job, per KV cache group: ``(group, block ids, logical
+    index of the first block)``.
+
+    vLLM 0.26 to 0.33 hand ``OffloadingWorker.submit_store``/``submit_load`` a
+    ``GPULoadStoreSpec`` (``block_ids``, ``group_sizes``, ``block_indices``); vLLM 0.34 hands
+    ``DevicePointers`` instead (``ptrs``: the address of every block's page in every tensor of
+    its group, group by group, tensor by tensor, ``vllm.v1.kv_offload.pointer_utils``). Our
+    copies go by block id (``copy.PagedLayer``), so a pointer is turned back into the block it
+    addresses: ``(ptr - tensor.data_ptr()) / row bytes`` of the group's first tensor
+    (``tensors``/``group_data_refs``: the ``CanonicalKVCaches`` the worker was built on). Every
+    other tensor of the group must address the same blocks, and every pointer a whole row of its
+    tensor: anything else raises ``ValueError`` (the job fails; never a copy of other blocks)."""
+    ptrs = getattr(spec, "ptrs", None)
+    if ptrs is None:                       # GPULoadStoreSpec (vLLM <= 0.33)
+        block_ids = [int(b) for b in spec.block_ids]
+        sizes = list(spec.group_sizes) if spec.group_sizes else [len(block_ids)]
+        out, at = [], 0
+        for g, size in enumerate(sizes):
+            out.append((g, block_ids[at:at + size], int(spec.block_indices[g]) if spec.block_indices else 0))
+            at += size
+        return out
+    import numpy as np
+    ptrs = np.asarray(ptrs, dtype=np.uint64)
+    out, at = [], 0
+    for g, (count, n_refs, index) in enumerate(zip(spec.group_block_counts, spec.group_data_ref_counts,
+                                                   spec.block_indices)):
+        count, n_refs = int(count), int(n_refs)
+        ids: Optional[np.ndarray] = None
+        for r in range(n_refs if count else 0):
+            t = tensors[group_data_refs[g][r].tensor_idx].tensor
+            row = np.uint64(t.stride(0) * t.element_size())
+            rel = ptrs[at + r * count: at + (r + 1) * count] - np.uint64(t.data_ptr())
+            blocks = rel // row
+            if bool((rel % row).any()) or bool((blocks >= np.uint64(t.shape[0])).any()):
+                raise ValueError(f"adpkv: device pointers of group {g} are not rows of its tensor "
+                                 f"{group_data_refs[g][r].tensor_idx}")
+            if ids is None:
+                ids = blocks
+            elif not np.array_equal(ids, blocks):
+                raise ValueError(f"adpkv: the tensors of group {g} address different blocks")
+        out.append((g, [] if ids is None else ids.astype(np.int64).tolist(), int(index)))
+        at += count * n_refs
+    if at != len(ptrs):
+        raise ValueError(f"adpkv: {len(ptrs)} device pointers for {at} block rows")
+    return out
 
 
 def tiering_rows_file(spec: Any) -> Optional[str]:

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ..common.vllm_api import transfer_results_type
+from ..common.vllm_api import kv_cache_access_in_process, transfer_results_type
 from ..common.settings import check_hash_stability, ensure_logging, warn_once
 from .metadata import AdpConnectorMetadata, ChunkPlan, ConnectorConfig
 from .scheduler import AdpConnectorScheduler
@@ -87,6 +87,29 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
         seed's "writes of a step go out as one batched request")."""
         return False
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """``KVCacheAccess.IN_PROCESS`` (vLLM >= 0.34; older releases never ask): the worker
+        reaches the KV cache only from its own process, with torch ops on views of the tensors
+        vLLM registers (``index_select``/``index_copy_`` on its stream, the ring <-> GPU DMA and
+        ``cuMemcpy2DAsync`` between the pinned ring and those views' addresses). It registers
+        host memory only (the ring, mapped object files), never the KV cache, and exports no
+        handle of it (the NVLink fan-out all-gathers a staging buffer of its own), so any
+        allocation works: vLLM's extensible KV cache stays on. vLLM then makes the connector after
+        the KV cache's final commit and registers views of the committed blocks
+        (``register_kv_caches``); sleep and a weight update release and recommit the pages at
+        the same addresses, between ``unregister_kv_caches`` and ``restore_kv_caches``."""
+        return kv_cache_access_in_process()
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """False (vLLM >= 0.34 asks; its default, stated): vLLM keeps lookahead block hashing
+        (EAGLE block drop: each block hash also covers tokens past its block) off with this
+        connector. Not yet verified with it: an EAGLE/MTP drafter's objects are named by the hash
+        block that holds the next chunk's first token (``drafter.py``), a rule written for hashes
+        that end at their block, and a hit is counted in whole hash blocks of the prompt."""
+        return False
+
     @property
     def requires_kv_delivery(self) -> bool:
         """A best-effort cache: a dropped save is a future miss, never lost output."""
@@ -112,6 +135,10 @@ class AdpKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[Optional[int], bool]:
         return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def may_load_async(self, request: "Request") -> bool:
+        """vLLM >= 0.34 (``--max-num-inflight-kv-loads``): see ``AdpConnectorScheduler.may_load_async``."""
+        return self._scheduler().may_load_async(request)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:

@@ -209,7 +209,9 @@ class ConnectorConfig:
         tp_dependent = tp_portable_why(vllm_config, kv_cache_config, groups, drafter) if supported else ""
         # the TP size whose layout the objects have: 1 for canonical objects, at every TP size
         namespace = resolve_namespace(vllm_config, settings, layout, engine_id,
-                                      layout_tp_size=tp_size if tp_dependent else 1)
+                                      layout_tp_size=tp_size if tp_dependent else 1,
+                                      page_tokens=block_size if pages_name_block_size(
+                                          groups, block_size, hash_block_size) else None)
         layer_names = ordered_layer_names([n for g in groups for n in g.layer_names])
         layer_heads = {n: (spec.num_kv_heads, spec.head_size) for g in groups if g.kind in ("full", "sliding")
                        for n, spec in layer_specs(kv_cache_config.kv_cache_groups[g.index].kv_cache_spec,
@@ -224,6 +226,25 @@ class ConnectorConfig:
                    drafter=drafter if supported else None, tp_dependent=tp_dependent,
                    layer_heads=layer_heads if supported else {}, full_graphs=full_graph_steps(vllm_config),
                    async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
+
+
+def pages_name_block_size(groups: list[CacheGroup], block_size: int, hash_block_size: int) -> bool:
+    """Whether the objects' keys leave out a block size their bytes depend on.
+
+    A key is vLLM's hash of a chunk's last hash block: two engines whose hash blocks are equal
+    name a chunk alike whatever their block size. An object is the chunk's pages back to back,
+    and an attention page is ``[heads, block tokens, ...]`` (heads outermost, vLLM >= 0.32's
+    standardized view; an indexer cache keeps per-block scales after its tokens), so the same
+    chunk at another block size is other bytes. Where blocks and hash blocks have one size (vLLM
+    0.26 to 0.33's default: 16 and 16; 0.34's: 64 and 64) the key implies the block size and
+    nothing changes; where blocks are larger (``prefix_match_unit``, a hybrid model's gcd) the
+    namespace says the block size, so a 0.34 engine with 64-token blocks hashed by 16 never
+    reads a 16-token-block engine's objects as its own (a miss, never wrong bytes). Latent
+    MLA pages (``[block tokens, latent]``, token-major) and recurrent states (one per chunk) read
+    the same at any block size: their namespace is unchanged."""
+    if block_size == hash_block_size:
+        return False
+    return any(g.kind in ("full", "sliding") or g.before_pass for g in groups)
 
 
 def full_graph_steps(vllm_config) -> str:

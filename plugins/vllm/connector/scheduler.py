@@ -190,6 +190,25 @@ class AdpConnectorScheduler:
         return dialog_marks(digests, self.cfg.settings.client.affinity_chunks)
 
     # ------------------------------------------------------------------ lookups
+    def may_load_async(self, request: "Request") -> bool:
+        """Whether ``get_num_new_matched_tokens`` may answer ``load_kv_async=True`` for this
+        request (vLLM >= 0.34, ``--max-num-inflight-kv-loads``: such a request may start its load
+        while the running batch is full). Our loads are asynchronous exactly where
+        ``cfg.loads_async`` (vLLM's asynchronous scheduling, or several KV cache groups); then any
+        request that can hit may: one with a whole chunk before its last token, on a rank
+        attached to its gateway, whose load has not failed before (that one is recomputed) and
+        whose lookup, if it answered already, found something. Cheap: no request to the gateway."""
+        cfg = self.cfg
+        if not (cfg.supported and cfg.layer_names and cfg.loads_async):
+            return False
+        if request.request_id in self._load_failed or (request.num_tokens - 1) // cfg.chunk_size < 1:
+            return False
+        s = self.lookup.session if self.lookup is not None else None
+        if s is None or not s.enabled:
+            return False
+        known = self._hits.get(request.request_id)
+        return known is None or known[0] * cfg.chunk_size > known[1]
+
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[Optional[int], bool]:
         """Tokens past vLLM's own hit that the gateway holds; None: ask again next step

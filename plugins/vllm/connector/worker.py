@@ -185,7 +185,7 @@ class AdpConnectorWorker:
                 logger.warning("adpkv: layer %s has no KV tensor; external cache disabled", name)
                 self.supported = False
                 return False
-            layers[name] = PagedLayer(name, kv, self._num_blocks or kv.shape[0])
+            layers[name] = PagedLayer(name, kv, self._num_blocks or kv.shape[0], self._kernel_split(name, kv))
             if self.cfg.head_sharded and name in self.cfg.layer_heads:
                 layer = layers[name]
                 share = HeadShare.of(layer.page_shape, layer.dtype, *self.cfg.layer_heads[name],
@@ -200,6 +200,21 @@ class AdpConnectorWorker:
         self.layers = layers
         self.shares = shares
         return True
+
+    def _kernel_split(self, name: str, kv: torch.Tensor) -> Optional[int]:
+        """Kernel blocks per block of an attention layer's standardized ``[B, heads, tokens,
+        head size or 2 x head size]`` view (vLLM >= 0.32), from its page's token count: what lets
+        ``block_major_view`` tell a kernel split from the reservation of vLLM 0.34's extensible
+        KV cache (a view with more rows than committed blocks). None where the page is not that
+        view (MLA, recurrent states, 0.26's layouts): those go by the row count as before."""
+        heads = self.cfg.layer_heads.get(name)
+        if heads is None or kv.dim() != 4 or self._group_of[name].recurrent:
+            return None
+        head_size, tokens = heads[1], int(kv.shape[2])
+        if int(kv.shape[3]) not in (head_size, 2 * head_size) or tokens <= 0:
+            return None
+        block = self.cfg.block_size
+        return block // tokens if block % tokens == 0 else None
 
     # ------------------------------------------------------------------ sleep mode
     def unregister_kv_caches(self) -> None:

@@ -24,7 +24,6 @@ import torch
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
-    GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
@@ -34,6 +33,7 @@ from vllm.v1.kv_offload.base import (
 from adpkv_core.attachment import Attachment, Session
 
 from ..common.copy import PagedLayer, as_index
+from ..common.vllm_api import offload_device_blocks
 from .backend import OffloadBackend, object_digest
 
 logger = logging.getLogger("adpkv.vllm")
@@ -75,6 +75,7 @@ class AdpOffloadingWorker(OffloadingWorker):
         # per group: [(layer index for the key, PagedLayer)], one per distinct tensor
         self.groups: list[list[tuple[int, PagedLayer]]] = []
         tensors = kv_caches.tensors
+        self._kv_caches = kv_caches          # what a job's device pointers (vLLM >= 0.34) address
         for refs in kv_caches.group_data_refs:
             seen: set[int] = set()
             layers: list[tuple[int, PagedLayer]] = []
@@ -128,14 +129,10 @@ class AdpOffloadingWorker(OffloadingWorker):
         s = self.session
         return s if s is not None and s.enabled and s.state.get("ring") is not None else None
 
-    def _group_blocks(self, spec: GPULoadStoreSpec):
-        ids = [int(b) for b in spec.block_ids]
-        sizes = list(spec.group_sizes) if spec.group_sizes else [len(ids)]
-        out, at = [], 0
-        for g, size in enumerate(sizes):
-            out.append((g, ids[at:at + size], int(spec.block_indices[g]) if spec.block_indices else 0))
-            at += size
-        return out
+    def _group_blocks(self, device) -> list[tuple[int, list[int], int]]:
+        """(group, block ids, index of the first block) of a job's device side: vLLM <= 0.33's
+        ``GPULoadStoreSpec`` or vLLM 0.34's ``DevicePointers`` (``vllm_api.offload_device_blocks``)."""
+        return offload_device_blocks(device, self._kv_caches.tensors, self._kv_caches.group_data_refs)
 
     def _keys_by_group(self, keys: list[bytes]) -> dict[int, list[bytes]]:
         by: dict[int, list[bytes]] = {}
@@ -144,7 +141,8 @@ class AdpOffloadingWorker(OffloadingWorker):
         return by
 
     # ---------------------------------------------------------------- stores
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+    def submit_store(self, job_id: int, src, dst_spec: LoadStoreSpec) -> bool:
+        """``src``: the blocks to store (vLLM <= 0.33: ``GPULoadStoreSpec``; 0.34: ``DevicePointers``)."""
         job = _Job(job_id, "store")
         with self._lock:
             self._jobs[job_id] = job
@@ -153,7 +151,12 @@ class AdpOffloadingWorker(OffloadingWorker):
         if s is None:
             return True          # a store that cannot happen is a future miss
         client, ring = s.client, s.state["ring"]
-        for g, block_ids, first_index in self._group_blocks(src_spec):
+        try:
+            groups = self._group_blocks(src)
+        except ValueError:
+            logger.exception("adpkv: store job %d: its blocks cannot be read; not stored", job_id)
+            return True          # a future miss
+        for g, block_ids, first_index in groups:
             keys = keys_by_group.get(g, [])
             if not keys:
                 continue
@@ -180,11 +183,11 @@ class AdpOffloadingWorker(OffloadingWorker):
         return True
 
     # ---------------------------------------------------------------- loads
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
-                    expedited: bool = False) -> bool:
-        """``expedited`` (vLLM >= 0.33: a load its request waits for within this step, through
-        ``wait``): the same GETs. Nothing here queues a load behind another: every job's
-        GETs go to the gateway at once."""
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst, expedited: bool = False) -> bool:
+        """``dst``: the blocks to load into (vLLM <= 0.33: ``GPULoadStoreSpec``; 0.34:
+        ``DevicePointers``). ``expedited`` (vLLM >= 0.33: a load its request waits for within
+        this step, through ``wait``): the same GETs. Nothing here queues a load behind another:
+        every job's GETs go to the gateway at once."""
         job = _Job(job_id, "load")
         with self._lock:
             self._jobs[job_id] = job
@@ -194,7 +197,13 @@ class AdpOffloadingWorker(OffloadingWorker):
             job.result = False
             return True
         client, ring = s.client, s.state["ring"]
-        for g, block_ids, first_index in self._group_blocks(dst_spec):
+        try:
+            groups = self._group_blocks(dst)
+        except ValueError:
+            logger.exception("adpkv: load job %d: its blocks cannot be written; failed", job_id)
+            job.result = False
+            return True
+        for g, block_ids, first_index in groups:
             keys = keys_by_group.get(g, [])
             if not keys or not block_ids:
                 continue
