@@ -102,6 +102,14 @@ class Holder(NamedTuple):
     write_id: Optional[int]
 
 
+class _Written(NamedTuple):
+    """One card write of one fragment (``ObjectStore._card_write``): stored, and whether the
+    card answered at all (a transport failure leaves nothing known about what it holds)."""
+
+    ok: bool
+    transport_ok: bool
+
+
 class _Found(NamedTuple):
     """``ObjectStore._lookup``'s answer for a batch, by position: the card holding each object
     whole (-1: none), its head's write id there, its rank among the object's replica cards
@@ -502,7 +510,7 @@ class ObjectStore:
         self._observe(frag.card, not verdict.strike, seconds)
         return verdict
 
-    def _card_write(self, frag: Fragment, call: Callable[[Card], bool]) -> tuple[bool, bool]:
+    def _card_write(self, frag: Fragment, call: Callable[[Card], bool]) -> "_Written":
         """``(ok, transport ok)`` of one card write of one fragment, timed and accounted: the
         card's statistics, and its health (a transport failure is a strike, unless only one
         node of a cluster failed)."""
@@ -518,7 +526,7 @@ class ObjectStore:
             logger.exception("write to card %s failed", card.serial)
         seconds = self.stats[frag.card].end(token, True, ok, frag.length)
         self._observe(frag.card, transport_ok or not strike, seconds)
-        return ok, transport_ok
+        return _Written(ok, transport_ok)
 
     def _read(self, frag: Fragment, buf: memoryview) -> Read:
         """The verdict of one fragment's read."""
