@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 
 from adpkv_core.client import LOOKUPS_OFF_MESSAGE, TURNED_OFF_MESSAGE, GatewayClient, gateway_answers
 from adpkv_core.ringview import RingView
-from adpkv_core.settings import ClientConfig
+from adpkv_core.settings import ClientConfig, parse_number
 
 logger = logging.getLogger("adpkv.attachment")
 
@@ -114,15 +114,7 @@ def reconnect_setting(settings: Any, default: float = DEFAULT_RECONNECT_S, prefi
         if settings and k in settings and settings[k] is not None:
             raw = settings[k]
             break
-    try:
-        if isinstance(raw, bool):
-            raise ValueError
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"reconnect_s must be a number of seconds >= 0, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"reconnect_s must be >= 0, got {value!r}")
-    return value
+    return parse_number(raw, "reconnect_s", "seconds")
 
 
 # ---------------------------------------------------------------------------- attachment

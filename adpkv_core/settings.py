@@ -136,6 +136,34 @@ def parse_size(value: Any) -> int:
                      "512MiB, 6GiB, 1.5G)")
 
 
+def parse_number(value: Any, name: str, unit: str = "", minimum: float = 0.0) -> float:
+    """A setting that is a number (of ``unit``: "seconds", ...) of at least ``minimum``: an int, a
+    float or a string of one, never a bool. ``ValueError`` naming ``name`` and what it must be."""
+    must = f"a number{' of ' + unit if unit else ''} >= {minimum:g}"
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {must}, got {value!r}") from None
+    if not number >= minimum:          # NaN too
+        raise ValueError(f"{name} must be {must}, got {value!r}")
+    return number
+
+
+def parse_byte_count(value: Any, name: str) -> int:
+    """A setting that is a number of bytes >= 0 (``parse_size``: an integer, or a number with a
+    unit). ``ValueError`` naming ``name``."""
+    try:
+        nbytes = parse_size(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number of bytes (an integer, or a number with a "
+                         "unit: 512MiB, 6GiB)") from None
+    if nbytes < 0:
+        raise ValueError(f"{name} must be >= 0 bytes, got {value!r}")
+    return nbytes
+
+
 _TRUE = frozenset(("1", "true", "yes", "on"))
 _FALSE = frozenset(("0", "false", "no", "off"))
 

@@ -207,6 +207,11 @@ def parse_claim(data: bytes, what: str) -> int:
     return int(text)
 
 
+# One fragment to read: (database, fragment key, the buffer to fill, slot tag, the write id its
+# head named at lookup: every fragment must be of it; None: any)
+ReadItem = tuple[int, bytes, memoryview, bytes, Optional[int]]
+
+
 class Card(abc.ABC):
     """One storage backend instance with a stable serial number: what every card does (open,
     read, write, heads, contains, delete, clean, usage, check, namespace claims, close). What
@@ -231,12 +236,12 @@ class Card(abc.ABC):
         the fragment is whole and, with ``write_id``, of that write). May raise
         ``CardIOError`` (a transport failure)."""
 
-    def read_many(self, items: list[tuple[int, bytes, memoryview, bytes, Optional[int]]]) -> list:
+    def read_many(self, items: list[ReadItem]) -> list[Union[Read, CardIOError]]:
         """Read ``(db, fragment key, buf, slot tag, write id)`` items, each as ``read`` does;
         for each: its ``Read`` verdict, or the ``CardIOError`` that failed it (a transport
         failure: nothing may be concluded about the fragment). A card that is ``BatchedReads``
         does it in fewer round trips (the cluster card: one pipeline per node, all at once)."""
-        out: list = []
+        out: list[Union[Read, CardIOError]] = []
         for db, fkey, buf, tag, write_id in items:
             try:
                 out.append(self.read(db, fkey, buf, tag, write_id))

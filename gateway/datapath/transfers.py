@@ -50,6 +50,7 @@ from adpkv_core.wire import protocol as P
 from adpkv_core.memory.ring import Ring, align_up
 
 from adpkv_gateway.datapath import io_procs
+from adpkv_gateway.datapath.handoff import RunOnPool
 from adpkv_gateway.datapath.jobs import Batch, DataJob, Stage
 from adpkv_gateway.observe.latency import LatencyBuckets
 from adpkv_gateway.datapath.region_io import RegionSource, RingSource, direct_reads, to_region
@@ -79,7 +80,7 @@ class Transfers:
 
     def __init__(self, ring_size: int, make_ring: Callable[[], Ring], store: ObjectStore, pool: Executor,
                  procs: Optional[io_procs.ReaderPool], io_threads: int,
-                 run: Callable, send: Callable[[bytes, P.Message], None], attached: Callable[[bytes], bool],
+                 run: RunOnPool, send: Callable[[bytes, P.Message], None], attached: Callable[[bytes], bool],
                  unpin: Callable[[bytes, list], None]):
         self.ring_size = align_up(ring_size)
         self._make_ring = make_ring
@@ -315,8 +316,13 @@ class Transfers:
         for k in range(0, len(items), per):
             group = items[k:k + per]
             batch.pending += 1
-            self._run(self.pool, lambda g=group: work(g), lambda results: self._io_done(batch, results),
-                      lambda exc, g=group: self._io_done(batch, [Outcome(item[0], False) for item in g]))
+            self._run(self.pool, functools.partial(work, group), functools.partial(self._io_done, batch),
+                      functools.partial(self._io_failed, batch, group))
+
+    def _io_failed(self, batch: Batch, items: list, exc: BaseException) -> None:
+        """An I/O task of the batch's stage raised: each of its ``items`` (object ``j`` first)
+        failed."""
+        self._io_done(batch, [Outcome(item[0], False) for item in items])
 
     def _io_done(self, batch: Batch, results: list[Outcome]) -> None:
         """One I/O task of the batch's stage finished with an ``Outcome`` per object."""
@@ -360,10 +366,9 @@ class Transfers:
                 task = io_procs.ReadTask.of(files, [at for _, _, at in part], [frag.length for _, frag, _ in part],
                                             batch.job.ring, min(self.rings))
                 batch.pending += 1
-                self._run(self.procs, functools.partial(io_procs.read_task, task),
-                          lambda result, c=card, p=part, f=files, t=task:
-                          self._process_reads_done(batch, c, p, f, t, result),
-                          lambda exc, p=part: self._io_done(batch, [Outcome(j, False) for j, _, _ in p]))
+                self._run(procs, functools.partial(io_procs.read_task, task),
+                          functools.partial(self._process_reads_done, batch, card, part, files, task),
+                          functools.partial(self._io_failed, batch, part))
         return rest
 
     def _process_reads_done(self, batch: Batch, card: int, part: list, files: list, task: "io_procs.ReadTask",

@@ -23,8 +23,8 @@ import os
 import queue
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional, Union
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Callable, Optional, TypeVar, Union
 
 import zmq
 
@@ -51,6 +51,8 @@ from adpkv_gateway.store.object_store import ObjectStore, Pins
 from adpkv_gateway.datapath.transfers import Transfers
 
 logger = logging.getLogger("adpkv.gateway")
+
+T = TypeVar("T")
 
 MAX_FRAME_BYTES = 128 << 20   # a request of protocol.MAX_KEYS keys with marks fits
 
@@ -522,8 +524,10 @@ class Gateway:
         self.transfers.ack(identity, msg)
 
     # ---------------------------------------------------------------- the pool
-    def _run(self, executor, work, then, fail) -> None:
-        """Run ``work()`` on ``executor``; ``then(result)`` — or ``fail(exc)`` — back on the loop."""
+    def _run(self, executor: Executor, work: Callable[[], T], then: Callable[[T], None],
+             fail: Callable[[BaseException], None]) -> None:
+        """Run ``work()`` on ``executor``; ``then(result)`` — or ``fail(exc)`` — back on the loop
+        (``datapath.handoff.RunOnPool``)."""
         executor.submit(work).add_done_callback(lambda fut: self._complete((then, fail, fut)))
 
     def _complete(self, item) -> None:

@@ -92,20 +92,22 @@ class Fragment(NamedTuple):
 _fragment = functools.partial(tuple.__new__, Fragment)     # Fragment(*fields) without its Python __new__
 
 
-class Holder(int):
-    """The card index ``holders`` found an object on (what ``plan_reads`` hands to
-    ``read_plans``), carrying the other replica cards a read may fall back on and the write
-    id the object's head carries there (its fragments are read against it)."""
+class Holder(NamedTuple):
+    """Where a read of an object goes (``holders``, a GET's lookup): the first of its replica
+    cards in service that holds all of it, the other replica cards a read may fall back on, and
+    the write id the object's head carries there (its fragments are read against it)."""
 
-    others: tuple[int, ...] = ()
-    write_id: Optional[int] = None
+    card: int
+    others: tuple[int, ...]
+    write_id: Optional[int]
 
-    @classmethod
-    def of(cls, card: int, others: tuple[int, ...], write_id: Optional[int]) -> "Holder":
-        h = cls(card)
-        h.others = others
-        h.write_id = write_id
-        return h
+
+class _Written(NamedTuple):
+    """One card write of one fragment (``ObjectStore._card_write``): stored, and whether the
+    card answered at all (a transport failure leaves nothing known about what it holds)."""
+
+    ok: bool
+    transport_ok: bool
 
 
 class _Found(NamedTuple):
@@ -370,7 +372,7 @@ class ObjectStore:
         return [Fragment(card, db, fkey, off, ln, 0, (), tag)
                 for db, fkey, off, ln in self._layout(key, fragment_extents(object_bytes, self.fragment_size))]
 
-    def read_plans(self, holders: Sequence[Optional[int]], keys: Sequence[bytes], marks: Optional[Sequence[int]],
+    def _read_plans(self, holders: Sequence[Optional[Holder]], keys: Sequence[bytes], marks: Optional[Sequence[int]],
                    object_bytes: int) -> list[tuple[int, Fragment]]:
         """The fragments to read, for a batch's objects at once: ``(j, fragment)`` for each
         fragment of each object ``j`` that ``holders`` found (on that card; its other replica
@@ -386,11 +388,10 @@ class ObjectStore:
         tags = [self.slot_tag(m) for m in marks] if self.placement_mode == "dialog" and marks else None
         out: list[tuple[int, Fragment]] = []
         add = out.append
-        for j, card in enumerate(holders):
-            if card is None:
+        for j, holder in enumerate(holders):
+            if holder is None:
                 continue
-            c, others, key = int(card), getattr(card, "others", ()), keys[j]
-            write_id = getattr(card, "write_id", None)
+            c, others, write_id, key = holder.card, holder.others, holder.write_id, keys[j]
             tag = tags[j] if tags else b""
             h = db_hash(key)                                  # once per object
             for suffix, step, off, ln in cut:
@@ -400,10 +401,10 @@ class ObjectStore:
 
     def plan_reads(self, keys: Sequence[bytes], marks: Optional[Sequence[int]], object_bytes: int,
                    into_region: bool) -> ReadPlan:
-        """A GET batch's lookup and its reads (on the pool): ``holders``, then ``read_plans``;
+        """A GET batch's lookup and its reads (on the pool): ``holders``, then ``_read_plans``;
         with ``into_region``, the fragments whose card reads into a client's region itself
         are ``direct``."""
-        plans = self.read_plans(self.holders(keys, marks, object_bytes), keys, marks, object_bytes)
+        plans = self._read_plans(self.holders(keys, marks, object_bytes), keys, marks, object_bytes)
         if not into_region:
             return ReadPlan(plans, [])
         cards = self.cards
@@ -437,13 +438,13 @@ class ObjectStore:
         for i, holder in enumerate(self.holders(keys, marks, object_bytes)):
             if holder is None:
                 continue
-            handing = self.cards[int(holder)]
+            handing = self.cards[holder.card]
             if not isinstance(handing, HandsFiles):
                 continue
             fkey = fragment_key(keys[i], 0)
             placed = handing.open_placed(fkey)
             if placed is not None:
-                opened.append((i, handing, placed, OpenedFile(placed.fd, fkey, getattr(holder, "write_id", None))))
+                opened.append((i, handing, placed, OpenedFile(placed.fd, fkey, holder.write_id)))
         try:
             verdicts = check([item[3] for item in opened])
         except BaseException:
@@ -509,7 +510,7 @@ class ObjectStore:
         self._observe(frag.card, not verdict.strike, seconds)
         return verdict
 
-    def _card_write(self, frag: Fragment, call: Callable[[Card], bool]) -> tuple[bool, bool]:
+    def _card_write(self, frag: Fragment, call: Callable[[Card], bool]) -> "_Written":
         """``(ok, transport ok)`` of one card write of one fragment, timed and accounted: the
         card's statistics, and its health (a transport failure is a strike, unless only one
         node of a cluster failed)."""
@@ -525,7 +526,7 @@ class ObjectStore:
             logger.exception("write to card %s failed", card.serial)
         seconds = self.stats[frag.card].end(token, True, ok, frag.length)
         self._observe(frag.card, transport_ok or not strike, seconds)
-        return ok, transport_ok
+        return _Written(ok, transport_ok)
 
     def _read(self, frag: Fragment, buf: memoryview) -> Read:
         """The verdict of one fragment's read."""
@@ -767,18 +768,16 @@ class ObjectStore:
         return (self._lookup(keys, marks, object_bytes).card >= 0).tolist()
 
     def holders(self, keys: Sequence[bytes], marks: Optional[Sequence[int]],
-                object_bytes: Optional[int] = None) -> list[Optional[int]]:
-        """For each object, the first of its replica cards in service that holds all of it
-        (every fragment, at the sizes ``object_bytes`` gives, or else the size its head
-        records), or None: where a read of it goes. The card comes as a ``Holder`` that
-        also names the other replica cards and the write id of the object's head there,
-        for ``read_plans``."""
+                object_bytes: Optional[int] = None) -> list[Optional[Holder]]:
+        """For each object, where a read of it goes (``Holder``: the first of its replica cards
+        in service that holds all of it, every fragment at the sizes ``object_bytes`` gives,
+        or else the size its head records), or None."""
         found = self._lookup(keys, marks, object_bytes)
-        out: list[Optional[int]] = [None] * len(keys)
+        out: list[Optional[Holder]] = [None] * len(keys)
         hit = np.flatnonzero(found.card >= 0)
         for i, card, write_id, rank, slot in zip(hit.tolist(), found.card[hit].tolist(), found.write_id[hit].tolist(),
                                                  found.rank[hit].tolist(), found.slot[hit].tolist()):
-            out[i] = Holder.of(card, tuple(found.replicas[slot][rank + 1:]) if rank >= 0 else (), write_id)
+            out[i] = Holder(card, tuple(found.replicas[slot][rank + 1:]) if rank >= 0 else (), write_id)
         return out
 
     def _lookup(self, keys: Sequence[bytes], marks: Optional[Sequence[int]],

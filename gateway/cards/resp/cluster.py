@@ -48,14 +48,14 @@ import logging
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import xxhash
 
 from adpkv_gateway.cards import objfmt
 from adpkv_gateway.cards.base import (
     BatchedReads, Card, CardIOError, CardUnavailable, CardUsage, Head, KeyedLayoutRecord, KeysByTag, Listed,
-    NodeIOError, Read, claim_record, parse_claim
+    NodeIOError, Read, ReadItem, claim_record, parse_claim
 )
 from adpkv_gateway.cards.fragments import is_head, object_key
 from adpkv_gateway.cards.resp.cluster_map import (
@@ -202,7 +202,7 @@ class ClusterCard(ClusterRouting, Card, BatchedReads, KeysByTag, KeyedLayoutReco
             logger.warning("cluster card %s: %s is %s; a miss", self.device, fkey.hex(), verdict.value)
         return verdict
 
-    def read_many(self, items) -> list:
+    def read_many(self, items: list[ReadItem]) -> list[Union[Read, CardIOError]]:
         """``read`` of many fragments, pipelined per node and in parallel across nodes: each
         node gets its GETs on one connection, up to ``READ_WINDOW_BYTES`` of values (two
         at least) in flight, every node's first GETs sent before any reply is read; the

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 from adpkv_core.keys import DEFAULT_NAMESPACE, chunk_digest, key_namespace
-from adpkv_core.settings import ClientConfig, parse_bool
+from adpkv_core.settings import ClientConfig, parse_bool, parse_byte_count
 
 logger = logging.getLogger("adpkv.vllm")
 
@@ -96,20 +96,7 @@ class AdapterSettings:
                    respect_fail_policy=parse_bool(extra.get(PREFIX + "respect_fail_policy", False),
                                                   PREFIX + "respect_fail_policy"),
                    nvlink_fanout=parse_bool(extra.get(PREFIX + "nvlink_fanout", False), PREFIX + "nvlink_fanout"),
-                   direct_map_bytes=_byte_count(extra.get(PREFIX + "direct_map_bytes", 0), PREFIX + "direct_map_bytes"))
-
-
-def _byte_count(raw: Any, name: str) -> int:
-    """A setting that is a number of bytes >= 0 (an int, or a string of digits)."""
-    try:
-        if isinstance(raw, bool):
-            raise ValueError
-        value = int(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"adpkv: {name}={raw!r} is not a number of bytes") from None
-    if value < 0:
-        raise ValueError(f"adpkv: {name} must be >= 0 bytes, got {value}")
-    return value
+                   direct_map_bytes=parse_byte_count(extra.get(PREFIX + "direct_map_bytes", 0), PREFIX + "direct_map_bytes"))
 
 
 def rounded_chunk(raw: Any, unit: int, name: str, default: int | None = None) -> int:

@@ -270,3 +270,16 @@ def test_settings_misspelt_key_refused():
                                       "adpkv.port": 5590, "adpkv.reconnect_s": 1},
                                      prefix="adpkv.", also=("chunk_size",))
     assert cfg.port == 5590
+
+
+def test_number_and_byte_count_settings_have_one_parser_each():
+    from adpkv_core.settings import parse_byte_count, parse_number
+    assert parse_number("2.5", "x_s", "seconds") == 2.5 and parse_number(0, "x_s") == 0.0
+    for bad in (-1, "soon", True, None, float("nan")):
+        with pytest.raises(ValueError, match=r"x_s must be a number of seconds >= 0"):
+            parse_number(bad, "x_s", "seconds")
+    assert parse_byte_count("1GiB", "b") == 1 << 30 and parse_byte_count(0, "b") == 0
+    with pytest.raises(ValueError, match="b must be >= 0 bytes"):
+        parse_byte_count(-5, "b")
+    with pytest.raises(ValueError, match="is not a number of bytes"):
+        parse_byte_count("lots", "b")
