@@ -141,8 +141,10 @@ class AdpOffloadingWorker(OffloadingWorker):
         return by
 
     # ---------------------------------------------------------------- stores
-    def submit_store(self, job_id: int, src, dst_spec: LoadStoreSpec) -> bool:
-        """``src``: the blocks to store (vLLM <= 0.33: ``GPULoadStoreSpec``; 0.34: ``DevicePointers``)."""
+    def submit_store(self, job_id: int, src_spec, dst_spec: LoadStoreSpec) -> bool:
+        """``src_spec``: the blocks to store (vLLM <= 0.33: ``GPULoadStoreSpec``; 0.34: the
+        ``DevicePointers`` it passes in that place, positionally, as ``device_ptrs``). The
+        parameters keep the names 0.26 to 0.33 declare."""
         job = _Job(job_id, "store")
         with self._lock:
             self._jobs[job_id] = job
@@ -152,7 +154,7 @@ class AdpOffloadingWorker(OffloadingWorker):
             return True          # a store that cannot happen is a future miss
         client, ring = s.client, s.state["ring"]
         try:
-            groups = self._group_blocks(src)
+            groups = self._group_blocks(src_spec)
         except ValueError:
             logger.exception("adpkv: store job %d: its blocks cannot be read; not stored", job_id)
             return True          # a future miss
@@ -183,9 +185,9 @@ class AdpOffloadingWorker(OffloadingWorker):
         return True
 
     # ---------------------------------------------------------------- loads
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst, expedited: bool = False) -> bool:
-        """``dst``: the blocks to load into (vLLM <= 0.33: ``GPULoadStoreSpec``; 0.34:
-        ``DevicePointers``). ``expedited`` (vLLM >= 0.33: a load its request waits for within
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec, expedited: bool = False) -> bool:
+        """``dst_spec``: the blocks to load into (vLLM <= 0.33: ``GPULoadStoreSpec``; 0.34: the
+        ``DevicePointers`` it passes in that place, positionally, as ``device_ptrs``). ``expedited`` (vLLM >= 0.33: a load its request waits for within
         this step, through ``wait``): the same GETs. Nothing here queues a load behind another:
         every job's GETs go to the gateway at once."""
         job = _Job(job_id, "load")
@@ -198,7 +200,7 @@ class AdpOffloadingWorker(OffloadingWorker):
             return True
         client, ring = s.client, s.state["ring"]
         try:
-            groups = self._group_blocks(dst)
+            groups = self._group_blocks(dst_spec)
         except ValueError:
             logger.exception("adpkv: load job %d: its blocks cannot be written; failed", job_id)
             job.result = False
