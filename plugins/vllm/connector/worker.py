@@ -653,4 +653,4 @@ def _map_stored(direct: DirectMaps, client: GatewayClient, keys: list[bytes], ob
         return
     held = [i for i, (s, e) in enumerate(zip(res.stored, res.existed)) if s or e]
     if held:
-        direct.prefetch(client, [keys[i] for i in held], obj, [marks[i] for i in held])
+        direct.prefetch(client, [keys[i] for i in held], obj, [marks[i] for i in held], after_passes=True)

@@ -401,9 +401,10 @@ def test_a_prefetch_waits_for_the_restores_in_flight(start_gateway):
 
 @pytest.mark.timeout(120)
 def test_a_prefetch_waits_for_the_engine_to_pause(start_gateway):
-    """A prefetch queued while the engine computes (``busy``: the vLLM worker's passes) sends its
-    MAP only once the engine pauses: mapping and registering never run under the pass that
-    stores (they slowed the storing prefill on the GPU)."""
+    """A prefetch of what a pass stored (``after_passes``), queued while the engine computes
+    (``busy``: the vLLM worker's passes), sends its MAP only once the engine pauses: mapping and
+    registering never run under the passes of the prefill that stores. A restore's prefetch
+    does not wait for the engine (the prompt's next return wants the mappings)."""
     gw = start_gateway()
     c = GatewayClient(ClientConfig(port=gw.port, timeout_s=30.0), "engine-busy")
     assert c.enabled, c.attach_error
@@ -419,13 +420,17 @@ def test_a_prefetch_waits_for_the_engine_to_pause(start_gateway):
         return map_objects(*args, **kwargs)
     c.map_objects = recording
     maps = DirectMaps(64 * OBJ, busy=computing.is_set)
-    maps.prefetch(c, keys, OBJ)
+    # a restore's prefetch does not wait for the engine (its next return wants the mappings)
+    maps.prefetch(c, keys[:2], OBJ)
+    assert maps.drain(30) and busy_at_map == [True]
+    # what a pass stored waits for a pause
+    maps.prefetch(c, keys[2:], OBJ, after_passes=True)
     pause = threading.Timer(0.5, computing.clear)
     pause.start()
     try:
         assert maps.drain(30)
     finally:
         pause.cancel()
-    assert busy_at_map == [False] and all(maps.held(k) for k in keys)
+    assert busy_at_map == [True, False] and all(maps.held(k) for k in keys)
     maps.close()
     c.close()
