@@ -17,7 +17,7 @@ on it and measured:
 - ``exist512_ms`` / ``exist16k_ms``: EXIST of 512 and 16,384 stored keys, p50 and p99 of
   real client round trips (``--rounds``);
 - ``store16k_us``: the gateway's share of a 16,384-key EXIST, µs a key (p50): the gateway's
-  own store code (``ObjectStore.exists``, what its pool runs for an EXIST) on the card, opened
+  own store code (``Lookup.exists``, what its pool runs for an EXIST) on the card, opened
   in this process from the snapshot of the gateway's clean stop (put back afterwards: the
   files are unchanged), timed once the card's check of its files ended;
 - ``get_obj_s``: GET of 512 hot objects at a time, objects a second;
@@ -53,7 +53,8 @@ from adpkv_core.settings import ClientConfig  # noqa: E402
 from adpkv_gateway.ops import control  # noqa: E402
 from adpkv_gateway.cards.fs.card import SNAPSHOT_FILE, FsCard  # noqa: E402
 from adpkv_gateway.store.health import CardHealth  # noqa: E402
-from adpkv_gateway.store.object_store import ObjectStore, Pins  # noqa: E402
+from adpkv_gateway.store.object_store import ObjectStore  # noqa: E402
+from adpkv_gateway.store.pins import Pins  # noqa: E402
 from adpkv_gateway.ops.spawn import GatewayProcess  # noqa: E402
 
 HEADER = 4096
@@ -201,7 +202,7 @@ def measure(gw, root, keys, n, size, rounds, trace_len, empty_rss, built, served
 
 
 def store_exist_us(root: str, keys: list[bytes], rounds: int) -> float:
-    """µs a key (p50) of ``ObjectStore.exists`` of 16,384 stored keys on the card at ``root``
+    """µs a key (p50) of ``Lookup.exists`` of 16,384 stored keys on the card at ``root``
     (16 databases, the gateway's default placement), its index from the snapshot there."""
     snapshot = os.path.join(root, SNAPSHOT_FILE)
     with open(snapshot, "rb") as fh:
@@ -216,7 +217,7 @@ def store_exist_us(root: str, keys: list[bytes], rounds: int) -> float:
         for _ in range(rounds):
             ask = [keys[i] for i in rng.integers(0, len(keys), min(16384, len(keys)))]
             t = time.perf_counter()
-            found = store.exists(ask, None)
+            found = store.lookup.exists(ask, None)
             times.append((time.perf_counter() - t) / len(ask))
             assert all(found)
     finally:

@@ -34,7 +34,7 @@ from adpkv_core.wire.protocol import GatewayStats
 
 from adpkv_gateway.observe.latency import IO_LATENCY_BUCKETS
 from adpkv_gateway.observe.metrics import GatewayMetrics
-from adpkv_gateway.store.object_store import CardStats
+from adpkv_gateway.store.card_stats import CardStats
 
 
 class CountersOnly(CardStats):

@@ -41,7 +41,8 @@ from adpkv_gateway.cards.base import Read
 from adpkv_gateway.cards.fs.files import verdict_of
 from adpkv_gateway.cards.objfile import HEADER_BYTES
 from adpkv_gateway.cards.checksum import xxh3_64
-from adpkv_gateway.store.object_store import ObjectStore, OpenedFile
+from adpkv_gateway.store.card_io import OpenedFile
+from adpkv_gateway.store.object_store import ObjectStore
 
 logger = logging.getLogger("adpkv.gateway")
 

@@ -29,7 +29,8 @@ from typing import Optional
 from adpkv_core.memory.region_lock import holding
 
 from adpkv_gateway.datapath.scatter import Scatter
-from adpkv_gateway.store.object_store import ObjectStore, Outcome, PutSource, RegionBytes
+from adpkv_gateway.store.card_io import Outcome, PutSource, ReadToFd, RegionBytes
+from adpkv_gateway.store.object_store import ObjectStore
 
 
 def direct_reads(store: ObjectStore, region, items: list, write_by: Optional[float]) -> list[Outcome]:
@@ -43,11 +44,11 @@ def direct_reads(store: ObjectStore, region, items: list, write_by: Optional[flo
     with holding(_span(region, [(place, frag.length) for _, frag, place in items]), write_by) as may_write:
         for j, frag, place in items:
             ok = False
-            for replica in store.direct_replicas(frag) if may_write else ():
+            for replica in store.io.direct_replicas(frag) if may_write else ():
                 size_now = region.size_now(write_by)
                 if size_now is None or place + frag.length > size_now:
                     break
-                ok = store.read_to_fds([(j, replica, region.fd, place)], write_by)[0].ok
+                ok = store.io.read_to_fds([ReadToFd(j, replica, region.fd, place)], write_by)[0].ok
                 if ok:
                     break
             out.append(Outcome(j, ok))

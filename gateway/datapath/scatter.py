@@ -6,7 +6,7 @@ of a page of an SGLang host pool in shared memory and its stamp in a small regio
 backend's own. ``Scatter`` is such a request's regions and the file offset of every piece
 (each checked inside its region by ``door.Region.places``).
 
-GET: an object is read whole into the ring first (``store.read_many``: header and checksum
+GET: an object is read whole into the ring first (``CardIO.read_many``: header and checksum
 checked there), then its pieces are written into the regions (``Scatter.scatter``), so no
 piece lands before the whole object is known good. PUT: the pieces are read into the ring
 slot (``Scatter.gather``) and the object is stored from there. The gateway never maps a
@@ -21,7 +21,7 @@ from typing import Optional
 
 from adpkv_core.memory.region_lock import holding
 
-from adpkv_gateway.store.object_store import Outcome
+from adpkv_gateway.store.card_io import Outcome
 
 
 class Scatter:

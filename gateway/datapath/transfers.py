@@ -56,7 +56,8 @@ from adpkv_gateway.observe.latency import LatencyBuckets
 from adpkv_gateway.datapath.region_io import RegionSource, RingSource, direct_reads, to_region
 from adpkv_gateway.datapath.ring_alloc import EngineRing
 from adpkv_gateway.datapath.scatter import Scatter, to_scatter
-from adpkv_gateway.store.object_store import NoProcessRead, ObjectStore, Outcome, PutItem, ReadPlan
+from adpkv_gateway.store.card_io import NoProcessRead, Outcome, ReadInto
+from adpkv_gateway.store.object_store import ObjectStore, PutItem, ReadPlan
 
 logger = logging.getLogger("adpkv.gateway")
 
@@ -261,7 +262,7 @@ class Transfers:
         if self.procs:
             reads = self._read_in_processes(batch, reads)
         slot = job.ring.ring.slot
-        self._submit(batch, self.store.read_many, [(j, f, slot(at, f.length)) for j, f, at in reads])
+        self._submit(batch, self.store.io.read_many, [ReadInto(j, f, slot(at, f.length)) for j, f, at in reads])
         region, write_by = job.region, job.region_by
         self._submit(batch, lambda group: direct_reads(self.store, region, group, write_by), direct)
         if batch.pending == 0:
@@ -353,7 +354,7 @@ class Transfers:
         assert procs is not None                        # the caller checked it
         for card, group in by_card.items():
             kept: list = []                            # (read, the card's FileRead) for the processes
-            for read, how in zip(group, self.store.process_reads(card, [frag for _, frag, _ in group])):
+            for read, how in zip(group, self.store.io.process_reads(card, [frag for _, frag, _ in group])):
                 if how is NoProcessRead.HERE:
                     rest.append(read)
                 elif how is NoProcessRead.ABSENT:        # the card knows the object is gone
@@ -376,16 +377,16 @@ class Transfers:
         """An I/O process ran ``task`` (``part``'s reads of one card, the card's ``files``):
         its missed reads' ``(k, verdict)`` and every read's seconds, accounted by the store
         (``process_reads_done``). A read that missed goes to the object's next replica on the
-        pool, as ``store.read_many`` does there."""
+        pool, as ``CardIO.read_many`` does there."""
         misses, seconds = result
-        self.store.process_reads_done(card, files, task.lengths, misses, seconds)
+        self.store.io.process_reads_done(card, files, task.lengths, misses, seconds)
         done, again = [], []
         for k, _ in misses:
             j, frag, offset = part[k]
             if frag.others:
-                again.append((j, frag, batch.job.ring.ring.slot(offset, frag.length)))
+                again.append(ReadInto(j, frag, batch.job.ring.ring.slot(offset, frag.length)))
             else:
                 done.append(Outcome(j, False))
         if again:
-            self._submit(batch, self.store.read_from_replicas, again)
+            self._submit(batch, self.store.io.read_from_replicas, again)
         self._io_done(batch, done)

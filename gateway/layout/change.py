@@ -15,7 +15,8 @@ from typing import Callable, Optional
 from adpkv_gateway.config import GatewayConfig
 from adpkv_gateway.layout.record import CardRecord, Layout, LayoutError, settle, write_all
 from adpkv_gateway.layout.mover import Mover
-from adpkv_gateway.store.object_store import ObjectStore, PreviousPlacement
+from adpkv_gateway.store.object_store import ObjectStore
+from adpkv_gateway.store.placement import PreviousPlacement
 
 logger = logging.getLogger("adpkv.gateway.layout")
 
@@ -45,8 +46,8 @@ class LayoutChange:
         except LayoutError as exc:
             raise SystemExit(str(exc)) from None
         change = cls(store, record, config.move_rate_bytes)
-        store.left_out = frozenset(c.serial for c in store.cards) - frozenset(record.layout.serials)
-        store.rebuild_placement()
+        store.placement.left_out = frozenset(c.serial for c in store.cards) - frozenset(record.layout.serials)
+        store.placement.rebuild()
         if record.previous is not None:
             change._begin(record.previous)
         return change
@@ -54,16 +55,16 @@ class LayoutChange:
     def _begin(self, prev: Layout) -> None:
         """Fall back to ``prev`` and move its objects (the mover starts with ``start``)."""
         store = self.store
-        store.previous = PreviousPlacement(prev.serials, store.cards, prev.storage_slots, prev.key_placement,
+        store.placement.previous = PreviousPlacement(prev.serials, store.cards, prev.storage_slots, prev.key_placement,
                                            prev.replicas)
         self.mover = Mover(store, prev.fingerprint, self.move_rate_bytes, on_complete=self._complete)
-        store.on_previous_hit = self.mover.hit
+        store.placement.on_previous_hit = self.mover.hit
 
     def drain_refusal(self, serial: str) -> Optional[str]:
         """Why ``serial`` cannot be drained now, or None (on the gateway's loop)."""
         if self.record is None:
             return "not every card answered at start: the layout is not recorded"
-        if self.store.previous is not None:
+        if self.store.placement.previous is not None:
             return "a card-set change is being moved; drain when it is complete"
         if serial not in self.record.layout.serials:
             return f"card {serial} is not in the layout"
@@ -80,8 +81,8 @@ class LayoutChange:
         store, old = self.store, recorded.layout
         self.record = CardRecord(old.without([serial]), old, recorded.epoch + 1)
         self._begin(old)
-        store.left_out = store.left_out | {serial}
-        store.rebuild_placement()
+        store.placement.left_out = store.placement.left_out | {serial}
+        store.placement.rebuild()
         logger.info("Drain of card %s: layout %s -> %s; its objects move to the other cards", serial,
                     old.fingerprint, self.record.layout.fingerprint)
         return self.record.layout
@@ -113,8 +114,8 @@ class LayoutChange:
         recorded, m = self.record, self.mover
         assert recorded is not None and m is not None   # only the mover calls this: _begin made it, with a record
         record = CardRecord(recorded.layout, None, recorded.epoch + 1)
-        self.store.on_previous_hit = lambda key, mark, card: None
-        self.store.previous = None
+        self.store.placement.on_previous_hit = lambda key, mark, card: None
+        self.store.placement.previous = None
         write_all(self.store.cards, record)
         self.record = record
         logger.info("Card-set change to key layout %s complete: %d objects (%d bytes) moved, %d copies of objects "

@@ -4,9 +4,9 @@ their cards in the current one, in a thread of its own at a bounded rate.
 Where the work comes from:
 
 - hits: a lookup that missed in the current placement and hit in the previous one
-  (``ObjectStore.on_previous_hit``) is moved ``MOVE_AFTER_S`` after it was served (the read
+  (``CardPlacement.on_previous_hit``) is moved ``MOVE_AFTER_S`` after it was served (the read
   that found it is done by then);
-- the sweep: the mover lists the objects of every previous card (``ObjectStore.listed_heads``: fs,
+- the sweep: the mover lists the objects of every previous card (``Card.listed_heads``: fs,
   its index and each head's header; resp, a SCAN; a cluster card, a SCAN of each primary)
   with the slot tag each head records (``cards.objfmt``: with ``dialog`` placement the dialog
   mark, so the tag gives the slot as the PUT's mark did; with ``stripe`` the key alone) and
@@ -30,10 +30,11 @@ new one is whole). Two gateways moving the same object write the same bytes.
 
 When a sweep pass finds nothing left to move and no hit waits, the change is complete:
 ``on_complete`` drops the previous layout (once). Contract: ``store`` is the gateway's
-``ObjectStore`` with ``previous`` set; the mover reaches the cards only through it (``listed_heads``,
-``keys_by_tag``, ``recorded_head``, ``read_object``, ``write_copies``, ``remove_write``: the old
-copy is removed only while it is still the write it copied, issue 40) and reads which cards are
-in service there (``in_service``)."""
+``ObjectStore`` with ``placement.previous`` set; the mover lists a card's heads itself
+(``Card.listed_heads``) and does every other card command through the store's accounted I/O
+(``CardIO.recorded_head``, ``read``, ``write_replicas``, ``remove_write``: the old copy is removed
+only while it is still the write it copied, issue 40), and reads which cards are in service
+there (``CardService.in_service``)."""
 
 from __future__ import annotations
 
@@ -48,9 +49,10 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from adpkv_core.wire.protocol import GatewayStats
 
 from adpkv_gateway.observe import metrics
-from adpkv_gateway.cards.base import CardIOError, Read
+from adpkv_gateway.cards.base import CardIOError, Head, KeysByTag, Read
 from adpkv_gateway.observe.status import PREFIX
-from adpkv_gateway.store.object_store import ObjectStore, PreviousPlacement
+from adpkv_gateway.store.object_store import ObjectStore
+from adpkv_gateway.store.placement import PreviousPlacement
 
 logger = logging.getLogger("adpkv.gateway.mover")
 
@@ -62,7 +64,7 @@ RETRY_S = 5.0                 # a sweep pass that could not move everything runs
 
 
 class Mover:
-    """Moves the objects of ``store.previous`` to their current cards (see the module)."""
+    """Moves the objects of ``store.placement.previous`` to their current cards (see the module)."""
 
     def __init__(self, store: ObjectStore, previous_fingerprint: str, rate_bytes: int,
                  on_complete: Callable[[], None]):
@@ -158,11 +160,11 @@ class Mover:
         for card_index in sorted({c for c in prev.card_of if c is not None}):
             if self._stop.is_set():
                 return False
-            if not store.in_service(card_index):
+            if not store.service.in_service(card_index):
                 clean = False
                 continue
             try:
-                listed = store.listed_heads(card_index)
+                listed = list(store.cards[card_index].listed_heads())     # slow: a header read per object
             except (CardIOError, OSError) as exc:
                 if card_index not in self._unlisted:        # once a card, not every pass
                     self._unlisted.add(card_index)
@@ -179,7 +181,7 @@ class Mover:
                         untagged_targets = self._untagged_targets(card_index)
                     if untagged_targets != [card_index]:
                         todo.append((item.key, None))
-                elif card_index not in store.targets(item.key, mark, store.replicas):
+                elif card_index not in store.placement.targets(item.key, mark, store.placement.replicas):
                     todo.append((item.key, mark))
             self.left_objects = len(todo)
             for key, mark in todo:
@@ -198,7 +200,7 @@ class Mover:
         return clean
 
     def _previous(self) -> PreviousPlacement:
-        prev = self.store.previous
+        prev = self.store.placement.previous
         assert prev is not None     # set before the mover is made; dropped only by its own _finish, after the sweep
         return prev
 
@@ -206,12 +208,12 @@ class Mover:
         """The dialog mark that gives an object the slot tag its head records (0: none, the key
         places it); None when the tag does not place it (not recorded, with ``dialog``)."""
         store = self.store
-        if store.placement_mode == "stripe":
+        if store.plan.placement_mode == "stripe":
             return 0                      # the key alone places it, whatever its head records
         if tag is None:
             return None
         mark = int.from_bytes(tag, "big") if tag else 0
-        return mark if store.slot_tag(mark) == tag else None
+        return mark if store.plan.slot_tag(mark) == tag else None
 
     def _untagged_targets(self, old: int) -> list[int]:
         """The cards (in service) that now hold the replicas of a slot whose replicas card
@@ -221,7 +223,7 @@ class Mover:
         for slot, ranking in enumerate(prev.placement.rankings):
             if old not in (prev.card_of[i] for i in ranking[:prev.replicas]):
                 continue
-            out.update([i for i in store.placement.rankings[slot] if store.in_service(i)][:store.replicas])
+            out.update(store.placement.replica_cards(slot))
         return sorted(out)
 
     def _copy_untagged(self, key: bytes, old: int, targets: list[int]) -> tuple[bool, bool]:
@@ -229,7 +231,7 @@ class Mover:
         module), removing it from ``old`` when ``old`` is not one of them. (whether nothing of
         it is left to do, whether it could be placed at all)."""
         store = self.store
-        if any(store.keys_by_tag(c) for c in set(targets) | {old}):
+        if any(isinstance(store.cards[c], KeysByTag) for c in set(targets) | {old}):
             return True, False            # keyed by the tag it does not record: it stays (see the module)
         if not targets:
             return False, True            # no card of its slots in service now: the next pass
@@ -242,10 +244,10 @@ class Mover:
         """Move one object from card ``old`` to its current cards; whether nothing of it is left
         to move (moved, already there, or gone)."""
         store = self.store
-        targets = store.targets(key, mark, store.replicas)
+        targets = store.placement.targets(key, mark, store.placement.replicas)
         if not targets or old in targets:
             return bool(targets)
-        return self._transfer(key, old, mark, store.slot_tag(mark), targets, drop=True)
+        return self._transfer(key, old, mark, store.plan.slot_tag(mark), targets, drop=True)
 
     def _yield_to_engine(self) -> None:
         """Wait while the engine's requests are in flight (at most ``YIELD_AT_MOST_S``): the
@@ -263,28 +265,28 @@ class Mover:
         store = self.store
         self._yield_to_engine()
         try:
-            recorded = store.recorded_head(old, key, tag)
+            recorded = store.io.recorded_head(old, key, tag)
         except CardIOError:
             self.failed += 1
             return False
         if recorded is None:
             return True                   # gone
         size = recorded.size
-        if store.is_pinned(key):
+        if store.pins.holds(key):
             return self._later(key, mark, old)
         buf = bytearray(size)
         view = memoryview(buf)
         # every fragment of the write its head names (another write's: a writer in progress)
-        verdict = store.read_object(old, key, recorded, tag, view)
+        verdict = self._read_object(old, key, recorded, tag, view)
         if verdict is not Read.HIT:
             if verdict.drops:             # missing or corrupt on the old card: evidence about it (that write)
-                store.remove_write(old, key, size, tag, recorded.write_id)
+                store.io.remove_write(old, key, size, tag, recorded.write_id)
                 return True
             self.failed += 1
             return False
         missing = [t for t in targets if not self._holds(t, key, tag, view)]
         if missing:
-            if not store.write_copies(missing, key, tag, view) or not all(self._holds(t, key, tag, view)
+            if not self._write_copies(missing, key, tag, view) or not all(self._holds(t, key, tag, view)
                                                                          for t in missing):
                 self.failed += 1          # a card failed, or another gateway wrote it at once: next pass
                 return False
@@ -293,9 +295,9 @@ class Mover:
         if not drop:
             self.copied_objects += 1
             return True
-        if store.is_pinned(key):
+        if store.pins.holds(key):
             return self._later(key, mark, old)
-        if not store.remove_write(old, key, size, tag, recorded.write_id):
+        if not store.io.remove_write(old, key, size, tag, recorded.write_id):
             self.failed += 1              # stored again on the old card since, or it did not answer: next pass
             return False
         self.moved_objects += 1
@@ -307,15 +309,34 @@ class Mover:
         fragments of two writes: then it does not)."""
         store = self.store
         try:
-            recorded = store.recorded_head(card, key, tag)
+            recorded = store.io.recorded_head(card, key, tag)
         except CardIOError:
             return False
         if recorded is None or recorded.size != len(obj):
             return False
         back = bytearray(len(obj))
-        if store.read_object(card, key, recorded, tag, memoryview(back)) is not Read.HIT:
+        if self._read_object(card, key, recorded, tag, memoryview(back)) is not Read.HIT:
             return False
         return back == obj
+
+    def _read_object(self, card: int, key: bytes, head: Head, tag: Optional[bytes], buf: memoryview) -> Read:
+        """Read the object ``key`` whole from ``card`` into ``buf`` (``head.size`` bytes): every
+        fragment of the write ``head`` names (another write's is ``CHANGED``: a writer in
+        progress), each accounted as any read. ``HIT`` when all are; else the first other
+        verdict, and nothing is removed (the caller decides)."""
+        store = self.store
+        for frag in store.plan.fragments(card, key, head.size, tag):
+            verdict = store.io.read(frag._replace(write_id=head.write_id), buf[frag.offset:frag.offset + frag.length])
+            if verdict is not Read.HIT:
+                return verdict
+        return Read.HIT
+
+    def _write_copies(self, cards: list[int], key: bytes, tag: Optional[bytes], obj: memoryview) -> bool:
+        """Write the object ``key`` (its bytes ``obj``; ``tag`` its slot tag, None: recorded as
+        not known) whole to each of ``cards``, one write id for all, head last; True if at least
+        one holds all of it."""
+        store = self.store
+        return store.io.write_replicas([store.plan.fragments(c, key, len(obj), tag) for c in cards], obj)
 
     def _later(self, key: bytes, mark: Optional[int], old: int) -> bool:
         """An engine holds the object pinned: moved later (as a hit, or by the next pass)."""

@@ -47,7 +47,8 @@ from adpkv_gateway.layout.change import LayoutChange
 from adpkv_gateway.loop import stats
 from adpkv_gateway.observe.metrics import GatewayMetrics, status_file_problem
 from adpkv_gateway.store.namespaces import KEEP_CLAIMS_S, NamespaceOwners
-from adpkv_gateway.store.object_store import ObjectStore, Pins
+from adpkv_gateway.store.object_store import ObjectStore
+from adpkv_gateway.store.pins import Pins
 from adpkv_gateway.datapath.transfers import Transfers
 
 logger = logging.getLogger("adpkv.gateway")
@@ -164,8 +165,8 @@ class Gateway:
         self.metrics = GatewayMetrics(self.store.cards, self.store.stats)
         # with every card: the layout recorded on them and the fingerprint (gateway/layout/record.py)
         self.layout_change = LayoutChange.open(self.store, config)
-        logger.info("Key layout fingerprint %s", self.store.fingerprint)
-        if config.key_layout_fingerprint and config.key_layout_fingerprint != self.store.fingerprint:
+        logger.info("Key layout fingerprint %s", self.store.placement.fingerprint)
+        if config.key_layout_fingerprint and config.key_layout_fingerprint != self.store.placement.fingerprint:
             logger.warning("Not every card answered: the key layout fingerprint is checked when they join")
             self.health.expected_fingerprint = config.key_layout_fingerprint
         for card in cards:
@@ -378,11 +379,11 @@ class Gateway:
         def answer(hits):
             if msg.lock and self.engines.peers.get(identity) is peer:
                 locked = [k for k, h in zip(keys, hits) if h]
-                self.store.pin(locked)
+                self.store.pins.pin(locked)
                 peer.pins.update(locked)
             self._send(identity, P.ExistOk(id=msg.id, hits=P.pack_flags(hits)))
 
-        self._offload(lambda: self.store.exists(keys, msg.marks), answer, identity, msg)
+        self._offload(lambda: self.store.lookup.exists(keys, msg.marks), answer, identity, msg)
 
     def _on_unlock(self, identity, peer: Peer, msg: P.Unlock):
         self._release_pins(peer, msg.keys)
@@ -394,7 +395,7 @@ class Gateway:
             peer.pins[k] -= 1
             if peer.pins[k] <= 0:
                 del peer.pins[k]
-        self.store.unpin(mine)
+        self.store.pins.unpin(mine)
 
     def _on_delete(self, identity, peer, msg: P.Delete):
         self._offload(lambda: self.store.delete(msg.keys, msg.marks),
@@ -516,7 +517,7 @@ class Gateway:
 
     def _cards_in_service(self) -> list:
         """The cards in service, by serial (claims are made in this order: ``namespaces``)."""
-        return sorted((c for c, on in zip(self.store.cards, self.store.active) if on and c.serial),
+        return sorted((c for c, on in zip(self.store.cards, self.store.service.active) if on and c.serial),
                       key=lambda c: c.serial)
 
     # ================================================================ data requests
@@ -565,7 +566,7 @@ class Gateway:
         session = self.sessions_by_peer.pop(identity, None)
         if session is not None:
             session.identities.discard(identity)
-        self.store.unpin(list(peer.pins.elements()))
+        self.store.pins.unpin(list(peer.pins.elements()))
         if peer.rank is not None:
             self.data_requests.rank_left(identity, peer.rank)
             self.transfers.rank_left(identity)

@@ -25,7 +25,7 @@ def loop_snapshot(gateway) -> dict:
     """Everything STATS shows but the cards' usage. Runs on the loop's thread."""
     store = gateway.store
     cards = []
-    for card, st, active, strikes in zip(store.cards, store.stats, store.active, gateway.card_health.strikes):
+    for card, st, active, strikes in zip(store.cards, store.stats, store.service.active, gateway.card_health.strikes):
         cards.append({"serial": card.serial or card.device, "device": card.device, "kind": card.kind,
                       "active": bool(active), "strikes": strikes, "oldest_io_age_s": st.oldest_io_age(),
                       "reads": st.reads, "writes": st.writes, "bytes_read": st.bytes_read,
@@ -36,11 +36,11 @@ def loop_snapshot(gateway) -> dict:
     config, engine = gateway.config, gateway.engines.engine
     return {
         "port": config.port, "uptime_s": time.time() - gateway.started,
-        "fingerprint": store.fingerprint, "placement": config.key_placement,
+        "fingerprint": store.placement.fingerprint, "placement": config.key_placement,
         "storage_slots": config.storage_slots, "num_dbs": config.num_dbs,
-        "shared_storage": bool(config.shared_storage), "replicas": store.replicas,
+        "shared_storage": bool(config.shared_storage), "replicas": store.placement.replicas,
         "ring_size": gateway.transfers.ring_size, "ring_in_use": gateway.transfers.ring_in_use(),
-        "requests_in_flight": len(gateway.transfers.jobs), "pinned": store.pinned_count(),
+        "requests_in_flight": len(gateway.transfers.jobs), "pinned": len(store.pins),
         "regions": sum(len(s.regions) for s in gateway.door.sessions.values()),
         "sessions": len(gateway.door.sessions),
         "engine": None if engine is None else {"id": engine.engine_id, "world": engine.world,
@@ -57,7 +57,7 @@ def card_usages(store: ObjectStore) -> list[tuple[CardUsage, list[TenantUsage]]]
     """Each card's usage (bytes, capacity, objects) and its namespaces' (fs cards); runs on
     the I/O pool."""
     return [(card.usage(), card.tenant_usage()) if active else (CardUsage(0, 0, 0), [])
-            for card, active in zip(store.cards, store.active)]
+            for card, active in zip(store.cards, store.service.active)]
 
 
 def merge(snapshot: dict, usages: list[tuple[CardUsage, list[TenantUsage]]]) -> P.GatewayStats:

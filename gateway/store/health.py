@@ -10,7 +10,7 @@ answers.
 Two parts, made in the order the gateway needs them: ``CardHealth`` (the strikes and
 since when each card is out) is the store's ``CardObserver``, made before the store;
 ``HealthMonitor`` (the check loop) is made with the store and takes cards out and
-back through it (``ObjectStore.take_out``, ``bring_back``).
+back through it (``CardService.take_out``, ``bring_back``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import time
 from typing import Collection, Optional, Sequence
 
 from adpkv_gateway.cards.base import Card, CardError
-from adpkv_gateway.store.object_store import CardObserver, ObjectStore
+from adpkv_gateway.store.object_store import ObjectStore
+from adpkv_gateway.store.service import CardObserver
 
 logger = logging.getLogger("adpkv.gateway.health")
 
@@ -120,20 +121,20 @@ class HealthMonitor:
 
     def check_card(self, i: int) -> None:
         card = self.store.cards[i]
-        if self.store.in_service(i):
+        if self.store.service.in_service(i):
             if not card.check():
-                self.store.take_out(i, "health check failed")
+                self.store.service.take_out(i, "health check failed")
             return
         if not card.serial:
             try:
                 card.open()
             except CardError:
                 return
-            self.store.rebuild_placement()
+            self.store.placement.rebuild()
             logger.info("Card %s (%s) answered: serial %s joins", card.device, card.kind, card.serial)
-            if self.expected_fingerprint and self.expected_fingerprint != self.store.fingerprint:
+            if self.expected_fingerprint and self.expected_fingerprint != self.store.placement.fingerprint:
                 logger.error("Key layout fingerprint is now %s, the configured one is %s",
-                             self.store.fingerprint, self.expected_fingerprint)
+                             self.store.placement.fingerprint, self.expected_fingerprint)
             self._activate(i)
             return
         if self.health.cooling(i):
@@ -152,5 +153,5 @@ class HealthMonitor:
         if hasattr(card, "reset_connections"):
             card.reset_connections()
         self.health.reset(i)
-        self.store.bring_back(i)
+        self.store.service.bring_back(i)
         logger.info("Card %s (%s) moved from inactive to active; Group Health: active", card.serial, card.device)

@@ -4,7 +4,8 @@
 rendezvous hashing, see ``slot_rankings``), so the order of the cards in the
 configuration does not matter, every card owns its share of the slots, and a new
 card takes about its share. A key goes to the first card of its slot's
-ranking that is in service (its replicas to the next ones). ``dialog``
+ranking that is in service (its replicas to the next ones): ``CardPlacement`` over
+the cards in service, ``PreviousPlacement`` during a card-set change. ``dialog``
 placement picks the slot from the dialog mark (all blocks of a dialog on one
 card); ``stripe`` from the chunk itself (one long restore reads all cards).
 """
@@ -14,10 +15,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import operator
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import xxhash
+
+from adpkv_gateway.cards.base import Card
+from adpkv_gateway.store.service import CardService
 
 _DIGEST = operator.itemgetter(slice(9, 25))       # a key's chunk digest (adpkv_core.keys)
 
@@ -93,3 +97,68 @@ class Placement:
 
     def ranking(self, key: bytes, mark: int) -> list[int]:
         return self.rankings[self.slot(key, mark)]
+
+
+class PreviousPlacement:
+    """The placement of the layout a card-set change moves from, over the cards of this
+    gateway that it names (a card no longer configured holds nothing for it)."""
+
+    def __init__(self, serials: Sequence[str], cards: Sequence[Card], storage_slots: int, mode: str,
+                 replicas: int):
+        here = {c.serial: i for i, c in enumerate(cards) if c.serial}
+        self.serials = list(serials)
+        self.placement = Placement(self.serials, storage_slots, mode)
+        self.card_of = [here.get(s) for s in self.serials]      # its index -> the card's index here
+        self.replicas = max(1, replicas)
+
+    def targets(self, key: bytes, mark: int, active: Sequence[bool]) -> list[int]:
+        """The cards here that held the key's replicas in the previous layout, in service."""
+        out = []
+        for i in self.placement.ranking(key, mark)[:self.replicas]:
+            c = self.card_of[i]
+            if c is not None and active[c]:
+                out.append(c)
+        return out
+
+
+class CardPlacement:
+    """Where the objects of this gateway's cards go now: the ``Placement`` over the cards whose
+    serial is known and not ``left_out`` (drained: read, never placed on), the fingerprint of
+    that key layout, and during a card-set change the placement moved from (``previous``, set
+    by ``gateway/layout``) with what a hit found there reports (``on_previous_hit``)."""
+
+    def __init__(self, cards: Sequence[Card], service: CardService, storage_slots: int, num_dbs: int,
+                 mode: str, fragment_size: int, replicas: int):
+        self.cards = cards
+        self.service = service
+        self.storage_slots = storage_slots
+        self.num_dbs = num_dbs
+        self.mode = mode
+        self.fragment_size = fragment_size
+        self.replicas = max(1, replicas)
+        self.left_out: frozenset[str] = frozenset()
+        self.previous: Optional[PreviousPlacement] = None
+        self.on_previous_hit: Callable[[bytes, int, int], None] = lambda key, mark, card: None
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Recompute placement over the cards whose serial is known and not ``left_out``
+        (atomic swap)."""
+        serials = [c.serial if c.serial and c.serial not in self.left_out else None for c in self.cards]
+        self.current = Placement(serials, self.storage_slots, self.mode)
+        self.fingerprint = key_layout_fingerprint([s for s in serials if s], self.storage_slots,
+                                                  self.num_dbs, self.mode, self.fragment_size)
+
+    def targets(self, key: bytes, mark: int, n: int = 1) -> list[int]:
+        """The first ``n`` cards in service for a key, in placement order."""
+        out = []
+        for i in self.current.ranking(key, mark):
+            if self.service.in_service(i):
+                out.append(i)
+                if len(out) == n:
+                    break
+        return out
+
+    def replica_cards(self, slot: int) -> list[int]:
+        """The replica cards of a slot: the first ``replicas`` of its ranking in service."""
+        return [c for c in self.current.rankings[slot] if self.service.in_service(c)][:self.replicas]

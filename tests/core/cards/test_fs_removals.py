@@ -356,7 +356,9 @@ def test_a_read_verdict_never_removes_a_later_write_on_a_resp_card(redis_servers
     write 2's too."""
     from adpkv_gateway.cards.resp.card import RespCard
     from adpkv_gateway.store.health import CardHealth
-    from adpkv_gateway.store.object_store import ObjectStore, Pins
+    from adpkv_gateway.store.object_store import ObjectStore
+    from adpkv_gateway.store.card_io import ReadInto
+    from adpkv_gateway.store.pins import Pins
     from adpkv_gateway.cards.resp.conn import RespConnection
 
     server, = redis_servers(1)
@@ -365,9 +367,9 @@ def test_a_read_verdict_never_removes_a_later_write_on_a_resp_card(redis_servers
     store = ObjectStore([card], 16, 4, "dialog", 2048, True, 1, CardHealth([card], 0, 3), Pins())
     key, size = key_of(4000), 5000                           # three fragments of 2048 bytes
     one, two = (payload(key + bytes([n]), size) for n in (1, 2))
-    assert store.write_replicas(store.write_plans(key, 0, size), memoryview(one))
-    head1 = store.recorded_head(0, key, b"")
-    frags = [f._replace(object_bytes=size, write_id=head1.write_id) for f in store._frags(0, key, size)]
+    assert store.io.write_replicas(store.write_plans(key, 0, size), memoryview(one))
+    head1 = store.io.recorded_head(0, key, b"")
+    frags = [f._replace(object_bytes=size, write_id=head1.write_id) for f in store.plan.fragments(0, key, size)]
     raw = RespConnection(server.url, 30)
     raw.command(b"DEL", RespCard._key(frags[1].db, frags[1].fkey))     # write 1 broken: a fragment gone
     real_read = card.read
@@ -376,16 +378,17 @@ def test_a_read_verdict_never_removes_a_later_write_on_a_resp_card(redis_servers
     def read(db, fkey, buf, tag=b"", write_id=None):
         verdict = real_read(db, fkey, buf, tag, write_id)
         if verdict.drops and not stored_again:                    # a PUT lands before the verdict is acted on
-            stored_again.append(store.write_replicas(store.write_plans(key, 0, size), memoryview(two)))
+            stored_again.append(store.io.write_replicas(store.write_plans(key, 0, size), memoryview(two)))
         return verdict
     card.read = read                                              # type: ignore[method-assign]
     views = [memoryview(bytearray(f.length)) for f in frags]
-    got = store.read_many([(0, f, v) for f, v in zip(frags, views)])
+    got = store.io.read_many([ReadInto(0, f, v) for f, v in zip(frags, views)])
     card.read = real_read                                         # type: ignore[method-assign]
     assert stored_again == [True] and not all(o.ok for o in got)
-    head2 = store.recorded_head(0, key, b"")
+    head2 = store.io.recorded_head(0, key, b"")
     assert head2 is not None and head2.write_id != head1.write_id, "the later write was removed"
     back = bytearray(size)
-    assert store.read_object(0, key, head2, b"", memoryview(back)) is Read.HIT, "the later write lost a fragment"
+    assert all(store.io.read(f._replace(write_id=head2.write_id), memoryview(back)[f.offset:f.offset + f.length])
+               is Read.HIT for f in store.plan.fragments(0, key, size)), "the later write lost a fragment"
     assert bytes(back) == two
     card.close()

@@ -506,14 +506,15 @@ def test_the_batch_head_lookup_answers_as_heads_and_contains_many(tmp_path):
     is and is not the stored one."""
     from adpkv_gateway.cards.base import Card, FirstExtent
     from adpkv_gateway.store.health import CardHealth
-    from adpkv_gateway.store.object_store import ObjectStore, Pins
+    from adpkv_gateway.store.object_store import ObjectStore
+    from adpkv_gateway.store.pins import Pins
     card = FsCard(str(tmp_path / "card"), num_dbs=4)
     card.open()
     store = ObjectStore([card], 16, 4, "dialog", 2048, True, 1, CardHealth([card], 0, 3), Pins())
     keys = card_keys(400, "heads")
     sizes = [random.Random(i).choice([100, 2048, 3000, 5000]) for i in range(len(keys))]
     for key, size in zip(keys[:300], sizes):
-        assert store.write_replicas(store.write_plans(key, 0, size), memoryview(payload_of(key, size)))
+        assert store.io.write_replicas(store.write_plans(key, 0, size), memoryview(payload_of(key, size)))
     dbs = np.array([fragment_db(k, 0, 4) for k in keys], np.int64)
     hits = {}
     for object_bytes in (None, 100, 2048, 3000, 5000, 7):
@@ -525,7 +526,7 @@ def test_the_batch_head_lookup_answers_as_heads_and_contains_many(tmp_path):
             assert got.size.tolist() == want.size.tolist() and got.write_id.tolist() == want.write_id.tolist()
             hits[(object_bytes, frag)] = int(got.found.sum())
     assert hits[(None, 2048)] == 300 and hits[(100, 0)] > 0 and hits[(7, 2048)] == 0, hits
-    assert store.exists(keys, None) == [True] * 300 + [False] * 100
+    assert store.lookup.exists(keys, None) == [True] * 300 + [False] * 100
 def test_the_snapshot_check_judges_again_each_object_whose_files_changed(tmp_path, caplog):
     """A start from the snapshot checks each object's files against it (``fs_scan.verify``):
     files changed in place since the stop (no directory's time changes, so the snapshot is

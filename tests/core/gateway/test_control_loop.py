@@ -13,7 +13,8 @@ from adpkv_core.settings import ClientConfig
 from adpkv_gateway.ops import control
 from adpkv_gateway.cards.fs.card import FsCard
 from adpkv_gateway.store.health import CardHealth
-from adpkv_gateway.store.object_store import ObjectStore, Pins
+from adpkv_gateway.store.object_store import ObjectStore
+from adpkv_gateway.store.pins import Pins
 from adpkv_gateway.store.card_stats import CardStats
 
 from ..rankproc import make_keys
@@ -65,7 +66,7 @@ def test_a_task_s_reads_are_counted_as_one_by_one():
 
 
 def test_a_task_s_reads_strike_as_one_by_one(tmp_path):
-    """``CardHealth.ios`` (a task's reads at once, through ``ObjectStore.observe_many``)
+    """``CardHealth.ios`` (a task's reads at once, through ``CardService.observe_many``)
     strikes as ``io`` read by read in their order: late or transport-failed reads in a row
     take the card out of the store's service, one good read after them clears the strikes."""
     cards = []
@@ -79,26 +80,26 @@ def test_a_task_s_reads_strike_as_one_by_one(tmp_path):
         return health, store
 
     h, store = monitor(0)
-    store.observe_many(0, [0.001] * 50)
-    assert h.strikes[0] == 0 and store.in_service(0)
-    store.observe_many(0, [0.02, 0.02])                   # two late reads: two strikes
-    assert h.strikes[0] == 2 and store.in_service(0)
-    store.observe_many(0, [0.001, 0.02])                  # good (cleared), then late
-    assert h.strikes[0] == 1 and store.in_service(0)
-    store.observe_many(0, [0.02, 0.001])                  # late (a second strike), then good: cleared
-    assert h.strikes[0] == 0 and store.in_service(0)
-    store.observe_many(0, [0.001, 0.001, 0.001, 0.001], failed={1, 2})   # failures not in a row of 3
-    assert h.strikes[0] == 0 and store.in_service(0)
-    store.observe_many(0, [0.001, 0.001, 0.001], failed={0, 1, 2})       # three transport failures in a row
-    assert not store.in_service(0) and h.out_by_io[0]
+    store.service.observe_many(0, [0.001] * 50)
+    assert h.strikes[0] == 0 and store.service.in_service(0)
+    store.service.observe_many(0, [0.02, 0.02])                   # two late reads: two strikes
+    assert h.strikes[0] == 2 and store.service.in_service(0)
+    store.service.observe_many(0, [0.001, 0.02])                  # good (cleared), then late
+    assert h.strikes[0] == 1 and store.service.in_service(0)
+    store.service.observe_many(0, [0.02, 0.001])                  # late (a second strike), then good: cleared
+    assert h.strikes[0] == 0 and store.service.in_service(0)
+    store.service.observe_many(0, [0.001, 0.001, 0.001, 0.001], failed={1, 2})   # failures not in a row of 3
+    assert h.strikes[0] == 0 and store.service.in_service(0)
+    store.service.observe_many(0, [0.001, 0.001, 0.001], failed={0, 1, 2})       # three transport failures in a row
+    assert not store.service.in_service(0) and h.out_by_io[0]
 
     h, store = monitor(1)
-    store.observe_many(0, [0.001, 0.02])
-    store.observe_many(0, [0.02])
-    store.observe_many(0, [0.001], failed={0})            # strikes run on across tasks: the third in a row
-    assert not store.in_service(0)
+    store.service.observe_many(0, [0.001, 0.02])
+    store.service.observe_many(0, [0.02])
+    store.service.observe_many(0, [0.001], failed={0})            # strikes run on across tasks: the third in a row
+    assert not store.service.in_service(0)
     h, store = monitor(2)
-    store.observe_many(0, [])
-    assert h.strikes[0] == 0 and store.in_service(0)
+    store.service.observe_many(0, [])
+    assert h.strikes[0] == 0 and store.service.in_service(0)
     for card in cards:
         card.close()

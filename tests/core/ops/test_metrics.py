@@ -262,7 +262,7 @@ def test_latency_buckets_hold_each_io_at_the_first_bound_at_or_above_it():
 
     from adpkv_gateway.observe.latency import IO_LATENCY_BUCKETS
     from adpkv_gateway.observe.metrics import GatewayMetrics
-    from adpkv_gateway.store.object_store import CardStats
+    from adpkv_gateway.store.card_stats import CardStats
     stats = CardStats()
     for seconds in (0.00001, 0.001, 0.001, 0.0011, 99.0):
         stats.record(False, True, 4096, seconds)
