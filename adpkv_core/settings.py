@@ -136,17 +136,18 @@ def parse_size(value: Any) -> int:
                      "512MiB, 6GiB, 1.5G)")
 
 
-def parse_number(value: Any, name: str, unit: str = "", minimum: float = 0.0) -> float:
-    """A setting that is a number (of ``unit``: "seconds", ...) of at least ``minimum``: an int, a
-    float or a string of one, never a bool. ``ValueError`` naming ``name`` and what it must be."""
-    must = f"a number{' of ' + unit if unit else ''} >= {minimum:g}"
+def parse_number(value: Any, name: str, unit: str = "", minimum: float = 0.0, above: bool = False) -> float:
+    """The one reader of every adpkv setting that is a number (of ``unit``: "seconds", ...): an
+    int, a float or a string of one, never a bool, of at least ``minimum`` (``above``: more than
+    it). ``ValueError`` naming ``name`` and what it must be."""
+    must = f"a number{' of ' + unit if unit else ''} {'>' if above else '>='} {minimum:g}"
     try:
         if isinstance(value, bool):
             raise ValueError
         number = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be {must}, got {value!r}") from None
-    if not number >= minimum:          # NaN too
+    if not (number > minimum if above else number >= minimum):          # NaN too
         raise ValueError(f"{name} must be {must}, got {value!r}")
     return number
 
@@ -213,6 +214,8 @@ def _coerce(type_name: Any, value: Any, name: str) -> Any:
     kind = {"int": int, "float": float, "str": str, "bool": bool}.get(str(type_name), None)
     if kind is bool:
         return parse_bool(value, name)
+    if kind is float:          # every float of ClientConfig is a time
+        return parse_number(value, name, "seconds")
     try:
         return kind(value) if kind else value
     except (TypeError, ValueError):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
-from adpkv_core.settings import parse_bool, refuse_unknown
+from adpkv_core.settings import parse_bool, parse_number, refuse_unknown
 
 from ._compat import L2AdapterConfigBase
 
@@ -27,23 +27,13 @@ class _Field:
     kind: type
     default: Any
     doc: str
-    check: Any = None   # callable(value) -> error message or None
-
-
-def _positive(v):
-    return None if v > 0 else "must be > 0"
-
-
-def _non_negative(v):
-    return None if v >= 0 else "must be >= 0"
-
-
-def _port(v):
-    return None if 0 < v < 65536 else "must be in 1..65535"
+    minimum: Optional[float] = None     # a number field: at least this (``above``: more than it)
+    above: bool = False
+    maximum: Optional[int] = None       # an int field: at most this
 
 
 FIELDS: tuple[_Field, ...] = (
-    _Field("port", int, 5557, "control port of the adpkv gateway", _port),
+    _Field("port", int, 5557, "control port of the adpkv gateway", 1, maximum=65535),
     _Field("host", str, "127.0.0.1", "host of the gateway (the ring is in /dev/shm: same host only)"),
     _Field("namespace", str, DEFAULT_NAMESPACE,
            "deployment namespace of every key (required to share cards between deployments)"),
@@ -51,25 +41,25 @@ FIELDS: tuple[_Field, ...] = (
            "derive the namespace from ObjectKey.model_name (one namespace per model) instead of `namespace`"),
     _Field("affinity_chunks", int, 1,
            f"leading chunks of a prompt that make its dialog mark (card placement); env {AFFINITY_ENV}",
-           _positive),
-    _Field("timeout_s", float, 10.0, "a request without progress this long turns the cache off", _positive),
-    _Field("connect_timeout_s", float, 3.0, "deadline to attach to the gateway", _positive),
-    _Field("heartbeat_s", float, 1.0, "ping interval while idle", _positive),
+           1),
+    _Field("timeout_s", float, 10.0, "a request without progress this long turns the cache off", 0, above=True),
+    _Field("connect_timeout_s", float, 3.0, "deadline to attach to the gateway", 0, above=True),
+    _Field("heartbeat_s", float, 1.0, "ping interval while idle", 0, above=True),
     _Field("busy_wait_s", float, 10.0,
            "at attach, wait this long for a previous engine (e.g. a restarted server) to leave the gateway",
-           _non_negative),
+           0),
     _Field("reconnect_s", float, 5.0,
            "after the gateway stopped answering, retry attaching after this long (doubling up to 60 s; 0: never)",
-           _non_negative),
+           0),
     _Field("gateway_users", str, "",
            "besides root and this process's user, the users (names or uids, comma-separated) whose gateway "
            "this adapter may attach to (and in whose door directories it looks for the door)"),
-    _Field("usage_refresh_s", float, 1.0, "get_usage() asks the gateway at most this often", _non_negative),
+    _Field("usage_refresh_s", float, 1.0, "get_usage() asks the gateway at most this often", 0),
     _Field("l1_direct", bool, True,
            "when LMCache's L1 pool is a /dev/shm file, let the gateway read and write it directly "
            "(no ring copy)"),
     _Field("mark_cache_entries", int, 1 << 20,
-           "dialog marks remembered from lookups, applied to later stores/loads of the same keys", _non_negative),
+           "dialog marks remembered from lookups, applied to later stores/loads of the same keys", 0),
 )
 
 _BY_NAME = {f.name: f for f in FIELDS}
@@ -132,29 +122,17 @@ class AdpL2AdapterConfig(L2AdapterConfigBase):
 
 
 def _coerce(f: _Field, raw: Any) -> bool | int | float | str:
-    value: bool | int | float | str
+    """One adapter_params value, read by the shared parsers (``parse_bool``, ``parse_number``)."""
     if f.kind is bool:
-        value = parse_bool(raw, f.name)
-    elif f.kind is int:
-        if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-            raise ValueError(f"{f.name} must be an integer, got {raw!r}")
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"{f.name} must be an integer, got {raw!r}") from None
-    elif f.kind is float:
-        if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
-            raise ValueError(f"{f.name} must be a number, got {raw!r}")
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"{f.name} must be a number, got {raw!r}") from None
-    else:
+        return parse_bool(raw, f.name)
+    if f.kind is str:
         if not isinstance(raw, str):
             raise ValueError(f"{f.name} must be a string, got {raw!r}")
-        value = raw
-    if f.check is not None:
-        err = f.check(value)
-        if err:
-            raise ValueError(f"{f.name}={value!r} {err}")
-    return value
+        return raw
+    number = parse_number(raw, f.name, "seconds" if f.name.endswith("_s") else "",
+                          f.minimum if f.minimum is not None else float("-inf"), f.above)
+    if f.kind is float:
+        return number
+    if not number.is_integer() or (f.maximum is not None and number > f.maximum):
+        raise ValueError(f"{f.name} must be an integer{'' if f.maximum is None else f' <= {f.maximum}'}, got {raw!r}")
+    return int(number)

@@ -43,6 +43,21 @@ def test_config_rejects_bad_values(bad):
         AdpL2AdapterConfig.from_dict(bad)
 
 
+@pytest.mark.parametrize("bad, says", [({"timeout_s": 0}, "timeout_s must be a number of seconds > 0"),
+                                       ({"busy_wait_s": "-1"}, "busy_wait_s must be a number of seconds >= 0"),
+                                       ({"heartbeat_s": True}, "heartbeat_s must be a number of seconds > 0"),
+                                       ({"port": 5557.5}, "port must be an integer <= 65535"),
+                                       ({"mark_cache_entries": "lots"}, "mark_cache_entries must be a number >= 0")])
+def test_config_numbers_read_by_the_shared_parser(bad, says):
+    """Every number of adapter_params goes through adpkv_core.settings.parse_number: its error
+    names the field and what it must be."""
+    from adpkv_lmcache import AdpL2AdapterConfig
+
+    with pytest.raises(ValueError, match=says):
+        AdpL2AdapterConfig.from_dict(bad)
+    assert AdpL2AdapterConfig.from_dict({"port": "6001.0", "reconnect_s": "0"}).port == 6001
+
+
 @pytest.mark.parametrize("name", ["key_namespace_from_model", "l1_direct"])
 def test_config_refuses_a_misspelt_switch_naming_it(name):
     from adpkv_lmcache import AdpL2AdapterConfig

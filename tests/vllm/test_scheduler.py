@@ -328,6 +328,8 @@ def test_misspelt_settings_refused(model_dir):
                                             "adpkv.chunk_size": 64, "adpkv.exist_layers": "all",
                                             "adpkv.reconnect_s": 1, "adpkv.direct_map_bytes": 0}, 32)
     assert ok.chunk_size == 64 and ok.exist_layers == "all"
+    with pytest.raises(ValueError, match=r"adpkv.lookup_wait_s must be a number of seconds >= 0, got '-1'"):
+        AdapterSettings.from_extra_config({"adpkv.lookup_wait_s": "-1"}, 32)     # one number parser
 
 
 def test_namespace_settings():

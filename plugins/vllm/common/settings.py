@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 from adpkv_core.keys import DEFAULT_NAMESPACE, chunk_digest, key_namespace
-from adpkv_core.settings import ClientConfig, parse_bool, parse_byte_count
+from adpkv_core.settings import ClientConfig, parse_bool, parse_byte_count, parse_number
 
 logger = logging.getLogger("adpkv.vllm")
 
@@ -92,7 +92,7 @@ class AdapterSettings:
         if load_choice not in ("measured", "always"):
             raise ValueError(f"adpkv: {PREFIX}load_choice must be 'measured' or 'always', not {load_choice!r}")
         return cls(client=client, chunk_size=chunk, exist_layers=exist_layers, load_choice=load_choice,
-                   lookup_wait_s=float(extra.get(PREFIX + "lookup_wait_s", 0.05)),
+                   lookup_wait_s=parse_number(extra.get(PREFIX + "lookup_wait_s", 0.05), PREFIX + "lookup_wait_s", "seconds"),
                    respect_fail_policy=parse_bool(extra.get(PREFIX + "respect_fail_policy", False),
                                                   PREFIX + "respect_fail_policy"),
                    nvlink_fanout=parse_bool(extra.get(PREFIX + "nvlink_fanout", False), PREFIX + "nvlink_fanout"),

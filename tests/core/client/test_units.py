@@ -278,6 +278,13 @@ def test_number_and_byte_count_settings_have_one_parser_each():
     for bad in (-1, "soon", True, None, float("nan")):
         with pytest.raises(ValueError, match=r"x_s must be a number of seconds >= 0"):
             parse_number(bad, "x_s", "seconds")
+    with pytest.raises(ValueError, match=r"x_s must be a number of seconds > 0, got 0"):
+        parse_number(0, "x_s", "seconds", above=True)
+    # ClientConfig's times go through it: a negative or non-numeric timeout is refused, naming it
+    for bad in (-1, "ten", False):
+        with pytest.raises(ValueError, match=r"adpkv.timeout_s must be a number of seconds >= 0"):
+            ClientConfig.from_settings({"adpkv.timeout_s": bad}, prefix="adpkv.")
+    assert ClientConfig.from_settings({"adpkv.timeout_s": "2.5"}, prefix="adpkv.").timeout_s == 2.5
     assert parse_byte_count("1GiB", "b") == 1 << 30 and parse_byte_count(0, "b") == 0
     with pytest.raises(ValueError, match="b must be >= 0 bytes"):
         parse_byte_count(-5, "b")
