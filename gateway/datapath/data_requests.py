@@ -6,9 +6,10 @@ Contract (``DataRequests``, one per gateway, on the loop's thread only):
   anything is done for it (the loop answers ERROR; nothing changed): from a lookup peer (no
   rank), of no key, an object whose ring stride is over half the ring (TOO_LARGE), a region
   or piece its session did not register or a place outside its region (BAD_REGION). It
-  returns what ``on_data`` needs of a region or scattered request (its target and places).
-- ``on_data(identity, peer, msg, placed)``: one rank's GET or PUT that passed ``check``
-  (``placed``: what it returned), once the gateway let its session use the keys' namespaces.
+  returns the other end of a region or scattered request (``jobs.RegionTarget``,
+  ``jobs.ScatterTarget``: its region(s) and each object's places there), None for the ring.
+- ``on_data(identity, peer, msg, target)``: one rank's GET or PUT that passed ``check``
+  (``target``: what it returned), once the gateway let its session use the keys' namespaces.
 - A region request (``region``) or a scattered one (``pieces``) is a job of its rank at once,
   and so is a request without ``tag`` or any request of a one-rank engine.
 - A tagged request of a multi-rank engine is its rank's part of a collective: it waits until
@@ -32,7 +33,7 @@ from adpkv_core.memory.ring import max_parallel_ios, object_stride
 
 from adpkv_gateway.door.entry import Session
 from adpkv_gateway.door.engines import EngineRegistry, Peer
-from adpkv_gateway.datapath.jobs import DataJob, Participant
+from adpkv_gateway.datapath.jobs import DataJob, Participant, RegionTarget, ScatterTarget, Target
 from adpkv_gateway.datapath.scatter import Scatter
 from adpkv_gateway.datapath.transfers import Transfers
 
@@ -58,9 +59,9 @@ class DataRequests:
         # tag -> rank -> (its connection, its request): the parts of collectives not complete yet
         self.collectives: dict[str, dict[int, tuple[bytes, Union[P.Get, P.Put]]]] = {}
 
-    def check(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put]) -> Optional[tuple]:
-        """Refuse a bad GET or PUT (see the module's contract); ``(target, places)`` of a region
-        or scattered request, None for one through the ring."""
+    def check(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put]) -> Optional[Target]:
+        """Refuse a bad GET or PUT (see the module's contract); the other end of a region or
+        scattered request, its places checked; None for one through the ring."""
         if peer.rank is None:
             raise P.ProtocolError(P.BAD_MESSAGE, f"a lookup peer cannot {msg.op}; attach as a rank")
         if not msg.keys:         # a job of no object never finishes: no answer, and CLEAN refused for good
@@ -81,22 +82,21 @@ class DataRequests:
         if msg.pieces is not None:
             if any(piece.region >= len(regions) for piece in msg.pieces):
                 raise P.ProtocolError(P.BAD_REGION, "a piece names a region this session did not register")
-            target = Scatter([regions[p.region] for p in msg.pieces], [p.length for p in msg.pieces])
-            return target, target.places(at, len(msg.keys))
+            scatter = Scatter([regions[p.region] for p in msg.pieces], [p.length for p in msg.pieces])
+            return ScatterTarget(scatter, scatter.places(at, len(msg.keys)))
         assert region is not None       # at names places of a region or of pieces (the protocol's check)
         if region >= len(regions):
             raise P.ProtocolError(P.BAD_REGION, f"region {region} is not registered by this session")
-        return regions[region], regions[region].places(at, obj)
+        return RegionTarget(regions[region], regions[region].places(at, obj))
 
-    def on_data(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put], placed: Optional[tuple]) -> None:
+    def on_data(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put], target: Optional[Target]) -> None:
         """One rank's GET or PUT that passed ``check`` (see the module's contract)."""
         keys, marks, obj, tag = msg.keys, msg.marks, msg.obj, msg.tag
         unlock = isinstance(msg, P.Get) and msg.unlock
         stride = object_stride(obj)
-        if placed is not None:
-            target, places = placed
+        if target is not None:
             job = DataJob(P.Op(msg.op), keys, marks, obj, stride, [Participant(identity, msg.id)], unlock)
-            job.region, job.places = target, places
+            job.target = target
             job.region_by = msg.write_by if isinstance(msg, P.Get) else msg.read_by
             self.counters[job.op.lower() + "_region_requests"] += 1
             self._start(job)

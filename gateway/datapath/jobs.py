@@ -11,15 +11,36 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Union
 
 from adpkv_core.wire import protocol as P
 
+from adpkv_gateway.datapath.scatter import Scatter
+from adpkv_gateway.door.regions import Region
+
 if TYPE_CHECKING:
-    from adpkv_gateway.door.regions import Region
     from adpkv_gateway.datapath.ring_alloc import EngineRing
 
 MAX_BATCHES_IN_FLIGHT = 2
+
+
+class RegionTarget(NamedTuple):
+    """The other end of a region request: a registered region (``door.Region``: the client's
+    file, copied to and from by its descriptor) and each object's file offset in it."""
+
+    region: Region
+    places: list[int]
+
+
+class ScatterTarget(NamedTuple):
+    """The other end of a scattered request: the regions of its pieces (``Scatter``) and, for
+    each object, the file offset of each of its pieces."""
+
+    scatter: Scatter
+    places: list[tuple[int, ...]]
+
+
+Target = Union[RegionTarget, ScatterTarget]      # a job's other end; None: the ring (its ranks copy)
 
 
 class Stage(enum.Enum):
@@ -85,10 +106,9 @@ class DataJob:
         self.results = bytearray(len(self.keys))
         self.existed = bytearray(len(self.keys))   # PUT: already stored, not written again
         self.unlock = unlock                       # GET: release this rank's pins on the keys when done
-        # into/out of a client's region: the gateway copies between the ring and the region's
-        # descriptor itself (``Region``, and each object's offset in its file)
-        self.region: Optional[Region] = None
-        self.places: list[int] = []
+        # into/out of a client's region (or the pieces of several): the gateway copies between
+        # the ring and the regions' descriptors itself; None: through the ring, the ranks copy
+        self.target: Optional[Target] = None
         # into (GET) / out of (PUT) a region: no write into it / nothing read from it stored
         # after this moment (the client's give-up time, monotonic clock)
         self.region_by: Optional[float] = None

@@ -16,8 +16,7 @@ there):
 - Nothing read from a region is stored once the client gave up on a PUT (``read_by``), nor
   from a region shorter than the object.
 
-A scattered PUT (an object as pieces of several regions) goes through the ring too
-(``RegionSource.view``: ``Scatter.gather``); a scattered GET's copy out of the ring is ``scatter.to_scatter``.
+A scattered request's copies (an object as pieces of several regions) are ``scatter.py``'s.
 """
 
 from __future__ import annotations
@@ -28,12 +27,12 @@ from typing import Optional
 
 from adpkv_core.memory.region_lock import holding
 
-from adpkv_gateway.datapath.scatter import Scatter
+from adpkv_gateway.door.regions import Region
 from adpkv_gateway.store.card_io import Outcome, PutSource, ReadToFd, RegionBytes
 from adpkv_gateway.store.object_store import ObjectStore
 
 
-def direct_reads(store: ObjectStore, region, items: list, write_by: Optional[float]) -> list[Outcome]:
+def direct_reads(store: ObjectStore, region: Region, items: list, write_by: Optional[float]) -> list[Outcome]:
     """Read ``(j, fragment, file offset)`` items from their cards straight into a client's
     region (runs on the pool), each only while the client still waits for it (checked again
     before every write into the region) and only where the region is still as large as
@@ -55,7 +54,7 @@ def direct_reads(store: ObjectStore, region, items: list, write_by: Optional[flo
     return out
 
 
-def to_region(region, items: list, write_by: Optional[float]) -> list[Outcome]:
+def to_region(region: Region, items: list, write_by: Optional[float]) -> list[Outcome]:
     """Copy ``(j, ring view, file offset)`` items from the ring into a client's region with
     ``pwritev`` on its descriptor (runs on the pool). The gateway never maps a region: a
     region the client shrank fails these calls, it cannot fault the gateway. A region
@@ -75,7 +74,7 @@ def to_region(region, items: list, write_by: Optional[float]) -> list[Outcome]:
     return out
 
 
-def _span(region, places: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+def _span(region: Region, places: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """The byte span of a task's writes (file offset, length) in ``region``, as ``holding`` takes it."""
     if not places:
         return []
@@ -96,15 +95,13 @@ class RingSource(PutSource):
 
 
 class RegionSource(PutSource):
-    """A PUT's object in a client's region (or pieces of several, a ``Scatter``), at ``place``;
-    ``slot`` its ring slot, for cards that cannot read the region themselves."""
+    """A PUT's object in a client's region at file offset ``place``; ``slot`` its ring slot,
+    for cards that cannot read the region themselves."""
 
-    def __init__(self, region, place, slot: memoryview, read_by: Optional[float]):
+    def __init__(self, region: Region, place: int, slot: memoryview, read_by: Optional[float]):
         self._region, self._place, self._slot, self._read_by = region, place, slot, read_by
 
     def region(self) -> Optional[RegionBytes]:
-        if isinstance(self._region, Scatter):
-            return None
         return RegionBytes(self._region.fd, self._place, self._read_by)
 
     def view(self) -> Optional[memoryview]:
@@ -113,10 +110,7 @@ class RegionSource(PutSource):
         may have put other bytes there)."""
         view = self._slot
         try:
-            if isinstance(self._region, Scatter):
-                ok = self._region.gather(view, self._place)
-            else:
-                ok = os.preadv(self._region.fd, [view], self._place) == len(view)
+            ok = os.preadv(self._region.fd, [view], self._place) == len(view)
         except OSError:
             ok = False
         return view if ok and (self._read_by is None or time.monotonic() < self._read_by) else None

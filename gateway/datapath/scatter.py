@@ -17,11 +17,13 @@ its size and the client's give-up moment (``write_by``) before each write.
 from __future__ import annotations
 
 import os
+import time
 from typing import Optional
 
 from adpkv_core.memory.region_lock import holding
 
-from adpkv_gateway.store.card_io import Outcome
+from adpkv_gateway.door.regions import Region
+from adpkv_gateway.store.card_io import Outcome, PutSource, RegionBytes
 
 
 class Scatter:
@@ -30,7 +32,7 @@ class Scatter:
 
     __slots__ = ("regions", "lengths")
 
-    def __init__(self, regions: list, lengths: list[int]):
+    def __init__(self, regions: list[Region], lengths: list[int]):
         self.regions = regions
         self.lengths = lengths
 
@@ -82,3 +84,23 @@ def to_scatter(scatter: Scatter, items: list, write_by: Optional[float]) -> list
             spans.append((region.fd, min(offs), max(offs) + length))
     with holding(spans, write_by) as may_write:
         return [Outcome(j, may_write and scatter.scatter(view, place, write_by)) for j, view, place in items]
+
+
+class ScatterSource(PutSource):
+    """A PUT's object as pieces of a client's regions (``places``: each piece's file offset),
+    gathered into its ring slot ``slot`` and stored from there (no card reads pieces itself)."""
+
+    def __init__(self, scatter: Scatter, places: tuple[int, ...], slot: memoryview, read_by: Optional[float]):
+        self._scatter, self._places, self._slot, self._read_by = scatter, places, slot, read_by
+
+    def region(self) -> Optional[RegionBytes]:
+        return None
+
+    def view(self) -> Optional[memoryview]:
+        """``Scatter.gather`` into the ring slot: nothing when a region gave less than its
+        piece, nor when the read ended at or after ``read_by`` (the client had given up)."""
+        try:
+            ok = self._scatter.gather(self._slot, self._places)
+        except OSError:
+            ok = False
+        return self._slot if ok and (self._read_by is None or time.monotonic() < self._read_by) else None

@@ -51,12 +51,12 @@ from adpkv_core.memory.ring import Ring, align_up
 
 from adpkv_gateway.datapath import io_procs
 from adpkv_gateway.datapath.handoff import RunOnPool
-from adpkv_gateway.datapath.jobs import Batch, DataJob, Stage
+from adpkv_gateway.datapath.jobs import Batch, DataJob, RegionTarget, ScatterTarget, Stage
 from adpkv_gateway.observe.latency import LatencyBuckets
 from adpkv_gateway.datapath.region_io import RegionSource, RingSource, direct_reads, to_region
 from adpkv_gateway.datapath.ring_alloc import EngineRing
-from adpkv_gateway.datapath.scatter import Scatter, to_scatter
-from adpkv_gateway.store.card_io import NoProcessRead, Outcome, ReadInto
+from adpkv_gateway.datapath.scatter import ScatterSource, to_scatter
+from adpkv_gateway.store.card_io import NoProcessRead, Outcome, PutSource, ReadInto
 from adpkv_gateway.store.object_store import ObjectStore, PutItem, ReadPlan
 
 logger = logging.getLogger("adpkv.gateway")
@@ -174,7 +174,7 @@ class Transfers:
                 self.batches[batch.id] = batch
                 if job.op is P.Op.GET:
                     self._enter(batch, Stage.LOOKUP)
-                elif job.region is not None:
+                elif job.target is not None:
                     batch.flags[:] = b"\x01" * count          # in the region: to be stored
                     self._enter(batch, Stage.WRITE)
                 else:
@@ -187,6 +187,18 @@ class Transfers:
         return batch.job.ring.ring.slot(batch.object_offset(j) + offset,
                               batch.job.object_bytes if length is None else length)
 
+    def _put_source(self, batch: Batch, j: int) -> PutSource:
+        """Where object ``j`` of a PUT batch is: its ring slot (the ranks filled it), or a
+        client's region (a card that writes from it reads it there, others get it through the
+        slot), or pieces of several (gathered into the slot)."""
+        job = batch.job
+        i, slot, target = batch.first + j, self._slot(batch, j), job.target
+        if target is None:
+            return RingSource(slot)
+        if isinstance(target, ScatterTarget):
+            return ScatterSource(target.scatter, target.places[i], slot, job.region_by)
+        return RegionSource(target.region, target.places[i], slot, job.region_by)
+
     # ------------------------------------------------------------------ stages
     def _enter(self, batch: Batch, stage: Stage) -> None:
         """Start ``stage`` of a batch; a stage with nothing to wait for advances at once."""
@@ -196,7 +208,7 @@ class Transfers:
         marks = job.marks[batch.first:batch.first + batch.count] if job.marks else None
         if stage is Stage.LOOKUP:
             batch.pending += 1
-            into_region = job.region is not None and not isinstance(job.region, Scatter)
+            into_region = isinstance(job.target, RegionTarget)     # a scattered GET goes through the ring
             self._run(self.pool, lambda: self.store.plan_reads(keys, marks, job.object_bytes, into_region),
                       lambda plan: self._looked_up(batch, plan),
                       lambda exc: self._looked_up(batch, ReadPlan([], [])))
@@ -205,9 +217,7 @@ class Transfers:
             for j in range(batch.count):
                 if batch.flags[j]:
                     i = batch.first + j
-                    source = RingSource(self._slot(batch, j)) if job.region is None else \
-                        RegionSource(job.region, job.places[i], self._slot(batch, j), job.region_by)
-                    items.append(PutItem(j, job.keys[i], job.mark(i), source))
+                    items.append(PutItem(j, job.keys[i], job.mark(i), self._put_source(batch, j)))
             batch.flags[:] = bytes(batch.count)
             self._submit(batch, lambda group: self.store.put(group, job.object_bytes), items)
         elif stage in (Stage.TO_RANKS, Stage.FILL):
@@ -221,10 +231,14 @@ class Transfers:
                                                    obj=job.object_bytes,
                                                    hits=bytes(batch.flags) if job.op is P.Op.GET else None))
         elif stage is Stage.TO_REGION:
-            copies = [(j, self._slot(batch, j), job.places[batch.first + j])
+            target, by = job.target, job.region_by
+            assert target is not None         # TO_REGION is a region or scattered GET's stage
+            copies = [(j, self._slot(batch, j), target.places[batch.first + j])
                       for j in range(batch.count) if batch.flags[j] and j not in batch.direct]
-            copy = to_scatter if isinstance(job.region, Scatter) else to_region
-            self._submit(batch, lambda group: copy(job.region, group, job.region_by), copies)
+            if isinstance(target, ScatterTarget):
+                self._submit(batch, lambda group: to_scatter(target.scatter, group, by), copies)
+            else:
+                self._submit(batch, lambda group: to_region(target.region, group, by), copies)
         if batch.pending == 0 and not batch.waiting:
             self._advance(batch)
 
@@ -233,7 +247,7 @@ class Transfers:
         job, stage = batch.job, batch.stage
         if stage is Stage.READ:
             self.store.count_reads(job.namespace, sum(batch.flags), batch.count, job.object_bytes)
-            self._enter(batch, Stage.TO_REGION if job.region is not None else Stage.TO_RANKS)
+            self._enter(batch, Stage.TO_REGION if job.target is not None else Stage.TO_RANKS)
         elif stage is Stage.FILL:
             if batch.filled:
                 batch.flags[:] = b"\x01" * batch.count
@@ -255,16 +269,17 @@ class Transfers:
         for j in plan.found():
             flags[j] = 1
         reads = [(j, f, base + j * stride + f.offset) for j, f in plan.ring]   # (j, fragment, ring offset)
-        # card -> the engine's region in one copy, by its descriptor (no ring)
-        direct = [(j, f, job.places[first + j] + f.offset) for j, f in plan.direct]
         batch.direct.update(j for j, _ in plan.direct)
         batch.stage = Stage.READ
         if self.procs:
             reads = self._read_in_processes(batch, reads)
         slot = job.ring.ring.slot
         self._submit(batch, self.store.io.read_many, [ReadInto(j, f, slot(at, f.length)) for j, f, at in reads])
-        region, write_by = job.region, job.region_by
-        self._submit(batch, lambda group: direct_reads(self.store, region, group, write_by), direct)
+        target, write_by = job.target, job.region_by
+        if plan.direct and isinstance(target, RegionTarget):    # only a region GET asks for direct reads
+            # card -> the engine's region in one copy, by its descriptor (no ring)
+            direct = [(j, f, target.places[first + j] + f.offset) for j, f in plan.direct]
+            self._submit(batch, lambda group: direct_reads(self.store, target.region, group, write_by), direct)
         if batch.pending == 0:
             self._advance(batch)
 

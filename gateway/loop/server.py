@@ -38,6 +38,7 @@ from adpkv_gateway.datapath import io_procs
 from adpkv_gateway.cards import close_cards, open_cards
 from adpkv_gateway.config import GatewayConfig, socket_mode
 from adpkv_gateway.datapath.data_requests import DataRequests
+from adpkv_gateway.datapath.jobs import Target
 from adpkv_gateway.datapath.direct_reads import DirectReads
 from adpkv_gateway.door.entry import DoorServer, Session, raise_open_files_limit
 from adpkv_gateway.door.claim import claim_door, make_door_dir
@@ -134,7 +135,7 @@ class Gateway:
             self.direct_reads = DirectReads(self)         # MAP at the door (gateway/datapath/direct_reads.py)
             # requests that name keys, in the order they came: (identity, peer, request, what
             # DataRequests.check found); the first waits while its namespaces' owners are looked up
-            self.keyed_waiting: "collections.deque[tuple[bytes, Peer, Keyed, Optional[tuple]]]" = collections.deque()
+            self.keyed_waiting: "collections.deque[tuple[bytes, Peer, Keyed, Optional[Target]]]" = collections.deque()
             self.next_keep_claims = 0.0
             self.stopping = False
             self.layout_change.start(engine_busy=lambda: bool(self.transfers.jobs))
@@ -467,8 +468,8 @@ class Gateway:
         session's uid may use every namespace its keys name (``namespaces``), else refused
         whole with FORBIDDEN before any card is asked about an object. A bad GET or PUT is
         refused first (``DataRequests.check``), so nothing is claimed for it."""
-        placed = self.data_requests.check(identity, peer, msg) if isinstance(msg, (P.Get, P.Put)) else None
-        self.keyed_waiting.append((identity, peer, msg, placed))
+        target = self.data_requests.check(identity, peer, msg) if isinstance(msg, (P.Get, P.Put)) else None
+        self.keyed_waiting.append((identity, peer, msg, target))
         if len(self.keyed_waiting) == 1:
             self._serve_keyed()
 
@@ -478,7 +479,7 @@ class Gateway:
         ``settled``: what the cards just said for the first one."""
         while self.keyed_waiting:
             waiting = self.keyed_waiting.popleft()
-            identity, peer, msg, placed = waiting
+            identity, peer, msg, target = waiting
             if self.engines.peers.get(identity) is not peer:
                 settled = None                      # it detached meanwhile: no answer is owed
                 continue
@@ -496,7 +497,7 @@ class Gateway:
                     raise P.ProtocolError(P.FORBIDDEN, f"{msg.op} names keys of namespace id:{foreign.hex()}, which "
                                           "belongs to another user; nothing was done")
                 if isinstance(msg, (P.Get, P.Put)):
-                    self.data_requests.on_data(identity, peer, msg, placed)
+                    self.data_requests.on_data(identity, peer, msg, target)
                 else:
                     self._handlers[type(msg)](self, identity, peer, msg)
             except zmq.ZMQError:
