@@ -8,7 +8,7 @@ from one file to another) and the returns (moves into a file control had already
 returns into ``loop/server.py``, and with ``--show`` the sequence itself. docs/internals.md
 "A page's walk" records its figures. Usage:
 
-    python tools/request_walk.py [--show]
+    "$(bash tools/venv.sh core)/bin/python" tools/request_walk.py [--show]
 """
 
 from __future__ import annotations
