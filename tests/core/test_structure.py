@@ -93,3 +93,24 @@ def test_no_folder_holds_more_than_12_modules():
         for folder in [top] + [p for p in top.rglob("*") if p.is_dir() and p.name != "__pycache__"]:
             modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
             assert len(modules) <= MAX_MODULES, f"{folder.relative_to(top.parent)}: {len(modules)} modules"
+
+
+def test_the_walk_tool_traces_a_real_save_and_restore():
+    """docs/internals.md's walk figures come from tools/request_walk.py: it runs a real gateway
+    and client, checks the restored bytes, and prints the files each walk crossed; the store's
+    parts are on both walks and the card's module on each."""
+    import re
+    import subprocess
+    import sys
+
+    tool = CORE.parent / "tools" / "request_walk.py"
+    run = subprocess.run([sys.executable, str(tool), "--show"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    figures = re.findall(r"^(save|restore): (\d+) files crossed, (\d+) steps, (\d+) returns", run.stdout, re.M)
+    assert [f[0] for f in figures] == ["save", "restore"], run.stdout
+    walks = [line for line in run.stdout.splitlines() if line.startswith("  ")]
+    for (_, files, steps, returns), walk in zip(figures, walks):
+        assert 20 <= int(files) <= int(steps) and int(returns) < int(steps)
+        for part in ("gateway/store/object_store.py", "gateway/store/card_io.py", "gateway/cards/fs/card.py",
+                     "gateway/datapath/transfers.py"):
+            assert part in walk, part
