@@ -10,7 +10,8 @@ the engine keeps serving from its own memory.
 This module is the public API and the attachment (the door, HELLO, then the engine's
 ring: the gateway hands it only to an attached rank of its owner); the
 rest is in ``request`` (what a request sends and resolves with: ``RingBatch``, the
-``BatchCallback`` contract, ``StoreResult``, region and scattered requests) and ``link``
+``BatchCallback`` contract, ``LoadResult`` and ``StoreResult``, region and scattered
+requests) and ``link``
 (the control connection and its I/O thread: replies, copies, heartbeats, deadlines,
 turning off). Their public names stay importable from here.
 """
@@ -31,14 +32,14 @@ import zmq
 from adpkv_core.wire import protocol as P
 from adpkv_core.wire.door import DoorNotFound, DoorSession, UntrustedGateway, check_gateway, find_door
 from adpkv_core.link import LOOKUPS_OFF_MESSAGE, TURNED_OFF_MESSAGE, Link
-from adpkv_core.request import (DELETE_OK, EXIST_OK, HELLO_OK, OK, STATS_OK, BatchCallback, RingBatch, StoreResult, data_request,
-                      nothing, reply_flags, resolved)
+from adpkv_core.request import (DELETE_OK, EXIST_OK, HELLO_OK, OK, STATS_OK, BatchCallback, DataResult, LoadResult,
+                                RingBatch, StoreResult, data_request, nothing, reply_flags, resolved)
 from adpkv_core.memory.ring import Ring
 from adpkv_core.settings import ClientConfig
 
 # what callers import from here (some of it defined in request, link, settings)
-__all__ = ["GatewayClient", "RingBatch", "BatchCallback", "StoreResult", "ClientConfig", "door_of",
-           "gateway_answers", "TURNED_OFF_MESSAGE", "LOOKUPS_OFF_MESSAGE"]
+__all__ = ["GatewayClient", "RingBatch", "BatchCallback", "DataResult", "LoadResult", "StoreResult", "ClientConfig",
+           "door_of", "gateway_answers", "TURNED_OFF_MESSAGE", "LOOKUPS_OFF_MESSAGE"]
 
 logger = logging.getLogger("adpkv.client")
 
@@ -116,8 +117,9 @@ class GatewayClient:
 
     def get(self, keys: Sequence[bytes], object_bytes: int, on_batch: BatchCallback,
             marks: Optional[Sequence[int]] = None, tag: Optional[str] = None,
-            slice: Optional[tuple[int, int]] = None, unlock: bool = False) -> "Future[list[bool]]":
-        """Read objects into the ring; ``on_batch`` copies each batch out. Resolves with hits.
+            slice: Optional[tuple[int, int]] = None, unlock: bool = False) -> "Future[LoadResult]":
+        """Read objects into the ring; ``on_batch`` copies each batch out. Resolves with a
+        ``LoadResult`` (the hits).
 
         ``unlock`` releases this rank's pins (from ``exist(lock=True)``) on the keys when done.
         """
@@ -178,8 +180,9 @@ class GatewayClient:
             return self._door.map_objects(keys, object_bytes, marks, timeout_s=self.config.timeout_s)
 
     def get_into(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
-                 marks: Optional[Sequence[int]] = None, unlock: bool = False) -> "Future[list[bool]]":
-        """Read object ``i`` straight into ``at[i]`` of a registered region. Resolves with hits."""
+                 marks: Optional[Sequence[int]] = None, unlock: bool = False) -> "Future[LoadResult]":
+        """Read object ``i`` straight into ``at[i]`` of a registered region. Resolves with a
+        ``LoadResult``."""
         return self._get(keys, object_bytes, None, marks, None, None, unlock, (region, list(at), None))
 
     def put_from(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
@@ -188,10 +191,10 @@ class GatewayClient:
         return self._put(keys, object_bytes, None, marks, None, None, (region, list(at), None))
 
     def get_scattered(self, pieces: Sequence[tuple[int, int]], at: Sequence[int], keys: Sequence[bytes],
-                      marks: Optional[Sequence[int]] = None) -> "Future[list[bool]]":
+                      marks: Optional[Sequence[int]] = None) -> "Future[LoadResult]":
         """Read each object straight into its ``pieces`` (``(region, length)``, in the object's
         byte order): piece k of object i at ``at[i * len(pieces) + k]`` of its region. The
-        gateway checks the whole object before any piece lands. Resolves with hits."""
+        gateway checks the whole object before any piece lands. Resolves with a ``LoadResult``."""
         obj = sum(int(n) for _, n in pieces)
         return self._get(keys, obj, None, marks, None, None, False, (None, list(at), list(pieces)))
 
@@ -301,8 +304,8 @@ class GatewayClient:
 
     def _get(self, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
              marks: Optional[Sequence[int]], tag: Optional[str], slice_: Optional[tuple[int, int]],
-             unlock: bool = False, into: Optional[tuple] = None) -> "Future[list[bool]]":
-        """A GET: resolves with its hits."""
+             unlock: bool = False, into: Optional[tuple] = None) -> "Future[LoadResult]":
+        """A GET: resolves with a ``LoadResult``."""
         return self._data(P.Op.GET, keys, object_bytes, on_batch, marks, tag, slice_, unlock, into)
 
     def _put(self, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],

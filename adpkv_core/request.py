@@ -1,8 +1,9 @@
 """One request of a ``GatewayClient``: what it sends, how its replies decode, what it resolves with.
 
 - ``RingBatch`` and the ``BatchCallback`` contract: the copies of a data request's ring batches.
-- ``StoreResult``: what a PUT resolves with; ``nothing``: what a data request resolves with
-  when it gets no usable answer.
+- ``DataResult``: what a data request resolves with, read one way for GET and PUT (``ok``,
+  ``all_ok``): ``LoadResult`` (a GET's hits), ``StoreResult`` (a PUT's stored and existed);
+  ``nothing``: what a data request resolves with when it gets no usable answer.
 - ``Pending``: a request in flight (its future, deadline, reply decoder, the objects this
   rank copied, and for a request into or out of a region the moment the gateway must stop
   touching it).
@@ -15,6 +16,7 @@ Nothing here does I/O: ``link.Link`` sends the messages and resolves the futures
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import time
 from concurrent.futures import Future
@@ -70,13 +72,51 @@ BatchCallback = Callable[[RingBatch], Optional[bool]]
 """
 
 
+class DataResult(abc.ABC):
+    """What a data request (GET or PUT) resolves with, read the same way for both: ``ok[i]``,
+    object ``i`` moved (read into its destination, or held by the card now); ``all_ok``,
+    every object moved (True for no objects)."""
+
+    __slots__ = ()
+
+    @property
+    @abc.abstractmethod
+    def ok(self) -> list[bool]:
+        """Per object: moved."""
+
+    @property
+    def all_ok(self) -> bool:
+        return all(self.ok)
+
+
 @dataclasses.dataclass(frozen=True)
-class StoreResult:
+class LoadResult(DataResult):
+    """The result of a GET: per key, ``hits[i]`` (object ``i`` was found and read into its
+    destination: copied out of the ring by ``on_batch``, or written into the region)."""
+
+    hits: list[bool]
+
+    @property
+    def ok(self) -> list[bool]:
+        return self.hits
+
+    @classmethod
+    def none(cls, n: int) -> "LoadResult":
+        """Nothing read: the answer when the cache is off or the request failed."""
+        return cls([False] * n)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreResult(DataResult):
     """The result of a PUT: per key, ``stored[i]`` (the card holds it now) and ``existed[i]``
     (it held it already — a key names its content — and it was not written again)."""
 
     stored: list[bool]
     existed: list[bool]
+
+    @property
+    def ok(self) -> list[bool]:
+        return self.stored
 
     @classmethod
     def none(cls, n: int) -> "StoreResult":
@@ -84,10 +124,10 @@ class StoreResult:
         return cls([False] * n, [False] * n)
 
 
-def nothing(op: P.Op, n: int) -> "list[bool] | StoreResult":
+def nothing(op: P.Op, n: int) -> DataResult:
     """What a data request of ``n`` objects resolves with when it gets no usable answer (the
     cache is off, the gateway refused or went away): ``n`` misses (GET) or nothing stored (PUT)."""
-    return [False] * n if op is P.Op.GET else StoreResult.none(n)
+    return LoadResult.none(n) if op is P.Op.GET else StoreResult.none(n)
 
 
 class Pending:

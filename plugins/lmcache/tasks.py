@@ -27,14 +27,14 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
-from adpkv_core.client import StoreResult
+from adpkv_core.client import LoadResult, StoreResult
 
 from ._compat import L2TaskId, create_event_notifier
 
 KINDS = ("store", "lookup", "load")
 
 # (indices of the task's objects a request covers, that request's future: its hits)
-Parts = Sequence[tuple[Sequence[int], "Future[list[bool]]"]]
+Parts = Sequence[tuple[Sequence[int], "Future[LoadResult]"]]
 
 
 class TaskBook:
@@ -124,14 +124,15 @@ def when_all(futures: Sequence[Future], then: Callable[[], None]) -> None:
         f.add_done_callback(one_done)
 
 
-def flags(f: "Future[list[bool]]", n: int) -> list[bool]:
-    """The per-key flags a done EXIST or GET future resolved with; all False when it failed or
-    does not describe ``n`` keys."""
+def flags(f: "Future[list[bool]] | Future[LoadResult]", n: int) -> list[bool]:
+    """The per-key flags a done EXIST (found) or GET (its hits) future resolved with; all False
+    when it failed or does not describe ``n`` keys."""
     try:
         r = f.result(timeout=0)
     except Exception:
         return [False] * n
-    return [bool(x) for x in r] if len(r) == n else [False] * n
+    found = r.hits if isinstance(r, LoadResult) else r
+    return [bool(x) for x in found] if len(found) == n else [False] * n
 
 
 def store_result(f: "Future[StoreResult]", n: int) -> StoreResult:

@@ -65,7 +65,7 @@ class AsyncLoad:
                  blocks: dict[str, list[int]]):
         self.spans = spans          # req -> (group index, drafter) -> (first object, end)
         self.blocks = blocks        # req -> the blocks its load writes (a failure reported by block)
-        self.gets: list[tuple[tuple[int, bool], Any]] = []   # ((group, drafter), Future[list[bool]]) per layer
+        self.gets: list[tuple[tuple[int, bool], Any]] = []   # ((group, drafter), Future[LoadResult]) per layer
 
     def ended(self) -> bool:
         return all(f.done() for _, f in self.gets)
@@ -75,7 +75,7 @@ class AsyncLoad:
         ok = set(self.spans) if self.gets else set()
         for group, fut in self.gets:
             try:
-                hits = fut.result()
+                hits = fut.result().hits
             except Exception:
                 hits = None
             for req, by_group in self.spans.items():

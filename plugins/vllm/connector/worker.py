@@ -46,7 +46,7 @@ from typing import Any, Optional
 import torch
 
 from adpkv_core.attachment import Attachment, Session
-from adpkv_core.client import GatewayClient
+from adpkv_core.client import GatewayClient, LoadResult
 from adpkv_core.direct_map import DirectMaps, Mapping, cuda_registrar
 
 from ..common.copy import PagedLayer, as_index
@@ -368,7 +368,7 @@ class AdpConnectorWorker:
         return fut
 
     def _load_mapped(self, direct: DirectMaps, held: list[Mapping], layer: PagedLayer, index: ChunkPlanIndex,
-                     sl: tuple[int, int], ticket: int) -> "Future[list[bool]]":
+                     sl: tuple[int, int], ticket: int) -> "Future[LoadResult]":
         """A layer's objects copied from their mappings into its blocks (queued on the
         connector's stream on CUDA, and waited for here: the mappings are released only once
         the DMA has passed them). A future of the hits: all, or none when the KV gate refused."""
@@ -384,8 +384,8 @@ class AdpConnectorWorker:
             direct.release(held)
         if ok:
             self.direct_layers += 1
-        fut: "Future[list[bool]]" = Future()
-        fut.set_result([bool(ok)] * len(held))
+        fut: "Future[LoadResult]" = Future()
+        fut.set_result(LoadResult([bool(ok)] * len(held)))
         return fut
 
     def _settle_before_pass(self) -> None:
@@ -436,7 +436,7 @@ class AdpConnectorWorker:
 
     def _settle_load(self, name: str, fut, index: ChunkPlanIndex, load: Optional[LayerLoad]) -> None:
         try:
-            hits = fut.result() if fut is not None else [False] * len(index.digests)
+            hits = fut.result().hits if fut is not None else [False] * len(index.digests)
         except Exception:
             hits = [False] * len(index.digests)
         if self.fanout is not None:   # every rank, every loaded layer, in layer order (collective)

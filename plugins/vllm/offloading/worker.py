@@ -238,8 +238,7 @@ class AdpOffloadingWorker(OffloadingWorker):
 
     # ---------------------------------------------------------------- completion
     def _finish(self, job: _Job) -> TransferResult:
-        ok = job.result is not False and all(
-            all(f.result().stored if job.kind == "store" else f.result()) for f in job.futures)
+        ok = job.result is not False and all(f.result().all_ok for f in job.futures)
         if job.kind == "store":
             ok = True            # vLLM 0.32 asserts on failed jobs; a lost store is a future miss
         elif not ok:

@@ -351,7 +351,7 @@ class AdpSecondaryTier(SecondaryTierManager):
                 assert ring is not None                     # checked above
                 put = client.put(skeys, self.row_bytes, functools.partial(ring.fill, addrs=addrs))
             self._futures[job.job_id] = put
-            put.add_done_callback(lambda f: self._done(j, f.result().stored))
+            put.add_done_callback(lambda f: self._done(j, f.result().ok))
         else:
             if rid is not None:
                 get = client.get_into(rid, at, skeys, self.row_bytes)
@@ -359,7 +359,7 @@ class AdpSecondaryTier(SecondaryTierManager):
                 assert ring is not None                     # checked above
                 get = client.get(skeys, self.row_bytes, functools.partial(ring.drain, addrs=addrs))
             self._futures[job.job_id] = get
-            get.add_done_callback(lambda f: self._done(j, f.result()))
+            get.add_done_callback(lambda f: self._done(j, f.result().ok))
 
     def _done(self, j: _Job, flags: list[bool]) -> None:          # any thread
         """``flags``: per key, stored (a store job) or found (a load job)."""
