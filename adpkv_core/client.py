@@ -10,7 +10,8 @@ the engine keeps serving from its own memory.
 This module is the public API and the attachment (the door, HELLO, then the engine's
 ring: the gateway hands it only to an attached rank of its owner); the
 rest is in ``request`` (what a request sends and resolves with: ``RingBatch``, the
-``BatchCallback`` contract, ``StoreResult``, region and scattered requests) and ``link``
+``BatchCallback`` contract, ``LoadResult`` and ``StoreResult``, the ``Destination`` of a
+data request: the ring, a region, scattered pieces) and ``link``
 (the control connection and its I/O thread: replies, copies, heartbeats, deadlines,
 turning off). Their public names stay importable from here.
 """
@@ -31,14 +32,15 @@ import zmq
 from adpkv_core.wire import protocol as P
 from adpkv_core.wire.door import DoorNotFound, DoorSession, UntrustedGateway, check_gateway, find_door
 from adpkv_core.link import LOOKUPS_OFF_MESSAGE, TURNED_OFF_MESSAGE, Link
-from adpkv_core.request import (DELETE_OK, EXIST_OK, HELLO_OK, OK, STATS_OK, BatchCallback, RingBatch, StoreResult, data_request,
-                      nothing, reply_flags, resolved)
+from adpkv_core.request import (DELETE_OK, EXIST_OK, HELLO_OK, OK, STATS_OK, BatchCallback, DataResult, Destination,
+                                InRegion, LoadResult, RingBatch, Scattered, StoreResult, ViaRing, data_request, nothing,
+                                regions_of, reply_flags, resolved)
 from adpkv_core.memory.ring import Ring
 from adpkv_core.settings import ClientConfig
 
 # what callers import from here (some of it defined in request, link, settings)
-__all__ = ["GatewayClient", "RingBatch", "BatchCallback", "StoreResult", "ClientConfig", "door_of",
-           "gateway_answers", "TURNED_OFF_MESSAGE", "LOOKUPS_OFF_MESSAGE"]
+__all__ = ["GatewayClient", "RingBatch", "BatchCallback", "DataResult", "LoadResult", "StoreResult", "ClientConfig",
+           "door_of", "gateway_answers", "TURNED_OFF_MESSAGE", "LOOKUPS_OFF_MESSAGE"]
 
 logger = logging.getLogger("adpkv.client")
 
@@ -116,18 +118,19 @@ class GatewayClient:
 
     def get(self, keys: Sequence[bytes], object_bytes: int, on_batch: BatchCallback,
             marks: Optional[Sequence[int]] = None, tag: Optional[str] = None,
-            slice: Optional[tuple[int, int]] = None, unlock: bool = False) -> "Future[list[bool]]":
-        """Read objects into the ring; ``on_batch`` copies each batch out. Resolves with hits.
+            slice: Optional[tuple[int, int]] = None, unlock: bool = False) -> "Future[LoadResult]":
+        """Read objects into the ring; ``on_batch`` copies each batch out. Resolves with a
+        ``LoadResult`` (the hits).
 
         ``unlock`` releases this rank's pins (from ``exist(lock=True)``) on the keys when done.
         """
-        return self._get(keys, object_bytes, on_batch, marks, tag, slice, unlock)
+        return self._data(P.Op.GET, keys, object_bytes, ViaRing(on_batch, slice), marks, tag, unlock)
 
     def put(self, keys: Sequence[bytes], object_bytes: int, on_batch: BatchCallback,
             marks: Optional[Sequence[int]] = None, tag: Optional[str] = None,
             slice: Optional[tuple[int, int]] = None) -> "Future[StoreResult]":
         """``on_batch`` fills ring slots, the gateway stores them. Resolves with a ``StoreResult``."""
-        return self._put(keys, object_bytes, on_batch, marks, tag, slice)
+        return self._data(P.Op.PUT, keys, object_bytes, ViaRing(on_batch, slice), marks, tag)
 
     def register_region(self, path: str, offset: int, size: int) -> "Future[Optional[int]]":
         """Hand the gateway ``size`` bytes at ``offset`` of a shared-memory file of ours, so
@@ -178,28 +181,29 @@ class GatewayClient:
             return self._door.map_objects(keys, object_bytes, marks, timeout_s=self.config.timeout_s)
 
     def get_into(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
-                 marks: Optional[Sequence[int]] = None, unlock: bool = False) -> "Future[list[bool]]":
-        """Read object ``i`` straight into ``at[i]`` of a registered region. Resolves with hits."""
-        return self._get(keys, object_bytes, None, marks, None, None, unlock, (region, list(at), None))
+                 marks: Optional[Sequence[int]] = None, unlock: bool = False) -> "Future[LoadResult]":
+        """Read object ``i`` straight into ``at[i]`` of a registered region. Resolves with a
+        ``LoadResult``."""
+        return self._data(P.Op.GET, keys, object_bytes, InRegion(region, list(at)), marks, None, unlock)
 
     def put_from(self, region: int, at: Sequence[int], keys: Sequence[bytes], object_bytes: int,
                  marks: Optional[Sequence[int]] = None) -> "Future[StoreResult]":
         """Store object ``i`` from ``at[i]`` of a registered region. Resolves with a ``StoreResult``."""
-        return self._put(keys, object_bytes, None, marks, None, None, (region, list(at), None))
+        return self._data(P.Op.PUT, keys, object_bytes, InRegion(region, list(at)), marks, None)
 
     def get_scattered(self, pieces: Sequence[tuple[int, int]], at: Sequence[int], keys: Sequence[bytes],
-                      marks: Optional[Sequence[int]] = None) -> "Future[list[bool]]":
+                      marks: Optional[Sequence[int]] = None) -> "Future[LoadResult]":
         """Read each object straight into its ``pieces`` (``(region, length)``, in the object's
         byte order): piece k of object i at ``at[i * len(pieces) + k]`` of its region. The
-        gateway checks the whole object before any piece lands. Resolves with hits."""
-        obj = sum(int(n) for _, n in pieces)
-        return self._get(keys, obj, None, marks, None, None, False, (None, list(at), list(pieces)))
+        gateway checks the whole object before any piece lands. Resolves with a ``LoadResult``."""
+        dest = Scattered(list(pieces), list(at))
+        return self._data(P.Op.GET, keys, dest.object_bytes, dest, marks, None)
 
     def put_scattered(self, pieces: Sequence[tuple[int, int]], at: Sequence[int], keys: Sequence[bytes],
                       marks: Optional[Sequence[int]] = None) -> "Future[StoreResult]":
         """Store each object from its ``pieces`` (as ``get_scattered``). Resolves with a ``StoreResult``."""
-        obj = sum(int(n) for _, n in pieces)
-        return self._put(keys, obj, None, marks, None, None, (None, list(at), list(pieces)))
+        dest = Scattered(list(pieces), list(at))
+        return self._data(P.Op.PUT, keys, dest.object_bytes, dest, marks, None)
 
     def delete(self, keys: Sequence[bytes], marks: Optional[Sequence[int]] = None) -> "Future[int]":
         """Remove objects; resolves with how many existed."""
@@ -299,30 +303,15 @@ class GatewayClient:
         logger.info("Attached to the adpkv gateway on port %d as rank %d/%d (ring %d bytes)",
                     self.config.port, self.rank, self.world_size, ring.size)
 
-    def _get(self, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
-             marks: Optional[Sequence[int]], tag: Optional[str], slice_: Optional[tuple[int, int]],
-             unlock: bool = False, into: Optional[tuple] = None) -> "Future[list[bool]]":
-        """A GET: resolves with its hits."""
-        return self._data(P.Op.GET, keys, object_bytes, on_batch, marks, tag, slice_, unlock, into)
-
-    def _put(self, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
-             marks: Optional[Sequence[int]], tag: Optional[str], slice_: Optional[tuple[int, int]],
-             into: Optional[tuple] = None) -> "Future[StoreResult]":
-        """A PUT: resolves with a ``StoreResult``."""
-        return self._data(P.Op.PUT, keys, object_bytes, on_batch, marks, tag, slice_, False, into)
-
-    def _data(self, op: P.Op, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
-              marks: Optional[Sequence[int]], tag: Optional[str], slice_: Optional[tuple[int, int]],
-              unlock: bool = False, into: Optional[tuple] = None) -> Future:
+    def _data(self, op: P.Op, keys: Sequence[bytes], object_bytes: int, dest: Destination,
+              marks: Optional[Sequence[int]], tag: Optional[str], unlock: bool = False) -> Future:
+        """A GET (resolves with a ``LoadResult``) or PUT (a ``StoreResult``) to or from ``dest``."""
         n = len(keys)
         if n == 0 or not self._link.enabled or self.rank is None:
             return resolved(nothing(op, n))
         locks: tuple[int, ...] = ()
-        if into is not None and op is P.Op.GET:
+        if op is P.Op.GET:
             # the request's own duplicates (closed when it resolves): close() may close ours meanwhile
-            region, _, pieces = into
-            ids = {region} if pieces is None else {int(r) for r, _ in pieces}
-            locks = tuple(os.dup(self._region_locks[r]) for r in ids if r in self._region_locks)
-        msg, pending = data_request(op, keys, object_bytes, on_batch, marks, tag, slice_, unlock, into,
-                                    self.config.timeout_s, locks)
+            locks = tuple(os.dup(self._region_locks[r]) for r in regions_of(dest) if r in self._region_locks)
+        msg, pending = data_request(op, keys, object_bytes, dest, marks, tag, unlock, self.config.timeout_s, locks)
         return self._link.submit(msg, pending)

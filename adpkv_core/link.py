@@ -41,7 +41,8 @@ import zmq
 from adpkv_core.wire import protocol as P
 from adpkv_core.wire.door import DoorSession
 from adpkv_core.memory.region_lock import take_back
-from adpkv_core.request import OK, REGION_WRITE_MARGIN_S, Pending, RingBatch, StoreResult, nothing, reply_flags, resolved
+from adpkv_core.request import (OK, REGION_WRITE_MARGIN_S, LoadResult, Pending, RingBatch, StoreResult, nothing, reply_flags,
+                                resolved)
 from adpkv_core.settings import ClientConfig
 
 logger = logging.getLogger("adpkv.client")
@@ -259,7 +260,7 @@ class Link:
             if pending.op is P.Op.PUT:
                 pending.future.set_result(StoreResult(flags, reply_flags(msg.existed, pending.n)))
             else:
-                pending.future.set_result(flags)
+                pending.future.set_result(LoadResult(flags))
         else:
             why = f"{msg.code} {msg.msg}" if isinstance(msg, P.Error) else f"an unexpected {type(msg).__name__}"
             logger.warning("Gateway refused %s: %s", pending.op, why)

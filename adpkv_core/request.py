@@ -1,24 +1,28 @@
 """One request of a ``GatewayClient``: what it sends, how its replies decode, what it resolves with.
 
 - ``RingBatch`` and the ``BatchCallback`` contract: the copies of a data request's ring batches.
-- ``StoreResult``: what a PUT resolves with; ``nothing``: what a data request resolves with
-  when it gets no usable answer.
+- ``DataResult``: what a data request resolves with, read one way for GET and PUT (``ok``,
+  ``all_ok``): ``LoadResult`` (a GET's hits), ``StoreResult`` (a PUT's stored and existed);
+  ``nothing``: what a data request resolves with when it gets no usable answer.
+- ``Destination``: where a data request's objects go (GET) or come from (PUT): ``ViaRing``
+  (the ring, ``on_batch`` copies), ``InRegion`` (one registered region) or ``Scattered``
+  (pieces of several regions).
 - ``Pending``: a request in flight (its future, deadline, reply decoder, the objects this
   rank copied, and for a request into or out of a region the moment the gateway must stop
   touching it).
-- ``data_request``: the GET/PUT message of a data request, through the ring, straight into
-  or out of one registered region (``get_into`` / ``put_from``), or scattered over pieces of
-  several regions (``get_scattered`` / ``put_scattered``), with its ``Pending``.
+- ``data_request``: the GET/PUT message of a data request to its ``Destination``, with its
+  ``Pending``.
 
 Nothing here does I/O: ``link.Link`` sends the messages and resolves the futures.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import time
 from concurrent.futures import Future
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from adpkv_core.wire import protocol as P
 
@@ -70,13 +74,51 @@ BatchCallback = Callable[[RingBatch], Optional[bool]]
 """
 
 
+class DataResult(abc.ABC):
+    """What a data request (GET or PUT) resolves with, read the same way for both: ``ok[i]``,
+    object ``i`` moved (read into its destination, or held by the card now); ``all_ok``,
+    every object moved (True for no objects)."""
+
+    __slots__ = ()
+
+    @property
+    @abc.abstractmethod
+    def ok(self) -> list[bool]:
+        """Per object: moved."""
+
+    @property
+    def all_ok(self) -> bool:
+        return all(self.ok)
+
+
 @dataclasses.dataclass(frozen=True)
-class StoreResult:
+class LoadResult(DataResult):
+    """The result of a GET: per key, ``hits[i]`` (object ``i`` was found and read into its
+    destination: copied out of the ring by ``on_batch``, or written into the region)."""
+
+    hits: list[bool]
+
+    @property
+    def ok(self) -> list[bool]:
+        return self.hits
+
+    @classmethod
+    def none(cls, n: int) -> "LoadResult":
+        """Nothing read: the answer when the cache is off or the request failed."""
+        return cls([False] * n)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreResult(DataResult):
     """The result of a PUT: per key, ``stored[i]`` (the card holds it now) and ``existed[i]``
     (it held it already — a key names its content — and it was not written again)."""
 
     stored: list[bool]
     existed: list[bool]
+
+    @property
+    def ok(self) -> list[bool]:
+        return self.stored
 
     @classmethod
     def none(cls, n: int) -> "StoreResult":
@@ -84,10 +126,58 @@ class StoreResult:
         return cls([False] * n, [False] * n)
 
 
-def nothing(op: P.Op, n: int) -> "list[bool] | StoreResult":
+def nothing(op: P.Op, n: int) -> DataResult:
     """What a data request of ``n`` objects resolves with when it gets no usable answer (the
     cache is off, the gateway refused or went away): ``n`` misses (GET) or nothing stored (PUT)."""
-    return [False] * n if op is P.Op.GET else StoreResult.none(n)
+    return LoadResult.none(n) if op is P.Op.GET else StoreResult.none(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class ViaRing:
+    """Through the engine's ring: ``on_batch`` copies each batch out of (GET) or into (PUT)
+    its slots (``BatchCallback``); ``slice``: this rank's ``(offset, bytes)`` of each object
+    (None: all of it)."""
+
+    on_batch: BatchCallback
+    slice: Optional[tuple[int, int]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class InRegion:
+    """Straight into (GET) or out of (PUT) one registered region: object ``i`` at ``at[i]``;
+    no copy on the engine's side."""
+
+    region: int
+    at: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scattered:
+    """Each object over ``pieces`` (``(region, length)``, in the object's byte order) of
+    registered regions: piece ``k`` of object ``i`` at ``at[i * len(pieces) + k]`` of its
+    region; no copy on the engine's side."""
+
+    pieces: list[tuple[int, int]]
+    at: list[int]
+
+    @property
+    def object_bytes(self) -> int:
+        return sum(int(n) for _, n in self.pieces)
+
+
+Destination = Union[ViaRing, InRegion, Scattered]
+"""Where a data request's objects go (GET) or come from (PUT)."""
+
+
+def regions_of(dest: Destination) -> set[int]:
+    """The registered regions ``dest`` names (none for the ring)."""
+    match dest:
+        case InRegion():
+            return {dest.region}
+        case Scattered():
+            return {int(r) for r, _ in dest.pieces}
+        case ViaRing():
+            return set()
 
 
 class Pending:
@@ -135,22 +225,31 @@ def resolved(value) -> Future:
     return f
 
 
-def data_request(op: P.Op, keys: Sequence[bytes], object_bytes: int, on_batch: Optional[BatchCallback],
-                 marks: Optional[Sequence[int]], tag: Optional[str], slice_: Optional[tuple[int, int]],
-                 unlock: bool, into: Optional[tuple], timeout_s: float,
+def data_request(op: P.Op, keys: Sequence[bytes], object_bytes: int, dest: Destination,
+                 marks: Optional[Sequence[int]], tag: Optional[str], unlock: bool, timeout_s: float,
                  region_locks: tuple[int, ...] = ()) -> tuple[P.Message, Pending]:
-    """The GET or PUT message of ``keys`` and its ``Pending``. ``into``: ``(region, at, None)``
-    for one registered region, ``(None, at, pieces)`` for pieces of several, None for the
-    ring (``on_batch`` copies); ``timeout_s``: how long the client waits for the gateway;
-    ``region_locks``: a GET's own descriptors of the regions ``into`` names (the ``Pending``
-    owns them: ``link.Link`` closes them when the request resolves)."""
-    region, at, pieces = into if into is not None else (None, None, None)
-    fields = dict(keys=list(keys), obj=int(object_bytes), marks=None if marks is None else list(marks),
-                  tag=None if tag is None else str(tag), region=region, at=at,
-                  pieces=None if pieces is None else [P.Piece(int(r), int(n)) for r, n in pieces])
+    """The GET or PUT message of ``keys`` to or from ``dest`` and its ``Pending``. ``timeout_s``:
+    how long the client waits for the gateway; ``region_locks``: a GET's own descriptors of
+    the regions ``dest`` names (the ``Pending`` owns them: ``link.Link`` closes them when the
+    request resolves)."""
+    region: Optional[int] = None
+    at: Optional[list[int]] = None
+    pieces: Optional[list[P.Piece]] = None
+    on_batch: Optional[BatchCallback] = None
+    slice_ = (0, int(object_bytes))
+    match dest:
+        case ViaRing():
+            on_batch = dest.on_batch
+            slice_ = dest.slice or slice_
+        case InRegion():
+            region, at = dest.region, list(dest.at)
+        case Scattered():
+            at, pieces = list(dest.at), [P.Piece(int(r), int(n)) for r, n in dest.pieces]
+    fields: dict[str, Any] = dict(keys=list(keys), obj=int(object_bytes), marks=None if marks is None else list(marks),
+                  tag=None if tag is None else str(tag), region=region, at=at, pieces=pieces)
     msg = P.Get(unlock=bool(unlock), **fields) if op is P.Op.GET else P.Put(**fields)
-    pending = Pending(Future(), op, len(keys), on_batch, 0.0, slice_ or (0, int(object_bytes)), DATA, data=True)
-    if into is not None:
+    pending = Pending(Future(), op, len(keys), on_batch, 0.0, slice_, DATA, data=True)
+    if not isinstance(dest, ViaRing):
         # The gateway writes into (GET) or reads from (PUT) our buffer only until we give up
         # on the request: after that the engine may reuse it. A stalled gateway must neither
         # write into it later nor store what the engine put there since under these keys.

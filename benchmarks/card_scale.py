@@ -152,7 +152,7 @@ def measure(gw, root, keys, n, size, rounds, trace_len, empty_rss, built, served
     client.get(hot, size, lambda b: None).result()
     t = time.perf_counter()
     for _ in range(rounds):
-        assert all(client.get(hot, size, lambda b: None).result())
+        assert client.get(hot, size, lambda b: None).result().all_ok
     out["get_obj_s"] = round(rounds * len(hot) / (time.perf_counter() - t))
     client.close()
     gw.stop()
@@ -187,7 +187,7 @@ def measure(gw, root, keys, n, size, rounds, trace_len, empty_rss, built, served
     for i in range(0, len(trace), 64):
         part = [keys[k] for k in trace[i:i + 64]]
         got = client.get(part, size, lambda b: None).result()
-        hits += sum(got)
+        hits += sum(got.hits)
         missed = [k for k, h in zip(part, got) if not h]
         if missed:
             uniq = list(dict.fromkeys(missed))

@@ -96,7 +96,7 @@ def gateway_gets(client, keys: list[list[bytes]], obj: int, pid: int) -> tuple[f
     c0, l0 = cpu_seconds(pid), cpu_seconds(pid, pid)
     t0 = time.perf_counter()
     futs = [client.get(layer_keys, obj, lambda b: None) for layer_keys in keys]
-    hits = [f.result() for f in futs]
+    hits = [f.result().hits for f in futs]
     t = time.perf_counter() - t0
     if not all(all(h) for h in hits):
         raise RuntimeError("a GET missed objects it had stored")

@@ -139,7 +139,7 @@ def ring_restore(client, ring, cache: Cache, kb, stream, device: str) -> float:
     t0 = time.perf_counter()
     for i, layer in enumerate(cache.layers):
         futs.append(client.get(keys_of(cache, kb, i), cache.obj, ring_scatter(cache, ring, layer, stream)))
-    hits = [all(f.result()) for f in futs]
+    hits = [f.result().all_ok for f in futs]
     sync(device)
     t = time.perf_counter() - t0
     if not all(hits):
@@ -200,7 +200,7 @@ def policy_restore(client, ring, maps: DirectMaps, cache: Cache, kb, stream, dev
         fut = client.get(keys, cache.obj, ring_scatter(cache, ring, layer, stream))
         fut.add_done_callback(lambda _, keys=keys: maps.prefetch(client, keys, cache.obj))
         futs.append(fut)
-    hits = [all(f.result()) for f in futs]
+    hits = [f.result().all_ok for f in futs]
     sync(device)
     t = time.perf_counter() - t0
     for got in held:

@@ -152,7 +152,7 @@ def restore(client, ring, cache: PagedCache, kb, stream, on_layer=None):
         f.add_done_callback(lambda _f, i=i: done_at.__setitem__(i, time.perf_counter() - t0))
         futs.append(f)
     compute = on_layer(futs, t0) if on_layer else None
-    hits = [all(f.result()) for f in futs]
+    hits = [f.result().all_ok for f in futs]
     sync()
     t = time.perf_counter() - t0
     if not all(hits):
@@ -183,14 +183,14 @@ def diagnose(client, ring, cache: PagedCache, kb, card: str, threads: int) -> di
             out[f"raw_read_{n}threads_GBs"] = len(files) * obj / (time.perf_counter() - t0) / 1e9
     t0 = time.perf_counter()
     futs = [client.get(keys_for(cache, kb, i), obj, lambda b: None) for i in range(len(cache.layers))]
-    assert all(all(f.result()) for f in futs)
+    assert all(f.result().all_ok for f in futs)
     out["gateway_only_GBs"] = len(files) * obj / (time.perf_counter() - t0) / 1e9
     # the same while the GPU pulls from pinned host memory at full speed (as during a restore):
     # how much the reads lose to the DMA sharing the host's memory
     pull = _H2DPull()
     t0 = time.perf_counter()
     futs = [client.get(keys_for(cache, kb, i), obj, lambda b: None) for i in range(len(cache.layers))]
-    assert all(all(f.result()) for f in futs)
+    assert all(f.result().all_ok for f in futs)
     out["gateway_only_gpu_pulling_GBs"] = len(files) * obj / (time.perf_counter() - t0) / 1e9
     out["gpu_pull_meanwhile_GBs"] = pull.finish()
     stream = torch.cuda.Stream()

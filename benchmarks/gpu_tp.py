@@ -266,7 +266,7 @@ def run_mla_restore(s: Setup, rank: int, world: int, group, stream, reps: int, g
                     layer.scatter(ring, b.offset, b.stride, b.count, 0, s.part, dst, None, s.bpc, stream)
             futs.append(client.get(keys[i], s.obj, copy, tag=f"{tag}:{i}" if on else None, slice=(0, s.part)))
         for i, layer in enumerate(s.layers):        # wait_for_layer_load(i), in layer order
-            assert all(futs[i].result()), f"layer {i} missed"
+            assert futs[i].result().all_ok, f"layer {i} missed"
             if on:
                 fan.exchange(loads[i], layer, s.plan)
 

@@ -91,7 +91,7 @@ def get_into_cost(objects, size, per_request, rounds) -> None:
                 t0 = time.perf_counter()
                 futs = [c.get_into(region, [(objects + k + i) * size for i in range(len(keys[k:k + per_request]))],
                                    keys[k:k + per_request], size) for k in range(0, objects, per_request)]
-                assert all(all(f.result(60)) for f in futs)
+                assert all(f.result(60).all_ok for f in futs)
                 times.append((time.perf_counter() - t0) / objects)
                 assert buf[objects * size:] == src
             t, best = statistics.median(times[1:]) * 1e6, min(times[1:]) * 1e6

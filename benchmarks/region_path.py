@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                     for j in range(0, n, JOB)]
             done = [f.result(300) for f in futs]
             seconds, cpu_s = time.perf_counter() - t0, cpu() - c0
-            ok = sum(sum(r) if load else sum(r.stored) for r in done)
+            ok = sum(sum(r.ok) for r in done)
             if ok != n:
                 raise RuntimeError(f"{name}: {ok} of {n} rows")
             if load and os.pread(fd, n * ROW, n * ROW) != os.pread(fd, n * ROW, 0):

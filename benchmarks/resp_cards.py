@@ -111,7 +111,7 @@ def through_gateway(urls, placement: str, replicas: int, obj: int, chunks: int, 
 
         t0 = time.perf_counter()
         futs = [c.get(keys[i:i + per], obj, copy, marks=marks[i:i + per]) for i in range(0, len(keys), per)]
-        assert all(all(f.result()) for f in futs)
+        assert all(f.result().all_ok for f in futs)
         t_restore = time.perf_counter() - t0
         c.close()
         control_clean = RespConnection(urls[0], 30)

@@ -77,7 +77,7 @@ def run_demo(directory: str, tokens: int, layers: int) -> int:
             def copy(b, dst=dst):
                 dst[b.first * obj:(b.first + b.count) * obj] = b_client.ring[b.offset:b.offset + b.count * obj]
             reads.append(b_client.get(kb.keys(hashes, [layer]), obj, copy, marks=marks))
-        restored = sum(sum(f.result()) for f in reads)
+        restored = sum(sum(f.result().hits) for f in reads)
         t_restore = time.perf_counter() - t0
         exact = all(xxhash.xxh3_64_intdigest(out[l]) == xxhash.xxh3_64_intdigest(kv[l]) for l in range(layers))
         b_client.close()

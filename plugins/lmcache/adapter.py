@@ -8,8 +8,8 @@ keys stored per ``cache_salt``, counters, the attachment). Its helpers:
   LMCache's L1 pool when that is a shared-memory region the gateway registered
   (``get_into`` / ``put_from``), otherwise by ring copies in ``on_batch``; one
   request per object size and path;
-- ``tasks``: task ids, results handed out once, the three eventfds, and the
-  reading of the client's futures into per-key flags;
+- ``tasks``: the tasks, one ``adpkv_core.jobs.JobBook`` per kind (ids, results
+  handed out once), the three eventfds, and the reading of a finished task per object;
 - ``keys``: ObjectKey → adpkv key, and the dialog marks learned from lookups.
 
 The mapping: store → ``put`` / ``put_from``; lookup → one ``exist(lock=True)``
@@ -32,7 +32,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Optional
 
 from lmcache.logging import init_logger
@@ -53,7 +52,7 @@ from ._compat import (
 from .config import AdpL2AdapterConfig
 from .copies import L1Pool, buffer_of, send
 from .keys import KeyMapper, MarkBook
-from .tasks import TaskBook, flags, merged_hits, merged_stores, when_all
+from .tasks import FinishedTask, Task, Tasks, merged_flags, merged_stores
 
 if TYPE_CHECKING:      # the base interface's own types (LMCache imports them the same way)
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -69,8 +68,9 @@ class AdpL2Adapter(L2AdapterInterface):
     Thread contract (LMCache's ``L2AdapterInterface``): LMCache's store controller and
     prefetch controller call from two threads, so every method is thread-safe. The
     ``submit_*`` calls, ``submit_unlock``, the ``pop``/``query`` calls and the event fd
-    getters never block: they send requests and return; results are recorded on the
-    client's I/O thread (``tasks.TaskBook``). ``delete`` is synchronous (LMCache's
+    getters never block: they send requests and return; a finished task is accounted for on
+    the client's I/O thread (``tasks.Tasks``: its kind's book's ``on_finish``) and translated
+    into LMCache's result when LMCache collects it. ``delete`` is synchronous (LMCache's
     eviction controller; up to ``timeout_s``), ``get_usage`` asks the gateway at most
     every ``usage_refresh_s`` (up to 1 s), ``close`` waits for the attachment to close.
     Nothing raises into LMCache from a task: a task that cannot run completes as a
@@ -93,7 +93,8 @@ class AdpL2Adapter(L2AdapterInterface):
                                                           "namespace": self._keys.namespace})
         self._marks = MarkBook(config.affinity_chunks, config.mark_cache_entries)
         self.engine_id = f"lmcache-{uuid.uuid4().hex[:12]}"
-        self._tasks = TaskBook()
+        self._tasks = Tasks({"store": self._store_finished, "lookup": self._lookup_finished,
+                             "load": self._load_finished})
 
         self._lock = threading.Lock()           # guards _counters, _held, _known
         self._counters = {"stores": 0, "stored_keys": 0, "store_failed_keys": 0, "lookups": 0,
@@ -158,102 +159,108 @@ class AdpL2Adapter(L2AdapterInterface):
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
-        tid = self._tasks.new("store")
         try:
-            self._start_store(tid, list(keys), list(objects))
+            return self._start_store(list(keys), list(objects))
         except Exception:
+            tid = self._tasks.submit("store", [], Task(list(keys)), failed=True)
             logger.exception("adpkv store task %d failed to start", tid)
-            self._tasks.finish("store", tid, L2StoreResult(False, 0))
-        return tid
+            return tid
 
-    def _start_store(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
+    def _start_store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         n = len(keys)
         if n == 0:
-            self._tasks.finish("store", tid, L2StoreResult(True, 0))
-            return
+            return self._tasks.submit("store", [], Task(keys))
         s = self._current()
         if s is None or not s.enabled:
             self._count(store_failed_keys=n)
-            self._tasks.finish("store", tid, L2StoreResult(False, 0))
-            return
+            return self._tasks.submit("store", [], Task(keys), failed=True)
         adp = self._keys.keys(keys)
         bufs = [buffer_of(o) for o in objects]
-        sizes = [b[1] for b in bufs]
         parts, direct = send(s, self._l1, "PUT", adp, self._marks.marks(adp), bufs)
         self._count(region_stored_keys=direct)
+        task = Task(keys, adp, [b[1] for b in bufs], [idx for idx, _ in parts], s)
+        return self._tasks.submit("store", [f for _, f in parts], task)
 
-        def done() -> None:   # the client's I/O thread (see tasks.when_all)
-            stored, existed = merged_stores(parts, n)
-            new_keys, new_sizes = [], []
-            nbytes = 0
-            with self._lock:
-                for i, ok in enumerate(stored):
-                    if not ok:
-                        continue
-                    if not existed[i]:     # already stored (keys name content): nothing written
-                        nbytes += sizes[i]
-                    if adp[i] not in self._known:
-                        self._known[adp[i]] = (keys[i].cache_salt, sizes[i])
-                        new_keys.append(keys[i])
-                        new_sizes.append(sizes[i])
-                ok_count = sum(stored)
-                self._counters["stores"] += 1
-                self._counters["stored_keys"] += ok_count
-                self._counters["store_failed_keys"] += n - ok_count
-                self._counters["bytes_stored"] += nbytes
-            if new_keys:
-                try:
-                    self._notify_keys_stored(new_keys, new_sizes)
-                except Exception:
-                    logger.exception("L2 listener failed on stored keys")
-            self._tasks.finish("store", tid, L2StoreResult(all(stored), nbytes))
+    @staticmethod
+    def _stored(job: FinishedTask) -> tuple[list[bool], list[bool], int]:
+        """``(stored, existed, bytes written)`` of a finished store task: an object the gateway
+        held already (keys name content) was not written again and counts no bytes."""
+        stored, existed = merged_stores(job)
+        nbytes = sum(size for ok, held, size in zip(stored, existed, job.meta.sizes) if ok and not held)
+        return stored, existed, nbytes
 
-        when_all([f for _, f in parts], done)
+    def _store_finished(self, job: FinishedTask) -> None:
+        """A store task finished (the client's I/O thread): counters, keys per salt, listeners.
+        A task that sent no request was counted when it was submitted."""
+        if not job.results:
+            return
+        t = job.meta
+        stored, _, nbytes = self._stored(job)
+        new_keys, new_sizes = [], []
+        with self._lock:
+            for i, ok in enumerate(stored):
+                if ok and t.adp[i] not in self._known:
+                    self._known[t.adp[i]] = (t.keys[i].cache_salt, t.sizes[i])
+                    new_keys.append(t.keys[i])
+                    new_sizes.append(t.sizes[i])
+            ok_count = sum(stored)
+            self._counters["stores"] += 1
+            self._counters["stored_keys"] += ok_count
+            self._counters["store_failed_keys"] += len(stored) - ok_count
+            self._counters["bytes_stored"] += nbytes
+        if new_keys:
+            try:
+                self._notify_keys_stored(new_keys, new_sizes)
+            except Exception:
+                logger.exception("L2 listener failed on stored keys")
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        return self._tasks.pop_all("store")
+        out = {}
+        for job in self._tasks.pop_all("store"):
+            stored, _, nbytes = self._stored(job)
+            out[job.id] = L2StoreResult(not job.failed and all(stored), nbytes)
+        return out
 
     # ------------------------------------------------------------------ lookup and lock
     def submit_lookup_and_lock_task(self, keys: list[ObjectKey],
                                     group_layout_descs: "dict[int, MemoryLayoutDesc] | MemoryLayoutDesc | None" = None
                                     ) -> L2TaskId:
         # group_layout_descs (0.5.6: dict per object group; 0.5.0: one MemoryLayoutDesc) is advisory.
-        tid = self._tasks.new("lookup")
         try:
-            self._start_lookup(tid, list(keys))
+            return self._start_lookup(list(keys))
         except Exception:
+            tid = self._tasks.submit("lookup", [], Task(list(keys)), failed=True)
             logger.exception("adpkv lookup task %d failed to start", tid)
-            self._tasks.finish("lookup", tid, Bitmap(len(keys)))
-        return tid
+            return tid
 
-    def _start_lookup(self, tid: L2TaskId, keys: list[ObjectKey]) -> None:
+    def _start_lookup(self, keys: list[ObjectKey]) -> L2TaskId:
         n = len(keys)
         s = self._current()
         if n == 0 or s is None or not s.enabled:
-            self._tasks.finish("lookup", tid, Bitmap(n))
-            return
+            return self._tasks.submit("lookup", [], Task(keys))
         adp = self._keys.keys(keys)
         marks = self._marks.marks_for_lookup(keys, adp)
         fut = s.client.exist(adp, marks=marks, lock=True)
+        return self._tasks.submit("lookup", [fut], Task(keys, adp, covers=[range(n)], session=s))
 
-        def done(f: Future) -> None:   # the client's I/O thread (inline when resolved at once)
-            hit_idx = [i for i, h in enumerate(flags(f, n)) if h]
-            bm = Bitmap(n)
-            if hit_idx:
-                bm.batched_set(hit_idx)
-            with self._lock:
-                if self._attachment.session is s:
-                    for i in hit_idx:
-                        self._held[adp[i]] = self._held.get(adp[i], 0) + 1
-                self._counters["lookups"] += 1
-                self._counters["lookup_keys"] += n
-                self._counters["lookup_hits"] += len(hit_idx)
-            self._tasks.finish("lookup", tid, bm)
-
-        fut.add_done_callback(done)
+    def _lookup_finished(self, job: FinishedTask) -> None:
+        """A lookup task finished (the client's I/O thread, or inline when its EXIST resolved at
+        once): the pins it took, while its attachment is the current one; counters."""
+        if not job.results:
+            return
+        t = job.meta
+        hits = [i for i, h in enumerate(merged_flags(job)) if h]
+        with self._lock:
+            if self._attachment.session is t.session:
+                for i in hits:
+                    self._held[t.adp[i]] = self._held.get(t.adp[i], 0) + 1
+            self._counters["lookups"] += 1
+            self._counters["lookup_keys"] += len(t.keys)
+            self._counters["lookup_hits"] += len(hits)
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Optional[Bitmap]:
-        return self._tasks.pop("lookup", task_id)
+        job = self._tasks.pop("lookup", task_id)
+        return _bitmap(job) if job is not None else None
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         if not keys:
@@ -282,50 +289,48 @@ class AdpL2Adapter(L2AdapterInterface):
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
-        tid = self._tasks.new("load")
         try:
-            self._start_load(tid, list(keys), list(objects))
+            return self._start_load(list(keys), list(objects))
         except Exception:
+            tid = self._tasks.submit("load", [], Task(list(keys)), failed=True)
             logger.exception("adpkv load task %d failed to start", tid)
-            self._tasks.finish("load", tid, Bitmap(len(keys)))
-        return tid
+            return tid
 
-    def _start_load(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
+    def _start_load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         n = len(keys)
         s = self._current()
         if n == 0 or s is None or not s.enabled:
             if n:
                 self._count(load_missed_keys=n)
-            self._tasks.finish("load", tid, Bitmap(n))
-            return
+            return self._tasks.submit("load", [], Task(keys))
         bufs = [buffer_of(o) for o in objects]
-        sizes = [b[1] for b in bufs]
         adp = self._keys.keys(keys)
         parts, direct = send(s, self._l1, "GET", adp, self._marks.marks(adp), bufs)
         self._count(region_loaded_keys=direct)
+        task = Task(keys, adp, [b[1] for b in bufs], [idx for idx, _ in parts], s)
+        return self._tasks.submit("load", [f for _, f in parts], task)
 
-        def done() -> None:   # the client's I/O thread (see tasks.when_all)
-            hit_idx = [i for i, h in enumerate(merged_hits(parts, n)) if h]
-            bm = Bitmap(n)
-            if hit_idx:
-                bm.batched_set(hit_idx)
-            with self._lock:
-                # Pins stay until LMCache's explicit submit_unlock (GET without unlock=True).
-                self._counters["loads"] += 1
-                self._counters["loaded_keys"] += len(hit_idx)
-                self._counters["load_missed_keys"] += n - len(hit_idx)
-                self._counters["bytes_loaded"] += sum(sizes[i] for i in hit_idx)
-            if hit_idx:
-                try:
-                    self._notify_keys_accessed([keys[i] for i in hit_idx])
-                except Exception:
-                    logger.exception("L2 listener failed on accessed keys")
-            self._tasks.finish("load", tid, bm)
-
-        when_all([f for _, f in parts], done)
+    def _load_finished(self, job: FinishedTask) -> None:
+        """A load task finished (the client's I/O thread): counters, listeners. Pins stay until
+        LMCache's explicit submit_unlock (GET without unlock=True)."""
+        if not job.results:
+            return
+        t = job.meta
+        hits = [i for i, h in enumerate(merged_flags(job)) if h]
+        with self._lock:
+            self._counters["loads"] += 1
+            self._counters["loaded_keys"] += len(hits)
+            self._counters["load_missed_keys"] += len(t.keys) - len(hits)
+            self._counters["bytes_loaded"] += sum(t.sizes[i] for i in hits)
+        if hits:
+            try:
+                self._notify_keys_accessed([t.keys[i] for i in hits])
+            except Exception:
+                logger.exception("L2 listener failed on accessed keys")
 
     def query_load_result(self, task_id: L2TaskId) -> Optional[Bitmap]:
-        return self._tasks.pop("load", task_id)
+        job = self._tasks.pop("load", task_id)
+        return _bitmap(job) if job is not None else None
 
     # ------------------------------------------------------------------ LMCache >= 0.5.7
     def get_memory_tags(self) -> Any:
@@ -453,3 +458,12 @@ class AdpL2Adapter(L2AdapterInterface):
         self._attachment.close()   # fails what is still in flight: the callbacks record misses
         self._tasks.close()
         logger.info("AdpL2Adapter %s closed", self.engine_id)
+
+
+def _bitmap(job: FinishedTask) -> Bitmap:
+    """LMCache's result of a lookup or load task: its objects found / read."""
+    bm = Bitmap(len(job.meta.keys))
+    hits = [i for i, h in enumerate(merged_flags(job)) if h]
+    if hits:
+        bm.batched_set(hits)
+    return bm

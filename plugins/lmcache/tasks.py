@@ -1,53 +1,70 @@
-"""Task bookkeeping of the adpkv L2 adapter: task ids, results handed out once, eventfds.
+"""The tasks of the adpkv L2 adapter: ``adpkv_core.jobs.JobBook`` per kind, and LMCache's eventfds.
 
 LMCache's L2 interface is submit-then-poll: ``submit_store_task``,
 ``submit_lookup_and_lock_task`` and ``submit_load_task`` return a task id at once;
-when the task completes its result is recorded here and the eventfd of its kind is
-signalled; LMCache's controllers poll the fds and collect each result exactly once
-(``pop_completed_store_tasks``, ``query_lookup_and_lock_result``,
-``query_load_result``). This module holds only that life cycle and the reading of
-the client's futures into per-key flags; what a task does is the adapter's.
+when the task completes the eventfd of its kind is signalled, and LMCache's controllers
+poll the fds and collect each result exactly once (``pop_completed_store_tasks``,
+``query_lookup_and_lock_result``, ``query_load_result``).
+
+A task is a job of its kind's ``JobBook`` (the three books share one id sequence, so a
+task id names one task of any kind): its futures are the requests it sent, its ``meta``
+a ``Task`` (which objects each request covers). The book hands each finished task out
+once; the adapter's bookkeeping of a finished task (counters, pins, listeners) is the
+book's ``on_finish`` and runs before LMCache can collect it; the eventfd is signalled
+after. ``merged_flags`` and ``merged_stores`` read a finished task per object.
 
 Threads (LMCache's store and prefetch controllers call the adapter from two threads):
-
-- ``TaskBook.new``, ``pop_all``, ``pop``: the calling controller thread; they take
-  one lock and never wait.
-- ``TaskBook.finish``: wherever a task completes: the client's I/O thread (the last
-  request of the task resolved), the thread calling ``close()`` (closing the
-  attachment fails what is in flight), or inline on the submitting thread (a task
-  that needed no request, or failed to start). It must not block: one lock, one
-  eventfd write. After ``close()`` results are dropped (nobody polls any more).
-- ``when_all``: its continuation runs on the thread that resolved the last future
-  (normally the client's I/O thread), so it must not block either.
+``Tasks.submit``, ``pop_all``, ``pop`` run on the calling controller thread and never
+wait; a task finishes (``on_finish``, the eventfd) wherever its last request resolved:
+the client's I/O thread, the thread calling ``close()`` (closing the attachment fails
+what is in flight), or inline on the submitting thread (a task that sent no request).
+After ``close()`` finished tasks are dropped and no eventfd is signalled.
 """
 
 from __future__ import annotations
 
-import threading
+import dataclasses
+import functools
+import itertools
 from concurrent.futures import Future
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
+from adpkv_core.attachment import Session
 from adpkv_core.client import StoreResult
+from adpkv_core.jobs import FinishedJob, JobBook
 
 from ._compat import L2TaskId, create_event_notifier
 
 KINDS = ("store", "lookup", "load")
 
-# (indices of the task's objects a request covers, that request's future: its hits)
-Parts = Sequence[tuple[Sequence[int], "Future[list[bool]]"]]
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """What a task carries through its book: LMCache's keys of its objects, their adpkv keys
+    and sizes (a lookup: no sizes), per request it sent (its job's futures, in order) the
+    indices of the objects that request covers, and the session the requests went out on
+    (None: it sent none)."""
+
+    keys: Sequence[Any]
+    adp: Sequence[bytes] = ()
+    sizes: Sequence[int] = ()
+    covers: Sequence[Sequence[int]] = ()
+    session: Optional[Session] = None
 
 
-class TaskBook:
-    """Ids, in-flight counts and completed results of the adapter's tasks, per kind
-    (``store``, ``lookup``, ``load``), and one eventfd per kind (distinct fds, as
-    LMCache's controllers require; closed by ``close()``)."""
+FinishedTask = FinishedJob[Task]
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._next_id: L2TaskId = 0
-        self._in_flight = dict.fromkeys(KINDS, 0)
-        self._done: dict[str, dict[L2TaskId, Any]] = {k: {} for k in KINDS}
+
+class Tasks:
+    """The adapter's tasks: one ``JobBook`` per kind (``store``, ``lookup``, ``load``) and one
+    eventfd per kind (distinct fds, as LMCache's controllers require; closed by ``close()``).
+    ``on_finish[kind]``: the adapter's bookkeeping of a finished task of that kind."""
+
+    def __init__(self, on_finish: dict[str, Callable[[FinishedTask], None]]) -> None:
+        ids = itertools.count()
         self._efd = {k: create_event_notifier() for k in KINDS}
+        self._books: dict[str, JobBook[Task]] = {
+            k: JobBook(on_finish[k], functools.partial(self._signal, k), ids) for k in KINDS}
         self._closed = False
 
     @property
@@ -58,109 +75,58 @@ class TaskBook:
         """The eventfd LMCache polls for completed tasks of ``kind``."""
         return self._efd[kind].fileno()
 
-    def new(self, kind: str) -> L2TaskId:
-        """A fresh task id of ``kind``, counted in flight until ``finish``."""
-        with self._lock:
-            tid = self._next_id
-            self._next_id += 1
-            self._in_flight[kind] += 1
-        return tid
+    def submit(self, kind: str, futures: Sequence[Future], task: Task, failed: bool = False) -> L2TaskId:
+        """A task of ``kind`` of those requests (``task.covers`` says which objects each covers);
+        ``failed``: it could not start. Its id."""
+        return self._books[kind].submit(futures, task, failed=failed)
 
-    def finish(self, kind: str, tid: L2TaskId, result: Any) -> None:
-        """Record the result of task ``tid`` and signal the kind's eventfd (once per task)."""
-        with self._lock:
-            self._in_flight[kind] -= 1
-            if self._closed:
-                return
-            self._done[kind][tid] = result
+    def pop_all(self, kind: str) -> list[FinishedTask]:
+        """Every finished task of ``kind`` not handed out yet (the store controller's call)."""
+        return self._books[kind].pop_finished()
+
+    def pop(self, kind: str, tid: L2TaskId) -> Optional[FinishedTask]:
+        """Task ``tid`` of ``kind``, once it finished; None while it runs (or after it was handed out)."""
+        return self._books[kind].pop(tid)
+
+    def in_flight(self) -> dict[str, int]:
+        return {k: book.running() for k, book in self._books.items()}
+
+    def close(self) -> None:
+        """Drop undelivered tasks and close the eventfds; tasks finishing later are not kept."""
+        self._closed = True
+        for book in self._books.values():
+            book.close()
+        for efd in self._efd.values():
+            efd.close()
+
+    def _signal(self, kind: str) -> None:
         try:
             self._efd[kind].notify()
         except OSError:
             pass  # closed under us
 
-    def pop_all(self, kind: str) -> dict:
-        """Every completed result of ``kind`` not handed out yet (the store controller's call)."""
-        with self._lock:
-            done, self._done[kind] = self._done[kind], {}
-        return done
 
-    def pop(self, kind: str, tid: L2TaskId) -> Any:
-        """The result of task ``tid``, once; None while it runs (or after it was handed out)."""
-        with self._lock:
-            return self._done[kind].pop(tid, None)
-
-    def in_flight(self) -> dict:
-        with self._lock:
-            return dict(self._in_flight)
-
-    def close(self) -> None:
-        """Drop undelivered results and close the eventfds; later ``finish`` records nothing."""
-        with self._lock:
-            self._closed = True
-            for done in self._done.values():
-                done.clear()
-        for efd in self._efd.values():
-            efd.close()
+# ---------------------------------------------------------------------------- reading a task
+def merged_flags(job: FinishedTask) -> list[bool]:
+    """Per object of a finished task: read (a load), found (a lookup) or stored (a store); False
+    for objects of a request that failed, and for all when the task sent none."""
+    flags = [False] * len(job.meta.keys)
+    for r, idx in enumerate(job.meta.covers):
+        for i, ok in zip(idx, job.flags(r, len(idx))):
+            flags[i] = ok
+    return flags
 
 
-# ---------------------------------------------------------------------------- completion
-def when_all(futures: Sequence[Future], then: Callable[[], None]) -> None:
-    """Call ``then`` once every future is done, on the thread that finishes last (inline
-    when there is none)."""
-    if not futures:
-        then()
-        return
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_f: Future) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            then()
-
-    for f in futures:
-        f.add_done_callback(one_done)
-
-
-def flags(f: "Future[list[bool]]", n: int) -> list[bool]:
-    """The per-key flags a done EXIST or GET future resolved with; all False when it failed or
-    does not describe ``n`` keys."""
-    try:
-        r = f.result(timeout=0)
-    except Exception:
-        return [False] * n
-    return [bool(x) for x in r] if len(r) == n else [False] * n
-
-
-def store_result(f: "Future[StoreResult]", n: int) -> StoreResult:
-    """What a done PUT future resolved with; nothing stored when it failed or does not
-    describe ``n`` keys."""
-    try:
-        r = f.result(timeout=0)
-    except Exception:
-        return StoreResult.none(n)
-    return r if len(r.stored) == n and len(r.existed) == n else StoreResult.none(n)
-
-
-def merged_hits(parts: Parts, n: int) -> list[bool]:
-    """The flags of a task of ``n`` objects from its requests (each covering some indices)."""
-    hits = [False] * n
-    for idx, fut in parts:
-        for i, ok in zip(idx, flags(fut, len(idx))):
-            hits[i] = ok
-    return hits
-
-
-def merged_stores(parts: "Sequence[tuple[Sequence[int], Future[StoreResult]]]",
-                  n: int) -> tuple[list[bool], list[bool]]:
-    """``(stored, existed)`` of a store task of ``n`` objects; ``existed[i]`` only where stored."""
+def merged_stores(job: FinishedTask) -> tuple[list[bool], list[bool]]:
+    """``(stored, existed)`` per object of a finished store task; ``existed[i]`` only where stored."""
+    n = len(job.meta.keys)
     stored = [False] * n
     held = [False] * n
-    for idx, fut in parts:
-        r = store_result(fut, len(idx))
+    for r, idx in enumerate(job.meta.covers):
+        res = job.results[r]
+        if not isinstance(res, StoreResult) or len(res.stored) != len(idx) or len(res.existed) != len(idx):
+            continue      # failed: nothing stored
         for j, i in enumerate(idx):
-            stored[i] = r.stored[j]
-            held[i] = r.stored[j] and r.existed[j]
+            stored[i] = res.stored[j]
+            held[i] = res.stored[j] and res.existed[j]
     return stored, held

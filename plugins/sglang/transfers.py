@@ -99,13 +99,13 @@ def read_pages(s: Session, hp: HostPool, starts: np.ndarray, keys: List[bytes], 
 
     def in_place(route: Route) -> list[bool]:
         assert regions is not None
-        found = s.client.get_scattered(route.pieces, route.at, keys, marks).result()
+        found = s.client.get_scattered(route.pieces, route.at, keys, marks).result().hits
         if stamps is not None:
             regions.read_stamps(route, stamps)
         return found
 
     def by_ring(ring, addrs, segments) -> list[bool]:
-        return s.client.get(keys, hp.object_bytes, lambda b: ring.drain(b, addrs, segments), marks).result()
+        return s.client.get(keys, hp.object_bytes, lambda b: ring.drain(b, addrs, segments), marks).result().hits
 
     t0 = time.perf_counter()
     tally.count("get_requests")
@@ -194,7 +194,7 @@ def get_values(s: Session, keys: List[bytes], targets: List[torch.Tensor],
         tally.count("get_requests")
         futures.append((idx, s.client.get(_pick(keys, idx), size, copy_out)))
     for idx, f in futures:
-        for i, hit in zip(idx, f.result()):
+        for i, hit in zip(idx, f.result().hits):
             if hit:
                 results[i] = targets[i]
                 tally.count("pages_read")

@@ -32,7 +32,7 @@ def get_checked(c: GatewayClient, keys, nbytes: int, marks=None, timeout: float 
                 o = b.offset + j * b.stride
                 if bytes(c.ring[o:o + nbytes]) != pattern(keys[b.first + j], 0, nbytes):
                     wrong.append(b.first + j)
-    hits = list(c.get(keys, nbytes, check, marks=marks).result(timeout=timeout))
+    hits = list(c.get(keys, nbytes, check, marks=marks).result(timeout=timeout).hits)
     assert not wrong, f"wrong bytes restored for objects {wrong}"
     return hits
 
@@ -74,8 +74,7 @@ def rank_job(port, engine, rank, world, op, keys, slice_bytes, tag, out_q, timeo
                         wrong.append(b.first + j)
 
         call = client.put if op == "PUT" else client.get
-        result = call(keys, obj, fill if op == "PUT" else check, tag=tag, slice=sl).result()
-        flags = result.stored if op == "PUT" else result
+        flags = call(keys, obj, fill if op == "PUT" else check, tag=tag, slice=sl).result().ok
         out_q.put((rank, flags, not wrong, client.enabled))
         client.close()
     except Exception:

@@ -301,11 +301,11 @@ def test_scattered_requests_outside_a_region_are_refused_and_change_nothing(gate
         pieces = [(rid, 1000), (rid, 24)]
         assert list(c.put_scattered(pieces, [0, 4096, 1024, 5000], keys).result().stored) == [True, True]
         # a piece past the region's end, a piece in a region never registered: refused, nothing moves
-        assert c.get_scattered(pieces, [0, 8180, 1024, 5000], keys).result() == [False, False]
-        assert c.get_scattered([(rid, 1000), (rid + 5, 24)], [0, 0, 0, 0], keys).result() == [False, False]
+        assert c.get_scattered(pieces, [0, 8180, 1024, 5000], keys).result().hits == [False, False]
+        assert c.get_scattered([(rid, 1000), (rid + 5, 24)], [0, 0, 0, 0], keys).result().hits == [False, False]
         assert os.pread(fd, 8192, 0) == b"\x11" * 8192
         os.pwrite(fd, b"\x00" * 8192, 0)
-        assert c.get_scattered(pieces, [2000, 7000, 3000, 7100], keys).result() == [True, True]
+        assert c.get_scattered(pieces, [2000, 7000, 3000, 7100], keys).result().hits == [True, True]
         want = bytearray(8192)
         for off, length in ((2000, 1000), (7000, 24), (3000, 1000), (7100, 24)):
             want[off:off + length] = b"\x11" * length

@@ -1,14 +1,18 @@
 """The bookkeeping of one step's transfers on a worker (``worker.py``): where a load's
-objects go (``ChunkPlanIndex``), which requests an asynchronous load serves and whether
-each got every object (``AsyncLoad``), when a PUT's pages are in the ring (``PutJob``).
-Nothing here talks to the gateway; the copies are ``common/copy.py``'s."""
+objects go (``ChunkPlanIndex``), which requests an asynchronous load serves (``AsyncLoad``,
+the metadata of its job in the worker's ``adpkv_core.jobs.JobBook``) and whether each got
+every object (``received``), when a PUT's pages are in the ring (``PutJob``). Nothing here
+talks to the gateway; the copies are ``common/copy.py``'s."""
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from adpkv_core.jobs import FinishedJob
 
 from .metadata import ChunkPlan
 
@@ -57,32 +61,29 @@ class ChunkPlanIndex:
         return self.dst[sel], self.pos[sel] - lo
 
 
+@dataclass(frozen=True)
 class AsyncLoad:
-    """One step's asynchronous loads: the GET of every layer and which objects of each
-    group belong to which request."""
+    """One step's asynchronous loads, as their job (one GET per layer: the job's futures, in
+    the order of ``gets``) carries them: which objects of each group belong to which request,
+    the blocks each request's load writes, and per GET the plans it follows and its objects."""
 
-    def __init__(self, spans: dict[str, dict[tuple[int, bool], tuple[int, int]]],
-                 blocks: dict[str, list[int]]):
-        self.spans = spans          # req -> (group index, drafter) -> (first object, end)
-        self.blocks = blocks        # req -> the blocks its load writes (a failure reported by block)
-        self.gets: list[tuple[tuple[int, bool], Any]] = []   # ((group, drafter), Future[list[bool]]) per layer
+    spans: dict[str, dict[tuple[int, bool], tuple[int, int]]]   # req -> (group, drafter) -> (first object, end)
+    blocks: dict[str, list[int]]        # req -> the blocks its load writes (a failure reported by block)
+    gets: list[tuple[tuple[int, bool], int]]   # per GET: ((group index, drafter), its objects)
 
-    def ended(self) -> bool:
-        return all(f.done() for _, f in self.gets)
 
-    def received(self) -> set[str]:
-        """Requests with every object of every layer read."""
-        ok = set(self.spans) if self.gets else set()
-        for group, fut in self.gets:
-            try:
-                hits = fut.result()
-            except Exception:
-                hits = None
-            for req, by_group in self.spans.items():
-                span = by_group.get(group)
-                if span is not None and (hits is None or not all(hits[span[0]:span[1]])):
-                    ok.discard(req)
-        return ok
+def received(job: FinishedJob[AsyncLoad]) -> set[str]:
+    """The requests of a finished asynchronous load with every object of every layer read
+    (none when it sent no GET)."""
+    load = job.meta
+    ok = set(load.spans) if job.results and not job.failed else set()
+    for i, (plans, n) in enumerate(load.gets):
+        hits = job.flags(i, n)
+        for req, by_plans in load.spans.items():
+            span = by_plans.get(plans)
+            if span is not None and not all(hits[span[0]:span[1]]):
+                ok.discard(req)
+    return ok
 
 
 class PutJob:

@@ -46,8 +46,9 @@ from typing import Any, Optional
 import torch
 
 from adpkv_core.attachment import Attachment, Session
-from adpkv_core.client import GatewayClient
+from adpkv_core.client import GatewayClient, LoadResult
 from adpkv_core.direct_map import DirectMaps, Mapping, cuda_registrar
+from adpkv_core.jobs import JobBook
 
 from ..common.copy import PagedLayer, as_index
 from ..common.vllm_api import reports_failed_requests
@@ -56,7 +57,7 @@ from .heads import HeadShare
 from .kv_gate import KVGate
 from .metadata import AdpConnectorMetadata, CacheGroup, ChunkPlan, ConnectorConfig
 from .recurrent import state_pages
-from .transfers import AsyncLoad, ChunkPlanIndex, PutJob
+from .transfers import AsyncLoad, ChunkPlanIndex, PutJob, received
 
 logger = logging.getLogger("adpkv.vllm")
 
@@ -85,7 +86,7 @@ class AdpConnectorWorker:
         self._drafter = cfg.drafter.layers if cfg.drafter is not None else frozenset()
         # per group, the target's layers (wait_for_save: a drafter layer is saved only from its hook)
         self._target_layers = {g.index: [n for n in g.layer_names if n not in self._drafter] for g in cfg.groups}
-        self._async_loads: list[AsyncLoad] = []   # cfg.loads_async: loads outside the pass
+        self._async_loads: JobBook[AsyncLoad] = JobBook()   # cfg.loads_async: loads outside the pass
         # how vLLM takes an asynchronous load's end: per request (get_transfer_results) or, without
         # it (0.26 to 0.29), from get_finished, a failure by its blocks
         self._loads_by_request = reports_failed_requests()
@@ -293,7 +294,8 @@ class AdpConnectorWorker:
         self._in_pass = True                     # vLLM calls it at the start of every pass
         if isinstance(meta, AdpConnectorMetadata) and meta.failed_loads:   # hits with no load planned
             if self.cfg.loads_async:   # no GET: failed
-                self._async_loads.append(AsyncLoad({r: {} for r in meta.failed_loads}, dict(meta.failed_loads)))
+                self._async_loads.submit([], AsyncLoad({r: {} for r in meta.failed_loads}, dict(meta.failed_loads), []),
+                                         failed=True)
             else:
                 self._load_errors.update(b for blocks in meta.failed_loads.values() for b in blocks)
         if not isinstance(meta, AdpConnectorMetadata) or not meta.loads:
@@ -368,7 +370,7 @@ class AdpConnectorWorker:
         return fut
 
     def _load_mapped(self, direct: DirectMaps, held: list[Mapping], layer: PagedLayer, index: ChunkPlanIndex,
-                     sl: tuple[int, int], ticket: int) -> "Future[list[bool]]":
+                     sl: tuple[int, int], ticket: int) -> "Future[LoadResult]":
         """A layer's objects copied from their mappings into its blocks (queued on the
         connector's stream on CUDA, and waited for here: the mappings are released only once
         the DMA has passed them). A future of the hits: all, or none when the KV gate refused."""
@@ -384,8 +386,8 @@ class AdpConnectorWorker:
             direct.release(held)
         if ok:
             self.direct_layers += 1
-        fut: "Future[list[bool]]" = Future()
-        fut.set_result([bool(ok)] * len(held))
+        fut: "Future[LoadResult]" = Future()
+        fut.set_result(LoadResult([bool(ok)] * len(held)))
         return fut
 
     def _settle_before_pass(self) -> None:
@@ -411,18 +413,21 @@ class AdpConnectorWorker:
         blocks: dict[str, list[int]] = {}
         for p in meta.loads:
             blocks.setdefault(p.req_id, []).extend(p.block_ids)
-        load = AsyncLoad(spans, blocks)
-        self._async_loads.append(load)
-        if not self._active():
-            return              # no GET: every request of it fails (recomputed by vLLM)
+        if not self._active():      # no GET: every request of it fails (recomputed by vLLM)
+            self._async_loads.submit([], AsyncLoad(spans, blocks, []), failed=True)
+            return
         client, ring = self.client, self.ring
+        futures: list[Future] = []
+        gets: list[tuple[tuple[int, bool], int]] = []
         for name in cfg.layer_names:
             group = self._group_of[name]
             index = indexes[self._key(name)]
             if not index.digests:
                 continue
             tag = f"A{meta.step}:{self._layer_index[name]}" if self._collective(group) else None
-            load.gets.append((self._key(name), self._get_layer(client, ring, name, index, tag)))
+            futures.append(self._get_layer(client, ring, name, index, tag))
+            gets.append((self._key(name), len(index.digests)))
+        self._async_loads.submit(futures, AsyncLoad(spans, blocks, gets))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         entry = self._load_futs.pop(layer_name, None)
@@ -436,7 +441,7 @@ class AdpConnectorWorker:
 
     def _settle_load(self, name: str, fut, index: ChunkPlanIndex, load: Optional[LayerLoad]) -> None:
         try:
-            hits = fut.result() if fut is not None else [False] * len(index.digests)
+            hits = fut.result().hits if fut is not None else [False] * len(index.digests)
         except Exception:
             hits = [False] * len(index.digests)
         if self.fanout is not None:   # every rank, every loaded layer, in layer order (collective)
@@ -585,9 +590,8 @@ class AdpConnectorWorker:
         recving: set[str] = set()
         failed: set[str] = set()
         blocks: set[int] = set()
-        for load in [x for x in self._async_loads if x.ended()]:
-            self._async_loads.remove(load)
-            ok = load.received()
+        for job in self._async_loads.pop_finished():
+            load, ok = job.meta, received(job)
             recving |= set(load.spans)
             for req in set(load.spans) - ok:
                 failed.add(req)

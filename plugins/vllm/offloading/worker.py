@@ -4,9 +4,10 @@ rank's KV blocks and the gateway.
 One object per (offloaded chunk, KV tensor); a job is one PUT or GET per tensor
 (a long load's chunks of one tensor go out as several parallel GETs:
 ``shard_ranges``), gathered/scattered with the KV connector's copy code
-(``copy.PagedLayer``). ``get_finished`` reports a job once all its requests are
-done: a store always as a success (a lost store is a future miss; vLLM 0.32
-asserts on failed jobs), a load as failed when any object was not read.
+(``copy.PagedLayer``). The jobs are an ``adpkv_core.jobs.JobBook`` under vLLM's job
+ids; ``get_finished`` reports each once all its requests are done: a store always as
+a success (a lost store is a future miss; vLLM 0.32 asserts on failed jobs), a load
+as failed when any object was not read.
 
 The rank holds the gateway through ``adpkv_core.attachment.Attachment``; a fresh
 attachment is put to use at the start of a ``submit_*`` (between jobs), and
@@ -16,9 +17,9 @@ every job runs to its end on the attachment it started on.
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from typing import Any, Optional
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -31,6 +32,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from adpkv_core.attachment import Attachment, Session
+from adpkv_core.jobs import FinishedJob, JobBook
 
 from ..common.copy import PagedLayer, as_index
 from ..common.vllm_api import offload_device_blocks
@@ -53,16 +55,12 @@ def shard_ranges(count: int, shards: int) -> list[tuple[int, int]]:
     return [(i, min(i + step, count)) for i in range(0, count, step)]
 
 
-class _Job:
-    __slots__ = ("job_id", "futures", "kind", "nbytes", "t0", "result")
+@dataclass(frozen=True)
+class _Transfer:
+    """What a job of the book carries: store or load, and the bytes its requests move."""
 
-    def __init__(self, job_id: int, kind: str):
-        self.job_id = job_id
-        self.kind = kind
-        self.futures: list[Any] = []
-        self.nbytes = 0
-        self.t0 = time.perf_counter()
-        self.result: Optional[bool] = None
+    store: bool
+    nbytes: int
 
 
 class AdpOffloadingWorker(OffloadingWorker):
@@ -89,8 +87,7 @@ class AdpOffloadingWorker(OffloadingWorker):
         first = self.groups[0][0][1]
         self._on_gpu = first.on_gpu
         self._stream = torch.cuda.Stream(device=first.device) if first.on_gpu else None
-        self._jobs: dict[int, _Job] = {}
-        self._lock = threading.Lock()
+        self._jobs: JobBook[_Transfer] = JobBook()
         layout = {"engine": "vllm-offloading", "tensors": len(tensors), "page_bytes": first.page_bytes,
                   "blocks_per_chunk": self.bpc}
         self.attachment = Attachment(backend.client_config, backend.engine_id, self.rank,
@@ -145,19 +142,26 @@ class AdpOffloadingWorker(OffloadingWorker):
         """``src_spec``: the blocks to store (vLLM <= 0.33: ``GPULoadStoreSpec``; 0.34: the
         ``DevicePointers`` it passes in that place, positionally, as ``device_ptrs``). The
         parameters keep the names 0.26 to 0.33 declare."""
-        job = _Job(job_id, "store")
-        with self._lock:
-            self._jobs[job_id] = job
+        futures, nbytes = self._store_requests(job_id, src_spec, dst_spec)
+        # a store that cannot happen (cache off, blocks unreadable) is a future miss, not a failure
+        self._jobs.submit(futures, _Transfer(store=True, nbytes=nbytes), job_id=job_id)
+        return True
+
+    def _store_requests(self, job_id: int, src_spec, dst_spec: LoadStoreSpec) -> tuple[list[Future], int]:
+        """The PUTs of a store job and the bytes they move (none while the cache is off or
+        when its blocks cannot be read)."""
+        futures: list[Future] = []
+        nbytes = 0
         keys_by_group = self._keys_by_group(dst_spec.keys)
         s = self._begin()
         if s is None:
-            return True          # a store that cannot happen is a future miss
+            return futures, nbytes
         client, ring = s.client, s.state["ring"]
         try:
             groups = self._group_blocks(src_spec)
         except ValueError:
             logger.exception("adpkv: store job %d: its blocks cannot be read; not stored", job_id)
-            return True          # a future miss
+            return futures, nbytes
         for g, block_ids, first_index in groups:
             keys = keys_by_group.get(g, [])
             if not keys:
@@ -180,9 +184,9 @@ class AdpOffloadingWorker(OffloadingWorker):
                                  self._stream)
                     return True
 
-                job.futures.append(client.put(self.keys.keys(digests, [layer_idx]), obj, on_batch))
-                job.nbytes += obj * len(keys)
-        return True
+                futures.append(client.put(self.keys.keys(digests, [layer_idx]), obj, on_batch))
+                nbytes += obj * len(keys)
+        return futures, nbytes
 
     # ---------------------------------------------------------------- loads
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec, expedited: bool = False) -> bool:
@@ -190,21 +194,26 @@ class AdpOffloadingWorker(OffloadingWorker):
         ``DevicePointers`` it passes in that place, positionally, as ``device_ptrs``). ``expedited`` (vLLM >= 0.33: a load its request waits for within
         this step, through ``wait``): the same GETs. Nothing here queues a load behind another:
         every job's GETs go to the gateway at once."""
-        job = _Job(job_id, "load")
-        with self._lock:
-            self._jobs[job_id] = job
+        futures, nbytes, complete = self._load_requests(job_id, src_spec, dst_spec)
+        self._jobs.submit(futures, _Transfer(store=False, nbytes=nbytes), job_id=job_id, failed=not complete)
+        return True
+
+    def _load_requests(self, job_id: int, src_spec: LoadStoreSpec, dst_spec) -> tuple[list[Future], int, bool]:
+        """The GETs of a load job, the bytes they move, and whether they cover the whole job
+        (not while the cache is off, nor when some of its blocks cannot be written)."""
+        futures: list[Future] = []
+        nbytes = 0
+        complete = True
         keys_by_group = self._keys_by_group(src_spec.keys)
         s = self._begin()
         if s is None:
-            job.result = False
-            return True
+            return futures, nbytes, False
         client, ring = s.client, s.state["ring"]
         try:
             groups = self._group_blocks(dst_spec)
         except ValueError:
             logger.exception("adpkv: load job %d: its blocks cannot be written; failed", job_id)
-            job.result = False
-            return True
+            return futures, nbytes, False
         for g, block_ids, first_index in groups:
             keys = keys_by_group.get(g, [])
             if not keys or not block_ids:
@@ -214,7 +223,7 @@ class AdpOffloadingWorker(OffloadingWorker):
             if positions[-1] >= len(keys) * self.bpc:
                 logger.error("adpkv: load job %d: %d blocks do not fit %d chunks", job_id,
                              len(block_ids), len(keys))
-                job.result = False
+                complete = False
                 continue
             dst = as_index(block_ids)
             digests = [object_digest(k) for k in keys]
@@ -232,48 +241,30 @@ class AdpOffloadingWorker(OffloadingWorker):
                                       positions[sel] - lo, self.bpc, self._stream)
                         return True
 
-                    job.futures.append(client.get(layer_keys[start:stop], obj, on_batch))
-                job.nbytes += obj * len(keys)
-        return True
+                    futures.append(client.get(layer_keys[start:stop], obj, on_batch))
+                nbytes += obj * len(keys)
+        return futures, nbytes, complete
 
     # ---------------------------------------------------------------- completion
-    def _finish(self, job: _Job) -> TransferResult:
-        ok = job.result is not False and all(
-            all(f.result().stored if job.kind == "store" else f.result()) for f in job.futures)
-        if job.kind == "store":
-            ok = True            # vLLM 0.32 asserts on failed jobs; a lost store is a future miss
-        elif not ok:
+    def _result(self, job: FinishedJob[_Transfer]) -> TransferResult:
+        """vLLM's result of a finished job: a store always succeeds (vLLM 0.32 asserts on failed
+        jobs; a lost store is a future miss), a load when every object was read."""
+        ok = job.meta.store or job.ok
+        if not ok:
             logger.error("adpkv: load job %d failed after its chunks were found; vLLM's "
                          "OffloadingConnector cannot recompute it (it stops rather than serve a "
                          "wrong KV cache). Use AdpKVConnector where a failed load must be recomputed.",
-                         job.job_id)
-        return TransferResult(job_id=job.job_id, success=ok, transfer_size=job.nbytes,
-                              transfer_time=time.perf_counter() - job.t0)
+                         job.id)
+        return TransferResult(job_id=job.id, success=ok, transfer_size=job.meta.nbytes,
+                              transfer_time=job.seconds)
 
     def get_finished(self) -> list[TransferResult]:
-        out = []
-        with self._lock:
-            for job_id, job in list(self._jobs.items()):
-                if all(f.done() for f in job.futures):
-                    del self._jobs[job_id]
-                    out.append(self._finish(job))
-        return out
+        return [self._result(job) for job in self._jobs.pop_finished()]
 
     def wait(self, job_ids: set[int]) -> None:
-        with self._lock:
-            jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
-        for job in jobs:
-            for f in job.futures:
-                f.result()
+        self._jobs.wait(job_ids)
 
     def shutdown(self) -> None:
-        with self._lock:
-            jobs = list(self._jobs.values())
-        for job in jobs:
-            for f in job.futures:
-                try:
-                    f.result(timeout=5)
-                except Exception:
-                    pass
+        self._jobs.wait(timeout=5)
         self.attachment.close()      # BYE; on_detach unpins the ring
         self.session = None

@@ -51,9 +51,8 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import threading
-import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
@@ -88,6 +87,7 @@ with required_vllm_api(
         raise ImportError(f"its tiering lacks {tiering_api_missing()}")
 
 from adpkv_core.attachment import Attachment, Session, reconnect_setting
+from adpkv_core.jobs import JobBook
 from adpkv_core.keys import KIND_TIER_ROW, KeyBuilder, key_namespace
 from adpkv_core.memory.regions import shared_file_of
 from adpkv_core.settings import ClientConfig, refuse_unknown
@@ -156,17 +156,14 @@ class _Lookups(AsyncLookupManager):
         return self._tier._exist(keys)
 
 
-class _Job:
-    __slots__ = ("job", "keys", "store", "t0", "session", "flags", "seconds")
+@dataclass(frozen=True)
+class _Rows:
+    """What a job of the tier's book carries: vLLM's offload keys (one CPU-tier row each), store
+    or load, and the session its request went out on (None: none went out)."""
 
-    def __init__(self, job: TransferJob, store: bool, session: Optional[Session]):
-        self.job = job
-        self.keys = list(job.keys)
-        self.store = store
-        self.session = session
-        self.t0 = time.perf_counter()
-        self.flags: Optional[list[bool]] = None
-        self.seconds = 0.0
+    keys: list[OffloadKey]
+    store: bool
+    session: Optional[Session]
 
 
 class AdpSecondaryTier(SecondaryTierManager):
@@ -241,10 +238,7 @@ class AdpSecondaryTier(SecondaryTierManager):
         events = bool(enable_kv_events) and bool(offloading_spec.kv_events_config.enable_kv_cache_events)
         self._kv_events = TierEvents(events, self.medium, self.locality, events_sweep_s, self.storage_key,
                                      count_removed=lambda n: self._counters.update({TierMetrics.REMOVED: n}))
-        self._finished: collections.deque = collections.deque()    # (_Job) filled by I/O threads
-        self._cv = threading.Condition()
-        self._inflight: dict[int, _Job] = {}
-        self._futures: dict[int, Any] = {}
+        self._jobs: JobBook[_Rows] = JobBook()       # under vLLM's job ids; one request per job
         self._counters: collections.Counter[str] = collections.Counter()
         self._lookups = _Lookups(self, tier_type)
         self.attachment = Attachment(self.client_config, self.engine_id, 0, 1,
@@ -331,43 +325,30 @@ class AdpSecondaryTier(SecondaryTierManager):
     # ------------------------------------------------------------------ transfers
     def _submit(self, job: TransferJob, store: bool) -> None:
         s = self._session
-        j = _Job(job, store, s)
-        self._inflight[job.job_id] = j
-        if s is None or not s.enabled or not j.keys:
-            self._done(j, [False] * len(j.keys))
-            return
-        at = [int(c) * self.row_bytes for c in tier_job_rows(job)]
-        skeys = [self.storage_key(k) for k in j.keys]
-        rid = s.state.get("region")
-        client = s.client
-        ring, addrs = s.ring, [self._base + a for a in at]
-        if rid is None and ring is None:          # neither a region nor a ring: nothing moves
-            self._done(j, [False] * len(j.keys))
-            return
-        if store:
-            if rid is not None:
-                put = client.put_from(rid, at, skeys, self.row_bytes)
-            else:
-                assert ring is not None                     # checked above
-                put = client.put(skeys, self.row_bytes, functools.partial(ring.fill, addrs=addrs))
-            self._futures[job.job_id] = put
-            put.add_done_callback(lambda f: self._done(j, f.result().stored))
-        else:
-            if rid is not None:
-                get = client.get_into(rid, at, skeys, self.row_bytes)
-            else:
-                assert ring is not None                     # checked above
-                get = client.get(skeys, self.row_bytes, functools.partial(ring.drain, addrs=addrs))
-            self._futures[job.job_id] = get
-            get.add_done_callback(lambda f: self._done(j, f.result()))
+        rows = _Rows(list(job.keys), store, s)
+        request = self._request(job, rows) if s is not None and s.enabled and rows.keys else None
+        self._jobs.submit([request] if request is not None else [], rows, job_id=job.job_id,
+                          failed=request is None)
 
-    def _done(self, j: _Job, flags: list[bool]) -> None:          # any thread
-        """``flags``: per key, stored (a store job) or found (a load job)."""
-        j.seconds = time.perf_counter() - j.t0
-        with self._cv:
-            j.flags = [bool(f) for f in flags] if len(flags) == len(j.keys) else [False] * len(j.keys)
-            self._finished.append(j)
-            self._cv.notify_all()
+    def _request(self, job: TransferJob, rows: _Rows) -> Optional[Future]:
+        """The one PUT or GET of a job's rows: ``put_from``/``get_into`` on the registered CPU-tier
+        region, else through the ring; None when the session has neither."""
+        s = rows.session
+        assert s is not None
+        at = [int(c) * self.row_bytes for c in tier_job_rows(job)]
+        skeys = [self.storage_key(k) for k in rows.keys]
+        rid = s.state.get("region")
+        client, ring = s.client, s.ring
+        if rid is not None:
+            if rows.store:
+                return client.put_from(rid, at, skeys, self.row_bytes)
+            return client.get_into(rid, at, skeys, self.row_bytes)
+        if ring is None:           # neither a region nor a ring: nothing moves
+            return None
+        addrs = [self._base + a for a in at]
+        if rows.store:
+            return client.put(skeys, self.row_bytes, functools.partial(ring.fill, addrs=addrs))
+        return client.get(skeys, self.row_bytes, functools.partial(ring.drain, addrs=addrs))
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, True)
@@ -377,16 +358,14 @@ class AdpSecondaryTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         out: list[JobResult] = []
-        while self._finished:
-            j = self._finished.popleft()
-            job_id = j.job.job_id
-            self._inflight.pop(job_id, None)
-            self._futures.pop(job_id, None)
-            flags = j.flags
-            ok = [k for k, f in zip(j.keys, flags) if f]
-            bad = [k for k, f in zip(j.keys, flags) if not f]
-            answered = j.session is not None and j.session.client.enabled
-            if j.store:
+        for job in self._jobs.pop_finished():
+            rows = job.meta
+            n = len(rows.keys)
+            flags = [False] * n if job.failed else job.flags(0, n)    # per row: stored / found
+            ok = [k for k, f in zip(rows.keys, flags) if f]
+            bad = [k for k, f in zip(rows.keys, flags) if not f]
+            answered = rows.session is not None and rows.session.client.enabled
+            if rows.store:
                 self._kv_events.announce(ok)
                 if bad:
                     self._counters[TierMetrics.STORES_DROPPED] += len(bad)
@@ -396,25 +375,18 @@ class AdpSecondaryTier(SecondaryTierManager):
                 if answered:
                     self._kv_events.forget(bad)
             success = not bad
-            out.append(job_result(JobResult, len(ok) * self.row_bytes, job_id=job_id, success=success,
-                                  successful_keys=tuple(ok) if (not success and ok and not j.store) else None,
-                                  transfer_time=j.seconds))
+            out.append(job_result(JobResult, len(ok) * self.row_bytes, job_id=job.id, success=success,
+                                  successful_keys=tuple(ok) if (not success and ok and not rows.store) else None,
+                                  transfer_time=job.seconds))
         return out
 
     def has_pending_work(self) -> bool:
-        return bool(self._inflight)
+        return self._jobs.pending() > 0
 
     def drain_jobs(self) -> None:
         """Every submitted job has ended (the client resolves each request, at worst as a
         miss after ``timeout_s`` without progress); results wait in get_finished_jobs."""
-        for fut in list(self._futures.values()):
-            try:
-                fut.result()
-            except Exception:
-                pass
-        with self._cv:      # the done callbacks run right after the futures resolve
-            self._cv.wait_for(lambda: all(j.flags is not None for j in list(self._inflight.values())),
-                              timeout=5.0)
+        self._jobs.wait()
 
     # ------------------------------------------------------------------ metrics, shutdown
     def get_stats(self):

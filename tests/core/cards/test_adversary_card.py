@@ -63,7 +63,7 @@ def _get_exact(client, keys, nbytes):
                 o = b.offset + j * b.stride
                 if bytes(client.ring[o:o + nbytes]) != pattern(keys[b.first + j], 0, nbytes):
                     wrong.append(b.first + j)
-    hits = list(client.get(keys, nbytes, check).result(timeout=60))
+    hits = list(client.get(keys, nbytes, check).result(timeout=60).hits)
     assert not wrong, f"wrong bytes served for {len(wrong)} of {len(keys)} objects"
     return hits
 
@@ -281,7 +281,7 @@ def _race_get(client, keys, digests):
                 o = b.offset + j * b.stride
                 if xxhash.xxh3_128_digest(client.ring[o:o + BIG]) not in digests[keys[b.first + j]]:
                     wrong.append(b.first + j)
-    hits = list(client.get(keys, BIG, check).result(timeout=120))
+    hits = list(client.get(keys, BIG, check).result(timeout=120).hits)
     assert not wrong, f"hits that are no one writer's whole object: {wrong[:10]} ({len(wrong)} of {len(keys)})"
     return hits
 RACE_KEYS = 2048                 # per round; two writers, each in PUTs of PUT_BATCH keys

@@ -61,7 +61,7 @@ class Dialogs:
                         o = b.offset + j * b.stride
                         if bytes(c.ring[o:o + OBJ]) != pattern(keys[b.first + j], 0, OBJ):
                             wrong.append(j)
-            hits = c.get(keys, OBJ, check, marks=marks).result(timeout=30)
+            hits = c.get(keys, OBJ, check, marks=marks).result(timeout=30).hits
             assert not wrong, "wrong bytes restored"
             shares.append(sum(hits) / len(hits))
         c.close()

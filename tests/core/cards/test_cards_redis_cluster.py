@@ -69,7 +69,7 @@ class Workload:
                         o = b.offset + j * b.stride
                         if bytes(client.ring[o:o + OBJ]) != pattern(keys[b.first + j], 0, OBJ):
                             bad.append(j)
-            hits += sum(client.get(keys, OBJ, check, marks=marks).result(timeout=60))
+            hits += sum(client.get(keys, OBJ, check, marks=marks).result(timeout=60).hits)
             wrong += len(bad)
         return hits, wrong
 

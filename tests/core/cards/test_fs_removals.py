@@ -122,7 +122,7 @@ def test_eviction_never_removes_a_later_write(start_gateway):
                 counts["existed"] += sum(res.existed)
             else:
                 counts["gets"] += len(picked)
-                counts["hits"] += sum(res)
+                counts["hits"] += sum(res.hits)
         except BaseException as exc:          # noqa: BLE001 - reported by the test
             errors.append(exc)
         with lock:
@@ -146,7 +146,7 @@ def test_eviction_never_removes_a_later_write(start_gateway):
         assert lock.wait_for(lambda: not any(flight.values()), timeout=120), "requests still in flight"
     assert not errors, errors
     present = client.exist(keys)
-    hits = client.get(keys, wrong).result(timeout=60)
+    hits = client.get(keys, wrong).result(timeout=60).hits
     client.close()
     unreadable = [i for i, (p, h) in enumerate(zip(present, hits)) if p and not h]
     card = gateway_stats(gw.port)["cards"][0]

@@ -126,7 +126,7 @@ def _get_checked(client, keys, size, allowed):
                 key = keys[b.first + j]
                 if bytes(client.ring[o:o + size]) not in allowed(key):
                     wrong.append(key.hex())
-    hits = client.get(keys, size, check).result()
+    hits = client.get(keys, size, check).result().hits
     assert not wrong, f"{len(wrong)} hits with wrong bytes"
     return hits
 

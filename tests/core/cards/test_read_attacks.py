@@ -215,7 +215,7 @@ def region_get_checked(c, rid, region, keys, obj, at=0, misses_untouched=True):
     ``misses_untouched``, on a miss that wrote into the engine's buffer."""
     n = len(keys)
     region.write(at, SENTINEL * (n * obj))
-    hits = list(c.get_into(rid, [at + i * obj for i in range(n)], keys, obj).result(60))
+    hits = list(c.get_into(rid, [at + i * obj for i in range(n)], keys, obj).result(60).hits)
     for i, (k, hit) in enumerate(zip(keys, hits)):
         if hit or misses_untouched:
             got = region.read(at + i * obj, obj)
@@ -283,7 +283,7 @@ def test_copies_into_a_region_stay_inside_it(start_gateway, shm_file, obj):
         rid = c.register_region(f.path, lead, size).result(10)
         assert rid is not None
         flush = [0, size - obj]                              # object 1 ends where the window ends
-        assert c.get_into(rid, flush, keys, obj).result(60) == [True, True]
+        assert c.get_into(rid, flush, keys, obj).result(60).hits == [True, True]
         assert f.read(lead, obj) == pattern(keys[0], 0, obj)
         assert f.read(lead + size - obj, obj) == pattern(keys[1], 0, obj)
         expect = f.read(0, f.size())
@@ -291,13 +291,13 @@ def test_copies_into_a_region_stay_inside_it(start_gateway, shm_file, obj):
         f.write(lead, SENTINEL * size)
         expect = f.read(0, f.size())
         for at in ([0, size - obj + 1], [0, size], [size - obj + 1, 0]):
-            assert c.get_into(rid, at, keys, obj).result(30) == [False, False], at
-        assert c.get_into(rid, [0], keys[:1], size + 1).result(30) == [False]
+            assert c.get_into(rid, at, keys, obj).result(30).hits == [False, False], at
+        assert c.get_into(rid, [0], keys[:1], size + 1).result(30).hits == [False]
         assert f.read(0, f.size()) == expect, "a refused GET wrote into the engine's file"
         assert c.enabled and gw.alive()
         # the engine shrinks its file: object 1's place now runs past the end
         os.ftruncate(f.fd, lead + size - obj // 2)
-        assert c.get_into(rid, flush, keys, obj).result(60) == [True, False]
+        assert c.get_into(rid, flush, keys, obj).result(60).hits == [True, False]
         assert f.size() == lead + size - obj // 2, "the gateway grew the engine's file back"
         assert f.read(lead, obj) == pattern(keys[0], 0, obj)
         assert f.read(lead + obj, size - 2 * obj) == SENTINEL * (size - 2 * obj)

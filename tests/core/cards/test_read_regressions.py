@@ -46,7 +46,7 @@ def test_a_region_get_falls_back_to_the_replica(start_gateway, tmp_path):
         for k in keys:
             os.unlink(frag_path(dirs[0], k))
         rid = c.register_region(f.path, 0, 8 * obj).result(10)
-        hits = list(c.get_into(rid, [i * obj for i in range(8)], keys, obj).result(30))
+        hits = list(c.get_into(rid, [i * obj for i in range(8)], keys, obj).result(30).hits)
         assert hits == [True] * 8, f"region GET did not fall back to the replica: {hits}"
         wrong = [i for i, k in enumerate(keys) if f.read(i * obj, obj) != pattern(k, 0, obj)]
         assert not wrong, f"wrong bytes in the region for objects {wrong}"

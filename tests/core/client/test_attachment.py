@@ -242,7 +242,7 @@ def test_real_gateway_restart_brings_a_real_client_back(start_gateway, caplog):
         s2 = a.session
         out = (ctypes.c_char * len(payload))()
         got = s2.client.get([key], len(payload), lambda b: s2.ring.drain(b, [ctypes.addressof(out)]))
-        assert list(got.result(10)) == [True] and out.raw == payload
+        assert list(got.result(10).hits) == [True] and out.raw == payload
         assert isinstance(s2.client, GatewayClient) and s1.client.enabled is False
         msgs = [r.getMessage() for r in caplog.records]
         assert sum(BACK_ON_MESSAGE in m for m in msgs) == 1

@@ -1,4 +1,5 @@
-"""Keys (namespaces: test_namespace.py), dialog marks, fragments, ring allocation, settings, protocol."""
+"""Keys (namespaces: test_namespace.py), dialog marks, fragments, ring allocation, settings, protocol,
+the destinations of a data request."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from adpkv_core.affinity import dialog_mark, dialog_marks
 from adpkv_gateway.cards.fragments import fragment_db, fragment_extents, fragment_key, head_dbs
 from adpkv_core.keys import KEY_BYTES, KeyBuilder, namespace_id
 from adpkv_core.memory.ring import max_parallel_ios, object_stride
+from adpkv_core.request import InRegion, LoadResult, Scattered, StoreResult, ViaRing, data_request, nothing, regions_of
 from adpkv_core.settings import ClientConfig
 from adpkv_gateway.config import make_config
 from adpkv_gateway.store.placement import Placement, key_layout_fingerprint
@@ -290,3 +292,31 @@ def test_number_and_byte_count_settings_have_one_parser_each():
         parse_byte_count(-5, "b")
     with pytest.raises(ValueError, match="is not a number of bytes"):
         parse_byte_count("lots", "b")
+
+
+def test_each_destination_of_a_data_request_sends_its_own_fields():
+    keys = [b"k" * KEY_BYTES, b"l" * KEY_BYTES]
+
+    def copy(batch):
+        return True
+
+    msg, p = data_request(P.Op.GET, keys, 100, ViaRing(copy, (10, 50)), [1, 2], "t", False, 5.0)
+    assert isinstance(msg, P.Get) and (msg.region, msg.at, msg.pieces, msg.tag, msg.marks) == (None, None, None, "t", [1, 2])
+    assert p.on_batch is copy and p.slice == (10, 50) and p.region_by is None and msg.write_by is None
+    msg, p = data_request(P.Op.PUT, keys, 100, ViaRing(copy), None, None, False, 5.0)
+    assert isinstance(msg, P.Put) and p.slice == (0, 100), "a ring request without a slice: whole objects"
+    msg, p = data_request(P.Op.GET, keys, 100, InRegion(3, [0, 100]), None, None, True, 5.0, (7,))
+    assert (msg.region, msg.at, msg.pieces, msg.unlock) == (3, [0, 100], None, True) and p.on_batch is None
+    assert msg.write_by == p.region_by is not None and p.region_locks == (7,)
+    dest = Scattered([(1, 60), (2, 40)], [0, 0, 60, 40])
+    msg, p = data_request(P.Op.PUT, keys, dest.object_bytes, dest, None, None, False, 5.0)
+    assert (msg.region, msg.at, msg.obj) == (None, [0, 0, 60, 40], 100)
+    assert msg.pieces == [P.Piece(1, 60), P.Piece(2, 40)] and msg.read_by == p.region_by is not None
+    assert [regions_of(d) for d in (ViaRing(copy), InRegion(3, [0]), dest)] == [set(), {3}, {1, 2}]
+
+
+def test_get_and_put_results_read_one_way():
+    load, store = LoadResult([True, False]), StoreResult([True, True], [False, True])
+    assert (load.ok, load.all_ok, store.ok, store.all_ok) == ([True, False], False, [True, True], True)
+    assert nothing(P.Op.GET, 2) == LoadResult.none(2) and nothing(P.Op.PUT, 2) == StoreResult.none(2)
+    assert not nothing(P.Op.GET, 2).all_ok and LoadResult([]).all_ok

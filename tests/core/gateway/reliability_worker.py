@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         fut = client.get(keys, obj, check)
 
         def done(f):
-            hits = f.result()
+            hits = f.result().hits
             log.write("G", prefix + ":" + ",".join(map(str, idx)), "".join("1" if x else "0" for x in hits),
                       wrong[0])
             note_off()

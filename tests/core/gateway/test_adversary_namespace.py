@@ -104,7 +104,7 @@ def _exact(client, keys) -> list[bool]:
             if b.hits[j]:
                 o = b.offset + j * b.stride
                 exact[b.first + j] = bytes(client.ring[o:o + OBJ]) == pattern(keys[b.first + j], 0, OBJ)
-    hits = client.get(keys, OBJ, check).result(10)
+    hits = client.get(keys, OBJ, check).result(10).hits
     return [h and e for h, e in zip(hits, exact)]
 
 

@@ -139,7 +139,7 @@ while not select.select([sys.stdin], [], [], 0)[0]:
     out["objects"] += n
     out["stored"] += sum(client.put(keys, obj, fill).result(timeout=60).stored)
     out["exist_hits"] += sum(client.exist(keys).result(timeout=60))
-    out["hits"] += sum(client.get(keys, obj, check).result(timeout=60))
+    out["hits"] += sum(client.get(keys, obj, check).result(timeout=60).hits)
     if r %% 3 == 2:          # and through the region: the gateway copies, not the engine
         rkeys = make_keys(n, namespace="fuzz-engine-ns", salt=b"r" + r.to_bytes(4, "big"))
         at = [i * obj for i in range(n)]
@@ -148,7 +148,7 @@ while not select.select([sys.stdin], [], [], 0)[0]:
         out["region_objects"] += n
         out["region_stored"] += sum(client.put_from(region, at, rkeys, obj).result(timeout=60).stored)
         mm[0:n * obj] = bytes(n * obj)
-        out["region_hits"] += sum(client.get_into(region, at, rkeys, obj).result(timeout=60))
+        out["region_hits"] += sum(client.get_into(region, at, rkeys, obj).result(timeout=60).hits)
         out["region_wrong"] += sum(mm[a:a + obj] != pattern(k, 0, obj) for k, a in zip(rkeys, at))
     r += 1
     out["rounds"] = r

@@ -153,7 +153,7 @@ def test_gateway_down_turns_the_cache_off_once_and_at_once(start_gateway, caplog
     with caplog.at_level(logging.WARNING, logger="adpkv.client"):
         gw.kill()
         t0 = time.monotonic()
-        hits = client.get(keys, 4096, lambda b: None).result(timeout=10)
+        hits = client.get(keys, 4096, lambda b: None).result(timeout=10).hits
         waited = time.monotonic() - t0
         assert hits == [False] * 4 and not client.enabled
         assert waited < 2.0, f"a rank waited {waited:.2f} s for a dead gateway"
@@ -189,7 +189,7 @@ def test_no_gateway_at_start_is_a_fast_miss(caplog):
     with caplog.at_level(logging.WARNING, logger="adpkv.client"):
         client = GatewayClient(ClientConfig(port=1, connect_timeout_s=0.5), "engine")
     assert not client.enabled
-    assert client.get(make_keys(2), 4096, lambda b: None).result(timeout=0.1) == [False, False]
+    assert client.get(make_keys(2), 4096, lambda b: None).result(timeout=0.1).hits == [False, False]
     assert sum(TURNED_OFF_MESSAGE in r.getMessage() for r in caplog.records) == 1
     client.close()
 
@@ -276,7 +276,7 @@ def test_lookup_peer_pins_and_duplicate_puts(gateway):
     again = rank.put(keys, 4096, fill).result(timeout=10)
     assert again == StoreResult([True] * 4, [True, True, False, False])
     assert lookup.exist(keys).result(timeout=5) == [True] * 4
-    assert lookup.get(keys, 4096, lambda b: None).result(timeout=1) == [False] * 4, "lookup peers move no data"
+    assert lookup.get(keys, 4096, lambda b: None).result(timeout=1).hits == [False] * 4, "lookup peers move no data"
     # pins: taken by EXIST(lock), kept across a plain GET, released by UNLOCK
     assert rank.exist(keys, lock=True).result(timeout=5) == [True] * 4
     assert control.request(gateway.port, {"op": "STATS"})["stats"]["pinned"] == 4
@@ -302,10 +302,10 @@ def test_put_over_an_object_of_another_size_rewrites_it(gateway):
         flags = c.put(keys, size, fill).result(timeout=10)
         assert flags == StoreResult([True, True], [False, False])
     out = []
-    assert c.get(keys, 12288, lambda b: out.append(bytes(c.ring[b.offset:b.offset + 12288]))).result(timeout=10) \
+    assert c.get(keys, 12288, lambda b: out.append(bytes(c.ring[b.offset:b.offset + 12288]))).result(timeout=10).hits \
         == [True, True]
     assert out[0] == bytes([2]) * 12288
-    assert c.get(keys, 4096, lambda b: None).result(timeout=10) == [False, False]
+    assert c.get(keys, 4096, lambda b: None).result(timeout=10).hits == [False, False]
     c.close()
 
 
@@ -313,7 +313,7 @@ def test_calls_after_close_resolve_at_once(gateway):
     c = GatewayClient(ClientConfig(port=gateway.port), "engine")
     c.close()
     assert c.exist(make_keys(2)).result(timeout=1) == [False, False]
-    assert c.get(make_keys(2), 4096, lambda b: None).result(timeout=1) == [False, False]
+    assert c.get(make_keys(2), 4096, lambda b: None).result(timeout=1).hits == [False, False]
     assert c.put(make_keys(2), 4096, lambda b: None).result(timeout=1) == StoreResult.none(2)
 
 
@@ -440,7 +440,7 @@ def test_a_ring_of_the_wrong_size_turns_the_cache_off(tmp_path):
     t.start()
     client = GatewayClient(ClientConfig(port=port, socket=path, connect_timeout_s=2.0), "engine")
     assert not client.enabled
-    assert client.get(make_keys(2), 4096, lambda b: None).result(timeout=1) == [False, False]
+    assert client.get(make_keys(2), 4096, lambda b: None).result(timeout=1).hits == [False, False]
     client.close()
     t.join(5)
     listener.close()

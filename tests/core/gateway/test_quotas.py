@@ -60,7 +60,7 @@ def _get(client, keys, wrong: list):
                 o = b.offset + j * b.stride
                 if bytes(client.ring[o:o + OBJ]) != pattern(keys[b.first + j], 0, OBJ):
                     wrong.append(keys[b.first + j].hex())
-    return client.get(keys, OBJ, check).result()
+    return client.get(keys, OBJ, check).result().hits
 
 
 WINDOW = 64

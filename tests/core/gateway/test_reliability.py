@@ -202,7 +202,7 @@ class Checker:
                         if bytes(self.c.ring[o:o + obj]) != payload(part[b.first + j], obj):
                             wrong.add(base + b.first + j)
 
-            hits += self.c.get(part, obj, check).result(timeout=60)
+            hits += self.c.get(part, obj, check).result(timeout=60).hits
         assert self.c.enabled, "the checking client was turned off"
         return hits, wrong
 

@@ -117,7 +117,7 @@ def busy_gateway(start_gateway, tmp_path):
             o = b.offset + j * b.stride
             client.ring[o:o + OBJ] = bytes([(b.first + j) % 251]) * OBJ
     stored = client.put(keys, OBJ, fill).result(timeout=30).stored
-    hits = client.get(keys + make_keys(10, namespace="other"), OBJ, lambda b: None).result(timeout=30)
+    hits = client.get(keys + make_keys(10, namespace="other"), OBJ, lambda b: None).result(timeout=30).hits
     client.close()
     stats = control.request(gw.port, {"op": "STATS"})["stats"]
     # the figures behind the exposition are taken once a second: wait until they show the GET

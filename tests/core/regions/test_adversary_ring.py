@@ -157,7 +157,7 @@ def test_another_user_gets_no_ring_and_cannot_touch_roots_kv_in_transit(start_ga
     def restore():
         while not stop.is_set():
             got: dict = {}
-            hits = rank.get(keys, OBJ, _drain(rank, got, keys)).result(20)
+            hits = rank.get(keys, OBJ, _drain(rank, got, keys)).result(20).hits
             rounds[0] += 1
             missed.extend(k for k, h in zip(keys, hits) if not h)
             wrong.extend(k for k, v in got.items() if v != pattern(k, 0, OBJ))
@@ -181,7 +181,7 @@ def test_another_user_gets_no_ring_and_cannot_touch_roots_kv_in_transit(start_ga
     assert rounds[0] > 0 and not wrong and not missed, (rounds, len(wrong), len(missed))
     assert rank.exist(keys).result(10) == [True] * len(keys)           # none deleted
     got: dict = {}
-    assert rank.get(keys, OBJ, _drain(rank, got, keys)).result(20) == [True] * len(keys)
+    assert rank.get(keys, OBJ, _drain(rank, got, keys)).result(20).hits == [True] * len(keys)
     assert all(got[k] == pattern(k, 0, OBJ) for k in keys)
     rank.close()
 
@@ -204,7 +204,7 @@ def _nobody_engine_puts(port, keys):
         assert c.enabled, c.attach_error
         stored = c.put(keys, OBJ, _fill(c, keys)).result(20).stored
         got: dict = {}
-        hits = c.get(keys, OBJ, _drain(c, got, keys)).result(20)
+        hits = c.get(keys, OBJ, _drain(c, got, keys)).result(20).hits
         return {"ring": _ring_identity(c._ring.fd), "stored": stored, "hits": hits,
                 "exact": all(got.get(k) == pattern(k, 0, OBJ) for k in keys)}
     finally:
@@ -241,7 +241,7 @@ def test_engines_in_turn_never_share_a_ring(start_gateway, open_dir, io_processe
     root = GatewayClient(ClientConfig(port=gw.port, timeout_s=10.0), "root-engine-first")
     assert root.put(root_keys, OBJ, _fill(root, root_keys)).result(20).stored == [True] * 8
     got: dict = {}
-    assert root.get(root_keys, OBJ, _drain(root, got, root_keys)).result(20) == [True] * 8
+    assert root.get(root_keys, OBJ, _drain(root, got, root_keys)).result(20).hits == [True] * 8
     kept = os.dup(root._ring.fd)
     root_ring = _ring_identity(kept)
     old = mmap.mmap(kept, os.fstat(kept).st_size, mmap.MAP_SHARED)
@@ -270,7 +270,7 @@ def test_engines_in_turn_never_share_a_ring(start_gateway, open_dir, io_processe
             more = make_keys(8, namespace="root-tenant", salt=b"2")
             out["stored"] = c.put(more, OBJ, _fill(c, more)).result(20).stored
             got2: dict = {}
-            out["hits"] = c.get(root_keys + more, OBJ, _drain(c, got2, root_keys + more)).result(20)
+            out["hits"] = c.get(root_keys + more, OBJ, _drain(c, got2, root_keys + more)).result(20).hits
             out["exact"] = all(got2.get(k) == pattern(k, 0, OBJ) for k in root_keys + more)
             out["ring"] = _ring_identity(c._ring.fd)
         finally:
@@ -356,7 +356,7 @@ def test_a_gateway_stalled_between_its_check_and_its_write_never_writes_a_given_
         arr[4 << 20:(4 << 20) + 2 * obj] = bytes(2 * obj)
         tracer = Stall(gateway.proc.pid, 3.0, "pwrite64,pwritev")
         t0 = time.monotonic()
-        hits = c.get_into(region, dst, keys, obj).result(20)
+        hits = c.get_into(region, dst, keys, obj).result(20).hits
         resolved_after = time.monotonic() - t0
         arr[4 << 20:(4 << 20) + 2 * obj] = b"\x22" * (2 * obj)        # the engine reuses its buffer
         assert hits in ([False, False], [True, False], [False, True], [True, True])

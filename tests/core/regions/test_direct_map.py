@@ -389,7 +389,7 @@ def test_a_prefetch_waits_for_the_restores_in_flight(start_gateway):
         assert c.restores_in_flight() == 1
         maps.prefetch(c, keys, OBJ)
         resume.start()
-        assert fut.result(30) == [True] * 4
+        assert fut.result(30).hits == [True] * 4
         assert maps.drain(30)
     finally:
         resume.cancel()

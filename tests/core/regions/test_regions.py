@@ -61,7 +61,7 @@ def test_get_into_and_put_from_a_region_are_byte_exact(gateway, shm_buffer):
         # read back into other places of the region, with two keys never stored
         dst_at = [4 << 20 | i * OBJ for i in range(12)]
         arr[4 << 20:] = bytes(len(arr) - (4 << 20))
-        hits = c.get_into(region, dst_at, keys, OBJ).result(10)
+        hits = c.get_into(region, dst_at, keys, OBJ).result(10).hits
         assert hits == [True] * 10 + [False] * 2
         for i in range(10):
             assert arr[dst_at[i]:dst_at[i] + OBJ] == expect[i], f"object {i} differs"
@@ -75,7 +75,7 @@ def test_get_into_and_put_from_a_region_are_byte_exact(gateway, shm_buffer):
             for j in range(b.count):
                 if b.hits[j]:
                     out[b.first + j] = bytes(c.ring[b.offset + j * b.stride:b.offset + j * b.stride + OBJ])
-        assert c.get(keys[:10], OBJ, copy_out).result(10) == [True] * 10
+        assert c.get(keys[:10], OBJ, copy_out).result(10).hits == [True] * 10
         assert all(out[i] == expect[i] for i in range(10))
     finally:
         c.close()
@@ -95,7 +95,7 @@ def test_a_corrupt_object_read_into_a_region_is_a_miss(gateway, shm_buffer, tmp_
         data = bytearray(victim.read_bytes())
         data[-1] ^= 0xFF
         victim.write_bytes(bytes(data))
-        hits = c.get_into(region, [4 << 20, (4 << 20) + OBJ, (4 << 20) + 2 * OBJ], keys, OBJ).result(10)
+        hits = c.get_into(region, [4 << 20, (4 << 20) + OBJ, (4 << 20) + 2 * OBJ], keys, OBJ).result(10).hits
         assert hits.count(False) == 1 and hits.count(True) == 2
     finally:
         c.close()
@@ -162,7 +162,7 @@ def test_rings_and_foreign_ranges_are_refused(gateway, shm_buffer):
         for at, reg in (([0, (1 << 20) - OBJ + 1], region), ([0, 0], region + 1)):
             reply = control.request(gateway.port, {"op": "GET", "keys": keys, "obj": OBJ, "region": reg, "at": at})
             assert reply["code"] in ("BAD_REGION", "NOT_ATTACHED"), reply
-            assert c.get_into(reg, at, keys, OBJ).result(5) == [False, False]
+            assert c.get_into(reg, at, keys, OBJ).result(5).hits == [False, False]
         assert c.enabled
         with pytest.raises(P.ProtocolError, match="at and keys differ"):
             control.request(gateway.port, {"op": "PUT", "keys": keys, "obj": OBJ, "region": region, "at": [0]})
@@ -184,12 +184,12 @@ def test_a_region_truncated_under_the_gateway_costs_only_its_own_objects(gateway
         assert c.put_from(region, [i * OBJ for i in range(4)], keys[:4], OBJ).result(10).stored == [True] * 4
         os.truncate(path, 0)
         assert not any(c.put_from(region, [i * OBJ for i in range(4)], keys[4:], OBJ).result(10).stored)
-        assert not any(c.get_into(region, [i * OBJ for i in range(4)], keys[:4], OBJ).result(10))
+        assert not any(c.get_into(region, [i * OBJ for i in range(4)], keys[:4], OBJ).result(10).hits)
         assert gateway.alive() and c.enabled
         out = []
         assert c.get(keys[:4], OBJ, lambda b: out.extend(
             bytes(c.ring[b.offset + j * b.stride:b.offset + j * b.stride + OBJ]) for j in range(b.count))
-        ).result(10) == [True] * 4
+        ).result(10).hits == [True] * 4
         assert out == [b"\x05" * OBJ] * 4
         assert os.path.getsize(path) == 0           # the gateway did not grow the engine's file back
     finally:
@@ -236,7 +236,7 @@ def test_a_stalled_gateway_never_writes_into_a_region_after_the_client_gave_up(g
         try:
             t0 = time.monotonic()
             fut = c.get_into(region, dst, keys, OBJ)
-            assert fut.result(10) == [False] * 4            # the client gave up: a miss
+            assert fut.result(10).hits == [False] * 4            # the client gave up: a miss
             assert time.monotonic() - t0 >= 1.0
             arr[4 << 20:(4 << 20) + 4 * OBJ] = b"\x22" * (4 * OBJ)   # the engine reuses its buffer
         finally:
@@ -302,7 +302,7 @@ def test_a_stalled_gateway_never_stores_what_the_engine_put_in_the_region_after_
         # the same keys stored now, in time, hold the engine's current bytes
         region = c.register_region(path, 0, len(arr)).result(5)
         assert c.put_from(region, [i * OBJ for i in range(4)], keys, OBJ).result(10).stored == [True] * 4
-        assert c.get_into(region, [(4 << 20) + i * OBJ for i in range(4)], keys, OBJ).result(10) == [True] * 4
+        assert c.get_into(region, [(4 << 20) + i * OBJ for i in range(4)], keys, OBJ).result(10).hits == [True] * 4
         assert bytes(arr[4 << 20:(4 << 20) + 4 * OBJ]) == b"\x44" * (4 * OBJ)
     finally:
         c.close()
@@ -431,7 +431,7 @@ def test_region_stores_racing_evictions_never_serve_other_bytes(start_gateway, b
             gets = [c.get_into(region, [dst + (i % 16) * BIG for i in range(j, j + 4)], keys[j:j + 4], BIG)
                     for j in range(0, 16, 4)]
             for j, g in zip(range(0, 16, 4), gets):
-                hits = g.result(30)
+                hits = g.result(30).hits
                 for i, hit in zip(range(j, j + 4), hits):
                     if hit:
                         got = bytes(arr[dst + (i % 16) * BIG:dst + (i % 16 + 1) * BIG])
@@ -507,7 +507,7 @@ def test_objects_not_in_the_page_cache_are_read_whole_and_checked_before_they_la
                             "nothing here is out of the page cache")
         dst = 4 << 20
         arr[dst:dst + 3 * OBJ] = b"\xee" * (3 * OBJ)
-        hits = c.get_into(region, [dst + i * OBJ for i in range(3)], keys, OBJ).result(10)
+        hits = c.get_into(region, [dst + i * OBJ for i in range(3)], keys, OBJ).result(10).hits
         intact = damage == "none"
         assert hits.count(True) == (3 if intact else 2)
         for i in range(3):
@@ -539,7 +539,7 @@ def test_a_card_that_cannot_read_regions_stores_them_through_the_ring(redis_serv
         assert c.put_from(region, [i * OBJ for i in range(6)], keys[:6], OBJ).result(10).stored == [True] * 6
         dst = 4 << 20
         arr[dst:dst + 6 * OBJ] = bytes(6 * OBJ)
-        assert c.get_into(region, [dst + i * OBJ for i in range(6)], keys[:6], OBJ).result(10) == [True] * 6
+        assert c.get_into(region, [dst + i * OBJ for i in range(6)], keys[:6], OBJ).result(10).hits == [True] * 6
         for i in range(6):
             assert bytes(arr[dst + i * OBJ:dst + (i + 1) * OBJ]) == rows[i], f"object {i} differs"
         os.truncate(path, 6 * OBJ + OBJ // 2)                  # object 6 cut in two, 7 gone
