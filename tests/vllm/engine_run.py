@@ -196,6 +196,23 @@ def run_subprocess(model_dir, prompts, conn=None, salts=None, log_path=None, tim
     return json.loads(line[len("ENGINE_RESULT "):])["results"], log
 
 
+def settled(gw, timeout_s: float = 120.0) -> dict:
+    """Wait until the gateway has stored everything an engine that exited handed it (STATS: no
+    request in flight, the ring free), then its STATS: a test that kills the gateway next
+    kills it after its acknowledgements, not in the middle of the last writes (which on a
+    loaded machine may still run when the engine's process has ended)."""
+    from adpkv_gateway.ops.control import request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = request(gw.port, {"op": "STATS"}, timeout_s=5.0)
+        stats = reply["stats"] if reply else {}
+        if stats and stats["requests_in_flight"] == 0 and stats["ring_in_use"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"the gateway still works on {stats} after {timeout_s} s"
+        time.sleep(0.1)
+
+
 def remove_ring_of_killed_gateway(gw) -> None:
     """A SIGKILLed gateway cannot unlink its ring (/dev/shm/adpkv-ring-<port>): do it for it."""
     if gw.alive():

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine_run import CONFIG, make_model, run_subprocess
+from engine_run import CONFIG, make_model, run_subprocess, settled
 from hybrid_models import HYBRID_MODELS, amx_tiles, build
 
 P1 = [random.Random(21).randrange(3, 1000) for _ in range(1200)]
@@ -138,6 +138,7 @@ def test_drafter_restored_in_a_fresh_process(kind, a_step, start_gateway, tmp_pa
     # (with chunked prefill the drafter also proposes, discarded, at each partial prefill step)
     assert a[0]["drafts"][-len(base[0]["drafts"]):] == base[0]["drafts"] and base[0]["drafts"]
 
+    settled(gw)                # A's last saves written (its process may end before the gateway is done)
     gw.restart(hard=True)      # only the card carries the pages over
     with ThreadPoolExecutor(2) as pool:
         b1_f = pool.submit(engine, [P1], conn)
