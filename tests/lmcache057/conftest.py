@@ -8,7 +8,6 @@ A later release's suite is this file with its version and the reuse module of th
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -25,19 +24,10 @@ from importlib.metadata import version  # noqa: E402
 
 import lmcache  # noqa: E402,F401  (a missing LMCache is a failure of this suite, never a skip)
 
-if not version("lmcache").startswith(VERSION):
-    raise RuntimeError(f"tests/lmcache057 runs against LMCache {VERSION} (requirements/lmcache057.txt), "
-                       f"not {version('lmcache')}")
+from suite_reuse import conftest_of, require_release  # noqa: E402
 
-
-def _suite_056_conftest():
-    spec = importlib.util.spec_from_file_location("lmcache056_conftest", os.path.join(SUITE_056, "conftest.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_c056 = _suite_056_conftest()
+require_release("lmcache057", "LMCache", version("lmcache"), VERSION, "requirements/lmcache057.txt")
+_c056 = conftest_of("lmcache")
 lmc_gateway = _c056.lmc_gateway       # the 0.5.6 suite's fixtures, by import
 make_adapter = _c056.make_adapter
 adapter = _c056.adapter

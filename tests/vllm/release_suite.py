@@ -76,18 +76,15 @@ def this_release() -> Release:
 def suite_conftest(expected: str):
     """For tests/vllm0NN/conftest.py: check the venv's vLLM is ``expected``; the 0.32 suite's
     fixtures (model_dir, model_dir3, baseline)."""
-    import importlib.util
     import os
 
-    if release() != expected:
-        raise RuntimeError(f"this suite runs against vLLM {expected} (requirements/vllm0{expected[2:]}.txt), "
-                           f"not {vllm.__version__}")
+    from suite_reuse import conftest_of, require_release
+
+    suite = f"vllm0{expected[2:]}"
+    require_release(suite, "vLLM", vllm.__version__, expected + ".", f"requirements/{suite}.txt")
     os.environ.setdefault("PYTHONHASHSEED", "0")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")
-    spec = importlib.util.spec_from_file_location("vllm032_conftest", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = conftest_of("vllm")
     return module.model_dir, module.model_dir3, module.baseline
 
 

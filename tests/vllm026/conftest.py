@@ -8,7 +8,6 @@ tests/vllm: engine_run.py, harness.py, and its fixtures), plus what is 0.26's ow
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -22,18 +21,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import vllm  # noqa: E402  (a missing vLLM is a failure of this suite, never a skip)
 
-if not vllm.__version__.startswith("0.26."):
-    raise RuntimeError(f"tests/vllm026 runs against vLLM 0.26 (requirements/vllm026.txt), not {vllm.__version__}")
+from suite_reuse import conftest_of, require_release  # noqa: E402
 
-
-def _suite_032_conftest():
-    spec = importlib.util.spec_from_file_location("vllm032_conftest", os.path.join(SUITE_032, "conftest.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_c032 = _suite_032_conftest()
+require_release("vllm026", "vLLM", vllm.__version__, "0.26.", "requirements/vllm026.txt")
+_c032 = conftest_of("vllm")
 model_dir = _c032.model_dir          # the 0.32 suite's tiny checkpoints and baseline (fixtures, by import)
 model_dir3 = _c032.model_dir3
 baseline = _c032.baseline

@@ -9,7 +9,6 @@ tiering_driver.py, engine_run.py) and its fixtures, by import.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -23,17 +22,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import vllm  # noqa: E402  (a missing vLLM is a failure of this suite, never a skip)
 
-if not vllm.__version__.startswith("0.33."):
-    raise RuntimeError(f"tests/vllm033 runs against vLLM 0.33 (requirements/vllm033.txt), not {vllm.__version__}")
+from suite_reuse import conftest_of, require_release  # noqa: E402
 
-
-def _suite_032_conftest():
-    spec = importlib.util.spec_from_file_location("vllm032_conftest", os.path.join(SUITE_032, "conftest.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_c032 = _suite_032_conftest()
+require_release("vllm033", "vLLM", vllm.__version__, "0.33.", "requirements/vllm033.txt")
+_c032 = conftest_of("vllm")
 model_dir = _c032.model_dir          # the 0.32 suite's tiny checkpoints (fixtures, by import)
 model_dir3 = _c032.model_dir3

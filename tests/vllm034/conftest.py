@@ -11,7 +11,6 @@ A later release's suite is this file with its version and the reuse module of th
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -29,18 +28,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import vllm  # noqa: E402  (a missing vLLM is a failure of this suite, never a skip)
 
-if not vllm.__version__.startswith(VERSION):
-    raise RuntimeError(f"tests/vllm034 runs against vLLM {VERSION}x (requirements/vllm034.txt), "
-                       f"not {vllm.__version__}")
+from suite_reuse import conftest_of, require_release  # noqa: E402
 
-
-def _suite_032_conftest():
-    spec = importlib.util.spec_from_file_location("vllm032_conftest", os.path.join(TESTS, "vllm", "conftest.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_c032 = _suite_032_conftest()
+require_release("vllm034", "vLLM", vllm.__version__, VERSION, "requirements/vllm034.txt")
+_c032 = conftest_of("vllm")
 model_dir = _c032.model_dir          # the 0.32 suite's tiny checkpoints (fixtures, by import)
 model_dir3 = _c032.model_dir3

@@ -36,6 +36,7 @@ import torch
 
 from harness import Harness
 from test_hybrid_scheduler import layers
+from test_model_runner_v2 import stored  # one engine stores a prompt in a fresh namespace (the 0.33 suite's)
 
 CHUNK = 64
 
@@ -43,19 +44,6 @@ CHUNK = 64
 def tokens(n, seed):
     rnd = random.Random(seed)
     return [rnd.randrange(3, 1000) for _ in range(n)]
-
-
-def stored(model_dir, port, toks, ns=None, **kw):
-    """A namespace in which one engine stored ``toks``."""
-    ns = ns or f"v34-{uuid.uuid4().hex[:6]}"
-    h = Harness(model_dir, port, namespace=ns, chunk_size=CHUNK, **kw)
-    try:
-        req = h.add(toks)
-        h.run()
-        assert req.request_id in h.finished_sending
-    finally:
-        h.close()
-    return ns
 
 
 def restored(model_dir, port, toks, ns, **kw) -> int:
