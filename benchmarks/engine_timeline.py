@@ -16,7 +16,9 @@ GPU copy is counted where something waits for it):
   next_step   vLLM's first scheduling after the load was reported (asynchronous loads: the step
               that computes the rest) or issued (loads in the pass: the step after it)
 and counts: ring scatter calls and their CPU ms, copy-free layers and their ms, mappings made
-(``DirectMaps.fetch``) and their ms inside the window.
+(``DirectMaps.fetch``) and their ms inside the window; on a storing pass the PUTs the forward
+pass sent (``put``), the ring copies the client's thread issued for them (``gather``) and the
+end-of-pass hook (``wait_for_save``), each with its calls and CPU ms.
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ def install() -> None:
           lambda r, a: sorted(r[1]) if r[1] else None)
     _wrap(worker_role.AdpConnectorWorker, "_load_mapped", "mapped_layer", lambda r, a: 1)
     _wrap(PagedLayer, "scatter", "scatter", lambda r, a: 1)
+    # the storing side: PUTs sent from the forward pass, the copies into the ring (the client's
+    # thread), and the end-of-pass hook
+    _wrap(worker_role.AdpConnectorWorker, "_put", "put", lambda r, a: 1)
+    _wrap(PagedLayer, "gather", "gather", lambda r, a: 1)
+    _wrap(worker_role.AdpConnectorWorker, "wait_for_save", "wait_for_save", lambda r, a: 1)
     _wrap(DirectMaps, "fetch", "map", lambda r, a: r)
     _wrap(Scheduler, "schedule", "schedule",
           lambda r, a: r.total_num_scheduled_tokens if r.total_num_scheduled_tokens else None)
@@ -111,7 +118,7 @@ def stages(t0: float, t1: float) -> dict:
     loaded_at = out["received"] if out["received"] is not None else out["issued"]
     if loaded_at is not None:
         out["next_step"] = next((ms(t) for t, w, _, d in ev if w == "schedule" and ms(t) >= loaded_at), None)
-    for what in ("scatter", "mapped_layer", "map"):
+    for what in ("scatter", "mapped_layer", "map", "put", "gather", "wait_for_save"):
         calls = [s for _, w, s, _ in ev if w == what]
         if calls:
             out[f"{what}_calls"], out[f"{what}_ms"] = len(calls), round(sum(calls) * 1e3, 1)
