@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 from adpkv_core.wire import protocol as P
 from adpkv_core.memory.ring import max_parallel_ios, object_stride
@@ -34,6 +34,7 @@ from adpkv_core.memory.ring import max_parallel_ios, object_stride
 from adpkv_gateway.door.entry import Session
 from adpkv_gateway.door.engines import EngineRegistry, Peer
 from adpkv_gateway.datapath.jobs import DataJob, Participant, RegionTarget, ScatterTarget, Target
+from adpkv_gateway.datapath.replies import Replies
 from adpkv_gateway.datapath.scatter import Scatter
 from adpkv_gateway.datapath.transfers import Transfers
 
@@ -44,15 +45,15 @@ class DataRequests:
     """The GET/PUT requests of the attached ranks, and the collectives not complete yet.
 
     ``sessions_by_peer``: the door session each attached connection came with (its regions);
-    ``send(identity, message)`` replies to a rank."""
+    ``replies`` sends to a rank (``replies.Replies``)."""
 
     def __init__(self, engines: EngineRegistry, sessions_by_peer: dict[bytes, Session], transfers: Transfers,
-                 counters: collections.Counter, send: Callable[[bytes, P.Message], None]):
+                 counters: collections.Counter, replies: Replies):
         self.engines = engines
         self.sessions_by_peer = sessions_by_peer
         self.transfers = transfers
         self.counters = counters
-        self._send = send
+        self._replies = replies
         self.ring_size = transfers.ring_size
         self.max_batch_bytes = transfers.max_batch_bytes
         self.object_sizes_logged: set[int] = set()
@@ -126,7 +127,7 @@ class DataRequests:
 
     def _fail_collective(self, parts, why: str) -> None:
         for ident, m in parts.values():
-            self._send(ident, P.error(m.id, P.COLLECTIVE_MISMATCH, why))
+            self._replies.send(ident, P.error(m.id, P.COLLECTIVE_MISMATCH, why))
 
     def _start(self, job: DataJob) -> None:
         self.counters[job.op.lower() + "_requests"] += 1
