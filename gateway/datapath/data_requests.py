@@ -2,14 +2,16 @@
 
 Contract (``DataRequests``, one per gateway, on the loop's thread only):
 
-- ``check(identity, peer, msg)``: refuses a bad GET or PUT with ``ProtocolError`` before
-  anything is done for it (the loop answers ERROR; nothing changed): from a lookup peer (no
-  rank), of no key, an object whose ring stride is over half the ring (TOO_LARGE), a region
-  or piece its session did not register or a place outside its region (BAD_REGION). It
-  returns the other end of a region or scattered request (``jobs.RegionTarget``,
-  ``jobs.ScatterTarget``: its region(s) and each object's places there), None for the ring.
-- ``on_data(identity, peer, msg, target)``: one rank's GET or PUT that passed ``check``
-  (``target``: what it returned), once the gateway let its session use the keys' namespaces.
+- ``serve(identity, peer, msg, settled)``: one rank's GET or PUT, in its turn among the requests
+  that name keys (the loop serves them in the order they came), checked and run in one call.
+  It refuses a bad one with ``ProtocolError`` before anything is done for it (the loop answers
+  ERROR; nothing changed, nothing claimed): from a lookup peer (no rank), of no key, an object
+  whose ring stride is over half the ring (TOO_LARGE), a region or piece its session did not
+  register or a place outside its region (BAD_REGION); then one that names a namespace its
+  session's user may not use (FORBIDDEN: ``NamespaceOwners.verdict``). It answers
+  ``namespaces.Unresolved`` when the owners of some of its namespaces must be looked up first
+  (the loop has them resolved, then serves it again with what was found: ``settled``), else
+  None: the request is a job, or a part of a collective (below).
 - A region request (``region``) or a scattered one (``pieces``) is a job of its rank at once,
   and so is a request without ``tag`` or any request of a one-rank engine.
 - A tagged request of a multi-rank engine is its rank's part of a collective: it waits until
@@ -37,6 +39,7 @@ from adpkv_gateway.datapath.jobs import DataJob, Participant, RegionTarget, Scat
 from adpkv_gateway.datapath.replies import Replies
 from adpkv_gateway.datapath.scatter import Scatter
 from adpkv_gateway.datapath.transfers import Transfers
+from adpkv_gateway.store.namespaces import Found, NamespaceOwners, Unresolved
 
 logger = logging.getLogger("adpkv.gateway")
 
@@ -44,13 +47,15 @@ logger = logging.getLogger("adpkv.gateway")
 class DataRequests:
     """The GET/PUT requests of the attached ranks, and the collectives not complete yet.
 
-    ``sessions_by_peer``: the door session each attached connection came with (its regions);
-    ``replies`` sends to a rank (``replies.Replies``)."""
+    ``sessions_by_peer``: the door session each attached connection came with (its user, its
+    regions); ``namespaces``: who owns each key namespace; ``replies`` sends to a rank
+    (``replies.Replies``)."""
 
-    def __init__(self, engines: EngineRegistry, sessions_by_peer: dict[bytes, Session], transfers: Transfers,
-                 counters: collections.Counter, replies: Replies):
+    def __init__(self, engines: EngineRegistry, sessions_by_peer: dict[bytes, Session], namespaces: NamespaceOwners,
+                 transfers: Transfers, counters: collections.Counter, replies: Replies):
         self.engines = engines
         self.sessions_by_peer = sessions_by_peer
+        self.namespaces = namespaces
         self.transfers = transfers
         self.counters = counters
         self._replies = replies
@@ -60,9 +65,19 @@ class DataRequests:
         # tag -> rank -> (its connection, its request): the parts of collectives not complete yet
         self.collectives: dict[str, dict[int, tuple[bytes, Union[P.Get, P.Put]]]] = {}
 
-    def check(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put]) -> Optional[Target]:
+    def serve(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put],
+              settled: Optional[Found] = None) -> Optional[Unresolved]:
+        """Check one rank's GET or PUT and run it (see the module's contract)."""
+        target = self._check(identity, peer, msg)
+        unresolved = self.namespaces.verdict(self.sessions_by_peer[identity].uid, msg, settled)
+        if unresolved is None:
+            self._on_data(identity, peer, msg, target)
+        return unresolved
+
+    def _check(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put]) -> Optional[Target]:
         """Refuse a bad GET or PUT (see the module's contract); the other end of a region or
-        scattered request, its places checked; None for one through the ring."""
+        scattered request (``jobs.RegionTarget``, ``jobs.ScatterTarget``: its region(s) and
+        each object's places there, checked); None for one through the ring."""
         if peer.rank is None:
             raise P.ProtocolError(P.BAD_MESSAGE, f"a lookup peer cannot {msg.op}; attach as a rank")
         if not msg.keys:         # a job of no object never finishes: no answer, and CLEAN refused for good
@@ -90,8 +105,9 @@ class DataRequests:
             raise P.ProtocolError(P.BAD_REGION, f"region {region} is not registered by this session")
         return RegionTarget(regions[region], regions[region].places(at, obj))
 
-    def on_data(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put], target: Optional[Target]) -> None:
-        """One rank's GET or PUT that passed ``check`` (see the module's contract)."""
+    def _on_data(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put], target: Optional[Target]) -> None:
+        """One rank's GET or PUT that passed its checks (``target``: what ``_check`` found): a job,
+        or a part of a collective (see the module's contract)."""
         keys, marks, obj, tag = msg.keys, msg.marks, msg.obj, msg.tag
         unlock = isinstance(msg, P.Get) and msg.unlock
         stride = object_stride(obj)
@@ -107,7 +123,7 @@ class DataRequests:
             self._start(DataJob(P.Op(msg.op), keys, marks, obj, stride, [Participant(identity, msg.id)], unlock))
             return
         rank = peer.rank
-        assert rank is not None             # check() refused a lookup peer (no rank)
+        assert rank is not None             # _check() refused a lookup peer (no rank)
         parts = self.collectives.setdefault(tag, {})
         if rank in parts:
             del self.collectives[tag]

@@ -38,7 +38,6 @@ from adpkv_gateway.datapath import io_procs
 from adpkv_gateway.cards import close_cards, open_cards
 from adpkv_gateway.config import GatewayConfig, socket_mode
 from adpkv_gateway.datapath.data_requests import DataRequests
-from adpkv_gateway.datapath.jobs import Target
 from adpkv_gateway.datapath.direct_reads import DirectReads
 from adpkv_gateway.datapath.replies import Replies
 from adpkv_gateway.door.entry import DoorServer, Session, raise_open_files_limit
@@ -48,7 +47,7 @@ from adpkv_gateway.store.health import CardHealth, HealthMonitor
 from adpkv_gateway.layout.change import LayoutChange
 from adpkv_gateway.loop import stats
 from adpkv_gateway.observe.metrics import GatewayMetrics, status_file_problem
-from adpkv_gateway.store.namespaces import KEEP_CLAIMS_S, NamespaceOwners
+from adpkv_gateway.store.namespaces import KEEP_CLAIMS_S, Found, NamespaceOwners
 from adpkv_gateway.store.object_store import ObjectStore
 from adpkv_gateway.store.pins import Pins
 from adpkv_gateway.datapath.transfers import Transfers
@@ -130,13 +129,13 @@ class Gateway:
                                        run=self._run, replies=self.replies,
                                        unpin=lambda ident, keys: self._release_pins(self.engines.peers[ident], keys))
             self.counters: collections.Counter[str] = collections.Counter()
-            self.data_requests = DataRequests(self.engines, self.sessions_by_peer, self.transfers, self.counters,
-                                              self.replies)
-            self.namespaces = NamespaceOwners(config.namespace_owners, self._cards_in_service)
+            self.namespaces = NamespaceOwners(config.namespace_owners, self.store.cards, self.store.service)
+            self.data_requests = DataRequests(self.engines, self.sessions_by_peer, self.namespaces, self.transfers,
+                                              self.counters, self.replies)
             self.direct_reads = DirectReads(self)         # MAP at the door (gateway/datapath/direct_reads.py)
-            # requests that name keys, in the order they came: (identity, peer, request, what
-            # DataRequests.check found); the first waits while its namespaces' owners are looked up
-            self.keyed_waiting: "collections.deque[tuple[bytes, Peer, Keyed, Optional[Target]]]" = collections.deque()
+            # requests that name keys, in the order they came: (identity, peer, request); the
+            # first waits while its namespaces' owners are looked up
+            self.keyed_waiting: "collections.deque[tuple[bytes, Peer, Keyed]]" = collections.deque()
             self.next_keep_claims = 0.0
             self.stopping = False
             self.layout_change.start(engine_busy=lambda: bool(self.transfers.jobs))
@@ -462,61 +461,51 @@ class Gateway:
     # ================================================================ requests that name keys
     def _on_keyed(self, identity: bytes, peer: Peer, msg: Keyed) -> None:
         """EXIST, UNLOCK, DELETE, GET, PUT: served in the order they came, each once its
-        session's uid may use every namespace its keys name (``namespaces``), else refused
-        whole with FORBIDDEN before any card is asked about an object. A bad GET or PUT is
-        refused first (``DataRequests.check``), so nothing is claimed for it."""
-        target = self.data_requests.check(identity, peer, msg) if isinstance(msg, (P.Get, P.Put)) else None
-        self.keyed_waiting.append((identity, peer, msg, target))
+        session's uid may use every namespace its keys name (``NamespaceOwners.verdict``), else
+        refused whole with FORBIDDEN before any card is asked about an object. A GET or PUT is
+        checked and run by ``DataRequests.serve`` in one call (a bad one is refused before its
+        namespaces are looked at, so nothing is claimed for it)."""
+        self.keyed_waiting.append((identity, peer, msg))
         if len(self.keyed_waiting) == 1:
             self._serve_keyed()
 
-    def _serve_keyed(self, settled=None) -> None:
+    def _serve_keyed(self, settled: Optional[Found] = None) -> None:
         """Serve the waiting requests that name keys, in order, up to one whose namespaces'
         owners the cards must be asked first (``_owners_found`` goes on from there).
         ``settled``: what the cards just said for the first one."""
         while self.keyed_waiting:
             waiting = self.keyed_waiting.popleft()
-            identity, peer, msg, target = waiting
+            identity, peer, msg = waiting
+            found, settled = settled, None          # for the first one only
             if self.engines.peers.get(identity) is not peer:
-                settled = None                      # it detached meanwhile: no answer is owed
-                continue
+                continue                            # it detached meanwhile: no answer is owed
             try:
-                uid = self.sessions_by_peer[identity].uid
-                foreign, unknown = self.namespaces.check(uid, msg.keys, settled)
-                settled = None
-                if foreign is None and unknown:
-                    claim = not isinstance(msg, P.Unlock)
-                    self._run(self.pool, functools.partial(self.namespaces.resolve, unknown, uid, claim),
+                if isinstance(msg, (P.Get, P.Put)):
+                    unresolved = self.data_requests.serve(identity, peer, msg, found)
+                else:
+                    unresolved = self.namespaces.verdict(self.sessions_by_peer[identity].uid, msg, found)
+                    if unresolved is None:
+                        self._handlers[type(msg)](self, identity, peer, msg)
+                if unresolved is not None:
+                    self._run(self.pool, functools.partial(self.namespaces.resolve, unresolved),
                               self._owners_found, self._owners_unknown)
                     self.keyed_waiting.appendleft(waiting)     # first again, until its owners are known
                     return
-                if foreign is not None:
-                    raise P.ProtocolError(P.FORBIDDEN, f"{msg.op} names keys of namespace id:{foreign.hex()}, which "
-                                          "belongs to another user; nothing was done")
-                if isinstance(msg, (P.Get, P.Put)):
-                    self.data_requests.on_data(identity, peer, msg, target)
-                else:
-                    self._handlers[type(msg)](self, identity, peer, msg)
             except zmq.ZMQError:
                 raise
             except Exception as exc:
                 self._refuse(identity, msg.id, exc)
 
-    def _owners_found(self, found) -> None:
+    def _owners_found(self, found: Found) -> None:
         self.namespaces.learn(found)
         self._serve_keyed(found)
 
     def _owners_unknown(self, exc: BaseException) -> None:
-        identity, peer, msg, _ = self.keyed_waiting.popleft()
+        identity, peer, msg = self.keyed_waiting.popleft()
         if self.engines.peers.get(identity) is peer:
             self.replies.send(identity, P.error(msg.id, P.CARD_ERROR, f"the cards did not answer who owns the key "
                                          f"namespaces of this {msg.op}: {exc}"))
         self._serve_keyed()
-
-    def _cards_in_service(self) -> list:
-        """The cards in service, by serial (claims are made in this order: ``namespaces``)."""
-        return sorted((c for c, on in zip(self.store.cards, self.store.service.active) if on and c.serial),
-                      key=lambda c: c.serial)
 
     # ================================================================ data requests
     def _on_ack(self, identity, peer, msg: Union[P.Release, P.Filled]):
