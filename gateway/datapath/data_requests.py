@@ -34,7 +34,7 @@ from adpkv_core.wire import protocol as P
 from adpkv_core.memory.ring import max_parallel_ios, object_stride
 
 from adpkv_gateway.door.entry import Session
-from adpkv_gateway.door.engines import EngineRegistry, Peer
+from adpkv_gateway.door.engines import EngineRegistry, EngineSession, Peer
 from adpkv_gateway.datapath.jobs import DataJob, Participant, RegionTarget, ScatterTarget, Target
 from adpkv_gateway.datapath.replies import Replies
 from adpkv_gateway.datapath.scatter import Scatter
@@ -108,19 +108,10 @@ class DataRequests:
     def _on_data(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put], target: Optional[Target]) -> None:
         """One rank's GET or PUT that passed its checks (``target``: what ``_check`` found): a job,
         or a part of a collective (see the module's contract)."""
-        keys, marks, obj, tag = msg.keys, msg.marks, msg.obj, msg.tag
-        unlock = isinstance(msg, P.Get) and msg.unlock
-        stride = object_stride(obj)
-        if target is not None:
-            job = DataJob(P.Op(msg.op), keys, marks, obj, stride, [Participant(identity, msg.id)], unlock)
-            job.target = target
-            job.region_by = msg.write_by if isinstance(msg, P.Get) else msg.read_by
-            self.counters[job.op.lower() + "_region_requests"] += 1
-            self._start(job)
-            return
-        engine = self.engines.engine
-        if tag is None or engine is None or engine.world == 1:
-            self._start(DataJob(P.Op(msg.op), keys, marks, obj, stride, [Participant(identity, msg.id)], unlock))
+        engine, tag = self.engines.engine, msg.tag
+        assert engine is not None          # attached: the request came from one of its ranks
+        if target is not None or tag is None or engine.world == 1:
+            self._start(engine, msg, [Participant(identity, msg.id)], target)
             return
         rank = peer.rank
         assert rank is not None             # _check() refused a lookup peer (no rank)
@@ -138,20 +129,26 @@ class DataRequests:
             if type(m) is not type(first) or m.keys != first.keys or m.obj != first.obj:
                 self._fail_collective(parts, f"ranks sent different requests for tag {tag!r}")
                 return
-        self._start(DataJob(P.Op(msg.op), keys, marks, obj, stride,
-                            [Participant(ident, m.id) for ident, m in parts.values()], unlock))
+        self._start(engine, msg, [Participant(ident, m.id) for ident, m in parts.values()], None)
 
     def _fail_collective(self, parts, why: str) -> None:
         for ident, m in parts.values():
             self._replies.send(ident, P.error(m.id, P.COLLECTIVE_MISMATCH, why))
 
-    def _start(self, job: DataJob) -> None:
-        self.counters[job.op.lower() + "_requests"] += 1
-        engine = self.engines.engine
-        assert engine is not None          # attached: the request came from one of its ranks
-        job.namespace = engine.namespace
-        job.ring = self.transfers.engine_ring(engine)      # only the asking engine's ring carries its data
-        self.transfers.start(job)
+    def _start(self, engine: EngineSession, msg: Union[P.Get, P.Put], participants: list[Participant],
+               target: Optional[Target]) -> None:
+        """The job of ``msg`` (a collective's last part: its keys, the same as every part's) for
+        ``participants``, through ``engine``'s ring (only the asking engine's ring carries its data)."""
+        op = P.Op(msg.op)
+        region_by = None
+        if target is not None:
+            region_by = msg.write_by if isinstance(msg, P.Get) else msg.read_by
+            self.counters[op.lower() + "_region_requests"] += 1
+        self.counters[op.lower() + "_requests"] += 1
+        self.transfers.start(DataJob(op, msg.keys, msg.marks, msg.obj, object_stride(msg.obj), participants,
+                                     self.transfers.engine_ring(engine), engine.namespace,
+                                     unlock=isinstance(msg, P.Get) and msg.unlock, target=target,
+                                     region_by=region_by))
 
     def rank_left(self, identity: bytes, rank: int) -> None:
         """A rank detached: a collective needs every rank, none that is still waiting can complete now."""
