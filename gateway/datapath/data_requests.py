@@ -2,14 +2,16 @@
 
 Contract (``DataRequests``, one per gateway, on the loop's thread only):
 
-- ``check(identity, peer, msg)``: refuses a bad GET or PUT with ``ProtocolError`` before
-  anything is done for it (the loop answers ERROR; nothing changed): from a lookup peer (no
-  rank), of no key, an object whose ring stride is over half the ring (TOO_LARGE), a region
-  or piece its session did not register or a place outside its region (BAD_REGION). It
-  returns the other end of a region or scattered request (``jobs.RegionTarget``,
-  ``jobs.ScatterTarget``: its region(s) and each object's places there), None for the ring.
-- ``on_data(identity, peer, msg, target)``: one rank's GET or PUT that passed ``check``
-  (``target``: what it returned), once the gateway let its session use the keys' namespaces.
+- ``serve(identity, peer, msg, settled)``: one rank's GET or PUT, in its turn among the requests
+  that name keys (the loop serves them in the order they came), checked and run in one call.
+  It refuses a bad one with ``ProtocolError`` before anything is done for it (the loop answers
+  ERROR; nothing changed, nothing claimed): from a lookup peer (no rank), of no key, an object
+  whose ring stride is over half the ring (TOO_LARGE), a region or piece its session did not
+  register or a place outside its region (BAD_REGION); then one that names a namespace its
+  session's user may not use (FORBIDDEN: ``NamespaceOwners.verdict``). It answers
+  ``namespaces.Unresolved`` when the owners of some of its namespaces must be looked up first
+  (the loop has them resolved, then serves it again with what was found: ``settled``), else
+  None: the request is a job, or a part of a collective (below).
 - A region request (``region``) or a scattered one (``pieces``) is a job of its rank at once,
   and so is a request without ``tag`` or any request of a one-rank engine.
 - A tagged request of a multi-rank engine is its rank's part of a collective: it waits until
@@ -26,16 +28,18 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 from adpkv_core.wire import protocol as P
 from adpkv_core.memory.ring import max_parallel_ios, object_stride
 
 from adpkv_gateway.door.entry import Session
-from adpkv_gateway.door.engines import EngineRegistry, Peer
+from adpkv_gateway.door.engines import EngineRegistry, EngineSession, Peer
 from adpkv_gateway.datapath.jobs import DataJob, Participant, RegionTarget, ScatterTarget, Target
+from adpkv_gateway.datapath.replies import Replies
 from adpkv_gateway.datapath.scatter import Scatter
 from adpkv_gateway.datapath.transfers import Transfers
+from adpkv_gateway.store.namespaces import Found, NamespaceOwners, Unresolved
 
 logger = logging.getLogger("adpkv.gateway")
 
@@ -43,25 +47,37 @@ logger = logging.getLogger("adpkv.gateway")
 class DataRequests:
     """The GET/PUT requests of the attached ranks, and the collectives not complete yet.
 
-    ``sessions_by_peer``: the door session each attached connection came with (its regions);
-    ``send(identity, message)`` replies to a rank."""
+    ``sessions_by_peer``: the door session each attached connection came with (its user, its
+    regions); ``namespaces``: who owns each key namespace; ``replies`` sends to a rank
+    (``replies.Replies``)."""
 
-    def __init__(self, engines: EngineRegistry, sessions_by_peer: dict[bytes, Session], transfers: Transfers,
-                 counters: collections.Counter, send: Callable[[bytes, P.Message], None]):
+    def __init__(self, engines: EngineRegistry, sessions_by_peer: dict[bytes, Session], namespaces: NamespaceOwners,
+                 transfers: Transfers, counters: collections.Counter, replies: Replies):
         self.engines = engines
         self.sessions_by_peer = sessions_by_peer
+        self.namespaces = namespaces
         self.transfers = transfers
         self.counters = counters
-        self._send = send
+        self._replies = replies
         self.ring_size = transfers.ring_size
         self.max_batch_bytes = transfers.max_batch_bytes
         self.object_sizes_logged: set[int] = set()
         # tag -> rank -> (its connection, its request): the parts of collectives not complete yet
         self.collectives: dict[str, dict[int, tuple[bytes, Union[P.Get, P.Put]]]] = {}
 
-    def check(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put]) -> Optional[Target]:
+    def serve(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put],
+              settled: Optional[Found] = None) -> Optional[Unresolved]:
+        """Check one rank's GET or PUT and run it (see the module's contract)."""
+        target = self._check(identity, peer, msg)
+        unresolved = self.namespaces.verdict(self.sessions_by_peer[identity].uid, msg, settled)
+        if unresolved is None:
+            self._on_data(identity, peer, msg, target)
+        return unresolved
+
+    def _check(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put]) -> Optional[Target]:
         """Refuse a bad GET or PUT (see the module's contract); the other end of a region or
-        scattered request, its places checked; None for one through the ring."""
+        scattered request (``jobs.RegionTarget``, ``jobs.ScatterTarget``: its region(s) and
+        each object's places there, checked); None for one through the ring."""
         if peer.rank is None:
             raise P.ProtocolError(P.BAD_MESSAGE, f"a lookup peer cannot {msg.op}; attach as a rank")
         if not msg.keys:         # a job of no object never finishes: no answer, and CLEAN refused for good
@@ -89,24 +105,16 @@ class DataRequests:
             raise P.ProtocolError(P.BAD_REGION, f"region {region} is not registered by this session")
         return RegionTarget(regions[region], regions[region].places(at, obj))
 
-    def on_data(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put], target: Optional[Target]) -> None:
-        """One rank's GET or PUT that passed ``check`` (see the module's contract)."""
-        keys, marks, obj, tag = msg.keys, msg.marks, msg.obj, msg.tag
-        unlock = isinstance(msg, P.Get) and msg.unlock
-        stride = object_stride(obj)
-        if target is not None:
-            job = DataJob(P.Op(msg.op), keys, marks, obj, stride, [Participant(identity, msg.id)], unlock)
-            job.target = target
-            job.region_by = msg.write_by if isinstance(msg, P.Get) else msg.read_by
-            self.counters[job.op.lower() + "_region_requests"] += 1
-            self._start(job)
-            return
-        engine = self.engines.engine
-        if tag is None or engine is None or engine.world == 1:
-            self._start(DataJob(P.Op(msg.op), keys, marks, obj, stride, [Participant(identity, msg.id)], unlock))
+    def _on_data(self, identity: bytes, peer: Peer, msg: Union[P.Get, P.Put], target: Optional[Target]) -> None:
+        """One rank's GET or PUT that passed its checks (``target``: what ``_check`` found): a job,
+        or a part of a collective (see the module's contract)."""
+        engine, tag = self.engines.engine, msg.tag
+        assert engine is not None          # attached: the request came from one of its ranks
+        if target is not None or tag is None or engine.world == 1:
+            self._start(engine, msg, [Participant(identity, msg.id)], target)
             return
         rank = peer.rank
-        assert rank is not None             # check() refused a lookup peer (no rank)
+        assert rank is not None             # _check() refused a lookup peer (no rank)
         parts = self.collectives.setdefault(tag, {})
         if rank in parts:
             del self.collectives[tag]
@@ -121,20 +129,26 @@ class DataRequests:
             if type(m) is not type(first) or m.keys != first.keys or m.obj != first.obj:
                 self._fail_collective(parts, f"ranks sent different requests for tag {tag!r}")
                 return
-        self._start(DataJob(P.Op(msg.op), keys, marks, obj, stride,
-                            [Participant(ident, m.id) for ident, m in parts.values()], unlock))
+        self._start(engine, msg, [Participant(ident, m.id) for ident, m in parts.values()], None)
 
     def _fail_collective(self, parts, why: str) -> None:
         for ident, m in parts.values():
-            self._send(ident, P.error(m.id, P.COLLECTIVE_MISMATCH, why))
+            self._replies.send(ident, P.error(m.id, P.COLLECTIVE_MISMATCH, why))
 
-    def _start(self, job: DataJob) -> None:
-        self.counters[job.op.lower() + "_requests"] += 1
-        engine = self.engines.engine
-        assert engine is not None          # attached: the request came from one of its ranks
-        job.namespace = engine.namespace
-        job.ring = self.transfers.engine_ring(engine)      # only the asking engine's ring carries its data
-        self.transfers.start(job)
+    def _start(self, engine: EngineSession, msg: Union[P.Get, P.Put], participants: list[Participant],
+               target: Optional[Target]) -> None:
+        """The job of ``msg`` (a collective's last part: its keys, the same as every part's) for
+        ``participants``, through ``engine``'s ring (only the asking engine's ring carries its data)."""
+        op = P.Op(msg.op)
+        region_by = None
+        if target is not None:
+            region_by = msg.write_by if isinstance(msg, P.Get) else msg.read_by
+            self.counters[op.lower() + "_region_requests"] += 1
+        self.counters[op.lower() + "_requests"] += 1
+        self.transfers.start(DataJob(op, msg.keys, msg.marks, msg.obj, object_stride(msg.obj), participants,
+                                     self.transfers.engine_ring(engine), engine.namespace,
+                                     unlock=isinstance(msg, P.Get) and msg.unlock, target=target,
+                                     region_by=region_by))
 
     def rank_left(self, identity: bytes, rank: int) -> None:
         """A rank detached: a collective needs every rank, none that is still waiting can complete now."""

@@ -5,7 +5,7 @@ MAP the engine maps the object's file itself (``adpkv_core.direct_map``) and the
 from the page cache. What the gateway does for one MAP (``DirectReads.serve``, on the loop):
 
 - who: only a door session with an attached rank of an engine its user owns (as RING), and
-  only for keys of namespaces that user owns (``NamespaceOwners.check``, and claimed as GET
+  only for keys of namespaces that user owns (``NamespaceOwners.verdict``, and claimed as GET
   claims them). FORBIDDEN whole otherwise, before any card is asked about an object.
 - what: on the I/O pool, through the store (``ObjectStore.open_verified``: it finds the card
   and asks it), for each key whose object is one fragment, held by a card that hands its files
@@ -131,18 +131,15 @@ class DirectReads:
 
     def _checked(self, session, msg: P.MapRequest, settled) -> None:
         gw = self.gw
-        foreign, unknown = gw.namespaces.check(session.uid, msg.keys, settled)
-        if foreign is not None:
-            raise P.ProtocolError(P.FORBIDDEN, f"MAP names keys of namespace id:{foreign.hex()}, which belongs "
-                                  "to another user; nothing was handed")
-        if unknown:                   # owners not known yet: asked of the cards (and claimed, as GET does)
+        unresolved = gw.namespaces.verdict(session.uid, msg, settled)      # FORBIDDEN: nothing is handed
+        if unresolved is not None:    # owners not known yet: asked of the cards (and claimed, as GET does)
             def found(owners):
                 gw.namespaces.learn(owners)
                 try:
                     self._checked(session, msg, owners)
                 except P.ProtocolError as exc:
                     gw.door.answer(session, P.error(msg.id, exc.code, exc.message))
-            gw._run(gw.pool, lambda: gw.namespaces.resolve(unknown, session.uid, True), found,
+            gw._run(gw.pool, lambda: gw.namespaces.resolve(unresolved), found,
                     lambda exc: gw.door.answer(session, P.error(msg.id, P.CARD_ERROR, f"the cards did not answer "
                                                                 f"who owns the key namespaces: {exc}")))
             return

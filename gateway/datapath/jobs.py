@@ -91,16 +91,22 @@ class Batch:
 
 
 class DataJob:
-    """One GET or PUT request of one or more ranks."""
+    """One GET or PUT request of one or more ranks, made whole by ``data_requests``: its keys
+    (``n`` of them), its participants, the ring of the engine that asked (``ring``: only that
+    ring carries its data) and that engine's namespace (the metrics' label)."""
 
     def __init__(self, op: P.Op, keys: Sequence[bytes], marks: Optional[Sequence[int]], object_bytes: int,
-                 stride: int, participants: list[Participant], unlock: bool = False):
+                 stride: int, participants: list[Participant], ring: "EngineRing", namespace: str,
+                 unlock: bool = False, target: Optional[Target] = None, region_by: Optional[float] = None):
         self.op = op
         self.keys = list(keys)
+        self.n = len(self.keys)
         self.marks = list(marks) if marks else None
         self.object_bytes = object_bytes
         self.stride = stride
         self.participants = participants
+        self.ring = ring
+        self.namespace = namespace
         self.next = 0
         self.batches: dict[int, Batch] = {}
         self.results = bytearray(len(self.keys))
@@ -108,28 +114,11 @@ class DataJob:
         self.unlock = unlock                       # GET: release this rank's pins on the keys when done
         # into/out of a client's region (or the pieces of several): the gateway copies between
         # the ring and the regions' descriptors itself; None: through the ring, the ranks copy
-        self.target: Optional[Target] = None
+        self.target = target
         # into (GET) / out of (PUT) a region: no write into it / nothing read from it stored
         # after this moment (the client's give-up time, monotonic clock)
-        self.region_by: Optional[float] = None
-        self.namespace = ""                       # of the engine that asked (the metrics' label)
-        self._ring: Optional[EngineRing] = None   # the ring of the engine that asked (``ring``)
+        self.region_by = region_by
         self.started = time.monotonic()           # every part arrived (the request latency's start)
-
-    @property
-    def ring(self) -> "EngineRing":
-        """The ring of the engine that asked: set once, by ``data_requests`` before the job
-        starts (a job never runs without one)."""
-        assert self._ring is not None, "a data job started before it was given its engine's ring"
-        return self._ring
-
-    @ring.setter
-    def ring(self, ring: "EngineRing") -> None:
-        self._ring = ring
-
-    @property
-    def n(self) -> int:
-        return len(self.keys)
 
     def mark(self, i: int) -> int:
         return self.marks[i] if self.marks else 0

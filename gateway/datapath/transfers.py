@@ -20,7 +20,8 @@ stage ends when its work (card I/O, the ranks' copies, a region copy) is all don
 (GET), in the ring / stored (PUT). At RETIRED they become the job's results, the ring
 extent is freed, waiting jobs get extents, and a job with no batch left and none to
 open answers DONE to its participants (``_finish``, from ``_pump``: after ``start`` and
-``_retire``).
+``_retire``). BATCH and DONE go to the ranks straight from here, through the data path's
+sender (``replies.Replies``: ``batch``, ``done``), which answers the ranks it reached.
 
 Everything here runs on the gateway loop's thread; card I/O runs on the pool (or the
 I/O processes) through ``run`` and comes back to ``_io_done`` on the loop. Transfers never
@@ -54,6 +55,7 @@ from adpkv_gateway.datapath.handoff import RunOnPool
 from adpkv_gateway.datapath.jobs import Batch, DataJob, RegionTarget, ScatterTarget, Stage
 from adpkv_gateway.observe.latency import LatencyBuckets
 from adpkv_gateway.datapath.region_io import RegionSource, RingSource, direct_reads, to_region
+from adpkv_gateway.datapath.replies import Replies
 from adpkv_gateway.datapath.ring_alloc import EngineRing
 from adpkv_gateway.datapath.scatter import ScatterSource, to_scatter
 from adpkv_gateway.store.card_io import NoProcessRead, Outcome, PutSource, ReadInto
@@ -73,15 +75,14 @@ class Transfers:
     """The jobs and batches in flight, and the ring extents they hold.
 
     ``run(executor, work, then, fail)`` runs ``work()`` on an executor and calls ``then(result)``
-    (or ``fail(exc)``) back on the loop; ``send(identity, message)`` replies to a rank;
-    ``attached(identity)`` says whether a rank is still there; ``unpin(identity, keys)``
-    drops a rank's pins on keys (a GET with ``unlock``); ``make_ring()`` creates a fresh ring
-    of ``ring_size`` bytes (``Ring.create``) for an engine.
+    (or ``fail(exc)``) back on the loop; ``replies`` sends BATCH and DONE to the ranks still
+    attached (``replies.Replies``); ``unpin(identity, keys)`` drops a rank's pins on keys (a
+    GET with ``unlock``); ``make_ring()`` creates a fresh ring of ``ring_size`` bytes
+    (``Ring.create``) for an engine.
     """
 
     def __init__(self, ring_size: int, make_ring: Callable[[], Ring], store: ObjectStore, pool: Executor,
-                 procs: Optional[io_procs.ReaderPool], io_threads: int,
-                 run: RunOnPool, send: Callable[[bytes, P.Message], None], attached: Callable[[bytes], bool],
+                 procs: Optional[io_procs.ReaderPool], io_threads: int, run: RunOnPool, replies: Replies,
                  unpin: Callable[[bytes, list], None]):
         self.ring_size = align_up(ring_size)
         self._make_ring = make_ring
@@ -93,8 +94,7 @@ class Transfers:
         self.procs = procs
         self.io_threads = io_threads
         self._run = run
-        self._send = send
-        self._attached = attached
+        self._replies = replies
         self._unpin = unpin
         self.jobs: "collections.OrderedDict[int, DataJob]" = collections.OrderedDict()
         self.batches: dict[int, Batch] = {}
@@ -221,15 +221,9 @@ class Transfers:
             batch.flags[:] = bytes(batch.count)
             self._submit(batch, lambda group: self.store.put(group, job.object_bytes), items)
         elif stage in (Stage.TO_RANKS, Stage.FILL):
-            batch.waiting = {p.identity for p in job.participants if self._attached(p.identity)}
+            batch.waiting = self._replies.batch(batch)          # BATCH to the ranks still attached
             if stage is Stage.FILL and not batch.waiting:
                 batch.filled = False
-            for p in job.participants:
-                if p.identity in batch.waiting:
-                    self._send(p.identity, P.Batch(id=p.req_id, batch=batch.id, first=batch.first,
-                                                   count=batch.count, offset=batch.offset, stride=job.stride,
-                                                   obj=job.object_bytes,
-                                                   hits=bytes(batch.flags) if job.op is P.Op.GET else None))
         elif stage is Stage.TO_REGION:
             target, by = job.target, job.region_by
             assert target is not None         # TO_REGION is a region or scattered GET's stage
@@ -311,15 +305,10 @@ class Transfers:
     def _finish(self, job: DataJob) -> None:
         del self.jobs[id(job)]
         self.request_latency[job.op].add(time.monotonic() - job.started)
-        for p in job.participants:
-            if not self._attached(p.identity):
-                continue
-            if job.op is P.Op.GET:
-                if job.unlock:
-                    self._unpin(p.identity, job.keys)
-                self._send(p.identity, P.Done(id=p.req_id, hits=bytes(job.results)))
-            else:
-                self._send(p.identity, P.Done(id=p.req_id, stored=bytes(job.results), existed=bytes(job.existed)))
+        answered = self._replies.done(job)                      # DONE to the ranks still attached
+        if job.op is P.Op.GET and job.unlock:
+            for identity in answered:
+                self._unpin(identity, job.keys)
 
     # ------------------------------------------------------------------ I/O on the pool
     def _submit(self, batch: Batch, work, items: list) -> None:

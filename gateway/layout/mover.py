@@ -181,7 +181,8 @@ class Mover:
                         untagged_targets = self._untagged_targets(card_index)
                     if untagged_targets != [card_index]:
                         todo.append((item.key, None))
-                elif card_index not in store.placement.targets(item.key, mark, store.placement.replicas):
+                elif card_index not in store.placement.targets(item.key, mark, store.placement.replicas,
+                                                               store.service.active):
                     todo.append((item.key, mark))
             self.left_objects = len(todo)
             for key, mark in todo:
@@ -220,10 +221,11 @@ class Mover:
         ``old`` held in the previous layout: where an object of ``old`` without a tag may belong."""
         store, prev = self.store, self._previous()
         out: set[int] = set()
+        active = store.service.active
         for slot, ranking in enumerate(prev.placement.rankings):
             if old not in (prev.card_of[i] for i in ranking[:prev.replicas]):
                 continue
-            out.update(store.placement.replica_cards(slot))
+            out.update(store.placement.replica_cards(slot, active))
         return sorted(out)
 
     def _copy_untagged(self, key: bytes, old: int, targets: list[int]) -> tuple[bool, bool]:
@@ -244,7 +246,7 @@ class Mover:
         """Move one object from card ``old`` to its current cards; whether nothing of it is left
         to move (moved, already there, or gone)."""
         store = self.store
-        targets = store.placement.targets(key, mark, store.placement.replicas)
+        targets = store.placement.targets(key, mark, store.placement.replicas, store.service.active)
         if not targets or old in targets:
             return bool(targets)
         return self._transfer(key, old, mark, store.plan.slot_tag(mark), targets, drop=True)

@@ -38,8 +38,8 @@ from adpkv_gateway.datapath import io_procs
 from adpkv_gateway.cards import close_cards, open_cards
 from adpkv_gateway.config import GatewayConfig, socket_mode
 from adpkv_gateway.datapath.data_requests import DataRequests
-from adpkv_gateway.datapath.jobs import Target
 from adpkv_gateway.datapath.direct_reads import DirectReads
+from adpkv_gateway.datapath.replies import Replies
 from adpkv_gateway.door.entry import DoorServer, Session, raise_open_files_limit
 from adpkv_gateway.door.claim import claim_door, make_door_dir
 from adpkv_gateway.door.engines import EngineRegistry, EngineSession, Peer
@@ -47,7 +47,7 @@ from adpkv_gateway.store.health import CardHealth, HealthMonitor
 from adpkv_gateway.layout.change import LayoutChange
 from adpkv_gateway.loop import stats
 from adpkv_gateway.observe.metrics import GatewayMetrics, status_file_problem
-from adpkv_gateway.store.namespaces import KEEP_CLAIMS_S, NamespaceOwners
+from adpkv_gateway.store.namespaces import KEEP_CLAIMS_S, Found, NamespaceOwners
 from adpkv_gateway.store.object_store import ObjectStore
 from adpkv_gateway.store.pins import Pins
 from adpkv_gateway.datapath.transfers import Transfers
@@ -107,6 +107,7 @@ class Gateway:
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
             self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            self.replies = Replies(self.sock, self.engines)     # every reply on the port: the loop's, the data path's
             self.poller = zmq.Poller()
             self.poller.register(self.sock, zmq.POLLIN)
             self.poller.register(self.wake_r, zmq.POLLIN)
@@ -125,17 +126,16 @@ class Gateway:
             self.transfers = Transfers(config.shared_memory_size,     # a ring per engine, made as it attaches
                                        lambda: Ring.create(config.port, config.shared_memory_size), self.store,
                                        self.pool, self.procs, config.thread_pool_size,
-                                       run=self._run, send=self._send,
-                                       attached=lambda ident: ident in self.engines.peers,
+                                       run=self._run, replies=self.replies,
                                        unpin=lambda ident, keys: self._release_pins(self.engines.peers[ident], keys))
             self.counters: collections.Counter[str] = collections.Counter()
-            self.data_requests = DataRequests(self.engines, self.sessions_by_peer, self.transfers, self.counters,
-                                              self._send)
-            self.namespaces = NamespaceOwners(config.namespace_owners, self._cards_in_service)
+            self.namespaces = NamespaceOwners(config.namespace_owners, self.store.cards, self.store.service)
+            self.data_requests = DataRequests(self.engines, self.sessions_by_peer, self.namespaces, self.transfers,
+                                              self.counters, self.replies)
             self.direct_reads = DirectReads(self)         # MAP at the door (gateway/datapath/direct_reads.py)
-            # requests that name keys, in the order they came: (identity, peer, request, what
-            # DataRequests.check found); the first waits while its namespaces' owners are looked up
-            self.keyed_waiting: "collections.deque[tuple[bytes, Peer, Keyed, Optional[Target]]]" = collections.deque()
+            # requests that name keys, in the order they came: (identity, peer, request); the
+            # first waits while its namespaces' owners are looked up
+            self.keyed_waiting: "collections.deque[tuple[bytes, Peer, Keyed]]" = collections.deque()
             self.next_keep_claims = 0.0
             self.stopping = False
             self.layout_change.start(engine_busy=lambda: bool(self.transfers.jobs))
@@ -281,16 +281,10 @@ class Gateway:
         logger.info("Gateway stopped")
 
     # ================================================================ messages
-    def _send(self, identity: bytes, msg: P.Message) -> None:
-        try:
-            self.sock.send_multipart([identity, P.encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            logger.debug("reply to a gone peer dropped: %s", exc)
-
     def _on_frames(self, frames: list) -> None:
         if len(frames) != 2:
             if frames:
-                self._send(frames[0], P.error(None, P.BAD_MESSAGE, f"expected one frame, got {len(frames) - 1}"))
+                self.replies.send(frames[0], P.error(None, P.BAD_MESSAGE, f"expected one frame, got {len(frames) - 1}"))
             return
         identity, frame = frames
         req_id = None
@@ -320,10 +314,10 @@ class Gateway:
         if isinstance(exc, P.ProtocolError):
             self.counters["bad_requests"] += 1
             logger.warning("Refused a request from %s: %s", identity.hex(), exc)
-            self._send(identity, P.error(req_id, exc.code, exc.message))
+            self.replies.send(identity, P.error(req_id, exc.code, exc.message))
         else:
             logger.error("Internal error on a request", exc_info=exc)
-            self._send(identity, P.error(req_id, P.INTERNAL, str(exc)))
+            self.replies.send(identity, P.error(req_id, P.INTERNAL, str(exc)))
 
     def _session(self, identity: bytes, msg: Union[P.Hello, P.Stats, P.Clean, P.Drain]) -> Session:
         """The door session behind a request: the one its connection attached with, or the
@@ -343,7 +337,7 @@ class Gateway:
         self.engines.attach(identity, msg, session.uid)
         self.sessions_by_peer[identity] = session
         session.identities.add(identity)
-        self._send(identity, P.HelloOk(id=msg.id, proof=session.proof))
+        self.replies.send(identity, P.HelloOk(id=msg.id, proof=session.proof))
 
     def rank_session_engine(self, session: Session, what: str) -> EngineSession:
         """The engine of a door session that may be handed ``what`` (the ring, object files):
@@ -367,11 +361,11 @@ class Gateway:
             self._detach(identity, "its process closed its session")
 
     def _on_bye(self, identity, peer, msg: P.Bye):
-        self._send(identity, P.Ok(id=msg.id))
+        self.replies.send(identity, P.Ok(id=msg.id))
         self._detach(identity, "closed")
 
     def _on_ping(self, identity, peer, msg: P.Ping):
-        self._send(identity, P.Ok(id=msg.id))
+        self.replies.send(identity, P.Ok(id=msg.id))
 
     def _on_exist(self, identity, peer: Peer, msg: P.Exist):
         keys = msg.keys
@@ -382,13 +376,13 @@ class Gateway:
                 locked = [k for k, h in zip(keys, hits) if h]
                 self.store.pins.pin(locked)
                 peer.pins.update(locked)
-            self._send(identity, P.ExistOk(id=msg.id, hits=P.pack_flags(hits)))
+            self.replies.send(identity, P.ExistOk(id=msg.id, hits=P.pack_flags(hits)))
 
         self._offload(lambda: self.store.lookup.exists(keys, msg.marks), answer, identity, msg)
 
     def _on_unlock(self, identity, peer: Peer, msg: P.Unlock):
         self._release_pins(peer, msg.keys)
-        self._send(identity, P.Ok(id=msg.id))
+        self.replies.send(identity, P.Ok(id=msg.id))
 
     def _release_pins(self, peer: Peer, keys) -> None:
         mine = [k for k in keys if peer.pins.get(k)]
@@ -400,7 +394,8 @@ class Gateway:
 
     def _on_delete(self, identity, peer, msg: P.Delete):
         self._offload(lambda: self.store.delete(msg.keys, msg.marks),
-                      lambda deleted: self._send(identity, P.DeleteOk(id=msg.id, deleted=deleted)), identity, msg)
+                      lambda deleted: self.replies.send(identity, P.DeleteOk(id=msg.id, deleted=deleted)),
+                      identity, msg)
 
     def _on_clean(self, identity, peer, msg: P.Clean):
         session = self._session(identity, msg)
@@ -415,7 +410,7 @@ class Gateway:
 
         def cleaned(deleted):
             logger.info("CLEAN by uid %d: %d objects deleted", session.uid, deleted)
-            self._send(identity, P.DeleteOk(id=msg.id, deleted=deleted))
+            self.replies.send(identity, P.DeleteOk(id=msg.id, deleted=deleted))
 
         self._offload(self.store.clean, cleaned, identity, msg)
 
@@ -434,7 +429,7 @@ class Gateway:
         layout = self.layout_change.drain(card.serial)
         logger.info("DRAIN of card %s by uid %d", card.serial, session.uid)
         self._offload(self.layout_change.record_drain,
-                      lambda _: self._send(identity, P.DrainOk(id=msg.id, serial=card.serial,
+                      lambda _: self.replies.send(identity, P.DrainOk(id=msg.id, serial=card.serial,
                                                                fingerprint=layout.fingerprint)), identity, msg)
 
     def _on_stats(self, identity, peer, msg: P.Stats):
@@ -452,7 +447,7 @@ class Gateway:
             if not shows_engine and figures.engine is not None:
                 figures.engine = P.EngineFigures(id="(another user's)", world=figures.engine.world,
                                                  ranks=figures.engine.ranks, namespace="(another user's)")
-            self._send(identity, P.StatsOk(id=msg.id, stats=figures))
+            self.replies.send(identity, P.StatsOk(id=msg.id, stats=figures))
 
         self._collect_stats(answer, (identity, msg))
 
@@ -460,66 +455,57 @@ class Gateway:
         """Card metadata for a request: ``work()`` on the pool, ``then(result)`` back on the
         loop; the request gets CARD_ERROR when the cards fail it."""
         self._run(self.pool, work, then,
-                  lambda exc: self._send(identity, P.error(msg.id, P.CARD_ERROR, f"the cards did not answer: {exc}")))
+                  lambda exc: self.replies.send(identity, P.error(msg.id, P.CARD_ERROR,
+                                                                  f"the cards did not answer: {exc}")))
 
     # ================================================================ requests that name keys
     def _on_keyed(self, identity: bytes, peer: Peer, msg: Keyed) -> None:
         """EXIST, UNLOCK, DELETE, GET, PUT: served in the order they came, each once its
-        session's uid may use every namespace its keys name (``namespaces``), else refused
-        whole with FORBIDDEN before any card is asked about an object. A bad GET or PUT is
-        refused first (``DataRequests.check``), so nothing is claimed for it."""
-        target = self.data_requests.check(identity, peer, msg) if isinstance(msg, (P.Get, P.Put)) else None
-        self.keyed_waiting.append((identity, peer, msg, target))
+        session's uid may use every namespace its keys name (``NamespaceOwners.verdict``), else
+        refused whole with FORBIDDEN before any card is asked about an object. A GET or PUT is
+        checked and run by ``DataRequests.serve`` in one call (a bad one is refused before its
+        namespaces are looked at, so nothing is claimed for it)."""
+        self.keyed_waiting.append((identity, peer, msg))
         if len(self.keyed_waiting) == 1:
             self._serve_keyed()
 
-    def _serve_keyed(self, settled=None) -> None:
+    def _serve_keyed(self, settled: Optional[Found] = None) -> None:
         """Serve the waiting requests that name keys, in order, up to one whose namespaces'
         owners the cards must be asked first (``_owners_found`` goes on from there).
         ``settled``: what the cards just said for the first one."""
         while self.keyed_waiting:
             waiting = self.keyed_waiting.popleft()
-            identity, peer, msg, target = waiting
+            identity, peer, msg = waiting
+            found, settled = settled, None          # for the first one only
             if self.engines.peers.get(identity) is not peer:
-                settled = None                      # it detached meanwhile: no answer is owed
-                continue
+                continue                            # it detached meanwhile: no answer is owed
             try:
-                uid = self.sessions_by_peer[identity].uid
-                foreign, unknown = self.namespaces.check(uid, msg.keys, settled)
-                settled = None
-                if foreign is None and unknown:
-                    claim = not isinstance(msg, P.Unlock)
-                    self._run(self.pool, functools.partial(self.namespaces.resolve, unknown, uid, claim),
+                if isinstance(msg, (P.Get, P.Put)):
+                    unresolved = self.data_requests.serve(identity, peer, msg, found)
+                else:
+                    unresolved = self.namespaces.verdict(self.sessions_by_peer[identity].uid, msg, found)
+                    if unresolved is None:
+                        self._handlers[type(msg)](self, identity, peer, msg)
+                if unresolved is not None:
+                    self._run(self.pool, functools.partial(self.namespaces.resolve, unresolved),
                               self._owners_found, self._owners_unknown)
                     self.keyed_waiting.appendleft(waiting)     # first again, until its owners are known
                     return
-                if foreign is not None:
-                    raise P.ProtocolError(P.FORBIDDEN, f"{msg.op} names keys of namespace id:{foreign.hex()}, which "
-                                          "belongs to another user; nothing was done")
-                if isinstance(msg, (P.Get, P.Put)):
-                    self.data_requests.on_data(identity, peer, msg, target)
-                else:
-                    self._handlers[type(msg)](self, identity, peer, msg)
             except zmq.ZMQError:
                 raise
             except Exception as exc:
                 self._refuse(identity, msg.id, exc)
 
-    def _owners_found(self, found) -> None:
+    def _owners_found(self, found: Found) -> None:
         self.namespaces.learn(found)
         self._serve_keyed(found)
 
     def _owners_unknown(self, exc: BaseException) -> None:
-        identity, peer, msg, _ = self.keyed_waiting.popleft()
+        identity, peer, msg = self.keyed_waiting.popleft()
         if self.engines.peers.get(identity) is peer:
-            self._send(identity, P.error(msg.id, P.CARD_ERROR, f"the cards did not answer who owns the key "
+            self.replies.send(identity, P.error(msg.id, P.CARD_ERROR, f"the cards did not answer who owns the key "
                                          f"namespaces of this {msg.op}: {exc}"))
         self._serve_keyed()
-
-    def _cards_in_service(self) -> list:
-        """The cards in service, by serial (claims are made in this order: ``namespaces``)."""
-        return sorted((c for c, on in zip(self.store.cards, self.store.service.active) if on and c.serial),
-                      key=lambda c: c.serial)
 
     # ================================================================ data requests
     def _on_ack(self, identity, peer, msg: Union[P.Release, P.Filled]):

@@ -59,13 +59,15 @@ class Lookup:
 
     def _find(self, keys: Sequence[bytes], marks: Optional[Sequence[int]], object_bytes: Optional[int]) -> _Found:
         """``holders`` of a batch as arrays: the slots of all keys at once (``Placement.slots``),
-        each slot's replica cards in service found once, then per replica rank one
-        ``Card.heads_found`` per card for the keys still missing there."""
+        each slot's replica cards in service found once (the cards in service: one snapshot for
+        the batch), then per replica rank one ``Card.heads_found`` per card for the keys still
+        missing there."""
         n = len(keys)
         where = self.placement
         replicas_n = where.replicas
+        active = self.service.active
         slots = where.current.slots(keys, marks)
-        replicas = {s: where.replica_cards(s) for s in set(slots.tolist())}
+        replicas = {s: where.replica_cards(s, active) for s in set(slots.tolist())}
         by_rank = np.full((where.storage_slots, replicas_n), -1, np.int64)    # slot, rank -> card
         for s, cards in replicas.items():
             by_rank[s, :len(cards)] = cards
@@ -88,17 +90,17 @@ class Lookup:
                 break
         prev = where.previous
         if pending.size and prev is not None:
-            self._previous_holders(prev, keys, marks, object_bytes, all_keys, dbs, tags, found, pending.tolist())
+            self._previous_holders(prev, active, keys, marks, object_bytes, all_keys, dbs, tags, found,
+                                   pending.tolist())
         return found
 
-    def _previous_holders(self, prev: PreviousPlacement, keys: Sequence[bytes], marks: Optional[Sequence[int]],
-                          object_bytes: Optional[int], all_keys: np.ndarray, dbs: np.ndarray, tags: np.ndarray,
-                          found: _Found, pending: list[int]) -> None:
+    def _previous_holders(self, prev: PreviousPlacement, active: Sequence[bool], keys: Sequence[bytes],
+                          marks: Optional[Sequence[int]], object_bytes: Optional[int], all_keys: np.ndarray,
+                          dbs: np.ndarray, tags: np.ndarray, found: _Found, pending: list[int]) -> None:
         """During a card-set change: look the objects that missed up on their cards of the
         previous placement (those not asked already); a hit is served from there (``found``, no
         other replicas) and reported to ``on_previous_hit`` (the mover moves it to its card now)."""
         by_card: dict[int, list[int]] = collections.defaultdict(list)
-        active = self.service.active
         for i in pending:
             asked = found.replicas[int(found.slot[i])]
             for c in prev.targets(keys[i], marks[i] if marks else 0, active):

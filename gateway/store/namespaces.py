@@ -19,11 +19,13 @@ the same way but claims nothing (it asks no card; a namespace nobody claimed hol
 
 ``NamespaceOwners``, one per gateway:
 
-- ``check(uid, keys, settled)`` on the loop, from memory: the first namespace of ``keys`` that
-  ``uid`` may not use, or the namespaces whose owner must be looked up first;
-- ``resolve(nsids, uid, claim)`` on the I/O pool: what the cards in service record for each
-  (and, with ``claim`` and none of them another's, the claims of ``uid`` on the unclaimed ones);
-  CardIOError when no card answers;
+- ``verdict(uid, request, settled)`` on the loop, from memory, in one call: None when ``uid``
+  may use every namespace the request's keys name (it goes on); ``Unresolved`` when the owners
+  of some must be looked up first; FORBIDDEN (``ProtocolError``) when one is another's, which
+  refuses the request whole;
+- ``resolve(unresolved)`` on the I/O pool: what the cards in service record for each of its
+  namespaces (and, when it claims and none of them is another's, the claims of its uid on the
+  unclaimed ones); CardIOError when no card answers;
 - ``learn(found)`` on the loop: owners (and conflicts) are cached for the gateway's life (a
   claim is never undone, so a cached owner never goes stale);
 - ``keep_claims()`` on the pool, every few seconds: the cards keep their records from eviction.
@@ -32,12 +34,13 @@ the same way but claims nothing (it asks no card; a namespace nobody claimed hol
 from __future__ import annotations
 
 import logging
-from typing import Callable, Collection, Mapping, Optional, Sequence
+from typing import Collection, Mapping, NamedTuple, Optional, Sequence, Union
 
 from adpkv_core.wire import protocol as P
 
 from adpkv_gateway.cards.base import Card, CardError, CardIOError
 from adpkv_gateway.cards.quotas import NS_ID, tenant_id
+from adpkv_gateway.store.service import CardService
 
 logger = logging.getLogger("adpkv.gateway")
 
@@ -46,27 +49,41 @@ CONFLICT = -1                      # the cards record different owners: the name
 KEEP_CLAIMS_S = 5.0                # how often the cards' claim records are touched (keep_claims)
 
 Found = dict[bytes, Optional[int]]     # namespace id -> owner uid, CONFLICT, or None (nobody's yet)
+# the requests that name keys (MAP claims as GET does; UNLOCK claims nothing)
+Keyed = Union[P.Exist, P.Unlock, P.Delete, P.Get, P.Put, P.MapRequest]
+
+
+class Unresolved(NamedTuple):
+    """``NamespaceOwners.verdict``'s answer for a request that must wait: the namespaces
+    (``nsids``) whose owners the cards are asked first (``resolve``), for the session's ``uid``,
+    which claims the unclaimed ones (``claim``; not for UNLOCK)."""
+
+    nsids: list[bytes]
+    uid: int
+    claim: bool
 
 
 class NamespaceOwners:
     """The owners of the key namespaces this gateway has seen (see the module's contract).
-    ``cards()`` lists the cards in service now, in a fixed order (by serial)."""
+    ``cards``: the gateway's cards; ``service``: which of them are in service now (the records
+    are read and claims made on those, in a fixed order: by serial)."""
 
-    def __init__(self, configured: Mapping[str, Sequence[int]], cards: Callable[[], list[Card]]):
+    def __init__(self, configured: Mapping[str, Sequence[int]], cards: Sequence[Card], service: CardService):
         self.configured: dict[bytes, frozenset[int]] = {tenant_id(name): frozenset(uids)
                                                         for name, uids in configured.items()}
         self.claims: dict[bytes, int] = {}       # namespace id -> owner uid or CONFLICT (loop only)
-        self._cards = cards
+        self._all_cards = cards
+        self._service = service
         self._refused: set[tuple[int, bytes]] = set()   # (uid, namespace) refused once: logged once
 
     # ------------------------------------------------------------------ the loop
-    def check(self, uid: int, keys: Sequence[bytes], settled: Optional[Found] = None
-              ) -> tuple[Optional[bytes], list[bytes]]:
-        """``(a namespace of keys that uid may not use, or None; the namespaces whose owner
-        must be resolved first)``. ``settled``: what ``resolve`` just found for this request
-        (a namespace it left nobody's is usable without a claim: UNLOCK's). BAD_MESSAGE for a
-        request naming more than ``MAX_NAMESPACES_PER_REQUEST`` namespaces."""
-        nsids = {key[NS_ID] for key in keys}
+    def verdict(self, uid: int, request: Keyed, settled: Optional[Found] = None) -> Optional[Unresolved]:
+        """Whether the session of user ``uid`` may go on with ``request`` (see the module's
+        contract): None, ``Unresolved``, or FORBIDDEN raised. ``settled``: what ``resolve`` just
+        found for this request (a namespace it left nobody's is usable without a claim:
+        UNLOCK's). BAD_MESSAGE for a request naming more than ``MAX_NAMESPACES_PER_REQUEST``
+        namespaces."""
+        nsids = {key[NS_ID] for key in request.keys}
         if len(nsids) > MAX_NAMESPACES_PER_REQUEST:
             raise P.ProtocolError(P.BAD_MESSAGE, f"a request names at most {MAX_NAMESPACES_PER_REQUEST} key "
                                   f"namespaces, this one {len(nsids)}")
@@ -87,8 +104,9 @@ class NamespaceOwners:
                     logger.warning("uid %d named keys of namespace id:%s, %s: refused (FORBIDDEN)", uid, ns.hex(),
                                    "whose cards record different owners" if owners == (CONFLICT,)
                                    else "which belongs to another user")
-                return ns, []
-        return None, unknown
+                raise P.ProtocolError(P.FORBIDDEN, f"{request.op} names keys of namespace id:{ns.hex()}, which "
+                                      "belongs to another user; nothing was done")
+        return Unresolved(unknown, uid, not isinstance(request, P.Unlock)) if unknown else None
 
     def learn(self, found: Found) -> None:
         for ns, owner in found.items():
@@ -96,14 +114,20 @@ class NamespaceOwners:
                 self.claims[ns] = owner
 
     # ------------------------------------------------------------------ the pool
-    def resolve(self, nsids: Sequence[bytes], uid: int, claim: bool) -> Found:
-        """What the cards in service record for each namespace; with ``claim``, and none of
-        them another's, ``uid`` claims the ones nobody has claimed."""
+    def _cards(self) -> list[Card]:
+        """The cards in service now, by serial (claims are made in this order)."""
+        return sorted((c for c, on in zip(self._all_cards, self._service.active) if on and c.serial),
+                      key=lambda c: c.serial)
+
+    def resolve(self, unresolved: Unresolved) -> Found:
+        """What the cards in service record for each of its namespaces; when it claims, and
+        none of them is another's, its uid claims the ones nobody has claimed."""
         cards = self._cards()
         if not cards:
             raise CardIOError("no card is in service: the owners of key namespaces cannot be read")
-        found: Found = {ns: self._lookup(cards, ns) for ns in nsids}
-        if claim and all(owner in (None, uid) for owner in found.values()):
+        uid = unresolved.uid
+        found: Found = {ns: self._lookup(cards, ns) for ns in unresolved.nsids}
+        if unresolved.claim and all(owner in (None, uid) for owner in found.values()):
             for ns, owner in found.items():
                 if owner is None:
                     found[ns] = self._claim(cards, ns, uid)

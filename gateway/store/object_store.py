@@ -70,8 +70,7 @@ class ObjectStore:
         self.pins = pins
         self.service = CardService(self.cards, observer)
         self.plan = FragmentPlan(num_dbs, fragment_size, spread, placement)
-        self.placement = CardPlacement(self.cards, self.service, storage_slots, num_dbs, placement, fragment_size,
-                                       replicas)
+        self.placement = CardPlacement(self.cards, storage_slots, num_dbs, placement, fragment_size, replicas)
         self.lookup = Lookup(self.cards, self.service, self.placement, self.plan)
         self.io = CardIO(self.cards, self.service, self.plan, self.stats)
         # by namespace: hits, misses, stored, store_failed, restored_bytes, stored_bytes (the loop's thread only)
@@ -92,11 +91,12 @@ class ObjectStore:
             (direct if isinstance(cards[item[1].card], DirectReads) else ring).append(item)
         return ReadPlan(ring, direct)
 
-    def write_plans(self, key: bytes, mark: int, object_bytes: int) -> list[list[Fragment]]:
-        """One fragment list per replica (cards in service, in placement order)."""
+    def write_plans(self, key: bytes, mark: int, object_bytes: int, active: Sequence[bool]) -> list[list[Fragment]]:
+        """One fragment list per replica (cards in service: ``active``, ``service.active`` taken
+        once for a batch; in placement order)."""
         tag = self.plan.slot_tag(mark)
         return [self.plan.fragments(c, key, object_bytes, tag)
-                for c in self.placement.targets(key, mark, self.placement.replicas)]
+                for c in self.placement.targets(key, mark, self.placement.replicas, active)]
 
     def put(self, items: Sequence[PutItem], object_bytes: int) -> list[Outcome]:
         """Store the objects of (part of) a PUT batch: which exist already (``exists``: keys
@@ -106,12 +106,13 @@ class ObjectStore:
         the source is a region, else from the ring (``PutSource.view``). An object with no
         card in service is not stored."""
         found = self.lookup.exists([it.key for it in items], [it.mark for it in items], object_bytes)
+        active = self.service.active
         out = []
         for item, there in zip(items, found):
             if there:
                 out.append(Outcome(item.j, True, existed=True))
                 continue
-            plans = self.write_plans(item.key, item.mark, object_bytes)
+            plans = self.write_plans(item.key, item.mark, object_bytes, active)
             if not plans:
                 out.append(Outcome(item.j, False))
                 continue
@@ -141,12 +142,13 @@ class ObjectStore:
         deleted = 0
         where = self.placement
         prev = where.previous
+        active = self.service.active
         for i, key in enumerate(keys):
             mark = marks[i] if marks else 0
             tag = self.plan.slot_tag(mark)
-            cards = where.targets(key, mark, where.replicas)
+            cards = where.targets(key, mark, where.replicas, active)
             if prev is not None:           # during a card-set change: its copy on its previous card too
-                cards += [c for c in prev.targets(key, mark, self.service.active) if c not in cards]
+                cards += [c for c in prev.targets(key, mark, active) if c not in cards]
             existed = False
             for card_index in cards:
                 existed = self.io.delete(card_index, key, tag) or existed

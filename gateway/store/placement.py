@@ -5,7 +5,9 @@ rendezvous hashing, see ``slot_rankings``), so the order of the cards in the
 configuration does not matter, every card owns its share of the slots, and a new
 card takes about its share. A key goes to the first card of its slot's
 ranking that is in service (its replicas to the next ones): ``CardPlacement`` over
-the cards in service, ``PreviousPlacement`` during a card-set change. ``dialog``
+the cards in service, ``PreviousPlacement`` during a card-set change; both are told which
+cards are in service (``active``: ``CardService.active``, the snapshot the caller takes once
+per batch) and never ask for it themselves. ``dialog``
 placement picks the slot from the dialog mark (all blocks of a dialog on one
 card); ``stripe`` from the chunk itself (one long restore reads all cards).
 """
@@ -21,7 +23,6 @@ import numpy as np
 import xxhash
 
 from adpkv_gateway.cards.base import Card
-from adpkv_gateway.store.service import CardService
 
 _DIGEST = operator.itemgetter(slice(9, 25))       # a key's chunk digest (adpkv_core.keys)
 
@@ -127,10 +128,9 @@ class CardPlacement:
     that key layout, and during a card-set change the placement moved from (``previous``, set
     by ``gateway/layout``) with what a hit found there reports (``on_previous_hit``)."""
 
-    def __init__(self, cards: Sequence[Card], service: CardService, storage_slots: int, num_dbs: int,
-                 mode: str, fragment_size: int, replicas: int):
+    def __init__(self, cards: Sequence[Card], storage_slots: int, num_dbs: int, mode: str, fragment_size: int,
+                 replicas: int):
         self.cards = cards
-        self.service = service
         self.storage_slots = storage_slots
         self.num_dbs = num_dbs
         self.mode = mode
@@ -149,16 +149,16 @@ class CardPlacement:
         self.fingerprint = key_layout_fingerprint([s for s in serials if s], self.storage_slots,
                                                   self.num_dbs, self.mode, self.fragment_size)
 
-    def targets(self, key: bytes, mark: int, n: int = 1) -> list[int]:
-        """The first ``n`` cards in service for a key, in placement order."""
+    def targets(self, key: bytes, mark: int, n: int, active: Sequence[bool]) -> list[int]:
+        """The first ``n`` cards in service (``active``) for a key, in placement order."""
         out = []
         for i in self.current.ranking(key, mark):
-            if self.service.in_service(i):
+            if active[i]:
                 out.append(i)
                 if len(out) == n:
                     break
         return out
 
-    def replica_cards(self, slot: int) -> list[int]:
-        """The replica cards of a slot: the first ``replicas`` of its ranking in service."""
-        return [c for c in self.current.rankings[slot] if self.service.in_service(c)][:self.replicas]
+    def replica_cards(self, slot: int, active: Sequence[bool]) -> list[int]:
+        """The replica cards of a slot: the first ``replicas`` of its ranking in service (``active``)."""
+        return [c for c in self.current.rankings[slot] if active[c]][:self.replicas]

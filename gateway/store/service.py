@@ -41,34 +41,37 @@ class CardObserver(abc.ABC):
 
 class CardService:
     """The in-service flag of each card of the gateway (a card without a serial never is,
-    until a check brings it back)."""
+    until a check brings it back).
+
+    ``active``: whether each card is in service now, as one immutable tuple that a change
+    replaces whole (under the lock): a reader takes it once for a batch and sees one
+    consistent set of cards for all of it, without a call or a copy."""
 
     def __init__(self, cards: Sequence[Card], observer: CardObserver):
-        self._active = [bool(c.serial) for c in cards]
+        self.active: tuple[bool, ...] = tuple(bool(c.serial) for c in cards)
         self._lock = threading.Lock()
         self.observer = observer
 
-    @property
-    def active(self) -> tuple[bool, ...]:
-        """Whether each card is in service now (a snapshot)."""
-        return tuple(self._active)
-
     def in_service(self, card: int) -> bool:
-        return self._active[card]
+        return self.active[card]
+
+    def _set(self, card: int, on: bool) -> None:
+        """Publish a new ``active`` with card ``card``'s flag ``on`` (under the lock)."""
+        self.active = self.active[:card] + (on,) + self.active[card + 1:]
 
     def take_out(self, card: int, why: str, by_io: bool = False) -> None:
         """Take a card out of service (its I/O, through the observer, or a failed check);
         the observer hears of it (``CardObserver.left``) once, when it was in service."""
         with self._lock:
-            if not self._active[card]:
+            if not self.active[card]:
                 return
-            self._active[card] = False
+            self._set(card, False)
             self.observer.left(card, why, by_io)
 
     def bring_back(self, card: int) -> None:
         """Put a card (back) in service: it answered its check."""
         with self._lock:
-            self._active[card] = True
+            self._set(card, True)
 
     def observe(self, card: int, transport_ok: bool, seconds: float) -> None:
         """Tell the observer of one command of ``card``; take the card out when it says so."""

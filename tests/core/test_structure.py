@@ -98,7 +98,8 @@ def test_no_folder_holds_more_than_12_modules():
 def test_the_walk_tool_traces_a_real_save_and_restore():
     """docs/internals.md's walk figures come from tools/request_walk.py: it runs a real gateway
     and client, checks the restored bytes, and prints the files each walk crossed; the store's
-    parts are on both walks and the card's module on each."""
+    parts are on both walks, the card's module on each, and the data path's sender (BATCH and
+    DONE leave from the data path, not through the loop)."""
     import re
     import subprocess
     import sys
@@ -112,5 +113,5 @@ def test_the_walk_tool_traces_a_real_save_and_restore():
     for (_, files, steps, returns), walk in zip(figures, walks):
         assert 20 <= int(files) <= int(steps) and int(returns) < int(steps)
         for part in ("gateway/store/object_store.py", "gateway/store/card_io.py", "gateway/cards/fs/card.py",
-                     "gateway/datapath/transfers.py"):
+                     "gateway/datapath/transfers.py", "gateway/datapath/replies.py"):
             assert part in walk, part

@@ -367,7 +367,8 @@ def test_a_read_verdict_never_removes_a_later_write_on_a_resp_card(redis_servers
     store = ObjectStore([card], 16, 4, "dialog", 2048, True, 1, CardHealth([card], 0, 3), Pins())
     key, size = key_of(4000), 5000                           # three fragments of 2048 bytes
     one, two = (payload(key + bytes([n]), size) for n in (1, 2))
-    assert store.io.write_replicas(store.write_plans(key, 0, size), memoryview(one))
+    plans = lambda: store.write_plans(key, 0, size, store.service.active)     # noqa: E731
+    assert store.io.write_replicas(plans(), memoryview(one))
     head1 = store.io.recorded_head(0, key, b"")
     frags = [f._replace(object_bytes=size, write_id=head1.write_id) for f in store.plan.fragments(0, key, size)]
     raw = RespConnection(server.url, 30)
@@ -378,7 +379,7 @@ def test_a_read_verdict_never_removes_a_later_write_on_a_resp_card(redis_servers
     def read(db, fkey, buf, tag=b"", write_id=None):
         verdict = real_read(db, fkey, buf, tag, write_id)
         if verdict.drops and not stored_again:                    # a PUT lands before the verdict is acted on
-            stored_again.append(store.io.write_replicas(store.write_plans(key, 0, size), memoryview(two)))
+            stored_again.append(store.io.write_replicas(plans(), memoryview(two)))
         return verdict
     card.read = read                                              # type: ignore[method-assign]
     views = [memoryview(bytearray(f.length)) for f in frags]

@@ -513,8 +513,9 @@ def test_the_batch_head_lookup_answers_as_heads_and_contains_many(tmp_path):
     store = ObjectStore([card], 16, 4, "dialog", 2048, True, 1, CardHealth([card], 0, 3), Pins())
     keys = card_keys(400, "heads")
     sizes = [random.Random(i).choice([100, 2048, 3000, 5000]) for i in range(len(keys))]
+    active = store.service.active
     for key, size in zip(keys[:300], sizes):
-        assert store.io.write_replicas(store.write_plans(key, 0, size), memoryview(payload_of(key, size)))
+        assert store.io.write_replicas(store.write_plans(key, 0, size, active), memoryview(payload_of(key, size)))
     dbs = np.array([fragment_db(k, 0, 4) for k in keys], np.int64)
     hits = {}
     for object_bytes in (None, 100, 2048, 3000, 5000, 7):
