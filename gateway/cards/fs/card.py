@@ -302,8 +302,12 @@ class FsCard(Card, DirectReads, DirectWrites, HandsFiles, IOProcessReads, DropsI
                 self._remove(victims)        # out of the index already: a stop leaves them to a later scan
                 shown.set(max(shown.done, over - self.index.over()))
         if self.index.evicted > before:
-            logger.info("fs card %s: trimmed to its capacity and quotas, %d objects evicted", self.root,
-                        self.index.evicted - before)
+            # a warning: objects a client stored are gone (the capacity or a quota shrank, or,
+            # with the capacity taken from the disk, other files filled the file system)
+            logger.warning("fs card %s: trimmed to its capacity (%.1f MiB%s) and quotas, %d objects evicted",
+                           self.root, self.index.capacity_bytes / 2**20,
+                           f": the file system's free space, {self._free_bytes() / 2**20:.1f} MiB now, plus what "
+                           "the card holds" if self._auto_capacity else "", self.index.evicted - before)
 
     def _walk(self):
         """(database, its subdirectory's descriptor, name) of every entry of the card's

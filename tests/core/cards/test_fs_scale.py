@@ -561,3 +561,47 @@ def test_the_snapshot_check_judges_again_each_object_whose_files_changed(tmp_pat
     assert card.read(0, kept + b"\0\0", buf, b"", 3) is Read.HIT
     assert card.index.objects() == 2 and card.index.usage()[1] == 2
     card.close()
+
+
+def test_a_disk_other_files_filled_shrinks_the_card_at_start_with_a_warning(tmp_path, caplog):
+    """A card whose capacity is the disk's (the default) restarts on a file system that other
+    files have filled: its capacity is what it holds plus the free space, the trim at start
+    evicts down to the watermark, and the gateway says so as a WARNING naming the free space
+    and the objects evicted (an operator's stored objects are gone: not an INFO line). Real
+    files on a real tmpfs of 16 MiB (root mounts it: the suite runs as root)."""
+    import logging
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.fail("this test mounts a tmpfs: run the core suite as root, as CI does")
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], check=True)
+    try:
+        root = str(mnt / "card")
+        n, size = 200, 16 * 1024
+        build_card(root, card_keys(n, "full-disk"), size=size)
+        held, files = files_on_disk(root)
+        assert files == n
+        with open(mnt / "other-files", "wb") as fh:     # another program fills the file system
+            try:
+                while True:
+                    fh.write(b"x" * 65536)
+                    fh.flush()
+            except OSError:
+                pass
+        caplog.set_level(logging.INFO, logger="adpkv.gateway.fs")
+        card = FsCard(root, num_dbs=16)
+        card.open()
+        try:
+            assert card.scanned.wait(60), "the scan at start did not end"
+            left = card.index.objects()
+        finally:
+            card.close()
+        assert 0 < left < n and files_on_disk(root)[1] == left
+        assert left <= int(card.index.capacity_bytes * 0.85 / (held / n)) + 1
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and "trimmed" in r.getMessage()]
+        assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+        assert "free space" in warned[0].getMessage() and f"{n - left} objects evicted" in warned[0].getMessage()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
