@@ -25,17 +25,18 @@ tokens depend on the KV they attend to). Phases (``--phases``, in this order):
 * ``crossover``    where a restore starts to win: prompts of 1k to 32k tokens stored, then restored in
                    the same engine (the ring, files in the page cache) and from a dropped card, every
                    hit loaded (``adpkv.load_choice=always``), against their prefill in the baseline;
-* ``cpu_offload``  vLLM's own CPU offloading (``kv_offloading_size``): served, reset, restored;
-* ``fs_tier``      vLLM's own persistent tier (``TieringOffloadingSpec`` + its ``fs`` secondary tier):
-                   a storing engine (and its same-engine return), then a fresh engine;
-* ``adp_tier``     the same with ``AdpSecondaryTier`` in place of ``fs``;
-* ``offloading``   vLLM's ``OffloadingConnector`` with ``AdpOffloadingSpec``: served, reset, restored;
 * ``v1_runner``    ``VLLM_USE_V2_MODEL_RUNNER=0``: a fresh engine restores from the card;
+* ``offloading``   vLLM's ``OffloadingConnector`` with ``AdpOffloadingSpec``: served, reset, restored;
 * ``evict``        a gateway on a card smaller than the prompts' KV: 8k prompts returning in rounds
                    while the others' stores evict them; every restored prompt's tokens checked;
 * ``mla``          a DeepSeek-V2-Lite geometry (MLA): store + fresh restore, tokens checked;
 * ``hybrid``       Llama-3-8B geometry with sliding-window layers in every other place (two KV cache
-                   groups): store + fresh restore, tokens checked.
+                   groups): store + fresh restore, tokens checked;
+* ``cpu_offload``  (the peers last: the main card is removed before their tiers when no later
+                   phase reads it) vLLM's own CPU offloading (``kv_offloading_size``): served, reset, restored;
+* ``fs_tier``      vLLM's own persistent tier (``TieringOffloadingSpec`` + its ``fs`` secondary tier):
+                   a storing engine (and its same-engine return), then a fresh engine;
+* ``adp_tier``     the same with ``AdpSecondaryTier`` in place of ``fs``.
 
 Every engine process times each served prompt's stages (``engine_timeline.py``: lookup, blocks,
 load planned, GETs issued, first and last layer in, load reported, compute scheduled; ring copies,
@@ -64,8 +65,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASE = os.path.join(REPO, "benchmarks", "gpu_engine_phase.py")
 GiB = 1 << 30
 
-ALL_PHASES = ("baseline", "store", "restart", "cold", "crossover", "cpu_offload", "fs_tier", "adp_tier",
-              "offloading", "v1_runner", "evict", "mla", "hybrid")
+ALL_PHASES = ("baseline", "store", "restart", "cold", "crossover", "v1_runner", "offloading", "evict", "mla",
+              "hybrid", "cpu_offload", "fs_tier", "adp_tier")
+# the phases that read the main card (what ``store`` wrote); the peers' tiers run after them, on a
+# disk the main card no longer fills (the host's 64 GiB hold one peer's copy at a time)
+MAIN_CARD_PHASES = frozenset(("store", "restart", "cold", "v1_runner"))
 
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, num_hidden_layers=32,
@@ -259,7 +263,8 @@ class Bench:
 
     # ------------------------------------------------------------------ phases
     def run(self, phases: list[str]) -> None:
-        for name in phases:
+        for i, name in enumerate(phases):
+            self.later = set(phases[i + 1:])
             try:
                 getattr(self, "phase_" + name)()
             except Exception as exc:
@@ -381,6 +386,8 @@ class Bench:
         self.check_tokens("cpu_offload", res.get("results", []))
 
     def tiering(self, name: str, tier: dict) -> None:
+        if not self.later & MAIN_CARD_PHASES:
+            self.drop_main_card()         # no later phase reads it: the disk is the peer's
         conf = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
                                               "cpu_bytes_to_use": int(self.args.tier_cpu_gib * GiB),
@@ -394,9 +401,11 @@ class Bench:
     def phase_fs_tier(self) -> None:
         self.load_reference()
         root = os.path.join(self.work, "vllm-fs-tier")
-        self.tiering("fs_tier", {"type": "fs", "root_dir": root})
-        self.report["figures"]["fs_tier_bytes"] = du(root)
-        shutil.rmtree(root, ignore_errors=True)       # the disk holds one peer's copy at a time
+        try:
+            self.tiering("fs_tier", {"type": "fs", "root_dir": root})
+            self.report["figures"]["fs_tier_bytes"] = du(root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)       # the disk holds one peer's copy at a time
 
     def phase_adp_tier(self) -> None:
         self.load_reference()
@@ -475,13 +484,31 @@ class Bench:
 
     def stop(self, gw) -> None:
         """A phase's own gateway stopped, its card removed (the disk holds one card at a time)."""
-        halt(gw)
+        self.halt(gw)
         shutil.rmtree(gw.card_dirs[0], ignore_errors=True)
         self.gateways.remove(gw)
 
+    def drop_main_card(self) -> None:
+        gw = self.__dict__.pop("_main_gw", None)
+        if gw is not None:
+            self.stop(gw)
+            log("main card removed (no later phase reads it)")
+
     def stop_gateways(self) -> None:
         for gw in list(self.gateways):
-            halt(gw)
+            self.halt(gw)
+
+    def halt(self, gw) -> None:
+        """``halt`` the gateway, its log's warnings and errors kept in phases.log."""
+        halt(gw)
+        try:
+            with open(gw.log_path, errors="replace") as fh:
+                lines = [l.rstrip() for l in fh if " WARNING " in l or " ERROR " in l or "Traceback" in l]
+        except OSError:
+            return
+        with open(os.path.join(self.out, "phases.log"), "a") as fh:
+            fh.write(f"\n===== gateway {os.path.basename(gw.card_dirs[0])}: {len(lines)} warning/error lines =====\n")
+            fh.write("\n".join(lines[:200]) + ("\n" if lines else ""))
 
 
 def halt(gw) -> None:
