@@ -74,6 +74,8 @@ _SETS = {Stage.WRITE}                          # the result says whether the obj
 class Transfers:
     """The jobs and batches in flight, and the ring extents they hold.
 
+    ``pool`` runs the card I/O, ``lookups`` a GET's lookup stage (``ObjectStore.plan_reads``:
+    a restore waits for it, so it never queues behind the writes of earlier stores);
     ``run(executor, work, then, fail)`` runs ``work()`` on an executor and calls ``then(result)``
     (or ``fail(exc)``) back on the loop; ``replies`` sends BATCH and DONE to the ranks still
     attached (``replies.Replies``); ``unpin(identity, keys)`` drops a rank's pins on keys (a
@@ -82,7 +84,8 @@ class Transfers:
     """
 
     def __init__(self, ring_size: int, make_ring: Callable[[], Ring], store: ObjectStore, pool: Executor,
-                 procs: Optional[io_procs.ReaderPool], io_threads: int, run: RunOnPool, replies: Replies,
+                 lookups: Executor, procs: Optional[io_procs.ReaderPool], io_threads: int, run: RunOnPool,
+                 replies: Replies,
                  unpin: Callable[[bytes, list], None]):
         self.ring_size = align_up(ring_size)
         self._make_ring = make_ring
@@ -91,6 +94,7 @@ class Transfers:
         self.max_batch_bytes = self.ring_size // 2
         self.store = store
         self.pool = pool
+        self.lookups = lookups
         self.procs = procs
         self.io_threads = io_threads
         self._run = run
@@ -209,7 +213,7 @@ class Transfers:
         if stage is Stage.LOOKUP:
             batch.pending += 1
             into_region = isinstance(job.target, RegionTarget)     # a scattered GET goes through the ring
-            self._run(self.pool, lambda: self.store.plan_reads(keys, marks, job.object_bytes, into_region),
+            self._run(self.lookups, lambda: self.store.plan_reads(keys, marks, job.object_bytes, into_region),
                       lambda plan: self._looked_up(batch, plan),
                       lambda exc: self._looked_up(batch, ReadPlan([], [])))
         elif stage is Stage.WRITE:

@@ -323,3 +323,59 @@ def test_io_process_killed_mid_read_gives_misses_then_fresh_readers(start_gatewa
     assert fresh
     (_, hits, exact, _), = run_ranks(gw.port, 1, "GET", keys, 96 * 1024, engine="r2")
     assert all(hits) and exact is True
+
+
+def test_a_lookup_is_answered_while_stores_wait_for_slow_writes(start_gateway):
+    """The scheduler's lookup (EXIST) of a returning prompt does not queue behind the card
+    writes of the prompts stored before it: on an H200 a prompt served right after others
+    waited 0.3-0.9 s for its lookup (the writes of the earlier prompts ahead of it on the I/O
+    pool), which was all of what storing cost the next prompt's prefill. Here every write of
+    a real gateway is held 0.25 s (strace) with 2 I/O threads and 48 objects' writes queued
+    (about 6 s of them): an EXIST is answered within 1 s, its hits right, a restore of stored
+    objects (reads in the I/O processes) ends within 1.5 s with their bytes, and every store
+    still lands."""
+    from ..stall import Stall
+
+    gw = start_gateway(thread_pool_size=2, io_processes=2)
+    obj = 64 << 10
+    c = GatewayClient(ClientConfig(port=gw.port, timeout_s=60.0, busy_wait_s=0), "lookup-queue", 0, 1)
+    assert c.enabled, c.attach_error
+
+    def fill(keys):
+        def copy(b):
+            for i in range(b.count):
+                at = b.offset + i * b.stride
+                c.ring[at:at + obj] = pattern(keys[b.first + i], 0, obj)
+        return copy
+
+    stored = make_keys(4, namespace="lq", salt=b"stored")
+    assert c.put(stored, obj, fill(stored)).result(30).stored == [True] * 4
+    stall = Stall(gw.proc.pid, 0.25, "pwrite64,pwritev,pwritev2")
+    try:
+        batches = [make_keys(8, namespace="lq", salt=b"new%d" % i) for i in range(6)]
+        puts = [c.put(keys, obj, fill(keys)) for keys in batches]
+        assert stall.until("pwrite", 20), "no card write started"
+        asked = time.monotonic()
+        hits = c.exist(stored + batches[-1][:1]).result(30)
+        answered = time.monotonic() - asked
+        assert hits[:4] == [True] * 4
+        assert answered < 1.0, f"the lookup waited {answered:.2f} s behind the writes"
+        # a restore of the stored prompt: its lookup stage neither (its reads in the I/O processes)
+        got: dict[int, bytes] = {}
+
+        def drain(b):
+            for i in range(b.count):
+                if b.hits[i]:
+                    at = b.offset + i * b.stride
+                    got[b.first + i] = bytes(c.ring[at:at + obj])
+        asked = time.monotonic()
+        assert c.get(stored, obj, drain).result(30).hits == [True] * 4
+        restored = time.monotonic() - asked
+        assert got == {i: pattern(k, 0, obj) for i, k in enumerate(stored)}
+        assert restored < 1.5, f"the restore waited {restored:.2f} s behind the writes"
+        assert all(all(f.result(60).stored) for f in puts)
+    finally:
+        stall.stop()
+    got = c.exist([k for keys in batches for k in keys]).result(30)
+    assert got == [True] * 48
+    c.close()
