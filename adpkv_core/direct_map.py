@@ -216,11 +216,9 @@ class DirectMaps:
         """``limit_bytes`` > 0 bounds the bytes mapped. ``registrar``: register each span
         (CUDA); with ``require_registration`` an object the registrar refuses is not kept (a
         pageable mapping would make the GPU copy synchronous and slow: the ring is better).
-        ``busy``: whether the engine is computing now; a ``prefetch`` waits for it to pause as
-        for the restores in flight (registering pins memory under CUDA's own locks, and the
-        gateway checks each object it hands: neither may slow the step that stores, nor the step
-        that computes a restored prompt's rest: measured on an H200, a restore's mappings made
-        under that step took its first token from 40 to 134 ms at 8k tokens)."""
+        ``busy``: whether the engine is computing now; a ``prefetch`` of what a pass stored
+        (``after_passes``) waits for it to pause as for the restores in flight (registering pins memory under CUDA's own locks, and the
+        gateway checks each object it hands: neither may slow the step that stores)."""
         if limit_bytes <= 0:
             raise ValueError(f"direct_map_bytes must be > 0, got {limit_bytes!r}")
         self.limit_bytes = int(limit_bytes)
@@ -400,19 +398,19 @@ class DirectMaps:
         span.close()
 
     def prefetch(self, client, keys: Sequence[bytes], object_bytes: int,
-                 marks: Optional[Sequence[int]] = None) -> None:
+                 marks: Optional[Sequence[int]] = None, after_passes: bool = False) -> None:
         """``fetch`` on the maps' own thread (queued; returns at once), once ``client`` has no
-        GET in flight and the engine is not ``busy``, or ``QUIET_WAIT_S`` after this call,
-        whichever comes first: the gateway checks every object it hands and CUDA registers
-        under its own locks, and that work must not slow the restores it follows (a ring
-        restore queues its layers' prefetch as they land), the step that computes the rest of
-        a restored prompt, nor the passes of a prefill that stores."""
+        GET in flight (and, ``after_passes``, the engine is not ``busy``), or ``QUIET_WAIT_S``
+        after this call, whichever comes first: the gateway checks every object it hands, and
+        that work must not slow the restores it follows (a cold restore's layers each queue
+        their prefetch as they land) nor, for what a pass stored (``after_passes``), the passes
+        of the prefill that stores."""
         if self._closed:
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="adpkv-direct-map", daemon=True)
             self._thread.start()
-        self._work.put((time.monotonic() + QUIET_WAIT_S, client, list(keys), object_bytes,
+        self._work.put((time.monotonic() + QUIET_WAIT_S, after_passes, client, list(keys), object_bytes,
                         list(marks) if marks is not None else None))
 
     def _serve(self) -> None:
@@ -423,8 +421,8 @@ class DirectMaps:
             if isinstance(item, threading.Event):      # drain()
                 item.set()
                 continue
-            until, client, *request = item
-            busy = self._busy
+            until, after_passes, client, *request = item
+            busy = self._busy if after_passes else None
             while ((client.restores_in_flight() or (busy is not None and busy()))
                    and time.monotonic() < until and not self._closed):
                 time.sleep(QUIET_POLL_S)

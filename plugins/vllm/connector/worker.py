@@ -365,7 +365,7 @@ class AdpConnectorWorker:
             return self._gate.run(ticket, lambda: copy(b))
 
         fut = client.get(keys, obj, on_batch, marks=index.marks, tag=tag, slice=sl)
-        if direct is not None:       # mapped in the background once the ring restore is done and the engine pauses
+        if direct is not None:       # mapped in the background once the ring restore is done
             fut.add_done_callback(lambda _: direct.prefetch(client, keys, obj, index.marks))
         return fut
 
@@ -657,4 +657,4 @@ def _map_stored(direct: DirectMaps, client: GatewayClient, keys: list[bytes], ob
         return
     held = [i for i, (s, e) in enumerate(zip(res.stored, res.existed)) if s or e]
     if held:
-        direct.prefetch(client, [keys[i] for i in held], obj, [marks[i] for i in held])
+        direct.prefetch(client, [keys[i] for i in held], obj, [marks[i] for i in held], after_passes=True)

@@ -18,7 +18,6 @@ import mmap
 import os
 import signal
 import threading
-import time
 
 import pytest
 
@@ -401,12 +400,11 @@ def test_a_prefetch_waits_for_the_restores_in_flight(start_gateway):
 
 
 @pytest.mark.timeout(120)
-def test_a_prefetch_waits_for_the_engine_to_pause(start_gateway, monkeypatch):
-    """A prefetch queued while the engine computes (``busy``: the vLLM worker's passes) sends
-    its MAP only once the engine pauses: mapping and registering never run under the passes
-    of a prefill that stores, nor under the step that computes the rest of a restored prompt
-    (a ring restore's prefetch: on an H200 mappings made under that step took its first token
-    from 40 to 134 ms at 8k tokens). An engine that never pauses gets them ``QUIET_WAIT_S`` late."""
+def test_a_prefetch_waits_for_the_engine_to_pause(start_gateway):
+    """A prefetch of what a pass stored (``after_passes``), queued while the engine computes
+    (``busy``: the vLLM worker's passes), sends its MAP only once the engine pauses: mapping and
+    registering never run under the passes of the prefill that stores. A restore's prefetch
+    does not wait for the engine (the prompt's next return wants the mappings)."""
     gw = start_gateway()
     c = GatewayClient(ClientConfig(port=gw.port, timeout_s=30.0), "engine-busy")
     assert c.enabled, c.attach_error
@@ -422,24 +420,17 @@ def test_a_prefetch_waits_for_the_engine_to_pause(start_gateway, monkeypatch):
         return map_objects(*args, **kwargs)
     c.map_objects = recording
     maps = DirectMaps(64 * OBJ, busy=computing.is_set)
-    for half in (keys[:2], keys[2:]):
-        computing.set()
-        maps.prefetch(c, half, OBJ)
-        pause = threading.Timer(0.5, computing.clear)
-        pause.start()
-        try:
-            assert maps.drain(30)
-        finally:
-            pause.cancel()
-    assert busy_at_map == [False, False] and all(maps.held(k) for k in keys)
-    # an engine that never pauses: the mappings are made QUIET_WAIT_S after the prefetch
-    more = make_keys(2, salt=b"busy")
-    assert _put(c, more).stored == [True] * 2
-    monkeypatch.setattr(direct_map, "QUIET_WAIT_S", 0.3)
-    computing.set()
-    queued = time.monotonic()
-    maps.prefetch(c, more, OBJ)
-    assert maps.drain(30)
-    assert busy_at_map[-1] is True and time.monotonic() - queued >= 0.3 and all(maps.held(k) for k in more)
+    # a restore's prefetch does not wait for the engine (its next return wants the mappings)
+    maps.prefetch(c, keys[:2], OBJ)
+    assert maps.drain(30) and busy_at_map == [True]
+    # what a pass stored waits for a pause
+    maps.prefetch(c, keys[2:], OBJ, after_passes=True)
+    pause = threading.Timer(0.5, computing.clear)
+    pause.start()
+    try:
+        assert maps.drain(30)
+    finally:
+        pause.cancel()
+    assert busy_at_map == [True, False] and all(maps.held(k) for k in keys)
     maps.close()
     c.close()
