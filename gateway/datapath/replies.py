@@ -5,7 +5,6 @@ Contract (``Replies``, one per gateway, on the loop's thread only: the socket's 
 - ``send(identity, message)``: encodes ``message`` and sends it to the connection
   ``identity`` at once, never blocking; a connection gone meanwhile loses it (logged at
   debug level): a reply is owed only to a connection that is still there.
-- ``attached(identity)``: whether the connection is attached (``EngineRegistry.peers``) now.
 - ``batch(batch)``: BATCH of ``batch`` (its objects, ring extent, stride, object size; a
   GET's hits so far) to each participant of its job that is attached now; the identities it
   went to, which are the ranks the batch then waits for (RELEASE or FILLED).
@@ -44,9 +43,6 @@ class Replies:
             self._sock.send_multipart([identity, P.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.debug("reply to a gone peer dropped: %s", exc)
-
-    def attached(self, identity: bytes) -> bool:
-        return identity in self._engines.peers
 
     def batch(self, batch: Batch) -> set[bytes]:
         job = batch.job
