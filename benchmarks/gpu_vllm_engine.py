@@ -130,6 +130,8 @@ class Bench:
         self.fresh_prompts = {f"f{n}": [n, 300 + i] for i, n in enumerate(self.lengths)}
         self.cross_prompts = {f"c{n}": [n, 400 + i] for i, n in enumerate(int(x) for x in args.cross_lengths.split(","))}
         self.gateways: list = []
+        self._main_gw = None                         # the gateway on the main card (main_gateway)
+        self.later: set[str] = set()                 # the phases after the one running (run)
         self.reference: dict[str, list[int]] = {}
         if self.gpu:
             models = os.path.join(self.work, "models")
@@ -295,7 +297,7 @@ class Bench:
         self.report["figures"]["reference_distinct_outputs"] = f"{distinct} of {len(self.reference)}"
 
     def main_gateway(self):
-        if not hasattr(self, "_main_gw"):
+        if self._main_gw is None:
             self._main_gw = self.gateway("card")
         return self._main_gw
 
@@ -484,21 +486,21 @@ class Bench:
 
     def stop(self, gw) -> None:
         """A phase's own gateway stopped, its card removed (the disk holds one card at a time)."""
-        self.halt(gw)
+        self._halt_logged(gw)
         shutil.rmtree(gw.card_dirs[0], ignore_errors=True)
         self.gateways.remove(gw)
 
     def drop_main_card(self) -> None:
-        gw = self.__dict__.pop("_main_gw", None)
+        gw, self._main_gw = self._main_gw, None
         if gw is not None:
             self.stop(gw)
             log("main card removed (no later phase reads it)")
 
     def stop_gateways(self) -> None:
         for gw in list(self.gateways):
-            self.halt(gw)
+            self._halt_logged(gw)
 
-    def halt(self, gw) -> None:
+    def _halt_logged(self, gw) -> None:
         """``halt`` the gateway, its log's warnings and errors kept in phases.log."""
         halt(gw)
         try:
