@@ -19,10 +19,15 @@ and counts: ring scatter calls and their CPU ms, copy-free layers and their ms, 
 (``DirectMaps.fetch``) and their ms inside the window; on a storing pass the PUTs the forward
 pass sent (``put``), the ring copies the client's thread issued for them (``gather``) and the
 end-of-pass hook (``wait_for_save``), each with its calls and CPU ms.
+
+``connector_calls()`` gives, and clears, the CPU time of every call into ``AdpKVConnector`` (the
+methods vLLM calls on it, scheduler and worker halves) since the last one: what the connector
+itself costs a decode step, beside the step count (``steps()``).
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -30,6 +35,7 @@ from typing import Any, Callable, Optional
 EVENTS: list[tuple[float, str, float, Any]] = []     # (start, what, call seconds, detail)
 _LOCK = threading.Lock()
 _INSTALLED = False
+CALLS: dict[str, list] = {}                           # AdpKVConnector method -> [calls, seconds]
 
 
 def _note(t0: float, what: str, detail: Any = None) -> None:
@@ -51,6 +57,23 @@ def _wrap(cls, name: str, what: str, detail: Callable[[Any, tuple], Any]) -> Non
     setattr(cls, name, wrapper)
 
 
+def _wrap_sum(cls, name: str) -> None:
+    inner = cls.__dict__[name]
+
+    def wrapper(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            dt = time.perf_counter() - t0
+            with _LOCK:
+                c = CALLS.setdefault(name, [0, 0.0])
+                c[0] += 1
+                c[1] += dt
+
+    setattr(cls, name, wrapper)
+
+
 def install() -> None:
     global _INSTALLED
     if _INSTALLED:
@@ -59,7 +82,13 @@ def install() -> None:
     from adpkv_core.direct_map import DirectMaps
     from adpkv_vllm.common.copy import PagedLayer
     from adpkv_vllm.connector import scheduler as sched_role, worker as worker_role
+    from adpkv_vllm.connector.connector import AdpKVConnector
     from vllm.v1.core.sched.scheduler import Scheduler
+
+    for name, member in list(AdpKVConnector.__dict__.items()):     # the per-request/per-step calls
+        if inspect.isfunction(member) and not name.startswith("_") and not name.endswith("kv_caches") \
+                and name != "shutdown":
+            _wrap_sum(AdpKVConnector, name)
 
     _wrap(sched_role.AdpConnectorScheduler, "get_num_new_matched_tokens", "lookup",
           lambda r, a: r[0] if r[0] is not None else None)
@@ -128,3 +157,16 @@ def stages(t0: float, t1: float) -> dict:
 def clear() -> None:
     with _LOCK:
         EVENTS.clear()
+        CALLS.clear()
+
+
+def steps() -> int:
+    """vLLM's scheduling steps that scheduled tokens, since the last ``clear()``."""
+    with _LOCK:
+        return sum(1 for _, w, _, _ in EVENTS if w == "schedule")
+
+
+def connector_calls() -> dict[str, tuple[int, float]]:
+    """Calls into ``AdpKVConnector`` since the last ``clear()``: method -> (calls, CPU seconds)."""
+    with _LOCK:
+        return {name: (c[0], c[1]) for name, c in CALLS.items()}

@@ -12,7 +12,7 @@ The spec (written by the driver; prompts are (length, seed) pairs, made here, so
      "steps": [{"do": "serve", "prompts": ["p8k", ...], "label": "restore"},
                {"do": "reset"},                       # vLLM's own prefix cache dropped
                {"do": "maps"},                        # the connector's background mappings settled
-               {"do": "decode", "batch": 32, "prompt_tokens": 512, "tokens": 128},
+               {"do": "decode", "batch": 32, "prompt_tokens": 512, "tokens": 128, "repeats": 5},
                {"do": "warmup"}, {"do": "kill_gateway"}, {"do": "start_gateway"},
                {"do": "serve_until_cached", "prompts": [...], "label": ..., "deadline_s": 60},
                {"do": "drop_cache"}],                 # the gateway's card out of the page cache
@@ -114,18 +114,37 @@ class Phase:
         ok = direct.drain(deadline_s)
         return {"maps_drained": ok, "maps_wait_s": time.perf_counter() - t}
 
-    def decode(self, batch: int, prompt_tokens: int, tokens: int) -> dict:
+    def decode(self, batch: int, prompt_tokens: int, tokens: int, repeats: int = 1) -> dict:
         """Decode tokens/s of ``batch`` requests: their prompts served once (one token, into
-        vLLM's prefix cache), then again for ``tokens`` tokens: the second run is decode steps."""
+        vLLM's prefix cache), then ``repeats`` times for ``tokens`` tokens: decode steps; the
+        median run is ``decode_tok_s``. With the timeline on, the steps vLLM scheduled and the
+        CPU time of the calls into the connector in them (``engine_timeline.connector_calls``)."""
         from vllm import SamplingParams
         prompts = [{"prompt_token_ids": make_prompt(prompt_tokens, 10_000 + i, self.vocab)} for i in range(batch)]
         self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
-        t = time.perf_counter()
-        outs = self.llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
-                                 use_tqdm=False)
-        dt = time.perf_counter() - t
-        n = sum(len(o.outputs[0].token_ids) for o in outs)
-        return {"decode_batch": batch, "decode_tokens": n, "decode_s": dt, "decode_tok_s": n / dt}
+        runs, steps, calls = [], 0, {}
+        for _ in range(repeats):
+            if self.timeline:
+                import engine_timeline
+                engine_timeline.clear()
+            t = time.perf_counter()
+            outs = self.llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
+                                     use_tqdm=False)
+            dt = time.perf_counter() - t
+            runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+            if self.timeline:
+                steps += engine_timeline.steps()
+                for name, (n, s) in engine_timeline.connector_calls().items():
+                    c = calls.setdefault(name, [0, 0.0])
+                    c[0] += n
+                    c[1] += s
+        res: dict = {"decode_batch": batch, "decode_tokens": batch * tokens, "decode_runs": runs,
+                     "decode_tok_s": sorted(runs)[len(runs) // 2]}
+        if steps:
+            res["decode_steps"] = steps
+            res["connector_ms_per_step"] = sum(s for _, s in calls.values()) * 1e3 / steps
+            res["connector_calls_per_step"] = {k: round(n / steps, 2) for k, (n, _) in calls.items()}
+        return res
 
     def warmup(self) -> dict:
         """An unrelated 600-token prompt first (two chunks: stored by the first engine with the
@@ -203,7 +222,7 @@ class Phase:
                 elif do == "maps":
                     res = self.maps()
                 elif do == "decode":
-                    res = self.decode(step["batch"], step["prompt_tokens"], step["tokens"])
+                    res = self.decode(step["batch"], step["prompt_tokens"], step["tokens"], step.get("repeats", 1))
                 elif do == "kill_gateway":
                     res = self.kill_gateway()
                 elif do == "start_gateway":

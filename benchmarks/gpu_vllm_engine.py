@@ -286,7 +286,7 @@ class Bench:
     def phase_baseline(self) -> None:
         names = list(self.prompts) + list(self.evict_prompts) + list(self.cross_prompts)
         res = self.phase("baseline", [{"do": "serve", "prompts": names, "label": "prefill"},
-                                      {"do": "decode", "batch": 32, "prompt_tokens": 512, "tokens": 128}],
+                                      {"do": "decode", "batch": 32, "prompt_tokens": 512, "tokens": 128, "repeats": 5}],
                          prompts={**self.prompts, **self.evict_prompts, **self.cross_prompts})
         for r in res.get("results", []):
             self.reference[r["prompt"]] = r["tokens"]
@@ -310,7 +310,7 @@ class Bench:
                                    {"do": "serve", "prompts": names, "label": "return1"},
                                    {"do": "reset"}, {"do": "maps"},
                                    {"do": "serve", "prompts": names, "label": "return2"},
-                                   {"do": "decode", "batch": 32, "prompt_tokens": 512, "tokens": 128}],
+                                   {"do": "decode", "batch": 32, "prompt_tokens": 512, "tokens": 128, "repeats": 5}],
                          ktc=self.adp_connector(gw), gw=gw)
         self.report["figures"]["store_card"] = self.settle(gw)
         rs = res.get("results", [])
@@ -677,8 +677,15 @@ def summary(report: dict) -> str:
     for name in ("baseline", "store"):
         p = ph.get(name, {})
         dec = next((s for s in p.get("steps", []) if s.get("do") == "decode"), {})
-        out.append(f"{name}: graph mode {p.get('graph_mode')}, decode {dec.get('decode_tok_s', 0):.0f} tok/s, "
-                   f"engine start {p.get('init_s', 0):.1f} s")
+        runs = " ".join(f"{r:.0f}" for r in dec.get("decode_runs", []))
+        cost = (f", the connector's calls {dec['connector_ms_per_step']:.3f} ms a step of {dec['decode_steps']}"
+                if "connector_ms_per_step" in dec else "")
+        out.append(f"{name}: graph mode {p.get('graph_mode')}, decode {dec.get('decode_tok_s', 0):.0f} tok/s "
+                   f"(median of {runs}{cost}), engine start {p.get('init_s', 0):.1f} s")
+    decs = [next((s.get("decode_tok_s") for s in ph.get(n, {}).get("steps", []) if s.get("do") == "decode"), None)
+            for n in ("baseline", "store")]
+    if all(decs):
+        out.append(f"decode with the connector / without: {decs[1] / decs[0]:.3f}")
     checks = report["checks"]
     bad = [c for c in checks if not c["tokens_equal"] or c.get("cached_ok") is False]
     out.append(f"checks: {len(checks) - len(bad)} of {len(checks)} pass (tokens equal the baseline's"
