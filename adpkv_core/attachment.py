@@ -33,6 +33,7 @@ import time
 import weakref
 from typing import Any, Callable, Optional
 
+from adpkv_core import threads
 from adpkv_core.client import LOOKUPS_OFF_MESSAGE, TURNED_OFF_MESSAGE, GatewayClient, gateway_answers
 from adpkv_core.ringview import RingView
 from adpkv_core.settings import ClientConfig, parse_number
@@ -335,6 +336,7 @@ class Attachment:
                 logger.exception("%s: releasing an old gateway attachment failed", self.name)
 
     def _watch(self) -> None:
+        threads.set_up()
         while not self._stop.wait(self._watch_s):
             try:
                 self.tick()

@@ -41,6 +41,7 @@ from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from adpkv_core import threads
 from adpkv_core.wire import protocol as P
 
 logger = logging.getLogger("adpkv.direct_map")
@@ -414,6 +415,7 @@ class DirectMaps:
                         list(marks) if marks is not None else None))
 
     def _serve(self) -> None:
+        threads.set_up()
         while True:
             item = self._work.get()
             if item is None:

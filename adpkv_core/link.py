@@ -1,7 +1,7 @@
 """The control connection of a ``GatewayClient`` and the I/O thread that owns it.
 
 A ``Link`` is one ZeroMQ DEALER socket to the gateway's control port and one thread
-(``adpkv-client-<rank>``) that alone touches it: it sends what callers queued
+(``adpkv-client-<rank>``, an ``adpkv_core.threads`` thread) that alone touches it: it sends what callers queued
 (``submit``, ``call``), decodes every reply with the decoder of its request, runs the
 copy callbacks of ring batches (``request.BatchCallback``) and answers each batch,
 sends heartbeats, watches every request's deadline and the door (its hang-up means the
@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 import zmq
 
+from adpkv_core import threads
 from adpkv_core.wire import protocol as P
 from adpkv_core.wire.door import DoorSession
 from adpkv_core.memory.region_lock import take_back
@@ -162,6 +163,7 @@ class Link:
         self._last_send = time.monotonic()
 
     def _run(self) -> None:
+        threads.set_up()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)

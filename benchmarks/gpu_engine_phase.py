@@ -144,6 +144,7 @@ class Phase:
             res["decode_steps"] = steps
             res["connector_ms_per_step"] = sum(s for _, s in calls.values()) * 1e3 / steps
             res["connector_calls_per_step"] = {k: round(n / steps, 2) for k, (n, _) in calls.items()}
+            res["connector_ms_per_step_by_call"] = {k: round(t * 1e3 / steps, 4) for k, (_, t) in calls.items()}
         return res
 
     def warmup(self) -> dict:

@@ -118,6 +118,7 @@ def run(spec: dict) -> dict:
     rounds = spec.get("rounds", 1)
     kill = spec.get("kill_after")          # {"pid": gateway pid, "after": n requests}: a crash mid-serve
     served = 0
+    threads_at = None     # count_threads: the OS threads once the first prompt is served (vLLM's own made)
     for rnd in range(rounds):
         for prompt, salt in zip(spec["prompts"], salts):
             tp = TokensPrompt(prompt_token_ids=prompt)
@@ -133,6 +134,8 @@ def run(spec: dict) -> dict:
             if spec.get("record_drafts"):
                 results[-1]["drafts"], drafts[:] = list(drafts), []
             served += 1
+            if spec.get("count_threads") and served == 1:
+                threads_at = _native_threads()
             if kill and served == kill["after"]:
                 os.kill(kill["pid"], signal.SIGKILL)
         if spec.get("reset_prefix_cache_between_rounds", True):
@@ -143,7 +146,19 @@ def run(spec: dict) -> dict:
             time.sleep(spec["sleep_between_rounds"])
     if spec.get("wait_after_s"):
         time.sleep(spec["wait_after_s"])
-    return {"init_s": init_s, "results": results}
+    out = {"init_s": init_s, "results": results}
+    if threads_at is not None:
+        import threading
+        import torch
+        python = {t.native_id for t in threading.enumerate()}
+        out["threads"] = {"torch": torch.get_num_threads(),
+                          "new_native": sorted(_native_threads() - threads_at - python)}
+    return out
+
+
+def _native_threads() -> set[int]:
+    """The ids of this process's OS threads."""
+    return {int(t) for t in os.listdir("/proc/self/task")}
 
 
 def _reset_prefix_cache(llm, wait_s) -> None:
@@ -173,8 +188,9 @@ def _drain_direct_maps(timeout_s: float) -> None:
         raise RuntimeError(f"the connector's mappings were not done within {timeout_s} s")
 
 
-def run_subprocess(model_dir, prompts, conn=None, salts=None, log_path=None, timeout=300, **spec):
-    """Run one engine in a fresh process; returns (results, log text)."""
+def run_subprocess(model_dir, prompts, conn=None, salts=None, log_path=None, timeout=300, whole=False, **spec):
+    """Run one engine in a fresh process; returns (results, log text), or with ``whole`` (the
+    result dict: results, init_s, threads with ``count_threads``, log text)."""
     import subprocess
     spec = dict(model=model_dir, prompts=prompts, connector=conn, salts=salts, max_tokens=8, **spec)
     env = dict(os.environ, PYTHONHASHSEED="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -193,7 +209,8 @@ def run_subprocess(model_dir, prompts, conn=None, salts=None, log_path=None, tim
             fh.write(log)
     assert proc.returncode == 0, log[-6000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("ENGINE_RESULT "))
-    return json.loads(line[len("ENGINE_RESULT "):])["results"], log
+    res = json.loads(line[len("ENGINE_RESULT "):])
+    return (res if whole else res["results"]), log
 
 
 def settled(gw, timeout_s: float = 120.0) -> dict:

@@ -16,7 +16,8 @@ Every release runs:
 - engines (fresh processes, tiny random-weight checkpoints, engine_run.py): store, engine
   restart, restore in a fresh process with greedy tokens equal to a run without any connector
   and cached tokens = the chunk floor, a tenant's salted prompt never another's hit, a gateway
-  crash loses nothing, a gateway killed while the engine serves (test_engine);
+  crash loses nothing, a gateway killed while the engine serves, the copies on the client's
+  thread start no OpenMP team of their own (test_engine);
   ``AdpOffloadingSpec`` under the release's own ``OffloadingConnector`` stores, and restores in
   a fresh process after a gateway restart (test_offloading);
 - a hybrid model (a full and a sliding layer: two KV cache groups): restored in every group, the
@@ -96,6 +97,7 @@ from test_async_scheduling import (  # noqa: E402,F401  (asynchronous loads: by 
     test_restores_load_before_the_request_runs_and_are_exact,
 )
 from test_engine import (  # noqa: E402,F401
+    test_copies_on_the_clients_thread_start_no_openmp_team,
     test_fresh_process_restores_and_outputs_match,
     test_gateway_killed_while_serving,
 )

@@ -61,6 +61,26 @@ def test_fresh_process_restores_and_outputs_match(model_dir, baseline, start_gat
     assert [r["tokens"] for r in c] == baseline
 
 
+def test_copies_on_the_clients_thread_start_no_openmp_team(model_dir, baseline, start_gateway):
+    """The ring batches' copies run on the client's I/O thread. A parallel torch op there gives
+    that thread an OpenMP team of its own (one OS thread more per extra OpenMP thread) and, with
+    more OpenMP threads than CPUs, libgomp stops spinning between parallel regions: a vLLM-CPU
+    engine's decode ran a fifth or more slower with the connector (docs/benchmarks.md, "Decode on
+    a CPU engine"). adpkv's threads run torch on one OpenMP thread (``adpkv_core.threads``,
+    ``one_openmp_thread``): storing and restoring start no OS thread."""
+    gw = start_gateway(shared_memory_size=256 << 20)
+    short = [7] * 100       # below a chunk: served first (vLLM makes what it makes), nothing stored
+    res, _ = run_engine(model_dir, [short, P1, P2, P3], connector(gw.port, "threads"), rounds=2,
+                        reset_wait_s=30, count_threads=True, whole=True)
+    r = res["results"]
+    assert [x["tokens"] for x in r[1:4]] == baseline and [x["cached"] for x in r[1:4]] == [0, 0, 0]
+    # the second round restored through the ring (the copies on the client's thread)
+    assert [x["cached"] for x in r[5:8]] == [floor_hit(1000), floor_hit(2500), floor_hit(4000)]
+    assert [x["tokens"] for x in r[5:8]] == baseline
+    assert res["threads"]["torch"] >= 2, res["threads"]      # the engine's team: a second team could form
+    assert res["threads"]["new_native"] == [], res["threads"]
+
+
 def test_gateway_killed_while_serving(model_dir, baseline, start_gateway, tmp_path):
     gw = start_gateway(shared_memory_size=256 << 20)
     pid = gw.proc.pid

@@ -3,7 +3,7 @@
 Engines (fresh processes, tiny random-weight checkpoints, engine_run.py): a fresh process
 restores after an engine restart and after a gateway crash with greedy tokens equal to a run
 without any connector, and a tenant's salted prompt is never another's hit (test_engine); a
-gateway killed while the engine serves; a sliding-window model restores only its window
+gateway killed while the engine serves; the copies on the client's thread start no OpenMP team; a sliding-window model restores only its window
 (test_sliding); a TP=1 engine stores and a TP=2 engine restores, and back (test_tp_change);
 ``AdpOffloadingSpec`` under vLLM 0.26's own ``OffloadingConnector`` restores in a fresh process
 after a gateway restart (test_offloading).
@@ -30,6 +30,7 @@ from __future__ import annotations
 import pytest
 import test_tp_change
 from test_engine import (  # noqa: F401
+    test_copies_on_the_clients_thread_start_no_openmp_team,
     test_fresh_process_restores_and_outputs_match,
     test_gateway_killed_while_serving,
 )

@@ -21,14 +21,18 @@ object, whichever is fewer (``dma_plan``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
+import os
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
 import torch
 
+from adpkv_core import threads
 from adpkv_core.direct_map import Mapping, runs
 
 logger = logging.getLogger("adpkv.vllm")
@@ -237,6 +241,61 @@ class PagedLayer:
                 src = src.index_select(0, src_positions.to(self.device))
             self.view.index_copy_(0, dst_block_ids.to(self.device), src)
         (stream or torch.cuda.current_stream()).synchronize()
+
+
+# ---------------------------------------------------------------------------- our threads' OpenMP
+_ONE_THREAD = threading.local()
+
+
+def one_openmp_thread() -> None:
+    """Run the calling thread's torch CPU ops on one OpenMP thread from now on (once a thread;
+    every thread of ``adpkv_core.threads`` runs it first).
+
+    libgomp gives every thread that starts a parallel region a team of its own, and once the
+    process holds more OpenMP threads than CPUs it stops spinning between regions: the
+    engine's team then sleeps and is woken at every parallel op of a forward pass. One ring
+    batch copied on the client's thread was enough to slow a vLLM-CPU engine's decode steps by
+    a fifth or more (docs/benchmarks.md, "Decode on a CPU engine"). ``torch.set_num_threads``
+    is no way out: it sets the process's default (for threads torch has not yet seen) and
+    MKL's; the OpenMP runtime's own ``omp_set_num_threads`` sets the calling thread's count
+    alone, once torch's first use of this thread set it from that default."""
+    if getattr(_ONE_THREAD, "done", False):
+        return
+    _ONE_THREAD.done = True
+    setter = _omp_set_num_threads()
+    if setter is None:       # no OpenMP runtime in the process: nothing makes teams
+        return
+    torch.get_num_threads()  # torch's set-up of this thread first (it sets the thread's count)
+    setter(1)
+
+
+threads.at_start(one_openmp_thread)
+
+
+@functools.lru_cache(maxsize=1)
+def _omp_set_num_threads():
+    """``omp_set_num_threads`` of torch's OpenMP runtime (the one loaded from torch's own
+    folders, ``torch/lib`` or ``torch.libs``: other wheels bring their own, e.g. sentencepiece's),
+    or None where this process has none."""
+    try:
+        with open("/proc/self/maps") as fh:
+            mapped = {line.split(None, 5)[5].strip() for line in fh if len(line.split(None, 5)) == 6}
+    except OSError:
+        return None
+    home = os.path.dirname(os.path.abspath(torch.__file__))
+    for path in sorted(mapped):
+        name = os.path.basename(path)
+        if name.startswith(("libgomp", "libiomp5", "libomp")) and \
+                (path.startswith(home + os.sep) or path.startswith(home + ".libs" + os.sep)):
+            try:
+                fn = ctypes.CDLL(path).omp_set_num_threads
+            except (OSError, AttributeError):
+                continue
+            fn.argtypes = [ctypes.c_int]
+            fn.restype = None
+            return fn
+    logger.debug("adpkv: torch's OpenMP runtime not found in this process")
+    return None
 
 
 # ---------------------------------------------------------------------------- ring <-> GPU DMA
