@@ -25,7 +25,6 @@ import functools
 import logging
 import math
 import os
-import threading
 import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
@@ -244,12 +243,9 @@ class PagedLayer:
 
 
 # ---------------------------------------------------------------------------- our threads' OpenMP
-_ONE_THREAD = threading.local()
-
-
 def one_openmp_thread() -> None:
-    """Run the calling thread's torch CPU ops on one OpenMP thread from now on (once a thread;
-    every thread of ``adpkv_core.threads`` runs it first).
+    """Run the calling thread's torch CPU ops on one OpenMP thread from now on (every thread of
+    ``adpkv_core.threads`` runs it as it starts).
 
     libgomp gives every thread that starts a parallel region a team of its own, and once the
     process holds more OpenMP threads than CPUs it stops spinning between regions: the
@@ -259,9 +255,6 @@ def one_openmp_thread() -> None:
     is no way out: it sets the process's default (for threads torch has not yet seen) and
     MKL's; the OpenMP runtime's own ``omp_set_num_threads`` sets the calling thread's count
     alone, once torch's first use of this thread set it from that default."""
-    if getattr(_ONE_THREAD, "done", False):
-        return
-    _ONE_THREAD.done = True
     setter = _omp_set_num_threads()
     if setter is None:       # no OpenMP runtime in the process: nothing makes teams
         return
