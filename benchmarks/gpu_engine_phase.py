@@ -3,6 +3,8 @@ built from a spec file, a list of steps run in order, one ``PHASE_RESULT {json}`
 
     python benchmarks/gpu_engine_phase.py SPEC.json
 
+``run_in_process`` runs one from a driver (``gpu_vllm_engine.py``, ``vllm_cpu_decode.py``).
+
 The spec (written by the driver; prompts are (length, seed) pairs, made here, so no argv holds
 128k token ids):
 
@@ -30,11 +32,14 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
+from typing import Optional
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+RESULT = "PHASE_RESULT "
 VOCAB_LOW = 3          # token ids of the synthetic prompts: [VOCAB_LOW, the spec's "vocab")
 
 
@@ -250,11 +255,29 @@ def _running(pid: int) -> bool:
         return False
 
 
+def run_in_process(spec: dict, spec_path: str, log_path: str, timeout_s: Optional[float] = None,
+                   env: Optional[dict] = None) -> tuple[int, str, Optional[dict]]:
+    """One phase in a fresh process of this file: ``spec`` written to ``spec_path``, the process's
+    output to ``log_path``. Returns (its return code, its output, what it printed as its
+    ``PHASE_RESULT``, or None when it failed or printed none)."""
+    with open(spec_path, "w") as fh:
+        json.dump(spec, fh)
+    penv = dict(os.environ, PYTHONHASHSEED="0", VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
+    with open(log_path, "w") as fh:
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), spec_path], stdout=fh,
+                           stderr=subprocess.STDOUT, env=penv, timeout=timeout_s)
+    with open(log_path) as fh:
+        text = fh.read()
+    line = next((l for l in text.splitlines() if l.startswith(RESULT)), None)
+    result = json.loads(line[len(RESULT):]) if p.returncode == 0 and line is not None else None
+    return p.returncode, text, result
+
+
 def main() -> None:
     with open(sys.argv[1]) as fh:
         spec = json.load(fh)
     info = Phase(spec).run()
-    print("PHASE_RESULT " + json.dumps(info), flush=True)
+    print(RESULT + json.dumps(info), flush=True)
     sys.stdout.flush()
     os._exit(0)          # no engine teardown: the next phase starts at once (the driver waits for exit)
 

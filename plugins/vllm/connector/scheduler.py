@@ -432,9 +432,10 @@ class AdpConnectorScheduler:
         after = before + n_sched - n_spec
         if self._draft_groups:
             self._plan_draft_save(meta, req_id, request, st, before, after)
-        if after // cfg.chunk_size <= st.saved_chunks:
+        reached = after // cfg.chunk_size
+        if reached <= st.saved_chunks:
             return          # no chunk fills this step (most decode steps)
-        full = min([after // cfg.chunk_size, len(request.block_hashes) // cfg.hashes_per_chunk]
+        full = min([reached, len(request.block_hashes) // cfg.hashes_per_chunk]
                    + [len(st.blocks(g)) // bpc for g in cfg.groups if not g.recurrent])
         if full <= st.saved_chunks:
             return
