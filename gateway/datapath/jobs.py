@@ -70,7 +70,7 @@ class Batch:
     ``transfers`` for its stages)."""
 
     __slots__ = ("id", "job", "first", "count", "offset", "nbytes", "stage", "pending",
-                 "flags", "waiting", "filled", "direct")
+                 "flags", "waiting", "filled", "direct", "writes")
 
     def __init__(self, batch_id: int, job: "DataJob", first: int, count: int, offset: int, nbytes: int):
         self.id = batch_id
@@ -85,6 +85,7 @@ class Batch:
         self.waiting: set[bytes] = set()       # ranks that still have to RELEASE / FILL
         self.filled = True                     # PUT: every rank filled its part
         self.direct: set[int] = set()          # GET into a region: objects read straight into it
+        self.writes: list[bytes] = []          # PUT in its WRITE stage: the keys it writes
 
     def object_offset(self, j: int) -> int:
         return self.offset + j * self.job.stride

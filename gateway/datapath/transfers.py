@@ -59,6 +59,7 @@ from adpkv_gateway.datapath.replies import Replies
 from adpkv_gateway.datapath.ring_alloc import EngineRing
 from adpkv_gateway.datapath.scatter import ScatterSource, to_scatter
 from adpkv_gateway.store.card_io import NoProcessRead, Outcome, PutSource, ReadInto
+from adpkv_gateway.datapath.writing import Writing
 from adpkv_gateway.store.object_store import ObjectStore, PutItem, ReadPlan
 
 logger = logging.getLogger("adpkv.gateway")
@@ -76,6 +77,8 @@ class Transfers:
 
     ``pool`` runs the card I/O, ``lookups`` a GET's lookup stage (``ObjectStore.plan_reads``:
     a restore waits for it, so it never queues behind the writes of earlier stores);
+    ``writing`` holds the keys of the batches in their WRITE stage (``writing.Writing``): a
+    lookup of one of them, a GET's or an EXIST's, waits for its writes;
     ``run(executor, work, then, fail)`` runs ``work()`` on an executor and calls ``then(result)``
     (or ``fail(exc)``) back on the loop; ``replies`` sends BATCH and DONE to the ranks still
     attached (``replies.Replies``); ``unpin(identity, keys)`` drops a rank's pins on keys (a
@@ -95,6 +98,7 @@ class Transfers:
         self.store = store
         self.pool = pool
         self.lookups = lookups
+        self.writing = Writing()
         self.procs = procs
         self.io_threads = io_threads
         self._run = run
@@ -213,9 +217,9 @@ class Transfers:
         if stage is Stage.LOOKUP:
             batch.pending += 1
             into_region = isinstance(job.target, RegionTarget)     # a scattered GET goes through the ring
-            self._run(self.lookups, lambda: self.store.plan_reads(keys, marks, job.object_bytes, into_region),
-                      lambda plan: self._looked_up(batch, plan),
-                      lambda exc: self._looked_up(batch, ReadPlan([], [])))
+            self.writing.after(keys, lambda: self._run(
+                self.lookups, lambda: self.store.plan_reads(keys, marks, job.object_bytes, into_region),
+                lambda plan: self._looked_up(batch, plan), lambda exc: self._looked_up(batch, ReadPlan([], []))))
         elif stage is Stage.WRITE:
             items = []
             for j in range(batch.count):
@@ -223,6 +227,8 @@ class Transfers:
                     i = batch.first + j
                     items.append(PutItem(j, job.keys[i], job.mark(i), self._put_source(batch, j)))
             batch.flags[:] = bytes(batch.count)
+            batch.writes = [item.key for item in items]
+            self.writing.begin(batch.writes)
             self._submit(batch, lambda group: self.store.put(group, job.object_bytes), items)
         elif stage in (Stage.TO_RANKS, Stage.FILL):
             batch.waiting = self._replies.batch(batch)          # BATCH to the ranks still attached
@@ -255,7 +261,10 @@ class Transfers:
                 self._enter(batch, Stage.WRITE)
             else:
                 self._retire(batch)
-        elif stage in (Stage.TO_RANKS, Stage.TO_REGION, Stage.WRITE):
+        elif stage is Stage.WRITE:
+            self.writing.end(batch.writes)
+            self._retire(batch)
+        elif stage in (Stage.TO_RANKS, Stage.TO_REGION):
             self._retire(batch)
 
     def _looked_up(self, batch: Batch, plan: ReadPlan) -> None:
