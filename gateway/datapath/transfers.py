@@ -228,7 +228,7 @@ class Transfers:
                     items.append(PutItem(j, job.keys[i], job.mark(i), self._put_source(batch, j)))
             batch.flags[:] = bytes(batch.count)
             batch.writes = [item.key for item in items]
-            self.writing.begin(batch.writes)
+            self.writing.begin(batch.id, batch.writes)
             self._submit(batch, lambda group: self.store.put(group, job.object_bytes), items)
         elif stage in (Stage.TO_RANKS, Stage.FILL):
             batch.waiting = self._replies.batch(batch)          # BATCH to the ranks still attached
@@ -262,7 +262,7 @@ class Transfers:
             else:
                 self._retire(batch)
         elif stage is Stage.WRITE:
-            self.writing.end(batch.writes)
+            self.writing.end(batch.id, batch.writes)
             self._retire(batch)
         elif stage in (Stage.TO_RANKS, Stage.TO_REGION):
             self._retire(batch)

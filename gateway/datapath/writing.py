@@ -9,9 +9,10 @@ stored; a lookup of keys nobody is writing runs at once, never behind other prom
 (on an H200 a prompt's lookup queued behind earlier prompts' writes waited 0.3-0.9 s; one
 answered before its own writes landed found half of a 32k prompt).
 
-Contract: ``begin(keys)`` when a batch's writes start and ``end(keys)`` (the same keys) when
-they are all done, ok or not; ``after(keys, then)`` calls ``then()`` once no key of ``keys``
-is being written (at once when none is). All on the gateway loop's thread.
+Contract: ``begin(batch, keys)`` when a batch's writes start and ``end(batch, keys)`` (the
+same batch id and keys) when they are all done, ok or not; ``after(keys, then)`` calls
+``then()`` once every batch writing one of ``keys`` at the time of the call has ended (at once
+when none is): later writes of the same keys never hold it. All on the gateway loop's thread.
 """
 
 from __future__ import annotations
@@ -20,46 +21,46 @@ from typing import Callable, Iterable, Sequence
 
 
 class _Waiter:
-    """One lookup waiting: the keys still being written, and what to run after them."""
+    """One lookup waiting: the batches it still waits for, and what to run after them."""
 
-    __slots__ = ("keys", "then")
+    __slots__ = ("batches", "then")
 
-    def __init__(self, keys: set[bytes], then: Callable[[], None]):
-        self.keys = keys
+    def __init__(self, batches: set[int], then: Callable[[], None]):
+        self.batches = batches
         self.then = then
 
 
 class Writing:
-    """The keys being written now (how many batches write each), and the lookups waiting."""
+    """The batches writing each key now, and the lookups waiting for them."""
 
     def __init__(self) -> None:
-        self._batches: dict[bytes, int] = {}             # key -> batches writing it now
-        self._waiting: dict[bytes, list[_Waiter]] = {}   # key -> lookups waiting for its writes
+        self._writers: dict[bytes, set[int]] = {}       # key -> ids of the batches writing it now
+        self._waiting: dict[int, list[_Waiter]] = {}    # batch id -> lookups waiting for it
 
-    def begin(self, keys: Iterable[bytes]) -> None:
+    def begin(self, batch: int, keys: Iterable[bytes]) -> None:
         for k in keys:
-            self._batches[k] = self._batches.get(k, 0) + 1
+            self._writers.setdefault(k, set()).add(batch)
 
-    def end(self, keys: Iterable[bytes]) -> None:
-        ready = []
+    def end(self, batch: int, keys: Iterable[bytes]) -> None:
         for k in keys:
-            n = self._batches[k] - 1
-            if n:
-                self._batches[k] = n
-                continue
-            del self._batches[k]
-            for waiter in self._waiting.pop(k, ()):
-                waiter.keys.discard(k)
-                if not waiter.keys:
-                    ready.append(waiter)
-        for waiter in ready:
-            waiter.then()
+            writers = self._writers[k]
+            writers.discard(batch)
+            if not writers:
+                del self._writers[k]
+        for waiter in self._waiting.pop(batch, ()):
+            waiter.batches.discard(batch)
+            if not waiter.batches:
+                waiter.then()
 
     def after(self, keys: Sequence[bytes], then: Callable[[], None]) -> None:
-        busy = {k for k in keys if k in self._batches}
-        if not busy:
+        batches: set[int] = set()
+        for k in keys:
+            writers = self._writers.get(k)
+            if writers:
+                batches |= writers
+        if not batches:
             then()
             return
-        waiter = _Waiter(busy, then)
-        for k in busy:
-            self._waiting.setdefault(k, []).append(waiter)
+        waiter = _Waiter(batches, then)
+        for b in batches:
+            self._waiting.setdefault(b, []).append(waiter)
