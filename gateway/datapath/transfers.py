@@ -58,8 +58,8 @@ from adpkv_gateway.datapath.region_io import RegionSource, RingSource, direct_re
 from adpkv_gateway.datapath.replies import Replies
 from adpkv_gateway.datapath.ring_alloc import EngineRing
 from adpkv_gateway.datapath.scatter import ScatterSource, to_scatter
-from adpkv_gateway.store.card_io import NoProcessRead, Outcome, PutSource, ReadInto
 from adpkv_gateway.datapath.writing import Writing
+from adpkv_gateway.store.card_io import NoProcessRead, Outcome, PutSource, ReadInto
 from adpkv_gateway.store.object_store import ObjectStore, PutItem, ReadPlan
 
 logger = logging.getLogger("adpkv.gateway")
