@@ -325,6 +325,16 @@ def test_io_process_killed_mid_read_gives_misses_then_fresh_readers(start_gatewa
     assert all(hits) and exact is True
 
 
+def drain_into(c: GatewayClient, got: dict[int, bytes], obj: int):
+    """A GET's batch callback: each hit object's bytes out of ``c``'s ring into ``got``, by index."""
+    def drain(b):
+        for i in range(b.count):
+            if b.hits[i]:
+                at = b.offset + i * b.stride
+                got[b.first + i] = bytes(c.ring[at:at + obj])
+    return drain
+
+
 def test_a_lookup_is_answered_while_stores_wait_for_slow_writes(start_gateway):
     """The scheduler's lookup (EXIST) of a returning prompt does not queue behind the card
     writes of the prompts stored before it: on an H200 a prompt served right after others
@@ -362,14 +372,8 @@ def test_a_lookup_is_answered_while_stores_wait_for_slow_writes(start_gateway):
         assert answered < 1.0, f"the lookup waited {answered:.2f} s behind the writes"
         # a restore of the stored prompt: its lookup stage neither (its reads in the I/O processes)
         got: dict[int, bytes] = {}
-
-        def drain(b):
-            for i in range(b.count):
-                if b.hits[i]:
-                    at = b.offset + i * b.stride
-                    got[b.first + i] = bytes(c.ring[at:at + obj])
         asked = time.monotonic()
-        assert c.get(stored, obj, drain).result(30).hits == [True] * 4
+        assert c.get(stored, obj, drain_into(c, got, obj)).result(30).hits == [True] * 4
         restored = time.monotonic() - asked
         assert got == {i: pattern(k, 0, obj) for i, k in enumerate(stored)}
         assert restored < 1.5, f"the restore waited {restored:.2f} s behind the writes"
@@ -423,16 +427,10 @@ def test_a_prompt_back_before_its_writes_landed_finds_every_object(start_gateway
 
     more = make_keys(16, namespace="ow", salt=b"again")
     got: dict[int, bytes] = {}
-
-    def drain(b):
-        for i in range(b.count):
-            if b.hits[i]:
-                at = b.offset + i * b.stride
-                got[b.first + i] = bytes(c.ring[at:at + obj])
     stall = Stall(gw.proc.pid, 0.25, "pwrite64,pwritev,pwritev2")
     try:
         put = store(more, stall)
-        hits = c.get(more, obj, drain).result(30).hits
+        hits = c.get(more, obj, drain_into(c, got, obj)).result(30).hits
         assert hits == [True] * 16, f"the restore found {sum(hits)} of 16 objects while they were written"
         assert got == {i: pattern(k, 0, obj) for i, k in enumerate(more)}
         assert put.result(30).stored == [True] * 16
