@@ -10,7 +10,7 @@ stored; a lookup of keys nobody is writing runs at once, never behind other prom
 answered before its own writes landed found half of a 32k prompt).
 
 Contract: ``begin(batch, keys)`` when a batch's writes start and ``end(batch, keys)`` (the
-same batch id and keys) when they are all done, ok or not; ``after(keys, then)`` calls
+same batch id and keys, a key possibly named more than once) when they are all done, ok or not; ``after(keys, then)`` calls
 ``then()`` once every batch writing one of ``keys`` at the time of the call has ended (at once
 when none is): later writes of the same keys never hold it. All on the gateway loop's thread.
 """
@@ -43,7 +43,9 @@ class Writing:
 
     def end(self, batch: int, keys: Iterable[bytes]) -> None:
         for k in keys:
-            writers = self._writers[k]
+            writers = self._writers.get(k)
+            if writers is None:
+                continue                      # a key named twice in the batch: done already
             writers.discard(batch)
             if not writers:
                 del self._writers[k]

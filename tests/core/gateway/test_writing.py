@@ -36,3 +36,15 @@ def test_later_writes_of_the_same_key_never_hold_a_waiting_lookup():
     assert ran == [1, 2]
     w.after([b"k"], lambda: ran.append(3))                    # nothing in flight any more
     assert ran == [1, 2, 3]
+
+
+def test_a_batch_naming_a_key_twice_ends_cleanly():
+    """A PUT may name one key twice (the control-port fuzzer found the gateway's loop stopped
+    by it: the second ``end`` of the key raised)."""
+    w, ran = Writing(), []
+    w.begin(1, [b"k", b"j", b"k"])
+    w.after([b"k"], lambda: ran.append(1))
+    w.end(1, [b"k", b"j", b"k"])
+    assert ran == [1]
+    w.after([b"k", b"j"], lambda: ran.append(2))
+    assert ran == [1, 2]
