@@ -10,9 +10,10 @@ stored; a lookup of keys nobody is writing runs at once, never behind other prom
 answered before its own writes landed found half of a 32k prompt).
 
 Contract: ``begin(batch, keys)`` when a batch's writes start and ``end(batch, keys)`` (the
-same batch id and keys, a key possibly named more than once) when they are all done, ok or not; ``after(keys, then)`` calls
-``then()`` once every batch writing one of ``keys`` at the time of the call has ended (at once
-when none is): later writes of the same keys never hold it. All on the gateway loop's thread.
+same batch id and keys, a key possibly named more than once) when they are all done, ok or
+not; ``after(keys, then)`` calls ``then()`` once every batch writing one of ``keys`` at the
+time of the call has ended (at once when none is): later writes of the same keys never hold
+it. All on the gateway loop's thread.
 """
 
 from __future__ import annotations

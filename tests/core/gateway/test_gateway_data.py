@@ -325,6 +325,15 @@ def test_io_process_killed_mid_read_gives_misses_then_fresh_readers(start_gatewa
     assert all(hits) and exact is True
 
 
+def fill_from(c: GatewayClient, keys: list[bytes], obj: int):
+    """A PUT's batch callback: each object's pattern (by its key) into ``c``'s ring."""
+    def fill(b):
+        for i in range(b.count):
+            at = b.offset + i * b.stride
+            c.ring[at:at + obj] = pattern(keys[b.first + i], 0, obj)
+    return fill
+
+
 def drain_into(c: GatewayClient, got: dict[int, bytes], obj: int):
     """A GET's batch callback: each hit object's bytes out of ``c``'s ring into ``got``, by index."""
     def drain(b):
@@ -351,19 +360,12 @@ def test_a_lookup_is_answered_while_stores_wait_for_slow_writes(start_gateway):
     c = GatewayClient(ClientConfig(port=gw.port, timeout_s=60.0, busy_wait_s=0), "lookup-queue", 0, 1)
     assert c.enabled, c.attach_error
 
-    def fill(keys):
-        def copy(b):
-            for i in range(b.count):
-                at = b.offset + i * b.stride
-                c.ring[at:at + obj] = pattern(keys[b.first + i], 0, obj)
-        return copy
-
     stored = make_keys(4, namespace="lq", salt=b"stored")
-    assert c.put(stored, obj, fill(stored)).result(30).stored == [True] * 4
+    assert c.put(stored, obj, fill_from(c, stored, obj)).result(30).stored == [True] * 4
     stall = Stall(gw.proc.pid, 0.25, "pwrite64,pwritev,pwritev2")
     try:
         batches = [make_keys(8, namespace="lq", salt=b"new%d" % i) for i in range(6)]
-        puts = [c.put(keys, obj, fill(keys)) for keys in batches]
+        puts = [c.put(keys, obj, fill_from(c, keys, obj)) for keys in batches]
         assert stall.until("pwrite", 20), "no card write started"
         asked = time.monotonic()
         hits = c.exist(stored + make_keys(1, namespace="lq", salt=b"never")).result(30)
@@ -402,11 +404,7 @@ def test_a_prompt_back_before_its_writes_landed_finds_every_object(start_gateway
     def store(keys, stall):
         """A PUT of ``keys``, returned once a card write of it runs (the strace attached first
         sees no earlier write)."""
-        def fill(b):
-            for i in range(b.count):
-                at = b.offset + i * b.stride
-                c.ring[at:at + obj] = pattern(keys[b.first + i], 0, obj)
-        put = c.put(keys, obj, fill)
+        put = c.put(keys, obj, fill_from(c, keys, obj))
         assert stall.until("pwrite", 20), "no card write started"
         assert not put.done()
         return put
