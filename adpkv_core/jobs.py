@@ -104,6 +104,8 @@ class JobBook(Generic[M]):
     - ``wait(job_ids=None, timeout=None) -> bool``: block until those jobs (None: every job
       running now) have finished, or until ``timeout`` seconds passed (False then). It hands
       nothing out; an id the book does not hold counts as finished.
+    - ``wait_any(timeout) -> bool``: block until some finished job waits to be handed out or
+      none runs, or until ``timeout`` seconds passed (False then). It hands nothing out.
     - ``close()``: what was not handed out is dropped; a job that finishes later still runs
       ``on_finish`` (the adapter's bookkeeping) but is not kept, and ``notify`` no longer runs.
 
@@ -156,6 +158,10 @@ class JobBook(Generic[M]):
         with self._cond:
             ids = set(self._running) if job_ids is None else set(job_ids)
             return self._cond.wait_for(lambda: ids.isdisjoint(self._running), timeout)
+
+    def wait_any(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._finished) or not self._running, timeout)
 
     def running(self) -> int:
         """Jobs submitted and not finished."""

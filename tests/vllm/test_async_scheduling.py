@@ -11,7 +11,10 @@ restore checked byte for byte, a lost object recomputed.
 from __future__ import annotations
 
 import os
+import time
 import uuid
+
+from adpkv_vllm.connector import worker as worker_module
 
 from engine_run import engine_prompts, run_subprocess
 from harness import Harness
@@ -34,6 +37,34 @@ def test_restores_load_before_the_request_runs_and_are_exact(gateway, model_dir)
         assert not any(h.load_errors)
         h.check_kv(req, len(toks))
         h.run()
+    finally:
+        h.close()
+
+
+def test_an_idle_step_waits_for_the_load_and_a_computing_step_does_not(gateway, model_dir, monkeypatch):
+    """A step that schedules no token (the request waits for its asynchronous load) says so in
+    its metadata, and the worker's end of it waits, off the GIL, up to ``IDLE_WAIT_S`` for the
+    load to end (an engine stepping in the caller's process otherwise starves the threads that
+    copy the load): with the wait made long, the load's first step already reports it ended.
+    A step that computes never waits."""
+    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 30.0)
+    toks = tokens(6 * CHUNK + 20, 43)
+    ns = f"as-{uuid.uuid4().hex[:6]}"
+    store(model_dir, gateway.port, toks, ns, async_scheduling=True)
+    h = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK, async_scheduling=True)
+    try:
+        req = h.add(toks)
+        t0 = time.monotonic()
+        so, meta = h.step()
+        assert meta.loads and meta.idle and so.total_num_scheduled_tokens == 0
+        assert req.request_id in h.finished_recving, "the idle step returned before its load ended"
+        assert time.monotonic() - t0 < 20, "the idle step waited past the load's end"
+        so, meta = h.step()
+        assert req.request_id in so.num_scheduled_tokens and not meta.idle
+        h.check_kv(req, 6 * CHUNK)
+        t0 = time.monotonic()
+        h.run()
+        assert time.monotonic() - t0 < 20, "a computing step waited"
     finally:
         h.close()
 

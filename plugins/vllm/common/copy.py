@@ -236,9 +236,10 @@ class PagedLayer:
             dev = torch.empty(parts.shape, dtype=torch.uint8, device=self.device)
             copy_parts(dev, parts)
             src = dev.view(self.dtype).view(count * nblocks, *self.page_shape)
+            # the ids from pageable memory: staged at the call, no wait (the one wait: below)
             if src_positions is not None:
-                src = src.index_select(0, src_positions.to(self.device))
-            self.view.index_copy_(0, dst_block_ids.to(self.device), src)
+                src = src.index_select(0, src_positions.to(self.device, non_blocking=True))
+            self.view.index_copy_(0, dst_block_ids.to(self.device, non_blocking=True), src)
         (stream or torch.cuda.current_stream()).synchronize()
 
 

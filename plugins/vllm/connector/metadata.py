@@ -70,6 +70,9 @@ class AdpConnectorMetadata(KVConnectorMetadata):
     # every load of the step settled in start_load_kv, before the pass: vLLM may replay the
     # step as a FULL CUDA graph, which calls no layer hook (``ConnectorConfig.full_graphs``)
     loads_before_pass: bool = False
+    # the step computes no token (every request waits, e.g. for its asynchronous load): the
+    # worker's ``get_finished`` may wait a moment for a load to end (``worker.IDLE_WAIT_S``)
+    idle: bool = False
 
 
 # =============================================================================== configuration

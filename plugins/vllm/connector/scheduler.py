@@ -293,7 +293,7 @@ class AdpConnectorScheduler:
     # ------------------------------------------------------------------ step plans
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> AdpConnectorMetadata:
         self._step += 1
-        meta = AdpConnectorMetadata(step=self._step)
+        meta = AdpConnectorMetadata(step=self._step, idle=not scheduler_output.total_num_scheduled_tokens)
         meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         for req_id in meta.preempted:
             self.choice.forget(req_id)

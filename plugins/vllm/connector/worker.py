@@ -65,6 +65,9 @@ logger = logging.getLogger("adpkv.vllm")
 # (adpkv.direct_map_bytes) in its pauses, not under its passes
 ENGINE_QUIET_S = 0.1
 
+# the longest an idle step (no token scheduled) waits in get_finished for an asynchronous load to end
+IDLE_WAIT_S = 0.002
+
 
 class AdpConnectorWorker:
     """The worker-side half of ``AdpKVConnector`` (one per rank)."""
@@ -106,6 +109,7 @@ class AdpConnectorWorker:
         self.direct: Optional[DirectMaps] = None       # adpkv.direct_map_bytes: mapped objects (see the module)
         self.direct_layers = 0                         # layer loads served from mappings
         self._in_pass = False                          # between start_load_kv and wait_for_save
+        self._idle = False                             # this step computes no token (meta.idle)
         self._last_pass = 0.0                          # when the last pass was queued (_computing)
         self._pass_done: Optional[torch.cuda.Event] = None   # on CUDA: the end of the last pass queued
 
@@ -292,6 +296,7 @@ class AdpConnectorWorker:
     # ------------------------------------------------------------------ loads
     def start_load_kv(self, meta: Any) -> None:
         self._in_pass = True                     # vLLM calls it at the start of every pass
+        self._idle = isinstance(meta, AdpConnectorMetadata) and meta.idle
         if isinstance(meta, AdpConnectorMetadata) and meta.failed_loads:   # hits with no load planned
             if self.cfg.loads_async:   # no GET: failed
                 self._async_loads.submit([], AsyncLoad({r: {} for r in meta.failed_loads}, dict(meta.failed_loads), []),
@@ -581,8 +586,19 @@ class AdpConnectorWorker:
         """(finished sending, finished receiving, failed receiving): ``get_finished`` plus the
         asynchronous loads that ended (a failed one is in both of the last two sets)."""
         sending = self._finished_saves(finished_req_ids)
+        self._idle_wait()
         recving, failed, _ = self._ended_async_loads()
         return sending, recving, failed
+
+    def _idle_wait(self) -> None:
+        """An idle step (no token scheduled: its requests wait, e.g. for their asynchronous
+        loads) waits up to ``IDLE_WAIT_S`` for a load to end, off the GIL. Otherwise an engine
+        stepping in this process (``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) loops
+        through idle steps holding the GIL, and the client's threads that copy the load into
+        the KV blocks wait for it at every call that releases it (vLLM's engine-core process
+        sleeps 1 ms after such a step for the same reason)."""
+        if self._idle and self._async_loads.running():
+            self._async_loads.wait_any(IDLE_WAIT_S)
 
     def _ended_async_loads(self) -> tuple[set[str], set[str], set[int]]:
         """(requests whose asynchronous load ended, those of them that failed, the blocks of
@@ -609,6 +625,7 @@ class AdpConnectorWorker:
         done = self._finished_saves(finished_req_ids)
         if self._loads_by_request:
             return (done or None), None
+        self._idle_wait()
         recving, _, failed_blocks = self._ended_async_loads()
         self._load_errors.update(failed_blocks)
         return (done or None), (recving or None)

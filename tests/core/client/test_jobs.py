@@ -101,6 +101,25 @@ def test_wait_returns_at_its_deadline_and_once_the_jobs_finished():
     assert {j.id: j.ok for j in book.pop_finished()} == {q: True, s: False}, "waiting hands nothing out"
 
 
+def test_wait_any_wakes_at_the_first_job_that_ends_and_at_its_deadline_otherwise():
+    book: JobBook[None] = JobBook()
+    assert book.wait_any(10) is True, "nothing runs: no waiting"
+    first, second = Future(), Future()
+    a = book.submit([first], None)
+    book.submit([second], None)
+    t0 = time.monotonic()
+    assert book.wait_any(0.2) is False
+    assert time.monotonic() - t0 >= 0.19, "wait_any returned before its deadline"
+    finisher = threading.Timer(0.05, first.set_result, args=(LoadResult([True]),))
+    finisher.start()
+    assert book.wait_any(10) is True, "the first job's end wakes it, the second still running"
+    finisher.join(10)
+    assert book.running() == 1
+    assert book.wait_any(0) is True, "a finished job not handed out yet: no waiting"
+    assert [j.id for j in book.pop_finished()] == [a], "waiting hands nothing out"
+    assert book.wait_any(0.05) is False, "the second job runs and nothing waits to be handed out"
+
+
 def test_wait_without_deadline_wakes_when_another_thread_completes_the_job():
     book: JobBook[None] = JobBook()
     fut: Future = Future()
