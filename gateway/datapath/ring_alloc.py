@@ -1,10 +1,16 @@
-"""Allocation of ring extents to batches (first fit over a sorted free list)."""
+"""Allocation of ring extents to batches (first fit over a sorted free list), and each engine's ring
+with what its stores may hold of it."""
 
 from __future__ import annotations
 
 import bisect
 
 from adpkv_core.memory.ring import RING_ALIGN
+
+# the part of an engine's ring its stores' batches may hold at once (a batch is at most half the
+# ring, so one always fits): the rest is kept for restores, which a returning prompt waits for
+# while a store can wait for the ring without anyone waiting for it
+STORE_SHARE = 0.75
 
 
 class RingAllocator:
@@ -62,9 +68,10 @@ class EngineRing:
     gateway unmaps it when the last one retires (``Transfers``). The memfd itself goes with
     the last mapping of it (a client's, or an I/O process's that has not seen a later ring).
     ``number``: this ring's place in the gateway's sequence of rings (I/O processes map
-    rings by it)."""
+    rings by it). ``store_bytes``: what the PUT batches hold of it; they may hold at most
+    ``STORE_SHARE`` of it (``store_room``), the rest is kept for restores (``Transfers``)."""
 
-    __slots__ = ("ring", "alloc", "number", "retired", "batches")
+    __slots__ = ("ring", "alloc", "number", "retired", "batches", "store_bytes")
 
     def __init__(self, ring, number: int):
         self.ring = ring
@@ -72,3 +79,8 @@ class EngineRing:
         self.number = number
         self.retired = False
         self.batches = 0
+        self.store_bytes = 0
+
+    def store_room(self) -> int:
+        """Bytes a further PUT batch may take: the largest free extent, within the stores' share."""
+        return min(self.alloc.largest_free(), int(self.alloc.size * STORE_SHARE) - self.store_bytes)

@@ -161,22 +161,32 @@ class Transfers:
 
     # ------------------------------------------------------------------ ring extents
     def _pump(self) -> None:
-        """Give ring extents to jobs that want them, oldest first. A job whose engine detached
-        gets none any more: it ends with what its batches so far found or stored."""
+        """Give ring extents to jobs that want them, oldest first on each ring, restores before
+        stores: a GET that finds no room holds back every later job of its ring (what is freed
+        next is its own); a PUT, which may take only ``EngineRing.store_room`` (the stores'
+        share of the ring), holds back only the later PUTs of its ring. So a store never keeps
+        a returning prompt waiting for the ring while its card writes run. A job whose engine
+        detached gets no extent any more: it ends with what its batches so far found or stored."""
+        held: set[int] = set()            # rings whose later jobs wait (a GET found no room)
+        stores_held: set[int] = set()     # rings whose later PUTs wait (a PUT found no room)
         for job in list(self.jobs.values()):
             ring = job.ring
             if ring.retired:
                 job.next = job.n
-            while job.wants_more():
-                count = min(job.n - job.next, self.max_batch_bytes // job.stride,
-                            ring.alloc.largest_free() // job.stride)
-                if count <= 0:
-                    return  # the ring is busy: wait for a release, keep the order
+            get = job.op is P.Op.GET
+            while job.wants_more() and ring.number not in held and (get or ring.number not in stores_held):
+                room = ring.alloc.largest_free() if get else ring.store_room()
+                count = min(job.n - job.next, self.max_batch_bytes // job.stride, room // job.stride)
+                if count <= 0:   # the ring is busy: wait for a release, keep the order
+                    (held if get else stores_held).add(ring.number)
+                    break
                 nbytes = count * job.stride
                 offset = ring.alloc.alloc(nbytes)
                 assert offset is not None               # count fits the largest free extent
                 batch = Batch(next(self._ids), job, job.next, count, offset, nbytes)
                 ring.batches += 1
+                if not get:
+                    ring.store_bytes += nbytes
                 job.next += count
                 job.batches[batch.id] = batch
                 self.batches[batch.id] = batch
@@ -308,6 +318,8 @@ class Transfers:
             self.store.count_writes(job.namespace, sum(batch.flags), batch.count, job.object_bytes)
         job.ring.alloc.free(batch.offset, batch.nbytes)
         job.ring.batches -= 1
+        if job.op is P.Op.PUT:
+            job.ring.store_bytes -= batch.nbytes
         del job.batches[batch.id]
         del self.batches[batch.id]
         self._drop_if_idle(job.ring)
