@@ -14,6 +14,7 @@ The spec (written by the driver; prompts are (length, seed) pairs, made here, so
      "steps": [{"do": "serve", "prompts": ["p8k", ...], "label": "restore"},
                {"do": "reset"},                       # vLLM's own prefix cache dropped
                {"do": "maps"},                        # the connector's background mappings settled
+               {"do": "settle"},                      # the gateway's writes all landed
                {"do": "decode", "batch": 32, "prompt_tokens": 512, "tokens": 128, "repeats": 5},
                {"do": "warmup"}, {"do": "kill_gateway"}, {"do": "start_gateway"},
                {"do": "serve_until_cached", "prompts": [...], "label": ..., "deadline_s": 60},
@@ -118,6 +119,20 @@ class Phase:
         t = time.perf_counter()
         ok = direct.drain(deadline_s)
         return {"maps_drained": ok, "maps_wait_s": time.perf_counter() - t}
+
+    def settle(self, deadline_s: float = 120.0) -> dict:
+        """Wait until the gateway has written everything handed to it (STATS: no request in
+        flight, its ring free): what follows measures restores, not the race with the writes."""
+        from adpkv_gateway.ops.control import request
+        t = time.perf_counter()
+        while True:
+            reply = request(self.gateway["port"], {"op": "STATS"}, timeout_s=5.0)
+            stats = reply["stats"] if reply else {}
+            if stats and stats["requests_in_flight"] == 0 and stats["ring_in_use"] == 0:
+                return {"settled": True, "settle_s": time.perf_counter() - t}
+            if time.perf_counter() - t > deadline_s:
+                return {"settled": False, "settle_s": time.perf_counter() - t}
+            time.sleep(0.1)
 
     def decode(self, batch: int, prompt_tokens: int, tokens: int, repeats: int = 1) -> dict:
         """Decode tokens/s of ``batch`` requests: their prompts served once (one token, into
@@ -227,6 +242,8 @@ class Phase:
                     res = {}
                 elif do == "maps":
                     res = self.maps()
+                elif do == "settle":
+                    res = self.settle(step.get("deadline_s", 120.0))
                 elif do == "decode":
                     res = self.decode(step["batch"], step["prompt_tokens"], step["tokens"], step.get("repeats", 1))
                 elif do == "kill_gateway":

@@ -369,7 +369,7 @@ class Bench:
         gw = self.gateway("cross-card")      # its own card, removed after (the host's disk is 64 GiB)
         names = list(self.cross_prompts)
         res = self.phase("crossover", [{"do": "serve", "prompts": names, "label": "store"},
-                                       {"do": "reset"},
+                                       {"do": "settle"}, {"do": "reset"},
                                        {"do": "serve", "prompts": names, "label": "warm"},
                                        {"do": "reset"}, {"do": "drop_cache"},
                                        {"do": "serve", "prompts": names, "label": "cold"}],
@@ -423,7 +423,8 @@ class Bench:
                 "kv_connector_extra_config": {"spec_name": "AdpOffloadingSpec", "spec_module_path": "adpkv_vllm",
                                               "block_size": self.args.chunk, "adpkv.port": gw.port}}
         names = list(self.prompts)
-        res = self.phase("offloading", [{"do": "serve", "prompts": names, "label": "store"}, {"do": "reset"},
+        res = self.phase("offloading", [{"do": "serve", "prompts": names, "label": "store"},
+                                        {"do": "settle"}, {"do": "reset"},
                                         {"do": "serve", "prompts": names, "label": "return1"}], ktc=conf, gw=gw)
         rs = res.get("results", [])
         self.check_tokens("offloading", [r for r in rs if r["label"] == "store"], False)

@@ -78,7 +78,7 @@ class Transfers:
     ``pool`` runs the card I/O, ``lookups`` a GET's lookup stage (``ObjectStore.plan_reads``:
     a restore waits for it, so it never queues behind the writes of earlier stores);
     ``writing`` holds the keys of the batches in their WRITE stage (``writing.Writing``): a
-    lookup of one of them, a GET's or an EXIST's, waits for its writes;
+    GET's lookup stage naming one of them waits for its writes (an EXIST does not);
     ``run(executor, work, then, fail)`` runs ``work()`` on an executor and calls ``then(result)``
     (or ``fail(exc)``) back on the loop; ``replies`` sends BATCH and DONE to the ranks still
     attached (``replies.Replies``); ``unpin(identity, keys)`` drops a rank's pins on keys (a

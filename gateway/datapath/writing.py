@@ -3,11 +3,14 @@
 A PUT batch in its WRITE stage holds objects whose bytes are in the gateway's ring (or an
 engine's region) and whose card writes are queued or running. The engine that stored them
 may already have let its blocks go (it waits for its copy into the ring, not for the card),
-so the same prompt can come back before its objects are on a card. A lookup (EXIST, or a
-GET's lookup stage) that names such a key waits for those writes, then finds what they
-stored; a lookup of keys nobody is writing runs at once, never behind other prompts' writes
-(on an H200 a prompt's lookup queued behind earlier prompts' writes waited 0.3-0.9 s; one
-answered before its own writes landed found half of a 32k prompt).
+so the same prompt can come back before its objects are on a card. A GET's lookup stage
+that names such a key waits for those writes, then reads what they stored (a restore planned
+on objects found before, whose other layers are still being written, would otherwise miss);
+a lookup of keys nobody is writing runs at once, never behind other prompts' writes (on an
+H200 a prompt's lookup queued behind earlier prompts' writes waited 0.3-0.9 s). An EXIST never
+waits here: the engine's scheduler waits for its answer, and on the H200 an EXIST held by a
+prompt's own writes (behind a full card's evictions) stalled every request of the engine for
+4.1 s; what it finds missing is recomputed, which was faster there every time.
 
 Contract: ``begin(batch, keys)`` when a batch's writes start and ``end(batch, keys)`` (the
 same batch id and keys, a key possibly named more than once) when they are all done, ok or

@@ -388,10 +388,10 @@ class Gateway:
                 peer.pins.update(locked)
             self.replies.send(identity, P.ExistOk(id=msg.id, hits=P.pack_flags(hits)))
 
-        # on the lookups' own threads, never queued behind the card writes on the I/O pool; a key
-        # being written (a prompt back before its own writes landed) waits for its writes
-        self.transfers.writing.after(keys, lambda: self._offload(
-            lambda: self.store.lookup.exists(keys, msg.marks), answer, identity, msg, self.lookups))
+        # on the lookups' own threads, never queued behind the card writes on the I/O pool, and
+        # never waiting for writes in flight: the engine's scheduler waits for this answer (an
+        # object still being written is a miss here; a GET of it waits: datapath/writing.py)
+        self._offload(lambda: self.store.lookup.exists(keys, msg.marks), answer, identity, msg, self.lookups)
 
     def _on_unlock(self, identity, peer: Peer, msg: P.Unlock):
         self._release_pins(peer, msg.keys)

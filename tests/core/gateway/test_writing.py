@@ -1,6 +1,6 @@
 """``datapath.writing.Writing``: which lookups wait for which card writes (the gateway's
-loop uses it for EXIST and a GET's lookup stage; the real-gateway test is
-test_gateway_data.py::test_a_prompt_back_before_its_writes_landed_finds_every_object)."""
+loop uses it for a GET's lookup stage; the real-gateway test is
+test_gateway_data.py::test_a_prompt_back_before_its_writes_landed_is_answered_at_once_and_restored_whole)."""
 
 from __future__ import annotations
 
