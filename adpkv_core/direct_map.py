@@ -217,9 +217,10 @@ class DirectMaps:
         """``limit_bytes`` > 0 bounds the bytes mapped. ``registrar``: register each span
         (CUDA); with ``require_registration`` an object the registrar refuses is not kept (a
         pageable mapping would make the GPU copy synchronous and slow: the ring is better).
-        ``busy``: whether the engine is computing now; a ``prefetch`` of what a pass stored
-        (``after_passes``) waits for it to pause as for the restores in flight (registering pins memory under CUDA's own locks, and the
-        gateway checks each object it hands: neither may slow the step that stores)."""
+        ``busy``: whether the engine is computing now; a ``prefetch`` ``after_passes`` (what a
+        pass stored, or what a restore through the ring brought) waits for it to pause as for
+        the restores in flight (registering pins memory under CUDA's own locks, and the
+        gateway checks each object it hands: neither may slow the engine's passes)."""
         if limit_bytes <= 0:
             raise ValueError(f"direct_map_bytes must be > 0, got {limit_bytes!r}")
         self.limit_bytes = int(limit_bytes)
@@ -404,8 +405,8 @@ class DirectMaps:
         GET in flight (and, ``after_passes``, the engine is not ``busy``), or ``QUIET_WAIT_S``
         after this call, whichever comes first: the gateway checks every object it hands, and
         that work must not slow the restores it follows (a cold restore's layers each queue
-        their prefetch as they land) nor, for what a pass stored (``after_passes``), the passes
-        of the prefill that stores."""
+        their prefetch as they land) nor, ``after_passes``, the engine's passes (the prefill
+        that stores, or the pass that computes the rest of a restored prompt)."""
         if self._closed:
             return
         if self._thread is None:

@@ -86,7 +86,7 @@ def test_engine_restores_from_mapped_files_and_outputs_match(model_dir, baseline
     a, _ = run_subprocess(model_dir, [P1, P2, P3], connector(gw.port, ns))
     assert [r["tokens"] for r in a] == baseline
     conn = connector(gw.port, ns, **{"adpkv.direct_map_bytes": 256 << 20})
-    b, log = run_subprocess(model_dir, [P1, P2, P3], conn, rounds=2, wait_after_s=0.5)
+    b, log = run_subprocess(model_dir, [P1, P2, P3], conn, rounds=2, drain_maps_between_rounds=30)
     assert [r["tokens"] for r in b] == baseline * 2
     assert [r["cached"] for r in b] == [floor_hit(1000), floor_hit(2500), floor_hit(4000)] * 2
     assert "restores from mapped object files" in log
@@ -112,7 +112,7 @@ def test_engine_falls_back_to_the_ring_when_objects_cannot_be_mapped(model_dir, 
     ns = "direct-fallback"
     run_subprocess(model_dir, [P1, P2], connector(gw.port, ns))
     conn = connector(gw.port, ns, **{"adpkv.direct_map_bytes": 256 << 20})
-    b, log = run_subprocess(model_dir, [P1, P2], conn, rounds=2, wait_after_s=0.5)
+    b, log = run_subprocess(model_dir, [P1, P2], conn, rounds=2, drain_maps_between_rounds=30)
     assert [r["tokens"] for r in b] == baseline[:2] * 2
     assert [r["cached"] for r in b] == [floor_hit(1000), floor_hit(2500)] * 2
     assert _loads(log) == 0
