@@ -94,6 +94,7 @@ R = this_release()
 # ------------------------------------------------------------------------------- reused tests
 from test_async_scheduling import (  # noqa: E402,F401  (asynchronous loads: by request or by block)
     test_a_lost_object_is_recomputed_not_read,
+    test_an_idle_step_waits_for_the_load_and_a_computing_step_does_not,
     test_restores_load_before_the_request_runs_and_are_exact,
 )
 from test_engine import (  # noqa: E402,F401

@@ -26,6 +26,7 @@ from test_hybrid_scheduler import (  # noqa: F401
 )
 from test_async_scheduling import (  # noqa: F401
     test_a_lost_object_is_recomputed_not_read,
+    test_an_idle_step_waits_for_the_load_and_a_computing_step_does_not,
     test_restores_load_before_the_request_runs_and_are_exact,
 )
 from test_full_graphs import *  # noqa: F401,F403
