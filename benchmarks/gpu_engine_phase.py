@@ -123,16 +123,10 @@ class Phase:
     def settle(self, deadline_s: float = 120.0) -> dict:
         """Wait until the gateway has written everything handed to it (STATS: no request in
         flight, its ring free): what follows measures restores, not the race with the writes."""
-        from adpkv_gateway.ops.control import request
+        from gpu_vllm_engine import gateway_settled
         t = time.perf_counter()
-        while True:
-            reply = request(self.gateway["port"], {"op": "STATS"}, timeout_s=5.0)
-            stats = reply["stats"] if reply else {}
-            if stats and stats["requests_in_flight"] == 0 and stats["ring_in_use"] == 0:
-                return {"settled": True, "settle_s": time.perf_counter() - t}
-            if time.perf_counter() - t > deadline_s:
-                return {"settled": False, "settle_s": time.perf_counter() - t}
-            time.sleep(0.1)
+        ok, _ = gateway_settled(self.gateway["port"], deadline_s)
+        return {"settled": ok, "settle_s": time.perf_counter() - t}
 
     def decode(self, batch: int, prompt_tokens: int, tokens: int, repeats: int = 1) -> dict:
         """Decode tokens/s of ``batch`` requests: their prompts served once (one token, into

@@ -222,17 +222,9 @@ class Bench:
         gw.adopted = psutil.Process(pid)
 
     def settle(self, gw, deadline_s: float = 300.0) -> dict:
-        """Wait until the gateway has written everything the engine handed it (no request in
-        flight, no ring slot in use) and report its object count."""
-        from adpkv_gateway.ops import control
-        deadline = time.monotonic() + deadline_s
-        stats: dict = {}
-        while time.monotonic() < deadline:
-            reply = control.request(gw.port, {"op": "STATS"}, timeout_s=10)
-            stats = (reply or {}).get("stats") or {}
-            if stats and stats.get("requests_in_flight") == 0 and stats.get("ring_in_use") == 0:
-                break
-            time.sleep(0.2)
+        """Wait until the gateway has written everything the engine handed it and report its
+        object count."""
+        _, stats = gateway_settled(gw.port, deadline_s)
         objs = sum(c.get("objects", 0) for c in stats.get("cards", []))
         used = sum(c.get("used_bytes", 0) for c in stats.get("cards", []))
         return {"objects": objs, "used_bytes": used}
@@ -550,6 +542,22 @@ def du(path: str) -> int:
 
 def card_files(card: str) -> list[str]:
     return [os.path.join(r, f) for r, _, fs in os.walk(card) for f in fs if not f.startswith("adpkv-")]
+
+
+def gateway_settled(port: int, deadline_s: float) -> tuple[bool, dict]:
+    """Wait until the gateway on ``port`` has written everything handed to it (STATS: no
+    request in flight, no ring slot in use), at most ``deadline_s``: (settled, its last STATS)."""
+    from adpkv_gateway.ops import control
+    deadline = time.monotonic() + deadline_s
+    stats: dict = {}
+    while True:
+        reply = control.request(port, {"op": "STATS"}, timeout_s=10)
+        stats = (reply or {}).get("stats") or {}
+        if stats and stats.get("requests_in_flight") == 0 and stats.get("ring_in_use") == 0:
+            return True, stats
+        if time.monotonic() >= deadline:
+            return False, stats
+        time.sleep(0.1)
 
 
 def drop_page_cache(card: str) -> dict:

@@ -190,7 +190,7 @@ class Transfers:
                 job.next += count
                 job.batches[batch.id] = batch
                 self.batches[batch.id] = batch
-                if job.op is P.Op.GET:
+                if get:
                     self._enter(batch, Stage.LOOKUP)
                 elif job.target is not None:
                     batch.flags[:] = b"\x01" * count          # in the region: to be stored

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -344,6 +345,32 @@ def drain_into(c: GatewayClient, got: dict[int, bytes], obj: int):
     return drain
 
 
+@contextlib.contextmanager
+def stores_held_by_slow_writes(start_gateway, ns: str, obj: int, stores: int, per_store: int, **settings):
+    """A real gateway (2 I/O threads, 2 I/O processes, ``settings``) with 4 objects of ``obj``
+    bytes stored (``stored``), then every card write held 0.25 s (strace) and ``stores`` PUTs of
+    ``per_store`` objects sent, one of their writes running: yields (client, stored, puts). After
+    the block every store has landed and is found."""
+    from ..stall import Stall
+
+    gw = start_gateway(thread_pool_size=2, io_processes=2, **settings)
+    c = GatewayClient(ClientConfig(port=gw.port, timeout_s=60.0, busy_wait_s=0), ns, 0, 1)
+    assert c.enabled, c.attach_error
+    stored = make_keys(4, namespace=ns, salt=b"stored")
+    assert c.put(stored, obj, fill_from(c, stored, obj)).result(30).stored == [True] * 4
+    stall = Stall(gw.proc.pid, 0.25, "pwrite64,pwritev,pwritev2")
+    try:
+        batches = [make_keys(per_store, namespace=ns, salt=b"new%d" % i) for i in range(stores)]
+        puts = [c.put(keys, obj, fill_from(c, keys, obj)) for keys in batches]
+        assert stall.until("pwrite", 20), "no card write started"
+        yield c, stored, puts
+        assert all(all(f.result(60).stored) for f in puts)
+    finally:
+        stall.stop()
+    assert c.exist([k for keys in batches for k in keys]).result(30) == [True] * (stores * per_store)
+    c.close()
+
+
 def test_a_lookup_is_answered_while_stores_wait_for_slow_writes(start_gateway):
     """The scheduler's lookup (EXIST) of a returning prompt does not queue behind the card
     writes of the prompts stored before it: on an H200 a prompt served right after others
@@ -353,20 +380,8 @@ def test_a_lookup_is_answered_while_stores_wait_for_slow_writes(start_gateway):
     (about 6 s of them): an EXIST is answered within 1 s, its hits right, a restore of stored
     objects (reads in the I/O processes) ends within 1.5 s with their bytes, and every store
     still lands."""
-    from ..stall import Stall
-
-    gw = start_gateway(thread_pool_size=2, io_processes=2)
     obj = 64 << 10
-    c = GatewayClient(ClientConfig(port=gw.port, timeout_s=60.0, busy_wait_s=0), "lookup-queue", 0, 1)
-    assert c.enabled, c.attach_error
-
-    stored = make_keys(4, namespace="lq", salt=b"stored")
-    assert c.put(stored, obj, fill_from(c, stored, obj)).result(30).stored == [True] * 4
-    stall = Stall(gw.proc.pid, 0.25, "pwrite64,pwritev,pwritev2")
-    try:
-        batches = [make_keys(8, namespace="lq", salt=b"new%d" % i) for i in range(6)]
-        puts = [c.put(keys, obj, fill_from(c, keys, obj)) for keys in batches]
-        assert stall.until("pwrite", 20), "no card write started"
+    with stores_held_by_slow_writes(start_gateway, "lq", obj, stores=6, per_store=8) as (c, stored, _):
         asked = time.monotonic()
         hits = c.exist(stored + make_keys(1, namespace="lq", salt=b"never")).result(30)
         answered = time.monotonic() - asked
@@ -379,35 +394,18 @@ def test_a_lookup_is_answered_while_stores_wait_for_slow_writes(start_gateway):
         restored = time.monotonic() - asked
         assert got == {i: pattern(k, 0, obj) for i, k in enumerate(stored)}
         assert restored < 1.5, f"the restore waited {restored:.2f} s behind the writes"
-        assert all(all(f.result(60).stored) for f in puts)
-    finally:
-        stall.stop()
-    got = c.exist([k for keys in batches for k in keys]).result(30)
-    assert got == [True] * 48
-    c.close()
 
 
 def test_a_restore_finds_ring_room_while_stores_hold_theirs_for_slow_writes(start_gateway):
     """Stores hold at most ``STORE_SHARE`` of an engine's ring (their batches keep it until their
-    card writes end); the rest is kept for restores. On an H200 the restores of prompts back
-    right after 7.9 GiB of stores into an 8 GiB ring waited 0.24-0.36 s for their first layer.
-    Here every write of a real gateway is held 0.25 s (strace), 2 I/O threads, an 8 MiB ring,
-    two stores of 16 objects of 256 KiB (a batch's writes take 2 s): a restore of other stored
+    card writes end); the rest is kept for restores, which a returning prompt waits for. Here
+    every write of a real gateway is held 0.25 s (strace), 2 I/O threads, an 8 MiB ring, two
+    stores of 16 objects of 256 KiB (a batch's writes take 2 s): a restore of other stored
     objects ends within 1 s with their bytes (it waited for the first store's batch before,
     the whole ring held), and every store still lands."""
-    from ..stall import Stall
-
-    gw = start_gateway(thread_pool_size=2, io_processes=2, shared_memory_size=8 << 20)
     obj = 256 << 10
-    c = GatewayClient(ClientConfig(port=gw.port, timeout_s=60.0, busy_wait_s=0), "ring-room", 0, 1)
-    assert c.enabled, c.attach_error
-    stored = make_keys(4, namespace="rr", salt=b"stored")
-    assert c.put(stored, obj, fill_from(c, stored, obj)).result(30).stored == [True] * 4
-    stall = Stall(gw.proc.pid, 0.25, "pwrite64,pwritev,pwritev2")
-    try:
-        batches = [make_keys(16, namespace="rr", salt=b"new%d" % i) for i in range(2)]
-        puts = [c.put(keys, obj, fill_from(c, keys, obj)) for keys in batches]
-        assert stall.until("pwrite", 20), "no card write started"
+    with stores_held_by_slow_writes(start_gateway, "rr", obj, stores=2, per_store=16,
+                                    shared_memory_size=8 << 20) as (c, stored, puts):
         got: dict[int, bytes] = {}
         asked = time.monotonic()
         hits = c.get(stored, obj, drain_into(c, got, obj)).result(30).hits
@@ -416,11 +414,6 @@ def test_a_restore_finds_ring_room_while_stores_hold_theirs_for_slow_writes(star
         assert got == {i: pattern(k, 0, obj) for i, k in enumerate(stored)}
         assert restored < 1.0, f"the restore waited {restored:.2f} s for ring room behind the stores"
         assert not puts[0].done(), "the first store's writes ended first: no window tested"
-        assert all(all(f.result(60).stored) for f in puts)
-    finally:
-        stall.stop()
-    assert c.exist([k for keys in batches for k in keys]).result(30) == [True] * 32
-    c.close()
 
 
 def test_a_prompt_back_before_its_writes_landed_is_answered_at_once_and_restored_whole(start_gateway):
