@@ -17,6 +17,7 @@ import pytest
 
 from adpkv_vllm.common.settings import check_hash_stability, chunk_hashes
 from harness import Harness
+from vllm.v1.request import Request
 
 CHUNK = 64          # tokens per stored chunk (2 blocks of 32)
 
@@ -149,6 +150,61 @@ def test_a_failed_layer_load_is_recomputed_and_saved_again(gateway, model_dir3):
         h3.check_kv(req3, 500)
     finally:
         h3.close()
+
+
+def served_saving(h: Harness, toks) -> tuple[Request, int]:
+    """Serve ``toks`` in ``h`` to its end: the request and the chunks its steps planned for saving."""
+    req = h.add(toks)
+    saved = 0
+    deadline = time.monotonic() + 30
+    while h.scheduler.has_requests():
+        assert time.monotonic() < deadline, "the request did not finish"
+        so, meta = h.step()
+        saved += sum(len(p.digests) for p in meta.saves + meta.deferred_saves if p.req_id == req.request_id)
+    return req, saved
+
+
+def chunk_keys(h: Harness, req: Request, chunks) -> list[bytes]:
+    """The card's keys (both layers) of the given chunks of ``req``'s prompt."""
+    digests = chunk_hashes(req.block_hashes, CHUNK // 32, max(chunks) + 1)
+    return h.worker.config.keys.keys([digests[c] for c in chunks], [0, 1])
+
+
+def wait_stored(h: Harness, req: Request, chunks: int, deadline_s: float = 10.0) -> None:
+    """Until the card holds the first ``chunks`` chunks of ``req``'s prompt (an EXIST answers
+    with what is written, never waiting for writes in flight)."""
+    keys = chunk_keys(h, req, range(chunks))
+    deadline = time.monotonic() + deadline_s
+    while not all(h.worker.connector_worker.client.exist(keys).result(5)):
+        assert time.monotonic() < deadline, "the saves did not reach the card"
+        time.sleep(0.01)
+
+
+def test_chunks_known_stored_are_not_saved_again(gateway, model_dir):
+    """A prompt served again from vLLM's own prefix cache copies nothing to the gateway; one
+    that extends it saves only what the EXIST did not find, a chunk lost from the card
+    included, and a fresh engine then restores all of it byte for byte."""
+    base = tokens(700, 11)
+    ns = f"s-{uuid.uuid4().hex[:6]}"
+    h = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK)
+    try:
+        first, saved = served_saving(h, base)
+        assert saved == 10                                    # 700 tokens: chunks 0..9
+        wait_stored(h, first, 10)
+        assert served_saving(h, base)[1] == 0                 # vLLM's own hit covers it
+        assert served_saving(h, base + tokens(200, 12))[1] == 4   # chunks 10..13 only
+        assert h.worker.connector_worker.client.delete(chunk_keys(h, first, [2])).result(5) == 2
+        longer, saved = served_saving(h, base + tokens(200, 13))
+        assert saved == 12                                    # chunk 2 (lost) on, and the new ones
+        wait_stored(h, longer, 14)
+    finally:
+        h.close()
+    h2, req, so, loaded = restore(model_dir, gateway.port, base + tokens(200, 13), ns)
+    try:
+        assert loaded == 896                                  # floor(899 / 64) * 64
+        h2.check_kv(req, 900)
+    finally:
+        h2.close()
 
 
 def test_tenants_and_namespaces_do_not_share(gateway, model_dir):

@@ -8,8 +8,11 @@ counts them as computed and reserves blocks, unless loading them would be slower
 them (``load_choice.LoadChoice``, measured per engine: the hit is then declined, the chunks stay
 stored). ``build_connector_meta`` hands the
 workers a load plan (chunks to restore into which blocks) and a save plan
-(chunks that became full this step); ``update_connector_output`` plans a chunk
-whose load failed for saving again once vLLM recomputed it.
+(chunks that became full this step, less those known stored: the leading ones the EXIST
+found, or all of vLLM's own hit when that hit covers the prompt and nothing is asked: a
+prompt served again from vLLM's prefix cache copies nothing to the gateway);
+``update_connector_output`` plans a chunk whose load failed for saving again once vLLM
+recomputed it.
 
 The scheduler is not a rank: it attaches as a lookup-only peer of the engine
 (``Attachment(rank=None)``), re-attached between steps only (after
@@ -21,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from adpkv_core.affinity import dialog_marks
 from adpkv_core.attachment import Attachment
@@ -87,6 +90,26 @@ def stored_chunks(flags: list[bool], at: int, exist_layers: list[list[int]],
     return present, at
 
 
+def stored_run(cfg: ConnectorConfig, present: list[list[bool]]) -> int:
+    """The leading chunks an EXIST found stored in every attention group (``present`` as
+    ``stored_chunks`` reads it): a save of them would write them again."""
+    runs = [next((c for c, ok in enumerate(p) if not ok), len(p))
+            for g, p in zip(cfg.groups, present) if not g.recurrent]
+    return min(runs, default=0)
+
+
+class _Hit(NamedTuple):
+    """What a request's lookup found: ``chunks`` to restore past vLLM's own hit (0: none),
+    that hit (``local``, tokens), and ``stored``: the leading chunks known to be stored
+    already, which the request's saves skip (those the EXIST found, or, when nothing was
+    asked because vLLM's own hit covers the prompt, that hit's chunks: vLLM's offloading
+    skips its prefix-hit blocks the same way)."""
+
+    chunks: int
+    local: int
+    stored: int
+
+
 @dataclass
 class _ReqState:
     block_ids: dict[int, list[int]] = field(default_factory=dict)   # group index -> its block table
@@ -148,7 +171,7 @@ class AdpConnectorScheduler:
             if cfg.supported else None)
         # req -> (num_tokens, future, digests, drafter digests)
         self._lookups: dict[str, tuple[int, Any, list[bytes], list[bytes]]] = {}
-        self._hits: dict[str, tuple[int, int]] = {}     # req -> (hit chunks, local computed tokens)
+        self._hits: dict[str, _Hit] = {}
         self.choice = LoadChoice(cfg.settings.load_choice)
         self._chosen: dict[str, bool] = {}       # req -> its hit loaded (asked once per request)
         self._reqs: dict[str, _ReqState] = {}
@@ -207,7 +230,7 @@ class AdpConnectorScheduler:
         if s is None or not s.enabled:
             return False
         known = self._hits.get(request.request_id)
-        return known is None or known[0] * cfg.chunk_size > known[1]
+        return known is None or known.chunks * cfg.chunk_size > known.local
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[Optional[int], bool]:
@@ -223,7 +246,7 @@ class AdpConnectorScheduler:
         # at least one token itself.
         limit = (request.num_tokens - 1) // cfg.chunk_size
         if limit * cfg.chunk_size <= num_computed_tokens:
-            self._hits[req_id] = (0, num_computed_tokens)
+            self._hits[req_id] = _Hit(0, num_computed_tokens, num_computed_tokens // cfg.chunk_size)
             return 0, False
         entry = self._lookups.get(req_id)
         if entry is None or entry[0] != request.num_tokens:
@@ -231,7 +254,7 @@ class AdpConnectorScheduler:
             # no lookup attachment (the cache is off for this model): no session, no hit
             s = self.lookup.session if self.lookup is not None else None
             if not digests or s is None or not s.enabled:
-                self._hits[req_id] = (0, num_computed_tokens)
+                self._hits[req_id] = _Hit(0, num_computed_tokens, 0)
                 return 0, False
             marks = self._marks(digests)
             keys, all_marks = [], []
@@ -260,7 +283,7 @@ class AdpConnectorScheduler:
         if self._draft_groups:    # the drafter's layers restore the same hit, or a shorter one
             draft_present, _ = stored_chunks(flags, at, self._draft_exist, nd)
             hit = clip_hit(hit, draft_present, num_computed_tokens // cfg.chunk_size)
-        self._hits[req_id] = (hit, num_computed_tokens)
+        self._hits[req_id] = _Hit(hit, num_computed_tokens, stored_run(cfg, present))
         ext = hit * cfg.chunk_size - num_computed_tokens
         if ext <= 0:
             return 0, False
@@ -277,9 +300,9 @@ class AdpConnectorScheduler:
         st = self._reqs.setdefault(req_id, _ReqState())
         self._requests[req_id] = request
         st.set_blocks(cfg.groups, blocks.get_block_ids())
-        hit, local = self._hits.pop(req_id, (0, 0))
+        hit, local, stored = self._hits.pop(req_id, _Hit(0, 0, 0))
         self._lookups.pop(req_id, None)
-        st.saved_chunks = max(st.saved_chunks, hit)
+        st.saved_chunks = max(st.saved_chunks, hit, stored)
         st.restored_chunks = max(st.restored_chunks, hit)
         st.draft_saved = max(st.draft_saved, hit)
         # timed as the prompt's tokens past vLLM's own hit: restored (a load, then the rest) or computed
