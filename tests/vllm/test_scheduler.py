@@ -197,6 +197,12 @@ def test_chunks_known_stored_are_not_saved_again(gateway, model_dir):
         longer, saved = served_saving(h, base + tokens(200, 13))
         assert saved == 12                                    # chunk 2 (lost) on, and the new ones
         wait_stored(h, longer, 14)
+        # 640 tokens, whole chunks: vLLM computes the last block again, so the last chunk fills
+        # in that step; the EXIST asks it too (it is no hit) and it is not saved again
+        whole, saved = served_saving(h, tokens(640, 14))
+        assert saved == 10
+        wait_stored(h, whole, 10)
+        assert served_saving(h, tokens(640, 14))[1] == 0
     finally:
         h.close()
     h2, req, so, loaded = restore(model_dir, gateway.port, base + tokens(200, 13), ns)

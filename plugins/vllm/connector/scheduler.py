@@ -243,14 +243,16 @@ class AdpConnectorScheduler:
         if req_id in self._load_failed:      # vLLM recomputes it whole (a retry could fail again)
             return 0, False
         # A prompt of N tokens hits at most floor((N-1)/C)*C tokens: vLLM must compute
-        # at least one token itself.
+        # at least one token itself. The EXIST asks every full chunk, floor(N/C): the last
+        # one, when N is a multiple of C, is not a hit, but need not be saved again if stored.
         limit = (request.num_tokens - 1) // cfg.chunk_size
-        if limit * cfg.chunk_size <= num_computed_tokens:
+        full = request.num_tokens // cfg.chunk_size
+        if full * cfg.chunk_size <= num_computed_tokens:
             self._hits[req_id] = _Hit(0, num_computed_tokens, num_computed_tokens // cfg.chunk_size)
             return 0, False
         entry = self._lookups.get(req_id)
         if entry is None or entry[0] != request.num_tokens:
-            digests = self._digests(request, limit)
+            digests = self._digests(request, full)
             # no lookup attachment (the cache is off for this model): no session, no hit
             s = self.lookup.session if self.lookup is not None else None
             if not digests or s is None or not s.enabled:
@@ -279,7 +281,7 @@ class AdpConnectorScheduler:
             else:
                 return None, False
         present, at = stored_chunks(flags, 0, self._exist_layers, n)
-        hit = hit_chunks(cfg, present, num_computed_tokens)
+        hit = hit_chunks(cfg, [p[:limit] for p in present], num_computed_tokens)
         if self._draft_groups:    # the drafter's layers restore the same hit, or a shorter one
             draft_present, _ = stored_chunks(flags, at, self._draft_exist, nd)
             hit = clip_hit(hit, draft_present, num_computed_tokens // cfg.chunk_size)
