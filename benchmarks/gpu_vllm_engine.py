@@ -115,7 +115,8 @@ class Bench:
         if args.fresh:
             shutil.rmtree(self.work, ignore_errors=True)
         os.makedirs(self.work, exist_ok=True)      # kept otherwise: a later call restores from its cards
-        self.report: dict = {"args": vars(args), "phases": {}, "checks": [], "figures": {}}
+        self.report: dict = {"args": vars(args), "device_name": device_name(args.device), "phases": {},
+                             "checks": [], "figures": {}}
         self.gpu = args.device == "cuda"
         self.lengths = [int(x) for x in args.lengths.split(",")]
         self.short = [n for n in self.lengths if n <= 32768]
@@ -267,6 +268,7 @@ class Bench:
                 self.report["phases"].setdefault(name, {})["driver_error"] = f"{type(exc).__name__}: {exc}"
                 self.save()
         self.stop_gateways()
+        self.save()      # the last phase's checks and figures come after its engine's save
 
     def load_reference(self) -> None:
         if self.reference:
@@ -616,6 +618,33 @@ def o_direct_read(card: str, gib: float, threads: int) -> dict:
     return {"bytes": got, "seconds": dt, "gb_s": got / dt / 1e9, "files": len(files), "threads": threads}
 
 
+def device_name(device: str) -> str:
+    """What the phases run on, for the report and the plot's title (the GPU's name, or "CPU")."""
+    if device != "cuda":
+        return "CPU"
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        out = []
+    return out[0] if out else "a GPU"
+
+
+def merged(paths: list[str], name: str | None) -> dict:
+    """One report of several calls' ``report.json`` (a lease runs the phases in a few calls):
+    phases, checks and figures of all, a phase run twice as its later call left it."""
+    report: dict = {"phases": {}, "checks": [], "figures": {}, "device_name": name, "merged_from": paths}
+    for path in paths:
+        with open(path) as fh:
+            part = json.load(fh)
+        report["phases"].update(part["phases"])
+        report["checks"] += part["checks"]
+        report["figures"].update(part["figures"])
+        report["device_name"] = report["device_name"] or part.get("device_name")
+    return report
+
+
 def ttft_rows(report: dict) -> dict[str, dict[int, float]]:
     """TTFT by prompt length (tokens) for each way a prompt's KV came back, from the phases run."""
     rows: dict[str, dict[int, float]] = {}
@@ -653,18 +682,23 @@ def plot(report: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for row, vals in ttft_rows(report).items():
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    colors = plt.get_cmap("tab20").colors
+    for i, (row, vals) in enumerate(ttft_rows(report).items()):
         pts = sorted((n, v) for n, v in vals.items() if n % 256 in (0, 192))
+        # prefill rows dotted, vLLM's own tiers dashed, adpkv's solid: one color each
+        style = ":" if row.startswith("prefill") else "--" if row.startswith("vLLM") else "-"
         if len(pts) > 1:
-            ax.plot([n for n, _ in pts], [v for _, v in pts], marker="o", label=row)
+            ax.plot([n for n, _ in pts], [v for _, v in pts], marker="o", markersize=4, linestyle=style,
+                    color=colors[i % len(colors)], label=row)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("time to first token, s")
-    ax.set_title("vLLM 0.26 on an H200, Llama-3-8B geometry: TTFT of a returning prompt")
+    ax.set_title(f"vLLM 0.26 on {report.get('device_name') or 'a GPU'}, Llama-3-8B geometry: TTFT of a returning prompt",
+                 fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -675,7 +709,8 @@ def summary(report: dict) -> str:
     ph = report["phases"]
     lengths = sorted({n for r in rows.values() for n in r})
     prefill = rows.get("prefill, no cache", {})
-    out = [f"{'TTFT s (x prefill)':36s}" + "".join(f"{n:>20d}" for n in lengths)]
+    out = [f"device: {report.get('device_name') or 'not recorded'}",
+           f"{'TTFT s (x prefill)':36s}" + "".join(f"{n:>20d}" for n in lengths)]
     for row, vals in rows.items():
         cells = []
         for n in lengths:
@@ -746,7 +781,14 @@ def main() -> None:
     ap.add_argument("--evict-rounds", type=int, default=3)
     ap.add_argument("--evict-card-share", type=float, default=0.5, help="card capacity / the prompts' KV")
     ap.add_argument("--phase-timeout", type=int, default=420)
+    ap.add_argument("--merge", nargs="+", metavar="REPORT",
+                    help="run nothing: one summary and plot in --out of these calls' report.json")
+    ap.add_argument("--device-name", default=None, help="with --merge: the GPU, where the reports do not name it")
     args = ap.parse_args()
+    if args.merge:
+        os.makedirs(args.out, exist_ok=True)
+        write_results(merged(args.merge, args.device_name), args.out)
+        return
     phases = [p for p in args.phases.split(",") if p]
     unknown = sorted(set(phases) - set(ALL_PHASES))
     if unknown:
@@ -755,12 +797,17 @@ def main() -> None:
     if "baseline" not in phases:
         bench.load_reference()
     bench.run(phases)
+    write_results(bench.report, bench.out)
+
+
+def write_results(report: dict, out: str) -> None:
+    """OUT/ttft.png (where matplotlib is) and OUT/summary.txt, the summary printed too."""
     try:
-        plot(bench.report, os.path.join(bench.out, "ttft.png"))
+        plot(report, os.path.join(out, "ttft.png"))
     except ImportError as exc:
         log(f"no plot ({exc})")
-    text = summary(bench.report)
-    with open(os.path.join(bench.out, "summary.txt"), "w") as fh:
+    text = summary(report)
+    with open(os.path.join(out, "summary.txt"), "w") as fh:
         fh.write(text + "\n")
     print(text, flush=True)
 
