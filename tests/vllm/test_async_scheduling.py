@@ -69,6 +69,38 @@ def test_an_idle_step_waits_for_the_load_and_a_computing_step_does_not(gateway, 
         h.close()
 
 
+def test_a_ring_restore_is_mapped_only_after_the_pass_that_computes_the_rest(gateway, model_dir):
+    """With direct restores on, what an asynchronous ring restore brought is mapped in the
+    background, but only once the pass that computes the rest of the restored prompt has run:
+    the load ends while the engine idles, and pinning the pages then (``cudaHostRegister``)
+    delayed that pass's first token on the H100 (V1 runner, 8k: load in at 124 ms, first token
+    at 655). The mapping's queue is drained (an event) with a bound: it must not run before."""
+    toks = tokens(6 * CHUNK + 20, 44)
+    ns = f"as-{uuid.uuid4().hex[:6]}"
+    store(model_dir, gateway.port, toks, ns, async_scheduling=True)
+    h = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK, async_scheduling=True,
+                extra={"adpkv.direct_map_bytes": 64 << 20})
+    try:
+        direct = h.worker.connector_worker.direct
+        assert direct is not None
+        req = h.add(toks)
+        deadline = time.monotonic() + 30
+        while req.request_id not in h.finished_recving:
+            assert time.monotonic() < deadline, "the load never ended"
+            so, meta = h.step()
+            assert req.request_id not in so.num_scheduled_tokens
+        assert not direct.drain(1.0), "the restore's objects were mapped before its pass"
+        assert direct.stats()["mappings"] == 0
+        so, meta = h.step()                       # the pass that computes the rest
+        assert so.num_scheduled_tokens[req.request_id] == 20
+        assert direct.drain(10), "the restore's objects were never mapped"
+        assert direct.stats()["mappings"] == 6 * 2   # 6 chunks, 2 layers
+        h.check_kv(req, len(toks))
+        h.run()
+    finally:
+        h.close()
+
+
 def test_a_lost_object_is_recomputed_not_read(gateway, model_dir3):
     toks = tokens(500, 42)
     ns = f"as-{uuid.uuid4().hex[:6]}"
