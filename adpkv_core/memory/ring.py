@@ -24,6 +24,8 @@ MEMFD_NAME_PREFIX = "adpkv-ring-"
 _MADV_POPULATE_WRITE = 23
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
 def align_up(n: int, align: int = RING_ALIGN) -> int:
@@ -85,9 +87,10 @@ class Ring:
             raise
 
     @classmethod
-    def from_fd(cls, fd: int, size: int) -> "Ring":
+    def from_fd(cls, fd: int, size: int, populate: bool = True) -> "Ring":
         """Map a ring received from the gateway (takes ``fd``). ``ValueError`` when it is not
-        a sealed ring of the size the gateway announced: the caller turns the cache off."""
+        a sealed ring of the size the gateway announced: the caller turns the cache off.
+        ``populate``: as ``Ring``'s."""
         try:
             actual = os.fstat(fd).st_size
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -95,7 +98,7 @@ class Ring:
                 raise ValueError(f"the ring is {actual} bytes, the gateway announced {size}")
             if seals & RING_SEALS != RING_SEALS:
                 raise ValueError("the ring is not sealed against resizing")
-            return cls(os.readlink(f"/proc/self/fd/{fd}"), size, fd, owner=False)
+            return cls(os.readlink(f"/proc/self/fd/{fd}"), size, fd, owner=False, populate=populate)
         except BaseException:
             os.close(fd)
             raise
@@ -103,14 +106,29 @@ class Ring:
     @classmethod
     def attach(cls, path: str, size: int) -> "Ring":
         """Map a ring by a path to its descriptor (``/proc/<gateway pid>/fd/<n>``); used by
-        the gateway's own I/O processes."""
-        return cls.from_fd(os.open(path, os.O_RDWR | os.O_CLOEXEC), size)
+        the gateway's own I/O processes, on the first read task that names the ring. Not
+        populated: each reader maps only the pages it writes, as it writes them (the gateway
+        populated the ring's memory already). Populating all of it there, in every reader,
+        was the first restore of every engine: 0.36 s per GiB of ring on a 2-core VM, 1.3 s
+        for an 8 GiB ring on an H100 host (benchmarks/first_restore.py)."""
+        return cls.from_fd(os.open(path, os.O_RDWR | os.O_CLOEXEC), size, populate=False)
 
     def slot(self, offset: int, nbytes: int) -> memoryview:
         """A view of ``nbytes`` at ``offset``; raises on a range outside the ring."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise IndexError(f"ring range [{offset}, {offset + nbytes}) outside [0, {self.size})")
         return self.buf[offset:offset + nbytes]
+
+    def discard(self) -> bool:
+        """The gateway's end of a ring no engine uses any more: its memory freed now (a hole
+        punched through all of it: the memfd's size and seals stay), then ``close``. Other
+        processes may still map it (the I/O processes drop a ring on their next task, the
+        engine when it goes): their mappings then hold no memory, and dropping them is cheap.
+        Freeing an 8 GiB ring there instead made the next engine's first restore wait for it.
+        False where the kernel refused the hole (the memory then goes with the last mapping)."""
+        freed = _libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, self.size) == 0
+        self.close()
+        return freed
 
     def close(self) -> None:
         """Stop using the ring.

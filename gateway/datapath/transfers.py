@@ -152,7 +152,9 @@ class Transfers:
 
     def _drop_if_idle(self, ring: EngineRing) -> None:
         if ring.retired and ring.batches == 0 and self.rings.pop(ring.number, None) is not None:
-            ring.ring.close()
+            # freed off the loop, now, not by whichever process drops the last mapping (an I/O
+            # process, at the next engine's first restore: Ring.discard)
+            self._run(self.pool, ring.ring.discard, lambda _: None, lambda _: None)
             logger.info("Ring %d unmapped (its engine detached, nothing in flight uses it)", ring.number)
 
     def ring_in_use(self) -> int:

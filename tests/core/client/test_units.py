@@ -124,6 +124,48 @@ def test_mapping_a_ring_lets_other_threads_run():
         ring.close()
 
 
+def _resident_bytes_of_mapping(address: int) -> int:
+    """``Rss`` of this process's mapping that starts at ``address`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as fh:
+        inside = False
+        for line in fh:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                inside = int(head.split("-")[0], 16) == address
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_an_io_process_maps_a_ring_without_populating_it_and_a_discarded_ring_holds_no_memory():
+    """The gateway's I/O processes map an engine's ring (``Ring.attach``) on their first read
+    task for it: unpopulated, each maps the pages it writes as it writes them (populating the
+    whole ring in every one of them was the engine's first restore: 1.5 s for a 4 GiB ring
+    with 2 of them, benchmarks/first_restore.py). A discarded ring (the gateway's end, its
+    engine gone) holds no memory although an I/O process still maps it, and its size stays."""
+    import ctypes
+    import os
+
+    from adpkv_core.memory.ring import Ring
+    size = 64 << 20
+    owner = Ring.create(1, size)
+    owner.populate()
+    reader = Ring.attach(f"/proc/{os.getpid()}/fd/{owner.fd}", size)
+    try:
+        export = (ctypes.c_char * size).from_buffer(reader._mmap)
+        address = ctypes.addressof(export)
+        del export
+        assert _resident_bytes_of_mapping(address) == 0
+        reader.buf[:1 << 20] = b"x" * (1 << 20)               # a slot written: its pages only
+        assert _resident_bytes_of_mapping(address) == 1 << 20
+        assert os.fstat(reader.fd).st_blocks * 512 >= size     # the owner populated all of it
+        assert owner.discard()
+        assert os.fstat(reader.fd).st_blocks == 0 and os.fstat(reader.fd).st_size == size
+        assert reader.buf[0] == 0                              # a hole reads zeros, never old data
+    finally:
+        reader.close()
+
+
 def test_ring_math():
     assert object_stride(1) == 4096 and object_stride(8192) == 8192
     assert max_parallel_ios(6 << 30, 1 << 20) == 3072
