@@ -152,16 +152,18 @@ def test_a_failed_layer_load_is_recomputed_and_saved_again(gateway, model_dir3):
         h3.close()
 
 
-def served_saving(h: Harness, toks) -> tuple[Request, int]:
-    """Serve ``toks`` in ``h`` to its end: the request and the chunks its steps planned for saving."""
+def served_saving(h: Harness, toks) -> tuple[Request, int, int]:
+    """Serve ``toks`` in ``h`` to its end: the request, the chunks its steps planned for
+    saving and those they planned for loading."""
     req = h.add(toks)
-    saved = 0
+    saved = loaded = 0
     deadline = time.monotonic() + 30
     while h.scheduler.has_requests():
         assert time.monotonic() < deadline, "the request did not finish"
         so, meta = h.step()
         saved += sum(len(p.digests) for p in meta.saves + meta.deferred_saves if p.req_id == req.request_id)
-    return req, saved
+        loaded += sum(len(p.digests) for p in meta.loads if p.req_id == req.request_id)
+    return req, saved, loaded
 
 
 def chunk_keys(h: Harness, req: Request, chunks) -> list[bytes]:
@@ -188,21 +190,18 @@ def test_chunks_known_stored_are_not_saved_again(gateway, model_dir):
     ns = f"s-{uuid.uuid4().hex[:6]}"
     h = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK)
     try:
-        first, saved = served_saving(h, base)
+        first, saved, _ = served_saving(h, base)
         assert saved == 10                                    # 700 tokens: chunks 0..9
         wait_stored(h, first, 10)
         assert served_saving(h, base)[1] == 0                 # vLLM's own hit covers it
         assert served_saving(h, base + tokens(200, 12))[1] == 4   # chunks 10..13 only
         assert h.worker.connector_worker.client.delete(chunk_keys(h, first, [2])).result(5) == 2
-        longer, saved = served_saving(h, base + tokens(200, 13))
+        longer, saved, _ = served_saving(h, base + tokens(200, 13))
         assert saved == 12                                    # chunk 2 (lost) on, and the new ones
         wait_stored(h, longer, 14)
-        # 640 tokens, whole chunks: vLLM computes the last block again, so the last chunk fills
-        # in that step; the EXIST asks it too (it is no hit) and it is not saved again
-        whole, saved = served_saving(h, tokens(640, 14))
+        whole, saved, _ = served_saving(h, tokens(640, 14))
         assert saved == 10
         wait_stored(h, whole, 10)
-        assert served_saving(h, tokens(640, 14))[1] == 0
     finally:
         h.close()
     h2, req, so, loaded = restore(model_dir, gateway.port, base + tokens(200, 13), ns)
@@ -211,6 +210,15 @@ def test_chunks_known_stored_are_not_saved_again(gateway, model_dir):
         h2.check_kv(req, 900)
     finally:
         h2.close()
+    # 640 tokens, whole chunks, restored by a fresh engine: 9 chunks load, vLLM computes the
+    # last one's tokens, so it fills in that step; the EXIST asked it too (no hit) and it is
+    # not saved again
+    h3 = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK)
+    try:
+        req, saved, loaded = served_saving(h3, tokens(640, 14))
+        assert loaded == 9 and saved == 0
+    finally:
+        h3.close()
 
 
 def test_tenants_and_namespaces_do_not_share(gateway, model_dir):

@@ -245,9 +245,11 @@ class AdpConnectorScheduler:
         # A prompt of N tokens hits at most floor((N-1)/C)*C tokens: vLLM must compute
         # at least one token itself. The EXIST asks every full chunk, floor(N/C): the last
         # one, when N is a multiple of C, is not a hit, but need not be saved again if stored.
+        # A prompt whose hittable chunks all lie in vLLM's own hit asks nothing: waiting for
+        # an EXIST there (to spare that one save) cost the H100's decode runs 0.52 ms a step.
         limit = (request.num_tokens - 1) // cfg.chunk_size
         full = request.num_tokens // cfg.chunk_size
-        if full * cfg.chunk_size <= num_computed_tokens:
+        if limit * cfg.chunk_size <= num_computed_tokens:
             self._hits[req_id] = _Hit(0, num_computed_tokens, num_computed_tokens // cfg.chunk_size)
             return 0, False
         entry = self._lookups.get(req_id)
