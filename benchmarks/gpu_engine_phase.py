@@ -109,16 +109,21 @@ class Phase:
             self.llm.generate([{"prompt_token_ids": [VOCAB_LOW]}], SamplingParams(max_tokens=1), use_tqdm=False)
 
     def maps(self, deadline_s: float = 120.0) -> dict:
-        """Wait until the connector's background mappings (``adpkv.direct_map_bytes``) are done."""
+        """Wait until the connector's background mappings (``adpkv.direct_map_bytes``) are done:
+        first the gateway's writes (what a store maps is queued when its PUT ends: on the H100
+        a 32k prompt's writes still ran when its mappings were drained, and its return went by
+        the ring), then the mappings queued."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
+        from gpu_vllm_engine import gateway_settled
         conn = get_kv_transfer_group()
         worker = getattr(conn, "connector_worker", None)
         direct = getattr(worker, "direct", None)
         if direct is None:
             return {"maps": "none"}
         t = time.perf_counter()
+        settled, _ = gateway_settled(self.gateway["port"], deadline_s)
         ok = direct.drain(deadline_s)
-        return {"maps_drained": ok, "maps_wait_s": time.perf_counter() - t}
+        return {"maps_drained": ok, "writes_settled": settled, "maps_wait_s": time.perf_counter() - t}
 
     def settle(self, deadline_s: float = 120.0) -> dict:
         """Wait until the gateway has written everything handed to it (STATS: no request in
