@@ -202,6 +202,9 @@ def test_chunks_known_stored_are_not_saved_again(gateway, model_dir):
         whole, saved, _ = served_saving(h, tokens(640, 14))
         assert saved == 10
         wait_stored(h, whole, 10)
+        # served again from vLLM's cache: nothing asked, and its last chunk, which vLLM
+        # completes again, is not saved again either: this engine saved it
+        assert served_saving(h, tokens(640, 14))[1] == 0
     finally:
         h.close()
     h2, req, so, loaded = restore(model_dir, gateway.port, base + tokens(200, 13), ns)

@@ -152,12 +152,13 @@ def check_hash_stability(vllm_config) -> bool:
     return stable
 
 
-def chunk_hashes(block_hashes: Sequence[bytes], blocks_per_chunk: int, limit_chunks: int) -> list[bytes]:
-    """16-byte digests of the first chunks of a request: chunk i is named by the
-    hash of its last block (vLLM's hash is chained, so it covers every token before
-    it, plus cache_salt, LoRA and multimodal inputs)."""
+def chunk_hashes(block_hashes: Sequence[bytes], blocks_per_chunk: int, limit_chunks: int,
+                 first: int = 0) -> list[bytes]:
+    """16-byte digests of the chunks ``first`` .. ``limit_chunks - 1`` of a request: chunk i is
+    named by the hash of its last block (vLLM's hash is chained, so it covers every token
+    before it, plus cache_salt, LoRA and multimodal inputs)."""
     n = min(limit_chunks, len(block_hashes) // blocks_per_chunk)
-    return [chunk_digest(bytes(block_hashes[(i + 1) * blocks_per_chunk - 1])) for i in range(n)]
+    return [chunk_digest(bytes(block_hashes[(i + 1) * blocks_per_chunk - 1])) for i in range(first, n)]
 
 
 # --------------------------------------------------------------------------- layers

@@ -21,6 +21,7 @@ The scheduler is not a rank: it attaches as a lookup-only peer of the engine
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -98,12 +99,16 @@ def stored_run(cfg: ConnectorConfig, present: list[list[bool]]) -> int:
     return min(runs, default=0)
 
 
+SAVED_KEPT = 1 << 16     # the chunks whose saves this scheduler planned last, remembered (_Hit.stored)
+
+
 class _Hit(NamedTuple):
     """What a request's lookup found: ``chunks`` to restore past vLLM's own hit (0: none),
     that hit (``local``, tokens), and ``stored``: the leading chunks known to be stored
     already, which the request's saves skip (those the EXIST found, or, when nothing was
     asked because vLLM's own hit covers the prompt, that hit's chunks: vLLM's offloading
-    skips its prefix-hit blocks the same way)."""
+    skips its prefix-hit blocks the same way; and the chunk vLLM completes again past its hit,
+    when this scheduler planned its save before)."""
 
     chunks: int
     local: int
@@ -172,6 +177,9 @@ class AdpConnectorScheduler:
         # req -> (num_tokens, future, digests, drafter digests)
         self._lookups: dict[str, tuple[int, Any, list[bytes], list[bytes]]] = {}
         self._hits: dict[str, _Hit] = {}
+        # digests of the chunks this scheduler planned saves for (the last SAVED_KEPT): a prompt
+        # of whole chunks served again from vLLM's cache need not store its last chunk again
+        self._saved: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
         self.choice = LoadChoice(cfg.settings.load_choice)
         self._chosen: dict[str, bool] = {}       # req -> its hit loaded (asked once per request)
         self._reqs: dict[str, _ReqState] = {}
@@ -250,7 +258,11 @@ class AdpConnectorScheduler:
         limit = (request.num_tokens - 1) // cfg.chunk_size
         full = request.num_tokens // cfg.chunk_size
         if limit * cfg.chunk_size <= num_computed_tokens:
-            self._hits[req_id] = _Hit(0, num_computed_tokens, num_computed_tokens // cfg.chunk_size)
+            stored = num_computed_tokens // cfg.chunk_size
+            if full > stored and all(d in self._saved for d in chunk_hashes(request.block_hashes,
+                                                                        cfg.hashes_per_chunk, full, stored)):
+                stored = full        # the chunk vLLM completes again was saved from this engine
+            self._hits[req_id] = _Hit(0, num_computed_tokens, stored)
             return 0, False
         entry = self._lookups.get(req_id)
         if entry is None or entry[0] != request.num_tokens:
@@ -480,6 +492,11 @@ class AdpConnectorScheduler:
                 plan = ChunkPlan(req_id, digests[c0:full], marks[c0:full], ids, group=g.index)
                 (meta.deferred_saves if decode else meta.saves).append(plan)
                 st.had_saves = True
+        for d in digests[st.saved_chunks:full]:
+            self._saved[d] = None
+            self._saved.move_to_end(d)
+        while len(self._saved) > SAVED_KEPT:
+            self._saved.popitem(last=False)
         st.saved_chunks = full
 
     def _plan_draft_save(self, meta: AdpConnectorMetadata, req_id: str, request: "Request", st: _ReqState,
