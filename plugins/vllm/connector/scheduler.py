@@ -9,8 +9,9 @@ them (``load_choice.LoadChoice``, measured per engine: the hit is then declined,
 stored). ``build_connector_meta`` hands the
 workers a load plan (chunks to restore into which blocks) and a save plan
 (chunks that became full this step, less those known stored: the leading ones the EXIST
-found, or all of vLLM's own hit when that hit covers the prompt and nothing is asked: a
-prompt served again from vLLM's prefix cache copies nothing to the gateway);
+found, or all of vLLM's own hit when that hit covers the prompt and nothing is asked, and a
+chunk this scheduler planned to save before: a prompt served again from vLLM's prefix cache
+copies nothing to the gateway);
 ``update_connector_output`` plans a chunk whose load failed for saving again once vLLM
 recomputed it.
 
