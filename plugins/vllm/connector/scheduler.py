@@ -210,8 +210,8 @@ class AdpConnectorScheduler:
                 self._draft_exist.append(asked(draft))
                 self._draft_groups.append(g)
 
-    def _digests(self, request: "Request", limit_chunks: int) -> list[bytes]:
-        return chunk_hashes(request.block_hashes, self.cfg.hashes_per_chunk, limit_chunks)
+    def _digests(self, request: "Request", limit_chunks: int, first: int = 0) -> list[bytes]:
+        return chunk_hashes(request.block_hashes, self.cfg.hashes_per_chunk, limit_chunks, first)
 
     def _draft_digests(self, request: "Request", limit_chunks: int) -> list[bytes]:
         if not self._draft_groups:
@@ -260,8 +260,7 @@ class AdpConnectorScheduler:
         full = request.num_tokens // cfg.chunk_size
         if limit * cfg.chunk_size <= num_computed_tokens:
             stored = num_computed_tokens // cfg.chunk_size
-            if full > stored and all(d in self._saved for d in chunk_hashes(request.block_hashes,
-                                                                        cfg.hashes_per_chunk, full, stored)):
+            if full > stored and all(d in self._saved for d in self._digests(request, full, stored)):
                 stored = full        # the chunk vLLM completes again was saved from this engine
             self._hits[req_id] = _Hit(0, num_computed_tokens, stored)
             return 0, False
