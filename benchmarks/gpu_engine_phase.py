@@ -114,14 +114,13 @@ class Phase:
         a 32k prompt's writes still ran when its mappings were drained, and its return went by
         the ring), then the mappings queued."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
-        from gpu_vllm_engine import gateway_settled
         conn = get_kv_transfer_group()
         worker = getattr(conn, "connector_worker", None)
         direct = getattr(worker, "direct", None)
         if direct is None:
             return {"maps": "none"}
         t = time.perf_counter()
-        settled, _ = gateway_settled(self.gateway["port"], deadline_s)
+        settled = self.settle(deadline_s)["settled"]
         ok = direct.drain(deadline_s)
         return {"maps_drained": ok, "writes_settled": settled, "maps_wait_s": time.perf_counter() - t}
 
