@@ -15,6 +15,8 @@ GPU copy is counted where something waits for it):
   received    the worker reported the load ended (asynchronous loads)
   next_step   vLLM's first scheduling after the load was reported (asynchronous loads: the step
               that computes the rest) or issued (loads in the pass: the step after it)
+  steps       the window's first scheduling steps: (ms, tokens scheduled)
+  map_at      the first mapping's start (``DirectMaps.fetch``)
 and counts: ring scatter calls and their CPU ms, copy-free layers and their ms, mappings made
 (``DirectMaps.fetch``) and their ms inside the window; on a storing pass the PUTs the forward
 pass sent (``put``), the ring copies the client's thread issued for them (``gather``) and the
@@ -36,6 +38,7 @@ EVENTS: list[tuple[float, str, float, Any]] = []     # (start, what, call second
 _LOCK = threading.Lock()
 _INSTALLED = False
 CALLS: dict[str, list] = {}                           # AdpKVConnector method -> [calls, seconds]
+STEPS_KEPT = 8                                        # a prompt's first scheduling steps kept
 
 
 def _note(t0: float, what: str, detail: Any = None) -> None:
@@ -147,6 +150,9 @@ def stages(t0: float, t1: float) -> dict:
     loaded_at = out["received"] if out["received"] is not None else out["issued"]
     if loaded_at is not None:
         out["next_step"] = next((ms(t) for t, w, _, d in ev if w == "schedule" and ms(t) >= loaded_at), None)
+    out["steps"] = [(ms(t), d) for t, w, _, d in ev if w == "schedule"][:STEPS_KEPT]
+    out["map_at"] = first("map")
+    out["saves_at"] = [ms(t) for t, w, _, _ in ev if w == "wait_for_save"][:STEPS_KEPT]
     for what in ("scatter", "mapped_layer", "map", "put", "gather", "wait_for_save"):
         calls = [s for _, w, s, _ in ev if w == what]
         if calls:

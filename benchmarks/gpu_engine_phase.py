@@ -75,8 +75,7 @@ class Phase:
         return str(getattr(cc, "cudagraph_mode", "?"))
 
     def serve(self, names: list[str], label: str) -> list[dict]:
-        from vllm import SamplingParams
-        sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+        sp = serve_params()
         out = []
         for name in names:
             if self.timeline:
@@ -167,11 +166,15 @@ class Phase:
 
     def warmup(self) -> dict:
         """An unrelated 600-token prompt first (two chunks: stored by the first engine with the
-        connector, restored by the later ones): the first request pays one-time costs."""
-        from vllm import SamplingParams
+        connector, restored by the later ones), then once more (a hit of vLLM's own prefix
+        cache): the one-time costs of the first request, of the first sampling with logprobs
+        (the served prompts ask for them: vLLM's V1 runner compiled its sampler's logprob ranks
+        there, 0.2 s on a CPU engine, in the first served prompt's time) and of the first
+        prefill with a cached prefix are paid here, not by the first prompt measured."""
         t = time.perf_counter()
-        self.llm.generate([{"prompt_token_ids": make_prompt(600, 7, self.vocab)}],
-                          SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+        prompt = {"prompt_token_ids": make_prompt(600, 7, self.vocab)}
+        for _ in range(2):
+            self.llm.generate([prompt], serve_params(), use_tqdm=False)
         return {"warmup_s": time.perf_counter() - t}
 
     def _rank_attachment(self):
@@ -268,6 +271,13 @@ def _running(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def serve_params():
+    """What each served prompt asks: 8 greedy tokens and their logprobs (compared with the
+    baseline's)."""
+    from vllm import SamplingParams
+    return SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
 
 
 def run_in_process(spec: dict, spec_path: str, log_path: str, timeout_s: Optional[float] = None,
