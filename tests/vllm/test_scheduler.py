@@ -64,13 +64,32 @@ def test_restore_puts_the_exact_bytes_in_the_right_blocks(gateway, model_dir):
         h.close()
 
 
-def test_prompt_of_whole_chunks_leaves_one_chunk_to_compute(gateway, model_dir):
+def test_prompt_of_whole_chunks_leaves_only_its_last_token_to_compute(gateway, model_dir):
+    """Every chunk stored: all four load (the last one whole, its last token's page too), vLLM
+    counts 255 tokens computed and computes the last one again; every position, that one
+    included, holds its prefix value after the step."""
     toks = tokens(256, 2)
     ns = f"s-{uuid.uuid4().hex[:6]}"
     store(model_dir, gateway.port, toks, ns)
     h, req, so, loaded = restore(model_dir, gateway.port, toks, ns)
     try:
-        assert loaded == 192 and so.num_scheduled_tokens[req.request_id] == 64
+        assert loaded == 256 and so.num_scheduled_tokens[req.request_id] == 1
+        assert req.num_computed_tokens == 256     # 255 restored, the last computed this step
+        h.check_kv(req, 256)
+        assert not any(h.load_errors)
+    finally:
+        h.close()
+    # the last chunk missing: the hit is the chunks before it, the last chunk computed
+    toks = tokens(256, 12)
+    stored = store(model_dir, gateway.port, toks, ns)
+    h = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK)
+    try:
+        last = chunk_hashes(stored.block_hashes, CHUNK // 32, 4)[3]
+        assert h.worker.connector_worker.client.delete(h.worker.config.keys.keys([last], [0, 1])).result(5) == 2
+        req = h.add(toks)
+        so, meta = h.step()
+        assert sum(len(p.block_ids) for p in meta.loads) * h.block_size == 192
+        assert so.num_scheduled_tokens[req.request_id] == 64
         h.check_kv(req, 256)
     finally:
         h.close()
@@ -213,13 +232,19 @@ def test_chunks_known_stored_are_not_saved_again(gateway, model_dir):
         h2.check_kv(req, 900)
     finally:
         h2.close()
-    # 640 tokens, whole chunks, restored by a fresh engine: 9 chunks load, vLLM computes the
-    # last one's tokens, so it fills in that step; the EXIST asked it too (no hit) and it is
-    # not saved again
+    # 640 tokens, whole chunks, restored by a fresh engine: all 10 chunks load (a whole hit:
+    # vLLM computes the last token only, and the chunk it fills is known stored), none is
+    # saved again, and every position holds its value
     h3 = Harness(model_dir, gateway.port, namespace=ns, chunk_size=CHUNK)
     try:
-        req, saved, loaded = served_saving(h3, tokens(640, 14))
-        assert loaded == 9 and saved == 0
+        req = h3.add(tokens(640, 14))
+        so, meta = h3.step()
+        assert sum(len(p.digests) for p in meta.loads) == 10 and so.num_scheduled_tokens[req.request_id] == 1
+        assert not meta.saves and not meta.deferred_saves
+        h3.check_kv(req, 640)
+        while h3.scheduler.has_requests():
+            so, meta = h3.step()
+            assert not meta.saves and not meta.deferred_saves
     finally:
         h3.close()
 

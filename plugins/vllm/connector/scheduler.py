@@ -3,7 +3,8 @@ and each step's load and save plans.
 
 ``get_num_new_matched_tokens`` asks the gateway once per prompt (one EXIST over
 the chunk keys of the first and the last layer, or of every layer) which chunks
-are stored, from the start up to the first missing one (``hit_chunks``); vLLM
+are stored, from the start up to the first missing one (``hit_chunks``: every one of a prompt
+of whole chunks but its last token, which vLLM computes itself); vLLM
 counts them as computed and reserves blocks, unless loading them would be slower than computing
 them (``load_choice.LoadChoice``, measured per engine: the hit is then declined, the chunks stay
 stored). ``build_connector_meta`` hands the
@@ -198,6 +199,12 @@ class AdpConnectorScheduler:
         self._exist_layers: list[list[int]] = []
         self._draft_exist: list[list[int]] = []    # per group with drafter layers
         self._draft_groups: list[CacheGroup] = []
+        # a prompt of whole chunks, all stored, hits all but its last token (see
+        # get_num_new_matched_tokens): where every group reads each token's own page only.
+        # Not a recurrent state (the state after the last chunk has that token in it already),
+        # a sliding window (its window at N-1 may start a block earlier than the hit's) or a
+        # drafter (its objects are named by the next chunk's first token)
+        self._whole_hits = all(g.kind in ("full", "mla") for g in cfg.groups) and cfg.drafter is None
         ends = cfg.settings.exist_layers == "ends"
 
         def asked(layers: list[int]) -> list[int]:
@@ -251,11 +258,14 @@ class AdpConnectorScheduler:
         req_id = request.request_id
         if req_id in self._load_failed:      # vLLM recomputes it whole (a retry could fail again)
             return 0, False
-        # A prompt of N tokens hits at most floor((N-1)/C)*C tokens: vLLM must compute
-        # at least one token itself. The EXIST asks every full chunk, floor(N/C): the last
-        # one, when N is a multiple of C, is not a hit, but need not be saved again if stored.
-        # A prompt whose hittable chunks all lie in vLLM's own hit asks nothing: waiting for
-        # an EXIST there (to spare that one save) cost the H100's decode runs 0.52 ms a step.
+        # vLLM computes at least the prompt's last token itself. The EXIST asks every full
+        # chunk, floor(N/C). A hit of h chunks is h*C tokens, or N-1 when h*C = N (a prompt of
+        # whole chunks, every one stored: ``whole_hits``; the last chunk is loaded whole and
+        # vLLM computes its last token again, writing the same token's KV over the loaded
+        # one); without whole hits the last chunk of such a prompt is not a hit (it is
+        # computed), but need not be saved again when stored. A prompt whose chunks below its
+        # last token all lie in vLLM's own hit asks nothing: waiting for an EXIST there (to
+        # spare that one save) cost the H100's decode runs 0.52 ms a step.
         limit = (request.num_tokens - 1) // cfg.chunk_size
         full = request.num_tokens // cfg.chunk_size
         if limit * cfg.chunk_size <= num_computed_tokens:
@@ -295,12 +305,12 @@ class AdpConnectorScheduler:
             else:
                 return None, False
         present, at = stored_chunks(flags, 0, self._exist_layers, n)
-        hit = hit_chunks(cfg, [p[:limit] for p in present], num_computed_tokens)
+        hit = hit_chunks(cfg, [p[:full if self._whole_hits else limit] for p in present], num_computed_tokens)
         if self._draft_groups:    # the drafter's layers restore the same hit, or a shorter one
             draft_present, _ = stored_chunks(flags, at, self._draft_exist, nd)
             hit = clip_hit(hit, draft_present, num_computed_tokens // cfg.chunk_size)
         self._hits[req_id] = _Hit(hit, num_computed_tokens, stored_run(cfg, present))
-        ext = hit * cfg.chunk_size - num_computed_tokens
+        ext = min(hit * cfg.chunk_size, request.num_tokens - 1) - num_computed_tokens
         if ext <= 0:
             return 0, False
         if req_id not in self._chosen:
@@ -324,7 +334,8 @@ class AdpConnectorScheduler:
         # timed as the prompt's tokens past vLLM's own hit: restored (a load, then the rest) or computed
         self.choice.started(req_id, request.num_prompt_tokens - local, restored=num_external_tokens > 0)
         if num_external_tokens > 0 and cfg.supported:
-            end_chunk = (local + num_external_tokens) // cfg.chunk_size
+            # a whole hit ends one token short of its last chunk, which is loaded all the same
+            end_chunk = -(-(local + num_external_tokens) // cfg.chunk_size)
             first_chunk = local // cfg.chunk_size
             skip = (local % cfg.chunk_size) // cfg.block_size
             st.load = (first_chunk, end_chunk, skip)
