@@ -17,6 +17,7 @@ GPU copy is counted where something waits for it):
               that computes the rest) or issued (loads in the pass: the step after it)
   steps       the window's first scheduling steps: (ms, tokens scheduled)
   map_at      the first mapping's start (``DirectMaps.fetch``)
+  saves_at    the window's first passes' ends (``wait_for_save`` calls), ms
 and counts: ring scatter calls and their CPU ms, copy-free layers and their ms, mappings made
 (``DirectMaps.fetch``) and their ms inside the window; on a storing pass the PUTs the forward
 pass sent (``put``), the ring copies the client's thread issued for them (``gather``) and the

@@ -244,9 +244,9 @@ class Bench:
                     "cached": r["cached"], "ttft": r["ttft"]}
             if expect_cached is not None:
                 n = r["tokens_in"]
-                floor = n // chunk * chunk if whole_chunks else self.connector_hit(n)
-                item["cached_expected"] = floor if expect_cached else 0
-                item["cached_ok"] = (r["cached"] == floor) if expect_cached else True
+                hit = n // chunk * chunk if whole_chunks else self.connector_hit(n)
+                item["cached_expected"] = hit if expect_cached else 0
+                item["cached_ok"] = (r["cached"] == hit) if expect_cached else True
             self.report["checks"].append(item)
 
     def connector_hit(self, n: int) -> int:

@@ -305,7 +305,9 @@ class AdpConnectorScheduler:
             else:
                 return None, False
         present, at = stored_chunks(flags, 0, self._exist_layers, n)
-        hit = hit_chunks(cfg, [p[:full if self._whole_hits else limit] for p in present], num_computed_tokens)
+        # ``present`` covers every full chunk; without whole hits the last one of a prompt of
+        # whole chunks is no hit
+        hit = hit_chunks(cfg, present if self._whole_hits else [p[:limit] for p in present], num_computed_tokens)
         if self._draft_groups:    # the drafter's layers restore the same hit, or a shorter one
             draft_present, _ = stored_chunks(flags, at, self._draft_exist, nd)
             hit = clip_hit(hit, draft_present, num_computed_tokens // cfg.chunk_size)
