@@ -111,7 +111,10 @@ def test_card_loss_costs_only_its_dialogs_and_it_comes_back(redis_servers, start
     shares = dialogs.restore(gw.port, "r1")
     lost = sum(s == 0.0 for s in shares)
     assert all(s in (0.0, 1.0) for s in shares), "a dialog must be all on one card"
-    assert 3 <= lost <= 30, f"{lost} of 60 dialogs lost with 1 of 4 cards down"
+    # exactly the dialogs whose slot the victim owns (a quarter of the slots) are lost
+    place = Placement([c["serial"] for c in stats(gw.port)["cards"]], 16)
+    assert [s == 0.0 for s in shares] == [place.ranking(keys[0], marks[0])[0] == 1 for keys, marks in dialogs.dialogs]
+    assert 0 < lost < 60, f"{lost} of 60 dialogs lost with 1 of 4 cards down"
     assert "moved from active to inactive" in gw.log()
     assert wait_for(lambda: f'adpkv_gateway_storage_group_active{{group="{victim_serial}"}} 0' in status.read_text())
     # a different, empty server at that address is not taken for the old card
