@@ -95,6 +95,28 @@ def test_prompt_of_whole_chunks_leaves_only_its_last_token_to_compute(gateway, m
         h.close()
 
 
+def test_prompt_of_one_chunk_is_a_whole_hit_too(gateway, model_dir):
+    """A prompt of exactly one chunk, stored: loaded whole, vLLM computes only its last token
+    (it used to ask nothing: no chunk lies below its last token); the same prompt again, now in
+    vLLM's own prefix cache but for its last block, asks nothing and loads nothing."""
+    toks = tokens(CHUNK, 22)
+    ns = f"s-{uuid.uuid4().hex[:6]}"
+    store(model_dir, gateway.port, toks, ns)
+    h, req, so, loaded = restore(model_dir, gateway.port, toks, ns)
+    try:
+        assert loaded == CHUNK and so.num_scheduled_tokens[req.request_id] == 1
+        assert req.num_computed_tokens == CHUNK
+        h.check_kv(req, CHUNK)
+        assert not any(h.load_errors)
+        h.run()
+        again = h.add(toks)
+        so, meta = h.step()
+        assert not meta.loads and so.num_scheduled_tokens[again.request_id] == h.block_size   # its last block
+        h.check_kv(again, CHUNK)
+    finally:
+        h.close()
+
+
 def test_hit_stops_at_the_first_missing_chunk(gateway, model_dir):
     toks = tokens(700, 3)
     ns = f"s-{uuid.uuid4().hex[:6]}"

@@ -240,13 +240,25 @@ class AdpConnectorScheduler:
         cfg = self.cfg
         if not (cfg.supported and cfg.layer_names and cfg.loads_async):
             return False
-        if request.request_id in self._load_failed or (request.num_tokens - 1) // cfg.chunk_size < 1:
+        if request.request_id in self._load_failed or self._hit_limit(request.num_tokens, 0) < 1:
             return False
         s = self.lookup.session if self.lookup is not None else None
         if s is None or not s.enabled:
             return False
         known = self._hits.get(request.request_id)
         return known is None or known.chunks * cfg.chunk_size > known.local
+
+    def _hit_limit(self, num_tokens: int, num_computed_tokens: int) -> int:
+        """The chunks a prompt of ``num_tokens`` may hit, vLLM holding ``num_computed_tokens``:
+        every chunk below its last token; with whole hits, a prompt of whole chunks its last
+        chunk too, where none of that chunk is in vLLM's hit (where some is, loading the rest
+        of it would spare vLLM fewer tokens than the chunk: the decode runs' prompts, served
+        again from vLLM's cache, are not asked about)."""
+        chunk = self.cfg.chunk_size
+        limit = (num_tokens - 1) // chunk
+        if self._whole_hits and num_tokens % chunk == 0 and num_computed_tokens <= limit * chunk:
+            return limit + 1
+        return limit
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[Optional[int], bool]:
@@ -263,12 +275,12 @@ class AdpConnectorScheduler:
         # whole chunks, every one stored: ``whole_hits``; the last chunk is loaded whole and
         # vLLM computes its last token again, writing the same token's KV over the loaded
         # one); without whole hits the last chunk of such a prompt is not a hit (it is
-        # computed), but need not be saved again when stored. A prompt whose chunks below its
-        # last token all lie in vLLM's own hit asks nothing: waiting for an EXIST there (to
+        # computed), but need not be saved again when stored. A prompt that can hit nothing
+        # past vLLM's own hit (``_hit_limit``) asks nothing: waiting for an EXIST there (to
         # spare that one save) cost the H100's decode runs 0.52 ms a step.
         limit = (request.num_tokens - 1) // cfg.chunk_size
         full = request.num_tokens // cfg.chunk_size
-        if limit * cfg.chunk_size <= num_computed_tokens:
+        if self._hit_limit(request.num_tokens, num_computed_tokens) * cfg.chunk_size <= num_computed_tokens:
             stored = num_computed_tokens // cfg.chunk_size
             if full > stored and all(d in self._saved for d in self._digests(request, full, stored)):
                 stored = full        # the chunk vLLM completes again was saved from this engine
